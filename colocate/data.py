@@ -1,0 +1,177 @@
+"""The data contracts between environment, engine, rollout worker and learner.
+
+Engines take `Request`s and return `Completion`s (host-side lists: they are small and produced one
+token at a time). Environments turn completions into `Sample`s with rewards. The rollout worker
+turns samples into one `TrajectoryBatch` of packed tensors, which is what crosses the transport and
+what the learner trains on: nothing is re-tokenized after sampling.
+
+Packed layout: the B sequences (prompt + completion) are concatenated along one token axis of
+length T = sum(seq_lens). Completion-only fields live on the N = sum(completion_lens) axis, in the
+same order as the completion tokens appear in `tokens`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Hashable
+
+import torch
+
+from colocate.constraint import Constraint
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    """Prompt token ids."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    constraint: Constraint | None = None
+    """Allowed continuations; the engine samples only tokens it allows and ends with EOS."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    """[n] sampled ids, EOS included when sampled."""
+    logprobs: list[float]
+    """[n] log-prob of each sampled token after temperature and the constraint mask."""
+    allowed_ids: list[list[int]] | None
+    """[n][k_i] token ids the constraint allowed at each step (None when unconstrained)."""
+    version: int
+    """Adapter version that sampled this completion."""
+    finish_reason: str = "stop"
+    """stop (EOS or constraint finished) or length (max_new_tokens reached)."""
+
+
+@dataclass
+class Sample:
+    """One trained decision: a prompt, what the policy sampled, and its reward."""
+    prompt_ids: list[int]
+    completion: Completion
+    reward: float
+    group_key: Hashable
+    """Samples sharing a key are normalized together (GRPO group; per power for Diplomacy)."""
+    is_anchor: bool = True
+    """Only anchors enter the group's mean/std; others (later phases) just receive the advantage."""
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrajectoryBatch:
+    tokens: torch.Tensor
+    """[T] int32 prompt+completion ids of all sequences, concatenated."""
+    seq_lens: torch.Tensor
+    """[B] int32 prompt_len + completion_len per sequence."""
+    prompt_lens: torch.Tensor
+    """[B] int32."""
+    behaviour_logprobs: torch.Tensor
+    """[N] float32 sampler log-probs of completion tokens."""
+    advantages: torch.Tensor
+    """[B] float32 group-normalized advantage per sequence."""
+    rewards: torch.Tensor
+    """[B] float32 raw reward per sequence."""
+    versions: torch.Tensor
+    """[B] int32 adapter version that sampled each sequence."""
+    allowed_ids: torch.Tensor | None = None
+    """[N, K] int32 allowed token ids per completion token, -1 padded; None when unconstrained."""
+    ref_logprobs: torch.Tensor | None = None
+    """[N] float32 adapter-disabled log-probs (filled by the learner when beta > 0)."""
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @property
+    def completion_lens(self) -> torch.Tensor:  # [B]
+        return self.seq_lens - self.prompt_lens
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_lens.sum())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Non-None tensor fields by name (what the transport sends)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def select(self, indices: list[int]) -> "TrajectoryBatch":
+        """The sub-batch of the given sequences, still packed."""
+        seq_start = torch.cumsum(self.seq_lens, 0) - self.seq_lens
+        comp_lens = self.completion_lens
+        comp_start = torch.cumsum(comp_lens, 0) - comp_lens
+        tok = torch.cat([self.tokens[seq_start[i]: seq_start[i] + self.seq_lens[i]] for i in indices]) \
+            if indices else self.tokens[:0]
+
+        def comp(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if not indices:
+                return t[:0]
+            return torch.cat([t[comp_start[i]: comp_start[i] + comp_lens[i]] for i in indices])
+
+        idx = torch.tensor(indices, dtype=torch.long)
+        return TrajectoryBatch(
+            tokens=tok, seq_lens=self.seq_lens[idx], prompt_lens=self.prompt_lens[idx],
+            behaviour_logprobs=comp(self.behaviour_logprobs), advantages=self.advantages[idx],
+            rewards=self.rewards[idx], versions=self.versions[idx], allowed_ids=comp(self.allowed_ids),
+            ref_logprobs=comp(self.ref_logprobs))
+
+    @staticmethod
+    def concat(batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
+        def cat(name: str) -> torch.Tensor | None:
+            parts = [getattr(b, name) for b in batches]
+            if any(p is None for p in parts):
+                return None
+            if name == "allowed_ids":  # pad K to the widest batch
+                k = max(p.shape[1] for p in parts)
+                parts = [torch.nn.functional.pad(p, (0, k - p.shape[1]), value=-1) for p in parts]
+            return torch.cat(parts)
+        return TrajectoryBatch(**{f.name: cat(f.name) for f in fields(TrajectoryBatch)})
+
+
+def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBatch:
+    """Samples (host lists) -> one packed TrajectoryBatch."""
+    tokens, logprobs, allowed = [], [], []
+    seq_lens, prompt_lens, versions = [], [], []
+    constrained = all(s.completion.allowed_ids is not None for s in samples) and samples
+    for s in samples:
+        c = s.completion
+        tokens.extend(s.prompt_ids)
+        tokens.extend(c.token_ids)
+        logprobs.extend(c.logprobs)
+        seq_lens.append(len(s.prompt_ids) + len(c.token_ids))
+        prompt_lens.append(len(s.prompt_ids))
+        versions.append(c.version)
+        if constrained:
+            allowed.extend(c.allowed_ids)
+    allowed_t = None
+    if constrained:
+        k = max((len(a) for a in allowed), default=1)
+        allowed_t = torch.full((len(allowed), k), -1, dtype=torch.int32)
+        for i, a in enumerate(allowed):
+            allowed_t[i, : len(a)] = torch.tensor(a, dtype=torch.int32)
+    return TrajectoryBatch(
+        tokens=torch.tensor(tokens, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32),
+        behaviour_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        versions=torch.tensor(versions, dtype=torch.int32),
+        allowed_ids=allowed_t,
+    )
+
+
+def group_advantages(samples: list[Sample], eps: float = 1e-6, scale_by_std: bool = True) -> list[float]:
+    """GRPO advantage: (reward - mean) / (std + eps) over the anchors of each group key."""
+    stats: dict[Any, list[float]] = {}
+    for s in samples:
+        if s.is_anchor:
+            stats.setdefault(s.group_key, []).append(s.reward)
+    out = []
+    for s in samples:
+        rewards = torch.tensor(stats.get(s.group_key, [s.reward]), dtype=torch.float64)
+        mean = rewards.mean()
+        std = rewards.std(unbiased=False) if rewards.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+        adv = (s.reward - mean) / (std + eps) if scale_by_std else s.reward - mean
+        out.append(float(adv))
+    return out

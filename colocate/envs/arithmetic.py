@@ -1,0 +1,93 @@
+"""A synthetic task with a verifiable reward: small-integer addition, exact-answer reward.
+
+Prompt: "add 3 and 4 ; answer :"  Completion: " 7" then EOS. Reward 1.0 for the exact sum, else 0.0.
+With the constraint on, the sampler may only emit one of the 2 * max_operand + 1 possible sums, so
+chance level is 1 / (2 * max_operand + 1) and every completion parses. Without it, a completion
+that is not an integer scores 0 and is counted as invalid.
+
+It exists to prove the trainer learns in minutes on a CPU; it deliberately has no multi-turn state.
+"""
+from __future__ import annotations
+
+import random
+from typing import Hashable
+
+from colocate.constraint import Constraint
+from colocate.data import Completion, Request, Sample
+
+
+def corpus(max_operand: int) -> list[str]:
+    """Text the embedded tokenizer is trained on: every prompt and answer."""
+    lines = []
+    for a in range(max_operand + 1):
+        for b in range(max_operand + 1):
+            lines.append(f"{prompt_text(a, b)} {a + b}")
+    return lines
+
+
+def prompt_text(a: int, b: int) -> str:
+    return f"add {a} and {b} ; answer :"
+
+
+def parse_answer(text: str) -> int | None:
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+class ArithmeticEnv:
+    def __init__(self, tokenizer, *, group_size: int, max_operand: int, max_new_tokens: int,
+                 temperature: float, use_constraint: bool, seed: int):
+        self.tokenizer = tokenizer
+        self.group_size = group_size
+        self.max_operand = max_operand
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.rng = random.Random(seed)
+        self.eos_id = tokenizer.eos_token_id
+        answers = [str(v) for v in range(2 * max_operand + 1)]
+        self.constraint = Constraint(
+            slots=[[tokenizer.encode(" " + a, add_special_tokens=False) for a in answers]],
+            eos_id=self.eos_id, texts=[[" " + a for a in answers]]) if use_constraint else None
+        self._pending: dict[Hashable, tuple[list[int], int]] = {}  # key -> (prompt ids, answer)
+        self._done: dict[int, list[Sample]] = {}
+        self._counts = {"completions": 0, "invalid": 0}
+
+    def start_group(self, group_id: int) -> None:
+        a, b = self.rng.randint(0, self.max_operand), self.rng.randint(0, self.max_operand)
+        ids = self.tokenizer.encode(prompt_text(a, b), add_special_tokens=False)
+        for i in range(self.group_size):
+            self._pending[(group_id, i)] = (ids, a + b)
+        self._done[group_id] = []
+
+    def requests(self) -> list[tuple[Hashable, Request]]:
+        return [(key, Request(prompt_ids=ids, max_new_tokens=self.max_new_tokens,
+                              temperature=self.temperature, constraint=self.constraint))
+                for key, (ids, _) in self._pending.items()]
+
+    def step(self, completions: dict[Hashable, Completion]) -> None:
+        for key, completion in completions.items():
+            ids, answer = self._pending.pop(key)
+            ids_out = [t for t in completion.token_ids if t != self.eos_id]
+            value = parse_answer(self.tokenizer.decode(ids_out))
+            self._counts["completions"] += 1
+            if value is None:
+                self._counts["invalid"] += 1
+            reward = 1.0 if value == answer else 0.0
+            group_id = key[0]
+            self._done[group_id].append(Sample(prompt_ids=ids, completion=completion, reward=reward,
+                                               group_key=group_id))
+
+    def pop_finished(self) -> list[Sample]:
+        out = []
+        for group_id in [g for g, s in self._done.items() if len(s) == self.group_size]:
+            out.extend(self._done.pop(group_id))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self._counts["completions"], 1)
+        out = {"invalid_rate": self._counts["invalid"] / n}
+        self._counts = {"completions": 0, "invalid": 0}
+        return out

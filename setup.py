@@ -1,0 +1,29 @@
+"""colocate: a single-node torch.distributed GRPO trainer (vLLM inference ranks + FSDP2 learner ranks)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="colocate",
+    version="0.1.0",
+    description="Single-node GRPO trainer: vLLM inference ranks, FSDP2 LoRA learners, NCCL adapter sync",
+    python_requires=">=3.10",
+    packages=find_packages(include=["colocate", "colocate.*"]),
+    # torch is installed first and separately (see README): a bare requirement may pull CUDA wheels.
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.50",
+        "peft>=0.14",
+        "tokenizers>=0.20",
+        "safetensors",
+        "pyyaml",
+        "tensorboard",
+        "numpy",
+        "diplomacy==1.1.2",
+        "nvidia-ml-py",
+        "psutil",
+    ],
+    extras_require={
+        "vllm": ["vllm==0.25.0"],
+        "test": ["pytest", "pytest-timeout", "triton"],
+        "profile": ["py-spy", "torch-tb-profiler"],
+    },
+)
