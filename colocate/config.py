@@ -88,6 +88,8 @@ class EnvConfig:
     """diplomacy: also train the phases after the fork with the continuation's advantage (multi-turn)."""
     state_cache: str = ""
     """diplomacy: JSON-lines file of mid-game states to fork from; empty starts from the opening."""
+    reward_target: float = 0.9
+    """Mean reward the run is expected to reach; summary.json says whether it did."""
 
 
 @dataclass

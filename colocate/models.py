@@ -20,7 +20,8 @@ SPECIAL_TOKENS = ["<pad>", "<eos>"]
 # Named shapes (Qwen2.5 configs) for random-init benchmarks; vocab is the tokenizer's unless real.
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=2048),
+                 num_key_value_heads=2, max_position_embeddings=2048,
+                 initializer_range=0.1),  # wider than Qwen's 0.02 so a frozen lm_head can express confident answers
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, max_position_embeddings=32768, vocab_size=151936,
                          tie_word_embeddings=True),

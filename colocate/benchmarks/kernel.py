@@ -1,0 +1,226 @@
+"""Benchmark profile `kernel`: the GRPO loss fwd+bwd on bf16 logits, ours against the baselines.
+
+Same inputs, same process, one GPU:
+  naive     fp32 log_softmax + gather + clip + k3 KL (as /work/shared/anchors/loss_probe.py)
+  compiled  torch.compile of `reference.grpo_loss_reference`
+  liger     liger-kernel 0.8.5 `triton_grpo_loss` in place and not (optional; "unavailable" if absent)
+  ours      `triton_grpo.grpo_loss_triton` in place and not
+Figures per implementation: median fwd+bwd ms and peak memory above what was allocated before the
+call (the logits and inputs), in GB. In-place calls get their logits copied back from a pristine
+buffer, untimed, before every call. Loss values are compared on pristine logits. `--sweep` also
+times launch configurations of ours (block_v, num_warps, programs per SM).
+
+Left out: the fused-head mode (its cost is the head GEMMs, measured with the trainer profile).
+"""
+from __future__ import annotations
+
+import torch
+
+from colocate.benchmarks.common import median_time
+
+EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
+
+
+def add_args(parser) -> None:
+    parser.add_argument("--batch", type=int, default=0, help="sequences (default 16; --quick 4)")
+    parser.add_argument("--seq-len", type=int, default=0, help="completion tokens per sequence (default 1024; --quick 256)")
+    parser.add_argument("--vocab", type=int, default=0, help="vocabulary (default 152064; --quick 32000)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--sweep", action="store_true", help="also time launch configurations of ours")
+
+
+def naive_loss(logits, targets, weights, behaviour, ref, advantages):
+    """[N, V] bf16 -> scalar; materializes a float32 [N, V] log-softmax (the baseline)."""
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    ratio = torch.exp(logp - behaviour)
+    pg = -torch.minimum(ratio * advantages, ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * advantages)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    return ((pg + BETA * kl) * weights).sum()
+
+
+def make_inputs(batch, seq_len, vocab, seed=0, device="cuda"):
+    """Liger's layout [B, L+1, V] (its kernel drops the last position) and ours [N, V] = [:, :-1]."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits3d = (torch.randn(batch, seq_len + 1, vocab, device=device, generator=g) * 2).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (batch, seq_len), device=device, generator=g)
+    mask = (torch.rand(batch, seq_len, device=device, generator=g) > 0.1).float()
+    adv_seq = torch.randn(batch, device=device, generator=g)
+    # Behaviour and reference log-probs = the true ones + noise, so ratios spread around 1 and clip.
+    with torch.no_grad():
+        lse = torch.stack([torch.logsumexp(s[:-1].float(), -1) for s in logits3d])               # [B, L]
+        true_logp = logits3d[:, :-1].gather(-1, targets[..., None]).squeeze(-1).float() - lse
+    behaviour = true_logp + 0.2 * torch.randn(batch, seq_len, device=device, generator=g)
+    ref = true_logp + 0.1 * torch.randn(batch, seq_len, device=device, generator=g)
+    n = batch * seq_len
+    flat = dict(targets=targets.reshape(n), weights=(mask / mask.sum()).reshape(n), behaviour=behaviour.reshape(n),
+                ref=ref.reshape(n), advantages=adv_seq[:, None].expand(batch, seq_len).reshape(n).contiguous())
+    seq = dict(targets=targets, mask=mask, behaviour=behaviour, ref=ref, advantages=adv_seq)
+    return logits3d, logits3d[:, :-1].reshape(n, vocab), flat, seq
+
+
+def restore(x, pristine, inplace=True):
+    """Untimed, before each call: drop the last gradient; give in-place calls fresh logits."""
+    x.grad = None
+    if inplace:
+        with torch.no_grad():
+            x.copy_(pristine)
+
+
+def measure(loss_fn, x, pristine, inplace, iters):
+    """(median fwd+bwd ms, peak GB above the allocation before the call) of loss_fn(x).backward()."""
+    def setup():
+        restore(x, pristine, inplace)
+
+    def step():
+        loss_fn(x).backward()
+
+    ms = median_time(step, warmup=3, iters=iters, setup=setup) * 1e3
+    setup()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - base) / 1e9
+    x.grad = None
+    return round(ms, 3), round(extra, 3)
+
+
+def load_liger():
+    """(triton_grpo_loss, None) or (None, why): liger-kernel is an optional benchmark-only dependency."""
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+        return triton_grpo_loss, None
+    except Exception as exc:  # noqa: BLE001 - any import failure means absent
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def run(args) -> dict:
+    if not torch.cuda.is_available():
+        return {"figures": {"skipped": "needs CUDA"}, "baseline": {}, "ratios": {}}
+    from colocate.kernels.reference import grpo_loss_reference
+    from colocate.kernels.triton_grpo import default_config, grpo_loss_triton
+
+    batch = args.batch or (4 if args.quick else 16)
+    seq_len = args.seq_len or (256 if args.quick else 1024)
+    vocab = args.vocab or (32000 if args.quick else 152064)
+    logits3d, pristine, flat, seq = make_inputs(batch, seq_len, vocab)
+    n = batch * seq_len
+    x = pristine.clone().requires_grad_()       # [N, V] working copy for naive / compiled / ours
+    x3d = logits3d.clone().requires_grad_()     # [B, L+1, V] working copy for Liger
+    f = flat
+    kw = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
+
+    def ours(inplace, config=None):
+        return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
+                                          inplace_backward=inplace, config=config, **kw)[0]
+
+    impls = {"naive": (lambda t: naive_loss(t, f["targets"], f["weights"], f["behaviour"], f["ref"], f["advantages"]),
+                       False)}
+    if not args.no_compile:
+        compiled = torch.compile(grpo_loss_reference, dynamic=False)
+        impls["compiled"] = (lambda t: compiled(t, f["targets"], f["weights"], f["behaviour"], f["advantages"],
+                                                f["ref"], **kw)[0], False)
+    impls["ours_inplace"] = (ours(True), True)
+    impls["ours"] = (ours(False), False)
+
+    figures, baseline, ratios = {"shape": f"N={n} (B={batch} x L={seq_len}) V={vocab} bf16",
+                                 "logits_GB": round(pristine.numel() * 2 / 1e9, 3),
+                                 "ours_config": str(default_config(vocab, x.device))}, {}, {}
+    # The floor: a read and a write of [N, V] (what ours moves), timed as a device copy.
+    copy_dst = torch.empty_like(pristine)
+    figures["copy_NV_ms"] = round(median_time(lambda: copy_dst.copy_(pristine), iters=args.iters) * 1e3, 3)
+    del copy_dst
+
+    for name, (fn, inplace) in impls.items():
+        ms, gb = measure(fn, x, pristine, inplace, args.iters)
+        (figures if name.startswith("ours") else baseline).update({f"{name}_ms": ms, f"{name}_extra_GB": gb})
+
+    liger, why = load_liger()
+    if liger is None:
+        baseline["liger"] = f"unavailable ({why})"
+    else:
+        for inplace in (True, False):
+            fn = (lambda t, ip=inplace: liger(t, seq["behaviour"], seq["ref"], seq["targets"], seq["advantages"],
+                                              completion_mask=seq["mask"], temperature=1.0, beta=BETA,
+                                              eps_low=EPS_LOW, eps_high=EPS_HIGH, inplace=ip, loss_type="dapo",
+                                              reduce=True)[0])
+            name = "liger_inplace" if inplace else "liger"
+            ms, gb = measure(fn, x3d, logits3d, inplace, args.iters)
+            baseline.update({f"{name}_ms": ms, f"{name}_extra_GB": gb})
+
+    # Values on pristine logits: every implementation against naive.
+    restore(x, pristine)
+    restore(x3d, logits3d)
+    with torch.no_grad():
+        values = {name: float(fn(x)) for name, (fn, _) in impls.items()}
+        if liger is not None:
+            values["liger"] = float(liger(x3d, seq["behaviour"], seq["ref"], seq["targets"], seq["advantages"],
+                                          completion_mask=seq["mask"], temperature=1.0, beta=BETA, eps_low=EPS_LOW,
+                                          eps_high=EPS_HIGH, inplace=False, loss_type="dapo", reduce=True)[0])
+    figures["loss_values"] = {k: round(v, 7) for k, v in values.items()}
+    figures["ours_loss_rel_diff_vs_naive"] = abs(values["ours"] - values["naive"]) / max(abs(values["naive"]), 1e-12)
+    # Gradients: ours vs naive on the same pristine logits.
+    restore(x, pristine)
+    naive_loss(x, f["targets"], f["weights"], f["behaviour"], f["ref"], f["advantages"]).backward()
+    g_naive, x.grad = x.grad, None
+    ours(False)(x).backward()
+    num = den = 0.0
+    for a, b in zip(x.grad.split(1024), g_naive.split(1024)):
+        num += float((a.float() - b.float()).pow(2).sum())
+        den += float(b.float().pow(2).sum())
+    figures["ours_grad_rel_diff_vs_naive"] = (num / max(den, 1e-30)) ** 0.5
+    x.grad = g_naive = None
+
+    for name in ("naive", "compiled", "liger_inplace", "liger"):
+        if isinstance(baseline.get(f"{name}_ms"), float):
+            ratios[f"{name}_ms_over_ours_inplace"] = round(baseline[f"{name}_ms"] / figures["ours_inplace_ms"], 3)
+    ratios["copy_ms_over_ours_inplace"] = round(figures["copy_NV_ms"] / figures["ours_inplace_ms"], 3)
+
+    if args.sweep:
+        figures.update(sweep(x, pristine, f, kw))
+    return {"figures": figures, "baseline": baseline, "ratios": ratios}
+
+
+def sweep_configs():
+    """Launch configurations to time: (block_v, num_warps) x programs per SM x lanewise, plus L2 hints."""
+    configs = []
+    for block_v, num_warps in ((4096, 4), (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16),
+                               (16384, 32), (32768, 16), (32768, 32)):
+        per_thread = block_v // (32 * num_warps)
+        for per_sm in ((2, 4) if num_warps == 4 else (1, 2)):
+            for lanewise in ((False, True) if per_thread <= 32 else (False,)):
+                configs.append({"block_v": block_v, "num_warps": num_warps, "programs_per_sm": per_sm,
+                                "lanewise": lanewise})
+    for hints in (("", ""), ("evict_last", ""), ("", "evict_first")):
+        for base in ({"block_v": 16384, "num_warps": 16, "programs_per_sm": 1, "lanewise": True},
+                     {"block_v": 8192, "num_warps": 8, "programs_per_sm": 2, "lanewise": True}):
+            configs.append({**base, "evict_pass1": hints[0], "evict_pass2": hints[1]})
+    return configs
+
+
+def sweep(x, pristine, f, kw, iters=10):
+    """Kernel-only ms per config: forward only, fused in place (logits restored untimed), fused into a buffer."""
+    from colocate.kernels.triton_grpo import grpo_rows
+
+    x = x.detach()
+    grad_buf = torch.empty_like(pristine)
+    out = {}
+    for cfg in sweep_configs():
+        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_{lw}".format(
+            lw="lane" if cfg["lanewise"] else "block", **cfg)
+        if "evict_pass1" in cfg:
+            name += f"_hints[{cfg['evict_pass1'] or '-'},{cfg['evict_pass2'] or '-'}]"
+
+        def call(grad):
+            return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,
+                                     config=cfg, **kw)
+        try:
+            times = [median_time(call(None), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)),
+                     median_time(call(x), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)),
+                     median_time(call(grad_buf), warmup=2, iters=iters, setup=lambda: x.copy_(pristine))]
+            out[name] = "fwd {:.3f} inplace {:.3f} copy {:.3f}".format(*(t * 1e3 for t in times))
+        except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
+            out[name] = f"error {type(exc).__name__}: {str(exc)[:80]}"
+    return out

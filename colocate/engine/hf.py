@@ -1,0 +1,133 @@
+"""HF reference engine: transformers + peft LoRA, batched sampling with a KV cache, on CPU or GPU.
+
+It is the slow, obviously right twin of the vLLM engine and the embedded default without a GPU.
+Decoding is gpt-fast style small functions: `prefill` then `decode_one_token` per step over a
+left-padded batch. The constraint is applied as an additive -inf mask over the vocabulary built
+from each sequence's `ConstraintState`; the returned log-probs are those of the masked,
+temperature-scaled distribution (the learner recomputes exactly this).
+
+Left out on purpose: CUDA graphs, paged KV, prefix sharing (that is vLLM's job).
+"""
+from __future__ import annotations
+
+import torch
+
+from colocate.constraint import ConstraintState
+from colocate.data import Completion, Request
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ids [B, L] and attention mask [B, L], prompts right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def sample_one_no_sync(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[B, V] -> [B] by the exponential trick (argmax of p / Exp(1)), no multinomial host sync."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return torch.argmax(probs / q, dim=-1)
+
+
+class HFEngine:
+    def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", seed: int = 0,
+                 max_batch_size: int = 256):
+        self.model = model.eval()  # peft model with the adapter enabled
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = 0
+        self._lora = {n: p for n, p in sorted(self.model.named_parameters()) if "lora_" in n}
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_lora(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        missing = set(self._lora) - set(tensors)
+        if missing:
+            raise KeyError(f"adapter update lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
+        with torch.no_grad():
+            for name, param in self._lora.items():
+                param.copy_(tensors[name])
+        self.version = version
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        return self._lora
+
+    # -- sampling --------------------------------------------------------------------------------
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        out: list[Completion] = []
+        for start in range(0, len(requests), self.max_batch_size):
+            out.extend(self._generate_batch(requests[start:start + self.max_batch_size]))
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, requests: list[Request]) -> list[Completion]:
+        from transformers import DynamicCache
+        batch = len(requests)
+        ids, attn = left_pad([r.prompt_ids for r in requests], self.pad_id, self.device)
+        temps = torch.tensor([r.temperature for r in requests], device=self.device).unsqueeze(1)  # [B, 1]
+        states = [ConstraintState(r.constraint) if r.constraint is not None else None for r in requests]
+        max_new = max(r.max_new_tokens for r in requests)
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        allowed_log: list[list[list[int]] | None] = [[] if s is not None else None for s in states]
+        finished = [False] * batch
+        reasons = ["length"] * batch
+
+        cache = DynamicCache()
+        positions = (attn.cumsum(1) - 1).clamp(min=0)
+        logits = self._forward(ids, attn, positions, cache)  # [B, V] next-token logits
+        for step in range(max_new):
+            mask, allowed_now = self._constraint_mask(states, finished, logits.shape[-1])
+            scaled = logits.float() / temps + mask
+            logp = torch.log_softmax(scaled, dim=-1)
+            choice = sample_one_no_sync(logp.exp(), self.generator)  # [B]
+            chosen_logp = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+            choice_l, logp_l = choice.tolist(), chosen_logp.tolist()
+            for i in range(batch):
+                if finished[i] or step >= requests[i].max_new_tokens:
+                    finished[i] = True
+                    continue
+                tok = choice_l[i]
+                tokens[i].append(tok)
+                logprobs[i].append(logp_l[i])
+                if states[i] is not None:
+                    allowed_log[i].append(allowed_now[i])
+                    states[i].advance(tok)
+                    if states[i].done:
+                        finished[i], reasons[i] = True, "stop"
+                elif tok == self.eos_id:
+                    finished[i], reasons[i] = True, "stop"
+            if all(finished) or step == max_new - 1:
+                break
+            attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], 1)
+            positions = positions[:, -1:] + 1
+            logits = self._forward(choice.unsqueeze(1), attn, positions, cache)
+        return [Completion(token_ids=tokens[i], logprobs=logprobs[i], allowed_ids=allowed_log[i],
+                           version=self.version, finish_reason=reasons[i]) for i in range(batch)]
+
+    def _forward(self, ids, attn, positions, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _constraint_mask(self, states, finished, vocab: int):
+        """Additive mask [B, V] (0 allowed, -inf not) and the allowed id lists of this step."""
+        mask = torch.zeros((len(states), vocab), device=self.device)
+        allowed_now: list[list[int] | None] = [None] * len(states)
+        for i, s in enumerate(states):
+            if s is None or finished[i] or s.done:
+                continue
+            allowed = s.allowed()
+            allowed_now[i] = allowed
+            row = torch.full((vocab,), float("-inf"), device=self.device)
+            row[torch.tensor(allowed, device=self.device)] = 0.0
+            mask[i] = row
+        return mask, allowed_now

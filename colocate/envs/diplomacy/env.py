@@ -1,0 +1,303 @@
+"""`DiplomacyEnv`: GRPO groups of forked Diplomacy continuations behind the `Env` protocol.
+
+A group is G continuations forked (`game.fork_game`) from one start state: the opening, or a
+random line of the state cache (`env.state_cache`). In every phase of every continuation each
+power with something to order gets one prompt; `requests()` returns all of them across all games,
+so the worker makes one engine call per phase. `step()` parses each completion into legal orders
+(`orders.py`; the rest hold and are counted), and once all powers of a continuation have answered
+the phase is processed. A continuation ends `horizon_years` years after the fork phase (S1903M
+forked with horizon 2 ends on reaching S1905M), when the game is over, or early when no supply
+centre changed owner for `stall_years` years.
+
+Reward of power p in a continuation (computed when it ends):
+
+    reward_p = (C_p(end) - C_p(fork)) / 3 + 0.5 * [p has a unit or a centre at the end]
+
+C_p = supply centres of p; 3 ~ a power's starting centres, so one centre gained is worth 1/3 and
+being eliminated costs 0.5 on top of the lost centres. The worker normalizes advantages per power
+within the group, so the scale only matters for logs and unnormalized variants.
+
+Trained decisions: each power's orders at the fork phase, `Sample.group_key = (group_id, power)`,
+`is_anchor=True` (all G continuations share that state, so each key has G anchors). With
+`train_later_phases`, the power's later-phase orders are returned too, `is_anchor=False`, with the
+same key and its continuation's reward (they receive that continuation's advantage).
+
+The legal orders, slots, prompts and constraints of a phase are built once per game phase
+(`PhaseView`) and shared by the 7 powers; at the fork phase also by the G continuations.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from colocate.data import Completion, Request, Sample
+from colocate.envs.diplomacy import game as dg
+from colocate.envs.diplomacy.orders import parse_orders
+from colocate.envs.diplomacy.prompt import (PowerOrders, TokenCache, board_lines, max_completion_tokens,
+                                            opening_texts, own_lines, power_orders)
+
+CENTRE_SCALE = 3.0
+SURVIVAL_BONUS = 0.5
+
+
+def power_rewards(start_centres: dict[str, int], game) -> dict[str, float]:
+    """The module docstring's formula, for every power."""
+    out = {}
+    for name in dg.POWERS:
+        power = game.powers[name]
+        alive = bool(power.units or power.centers)
+        out[name] = (len(power.centers) - start_centres[name]) / CENTRE_SCALE + SURVIVAL_BONUS * alive
+    return out
+
+
+@dataclass
+class PhaseView:
+    """One game phase as the policy sees it; shared by every continuation in that exact state."""
+    phase: str
+    orders: dict[str, PowerOrders]
+    requests: dict[str, Request]
+
+
+@dataclass
+class Continuation:
+    game: object
+    view: PhaseView | None
+    start_centres: dict[str, int]
+    end_key: tuple[int, int, int]
+    last_change_year: int
+    owners: tuple
+    answers: dict[str, list[str]] = field(default_factory=dict)
+    decisions: list[tuple[int, str, list[int], Completion, int]] = field(default_factory=list)
+    """(phase index, power, prompt ids, completion, invalid slots) of the decisions to train."""
+    num_phases: int = 0
+    rewards: dict[str, float] | None = None
+    end_reason: str = ""
+
+
+@dataclass
+class Group:
+    group_id: int
+    fork_phase: str
+    continuations: list[Continuation]
+
+
+class DiplomacyEnv:
+    def __init__(self, tokenizer, *, group_size: int, horizon_years: int = 1, stall_years: int = 2,
+                 train_later_phases: bool = False, use_constraint: bool = True, max_new_tokens: int = 256,
+                 temperature: float = 1.0, seed: int = 0, start_states: list[dict] | None = None):
+        if horizon_years < 1:
+            raise ValueError(f"horizon_years={horizon_years} must be >= 1")
+        self.tokenizer = tokenizer
+        self.group_size = group_size
+        self.horizon_years = horizon_years
+        self.stall_years = stall_years
+        self.train_later_phases = train_later_phases
+        self.use_constraint = use_constraint
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.start_states = start_states
+        self.rng = random.Random(seed)
+        self.eos_id = tokenizer.eos_token_id
+        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts())
+        self._engine_orders: dict[str, str] = {}
+        self._groups: dict[int, Group] = {}
+        self._reset_counters()
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, seed: int) -> "DiplomacyEnv":
+        env_cfg = cfg.env
+        path = getattr(env_cfg, "state_cache", "")
+        return cls(tokenizer, group_size=cfg.rollout.group_size,
+                   horizon_years=getattr(env_cfg, "horizon_years", 1),
+                   stall_years=getattr(env_cfg, "stall_years", 2),
+                   train_later_phases=getattr(env_cfg, "train_later_phases", False),
+                   use_constraint=getattr(env_cfg, "use_constraint", True),
+                   max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
+                   start_states=dg.load_state_cache(path) if path else None)
+
+    # ------------------------------------------------------------------ Env protocol
+
+    def start_group(self, group_id: int) -> None:
+        if group_id in self._groups:
+            raise ValueError(f"group {group_id} already started")
+        root = dg.game_from_state(self.rng.choice(self.start_states)) if self.start_states else dg.new_game()
+        view = self._build_view(root)
+        key = dg.phase_key(root.get_current_phase())
+        end_key = (key[0] + self.horizon_years, key[1], key[2])
+        centres, owners = dg.centre_counts(root), dg.centre_owners(root)
+        t0 = time.perf_counter()
+        games = [dg.fork_game(root) for _ in range(self.group_size)]
+        self._count["fork_s"] += time.perf_counter() - t0
+        self._count["forks"] += len(games)
+        conts = [Continuation(game=g, view=view, start_centres=centres, end_key=end_key,
+                              last_change_year=key[0], owners=owners) for g in games]
+        self._groups[group_id] = Group(group_id, root.get_current_phase(), conts)
+        for cont in conts:
+            if not view.requests:  # nothing to order (cannot happen at a cached M/A phase; be safe)
+                self._finish(cont, "no_orders")
+
+    def requests(self) -> list[tuple[Hashable, Request]]:
+        out = []
+        for group in self._groups.values():
+            for index, cont in enumerate(group.continuations):
+                if cont.rewards is not None:
+                    continue
+                if cont.view is None:
+                    cont.view = self._build_view(cont.game)
+                for power, request in cont.view.requests.items():
+                    if power not in cont.answers:
+                        out.append(((group.group_id, index, power), request))
+        return out
+
+    def step(self, completions: dict[Hashable, Completion]) -> None:
+        touched = []
+        t0 = time.perf_counter()
+        for key, completion in completions.items():
+            group_id, index, power = key
+            cont = self._groups[group_id].continuations[index]
+            if cont.rewards is not None or cont.view is None or power not in cont.view.requests \
+                    or power in cont.answers:
+                raise KeyError(f"completion for {key} was not requested")
+            orders = cont.view.orders[power]
+            ids = [t for t in completion.token_ids if t != self.eos_id]
+            parsed = parse_orders(self.tokenizer.decode(ids), orders)
+            cont.answers[power] = parsed.orders
+            self._count["completions"] += 1
+            self._count["slots"] += orders.num_slots
+            self._count["invalid"] += parsed.num_invalid
+            self._count["garbled_lines"] += parsed.num_garbled
+            self._count["truncated"] += completion.finish_reason == "length"
+            if cont.num_phases == 0 or self.train_later_phases:
+                cont.decisions.append((cont.num_phases, power, cont.view.requests[power].prompt_ids,
+                                       completion, parsed.num_invalid))
+            if len(cont.answers) == len(cont.view.requests):
+                touched.append(cont)
+        self._count["parse_s"] += time.perf_counter() - t0
+        for cont in touched:
+            self._advance(cont)
+
+    def pop_finished(self) -> list[Sample]:
+        out = []
+        for group_id in [g for g, grp in self._groups.items()
+                         if all(c.rewards is not None for c in grp.continuations)]:
+            group = self._groups.pop(group_id)
+            for index, cont in enumerate(group.continuations):
+                for phase_index, power, prompt_ids, completion, invalid in cont.decisions:
+                    out.append(Sample(
+                        prompt_ids=prompt_ids, completion=completion, reward=cont.rewards[power],
+                        group_key=(group_id, power), is_anchor=phase_index == 0,
+                        info={"power": power, "phase_index": phase_index, "continuation": index,
+                              "fork_phase": group.fork_phase, "invalid_slots": invalid,
+                              "sc_delta": len(cont.game.powers[power].centers) - cont.start_centres[power]}))
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        c = self._count
+        deltas = self._sc_deltas
+        out = {
+            "invalid_order_rate": c["invalid"] / max(c["slots"], 1),
+            "garbled_lines_per_completion": c["garbled_lines"] / max(c["completions"], 1),
+            "truncated_rate": c["truncated"] / max(c["completions"], 1),
+            "completions": float(c["completions"]),
+            "phases_processed": float(c["phases"]),
+            "continuations_finished": float(len(self._end_centres)),
+            "stall_stops": float(c["stall_stops"]),
+            "prompt_tokens_mean": c["prompt_tokens"] / max(c["prompts"], 1),
+            "prompt_tokens_max": float(c["prompt_tokens_max"]),
+            "orders_tokens_max": float(c["orders_tokens_max"]),
+            "fork_ms": 1e3 * c["fork_s"] / max(c["forks"], 1),
+            "build_ms_per_phase": 1e3 * c["build_s"] / max(c["views"], 1),
+            "process_ms_per_phase": 1e3 * c["process_s"] / max(c["phases"], 1),
+            "parse_ms_per_completion": 1e3 * c["parse_s"] / max(c["completions"], 1),
+        }
+        if deltas:
+            mean = sum(deltas) / len(deltas)
+            out["sc_delta_mean"] = mean
+            out["sc_delta_std"] = (sum((d - mean) ** 2 for d in deltas) / len(deltas)) ** 0.5
+            out["sc_delta_max"] = float(max(deltas))
+            out["sc_mean"] = sum(self._end_centres) / len(self._end_centres) / len(dg.POWERS)
+        self._reset_counters()
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _reset_counters(self) -> None:
+        self._count = dict.fromkeys(
+            ("completions", "slots", "invalid", "garbled_lines", "truncated", "phases", "stall_stops",
+             "prompts", "prompt_tokens", "prompt_tokens_max", "orders_tokens_max", "views", "forks",
+             "fork_s", "build_s", "process_s", "parse_s"), 0)
+        self._sc_deltas: list[int] = []      # per (finished continuation, power alive at the fork)
+        self._end_centres: list[int] = []    # total centres owned per finished continuation
+
+    def _build_view(self, game) -> PhaseView:
+        t0 = time.perf_counter()
+        all_orders = power_orders(game, dg.legal_orders(game))
+        board_ids = self.tokens.encode("".join(board_lines(game)))
+        requests = {}
+        for power, orders in all_orders.items():
+            prompt_ids = self.tokens.prompt_ids(board_ids, own_lines(orders))
+            constraint, max_new = None, self.max_new_tokens
+            if self.use_constraint:
+                constraint = self.tokens.constraint(orders, self.eos_id)
+                needed = max_completion_tokens(constraint)
+                max_new = min(max_new, needed)
+                self._count["orders_tokens_max"] = max(self._count["orders_tokens_max"], needed)
+            requests[power] = Request(prompt_ids=prompt_ids, max_new_tokens=max_new,
+                                      temperature=self.temperature, constraint=constraint)
+            self._count["prompts"] += 1
+            self._count["prompt_tokens"] += len(prompt_ids)
+            self._count["prompt_tokens_max"] = max(self._count["prompt_tokens_max"], len(prompt_ids))
+        self._count["views"] += 1
+        self._count["build_s"] += time.perf_counter() - t0
+        return PhaseView(game.get_current_phase(), all_orders, requests)
+
+    def _advance(self, cont: Continuation) -> None:
+        """Submit the collected orders, process the phase, and decide whether the continuation ends."""
+        t0 = time.perf_counter()
+        game = cont.game
+        for power, orders in cont.answers.items():
+            game.set_orders(power, [dg.engine_order(o, game.map, self._engine_orders) for o in orders],
+                            expand=False)
+        game.process()
+        self._count["process_s"] += time.perf_counter() - t0
+        self._count["phases"] += 1
+        cont.num_phases += 1
+        cont.answers = {}
+        cont.view = None
+        if game.is_game_done:
+            return self._finish(cont, "game_over")
+        key = dg.phase_key(game.get_current_phase())
+        owners = dg.centre_owners(game)
+        if owners != cont.owners:
+            cont.owners, cont.last_change_year = owners, key[0]
+        if key >= cont.end_key:
+            return self._finish(cont, "horizon")
+        if self.stall_years > 0 and key[0] - cont.last_change_year >= self.stall_years:
+            self._count["stall_stops"] += 1
+            return self._finish(cont, "stall")
+        return None
+
+    def _finish(self, cont: Continuation, reason: str) -> None:
+        cont.rewards = power_rewards(cont.start_centres, cont.game)
+        cont.end_reason = reason
+        cont.view = None
+        centres = dg.centre_counts(cont.game)
+        for name in dg.POWERS:
+            if cont.start_centres[name] > 0:
+                self._sc_deltas.append(centres[name] - cont.start_centres[name])
+        self._end_centres.append(sum(centres.values()))
+
+
+def random_legal_completion(request: Request, rng: random.Random) -> Completion:
+    """What a uniformly random legal policy would sample: one random choice per slot, then EOS.
+
+    The reference opponent of the learning check and the policy of the env benchmark; needs the
+    constraint (use_constraint=True)."""
+    constraint = request.constraint
+    ids: list[int] = []
+    for slot in constraint.slots:
+        ids.extend(rng.choice(slot))
+    ids.append(constraint.eos_id)
+    return Completion(token_ids=ids, logprobs=[0.0] * len(ids), allowed_ids=None, version=0)

@@ -1,0 +1,217 @@
+"""Compact prompts and the legal-order constraint, per (game phase, power).
+
+A prompt is three parts, so that prefix caching shares the first two across the 7 powers of a game:
+
+    INSTRUCTION                       static text, identical for every prompt of every game
+    PHASE F1905M                      the board: identical for the 7 powers of one game phase
+    AUSTRIA: units A BUD, F TRI; centres BUD TRI VIE
+    ...
+    NEUTRAL: centres BEL HOL
+    YOU ARE FRANCE                    the power's own part: its orderable units and legal orders
+    A PAR: H | - BUR | S A MAR - BUR
+    ORDERS:
+
+The listed orders omit the unit ("- BUR" under "A PAR:"); the completion writes every order in
+full, one per line, in the listed unit order: "A PAR - BUR\nF BRE - MAO\n" then EOS.
+
+Constraint: one slot per line of the own part, each choice the token ids of one full legal order
+plus "\n", tokenized alone. Byte-level BPE decodes a concatenation of id sequences to the
+concatenation of their texts, so the decoded completion is exactly the lines `orders.py` parses.
+
+Adjustment phases: a power with builds gets `count` slots (count = min(build sites, centres -
+units)), each slot offering every build order of every free home centre plus WAIVE; a power with
+too many units gets `count = units - centres` slots, each offering every disband order. A slot
+cannot see the others, so two slots may pick the same site: the parser keeps the first and counts
+the repeat as invalid (the engine then disbands by its civil-disorder rule, or builds fewer).
+
+Token ids are memoized per line and per order (the same lines recur across clones and phases);
+segments always end with "\n", a pre-token boundary, so the concatenated ids equal the ids of the
+whole text for byte-level BPE tokenizers (checked in tests for the embedded tokenizer).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+from colocate.constraint import Constraint
+from colocate.envs.diplomacy.game import NUM_CENTRES, POWERS
+
+INSTRUCTION = (
+    "You play the board game Diplomacy as one power. The board lists each power's units and supply "
+    "centres. For each of your units below, in the listed order, write one of its legal orders in full "
+    "on its own line: unit, then order (H hold, - move, S support, C convoy, R retreat, D disband). "
+    "In winter write one line per build or disband (B build, WAIVE skips a build).\n")
+
+MOVE, RETREAT, BUILD, DISBAND = "M", "R", "B", "D"
+_COAST = re.compile(r"/[NESW]C")
+_PIECES = re.compile(r" ?[^ ]+| +")  # split before each space (see TokenCache)
+
+
+@dataclass
+class PowerOrders:
+    """What one power must order in one phase: slots in prompt order, each with its legal orders."""
+    power: str
+    kind: str
+    """M movement, R retreat (one slot per unit), B build, D disband (one slot per opportunity)."""
+    labels: list[str]
+    """Per slot: the unit ('A PAR', 'F STP/SC'), or 'build'/'disband' for adjustment slots."""
+    choices: list[list[str]]
+    """Per slot: sorted legal orders in the engine's format ('A PAR - BUR', 'WAIVE')."""
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.choices)
+
+    @cached_property
+    def slot_of(self) -> dict[str, int]:
+        """Legal order -> its slot (movement/retreat); every order -> 0 for adjustment slots."""
+        return {o: i for i, choices in enumerate(self.choices) for o in choices}
+
+    @cached_property
+    def without_coasts(self) -> dict[str, str]:
+        """Order with coasts removed ('F STP - BOT') -> legal order, where that is unambiguous."""
+        index: dict[str, str | None] = {}
+        for order in self.slot_of:
+            key = _COAST.sub("", order)
+            index[key] = None if key in index else order
+        return {k: v for k, v in index.items() if v is not None}
+
+
+def power_orders(game, legal: dict[str, dict[str, list[str]]]) -> dict[str, PowerOrders]:
+    """Slots per power for the current phase, from `game.legal_orders(game)` (already sorted)."""
+    phase_type = game.phase_type
+    out = {}
+    for power_name, per_loc in legal.items():
+        if phase_type == "A":
+            power = game.powers[power_name]
+            surplus = len(power.centers) - len(power.units)
+            union = sorted({o for orders in per_loc.values() for o in orders})
+            if surplus > 0:
+                count = min(len(per_loc), surplus)  # as Game.get_state()['builds']
+                kind, label = BUILD, "build"
+            else:
+                count = -surplus
+                kind, label = DISBAND, "disband"
+            if count <= 0:
+                continue
+            out[power_name] = PowerOrders(power_name, kind, [label] * count, [union] * count)
+        else:
+            labels, choices = [], []
+            for orders in per_loc.values():
+                labels.append(" ".join(orders[0].split()[:2]))
+                choices.append(orders)
+            out[power_name] = PowerOrders(power_name, RETREAT if phase_type == "R" else MOVE, labels, choices)
+    return out
+
+
+def board_lines(game) -> list[str]:
+    """The shared board: phase, then per power its units, dislodged units and centres, then neutrals."""
+    lines = [f"PHASE {game.get_current_phase()}\n"]
+    owned = set()
+    for name in POWERS:
+        power = game.powers[name]
+        owned.update(power.centers)
+        if not power.units and not power.centers and not power.retreats:
+            lines.append(f"{name}: eliminated\n")
+            continue
+        text = f"{name}: units {', '.join(sorted(power.units)) or 'none'}"
+        if power.retreats:
+            text += f"; dislodged {', '.join(sorted(power.retreats))}"
+        text += f"; centres {' '.join(sorted(power.centers)) or 'none'}\n"
+        lines.append(text)
+    neutral = sorted(c for c in game.map.scs if c not in owned)
+    if neutral and len(owned) < NUM_CENTRES:
+        lines.append(f"NEUTRAL: centres {' '.join(neutral)}\n")
+    return lines
+
+
+def own_lines(orders: PowerOrders) -> list[str]:
+    """The power's own part: header, one line per slot (orders without the unit), footer."""
+    lines = [f"YOU ARE {orders.power}\n"]
+    if orders.kind in (MOVE, RETREAT):
+        for label, choices in zip(orders.labels, orders.choices):
+            short = [o[len(label) + 1:] for o in choices]
+            lines.append(f"{label}: {' | '.join(short)}\n")
+    else:
+        word = "BUILD" if orders.kind == BUILD else "DISBAND"
+        lines.append(f"{word} {orders.num_slots}, one line each: {' | '.join(orders.choices[0])}\n")
+    lines.append("ORDERS:\n")
+    return lines
+
+
+def completion_text(orders: list[str]) -> str:
+    """The completion text for a list of full orders (what the constraint's choices concatenate to)."""
+    return "".join(f"{o}\n" for o in orders)
+
+
+class TokenCache:
+    """Token ids of prompts and order choices for one tokenizer, memoized.
+
+    Byte-level BPE never merges across pre-tokens, and with GPT-2/Qwen-style pre-tokenizers a
+    space before a word always starts one; so a text split before each space can be encoded piece
+    by piece from a small memo of pieces (' BUR', ' -', ' |', ...), ~10x faster than the Rust
+    tokenizer on the mostly-new lines of a mid-game phase. Whether that holds for the tokenizer at
+    hand is checked on sample prompts at construction; if not, texts are encoded whole."""
+
+    def __init__(self, tokenizer, sample_texts: list[str] = (), max_entries: int = 200_000):
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._pieces: dict[str, list[int]] = {}
+        self._choices: dict[str, list[int]] = {}
+        self.is_piecewise = True
+        samples = [INSTRUCTION, *sample_texts]
+        self.is_piecewise = all(self.encode(t) == self._encode_whole(t) for t in samples)
+        self.instruction_ids = self.encode(INSTRUCTION)
+
+    def _encode_whole(self, text: str) -> list[int]:
+        if self._backend is not None:  # the Rust tokenizer directly: far less overhead per call
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        if not self.is_piecewise:
+            return self._encode_whole(text)
+        if len(self._pieces) > self.max_entries:
+            self._pieces.clear()  # bounded memory; entries are recomputed on demand
+        ids: list[int] = []
+        memo = self._pieces
+        for piece in _PIECES.findall(text):
+            seq = memo.get(piece)
+            if seq is None:
+                seq = memo[piece] = self._encode_whole(piece)
+            ids.extend(seq)
+        return ids
+
+    def choice_ids(self, text: str) -> list[int]:
+        seq = self._choices.get(text)
+        if seq is None:
+            if len(self._choices) > self.max_entries:
+                self._choices.clear()
+            seq = self._choices[text] = self.encode(text)
+        return seq
+
+    def prompt_ids(self, board_ids: list[int], own: list[str]) -> list[int]:
+        return self.instruction_ids + board_ids + self.encode("".join(own))
+
+    def constraint(self, orders: PowerOrders, eos_id: int) -> Constraint:
+        texts = [[f"{o}\n" for o in choices] for choices in orders.choices]
+        slots = [[self.choice_ids(t) for t in lines] for lines in texts]
+        return Constraint(slots=slots, eos_id=eos_id, texts=texts)
+
+
+def opening_texts() -> list[str]:
+    """Board, own parts and first orders of the opening: samples to check a tokenizer against."""
+    from colocate.envs.diplomacy.game import legal_orders, new_game
+    game = new_game()
+    texts = ["".join(board_lines(game))]
+    for orders in power_orders(game, legal_orders(game)).values():
+        texts.append("".join(own_lines(orders)))
+        texts.append(completion_text([c[-1] for c in orders.choices]))
+    return texts
+
+
+def max_completion_tokens(constraint: Constraint) -> int:
+    """Longest completion the constraint allows, EOS included."""
+    return sum(max(len(c) for c in slot) for slot in constraint.slots) + 1

@@ -1,0 +1,327 @@
+"""Fused Triton GRPO loss on logits: forward and d(logits) in one pass over each row.
+
+Role: the fast twin of `reference.grpo_loss_reference` (same weights, same per-token loss, same
+stats); `colocate.kernels.grpo_loss` dispatches here on CUDA.
+
+Why one kernel: the per-token gradient dL/dlogp_t depends only on scalars the forward already has
+(logp_t, behaviour_t, A_t, ref_t, w_t). So each program, for its row,
+  pass 1  streams the row once: online (max, sum-exp) in fp32 -> logsumexp, logp, loss, g_t;
+  pass 2  streams the row again, last block first, while it is still in L2, and writes
+          d(logits) = g_t * (onehot(target) - softmax) / T   in the logits dtype.
+HBM traffic is ~4·N·V bytes (read once, write once) instead of the 6·N·V of a forward kernel
+plus a backward kernel that re-reads the logits (Liger's `triton_grpo_loss`). No float32 [N, V]
+is ever materialized. Autograd's backward only scales the stored gradient by grad_output.
+
+Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
+clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
+non-negative; rows with weight 0 do no work and get a zero gradient.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["grpo_loss_triton", "default_config"]
+
+# Columns of the per-row output buffer [N, 5] (summed on the host side of the kernel).
+_LOSS, _RATIO, _KL, _CLIPPED, _ACTIVE = range(5)
+_NUM_ROW_OUTPUTS = 5
+
+
+@triton.jit
+def _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, LANEWISE: tl.constexpr,
+                    EVICT: tl.constexpr):
+    """log2(sum_v 2^z_v) of one row, z = x * log2(e) / T, streamed BLOCK_V columns at a time.
+
+    The running max starts finite so that blocks of -inf (restricted vocabularies) give
+    exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN. Loads are prefetched one block ahead.
+    LANEWISE keeps a running (max, sum) per lane, one exp2 per element and no cross-warp
+    reduction (no barrier) inside the loop; otherwise each block is reduced as it arrives.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    num_blocks = tl.cdiv(vocab, BLOCK_V)
+    x_next = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf"), eviction_policy=EVICT)
+    if LANEWISE:
+        m_lane = tl.full([BLOCK_V], -3.0e38, tl.float32)
+        s_lane = tl.zeros([BLOCK_V], tl.float32)
+        for b in range(num_blocks):
+            z = x_next.to(tl.float32) * log2e_over_t
+            offs_next = (b + 1) * BLOCK_V + cols
+            x_next = tl.load(x_row + offs_next, mask=offs_next < vocab, other=float("-inf"), eviction_policy=EVICT)
+            # one exp2: 2^-|z - m| rescales the sum when z is the new max, else is z's own term
+            diff = z - m_lane
+            e = tl.exp2(-tl.abs(diff))
+            is_new_max = diff > 0
+            s_lane = tl.where(is_new_max, s_lane * e + 1.0, s_lane + e)
+            m_lane = tl.where(is_new_max, z, m_lane)
+        m = tl.max(m_lane, 0)
+        s = tl.sum(s_lane * tl.exp2(m_lane - m), 0)
+    else:
+        m = -3.0e38
+        s = 0.0
+        for b in range(num_blocks):
+            z = x_next.to(tl.float32) * log2e_over_t
+            offs_next = (b + 1) * BLOCK_V + cols
+            x_next = tl.load(x_row + offs_next, mask=offs_next < vocab, other=float("-inf"), eviction_policy=EVICT)
+            m_new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(z - m_new), 0)
+            m = m_new
+    return m + tl.log2(s)
+
+
+@triton.jit
+def _grpo_rows_kernel(
+    logits_ptr,      # [N, V] bf16/fp32, row stride `stride_logits`, unit column stride
+    grad_ptr,        # [N, V] logits dtype; may alias logits_ptr (in-place backward)
+    targets_ptr,     # [N] int
+    weights_ptr,     # [N] fp32, mask * normalization
+    behaviour_ptr,   # [N] fp32
+    advantages_ptr,  # [N] fp32
+    ref_ptr,         # [N] fp32 (ignored unless HAS_KL)
+    row_out_ptr,     # [N, 5] fp32: w*l, ratio, kl, is_clipped, active
+    num_rows,
+    rows_per_program,
+    vocab,
+    stride_logits,
+    stride_grad,
+    log2e_over_t,    # log2(e) / T: work in base 2 so each exponential is one ex2
+    inv_t,
+    eps_low,
+    eps_high,
+    beta,
+    HAS_KL: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LANEWISE: tl.constexpr,
+    EVICT_PASS1: tl.constexpr,  # L2 hints: keep pass-1 reads for pass 2, then let them and the writes go
+    EVICT_PASS2: tl.constexpr,
+):
+    LN2: tl.constexpr = 0.6931471805599453
+    cols = tl.arange(0, BLOCK_V)
+    num_blocks = tl.cdiv(vocab, BLOCK_V)
+    # Persistent programs: a fixed number of rows in flight (their footprint must fit in L2 for
+    # pass 2 to hit); program p walks rows p, p + G, ... The next row's scalars are loaded one
+    # row ahead so their latency hides under the current row's passes.
+    step = tl.num_programs(0)
+    row = tl.program_id(0)
+    w_next = tl.load(weights_ptr + row, mask=row < num_rows, other=0.0)
+    tgt_next = tl.load(targets_ptr + row, mask=row < num_rows, other=0).to(tl.int32)
+    behaviour_next = tl.load(behaviour_ptr + row, mask=row < num_rows, other=0.0)
+    adv_next = tl.load(advantages_ptr + row, mask=row < num_rows, other=0.0)
+    ref_next = 0.0
+    if HAS_KL:
+        ref_next = tl.load(ref_ptr + row, mask=row < num_rows, other=0.0)
+    for i in range(rows_per_program):
+        row = tl.program_id(0) + i * step
+        w, tgt, behaviour, adv, ref = w_next, tgt_next, behaviour_next, adv_next, ref_next
+        has_next = row + step < num_rows
+        w_next = tl.load(weights_ptr + row + step, mask=has_next, other=0.0)
+        tgt_next = tl.load(targets_ptr + row + step, mask=has_next, other=0).to(tl.int32)
+        behaviour_next = tl.load(behaviour_ptr + row + step, mask=has_next, other=0.0)
+        adv_next = tl.load(advantages_ptr + row + step, mask=has_next, other=0.0)
+        if HAS_KL:
+            ref_next = tl.load(ref_ptr + row + step, mask=has_next, other=0.0)
+
+        row64 = tl.cast(row, tl.int64)  # row * stride passes 2**31 elements at N·V ~ 2.5e9
+        x_row = logits_ptr + row64 * stride_logits
+        g_row = grad_ptr + row64 * stride_grad
+        out = row_out_ptr + row64 * 5
+        if row < num_rows:
+            if w > 0:
+                # Target logit first: in place, pass 2 (after a barrier) overwrites it.
+                z_tgt = tl.load(x_row + tgt).to(tl.float32) * log2e_over_t
+                lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, LANEWISE, EVICT_PASS1)
+                logp = (z_tgt - lse2) * LN2
+
+                # Per-token GRPO terms, as in reference.grpo_token_terms.
+                ratio = tl.exp(logp - behaviour)
+                clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
+                loss = -tl.minimum(ratio * adv, clipped * adv)
+                is_clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+                # d(-min(ratio A, clip(ratio) A))/dlogp: -ratio*A on the unclipped branch, 0 when clipped.
+                dloss_dlogp = tl.where(is_clipped, 0.0, -ratio * adv)
+                kl = 0.0
+                if HAS_KL:
+                    delta = ref - logp
+                    exp_delta = tl.exp(delta)
+                    kl = exp_delta - delta - 1.0
+                    loss += beta * kl
+                    dloss_dlogp += beta * (1.0 - exp_delta)
+                tl.store(out + 0, w * loss)
+                tl.store(out + 1, ratio)
+                tl.store(out + 2, kl)
+                tl.store(out + 3, is_clipped.to(tl.float32))
+                tl.store(out + 4, 1.0)
+
+                if WRITE_GRAD:
+                    # d loss / d x_v = w * dloss_dlogp * (onehot_v - p_v) / T
+                    coef = w * dloss_dlogp * inv_t
+                    tl.debug_barrier()  # every thread's read of the target logit precedes in-place writes
+                    # Pass 2, last block first: those were read most recently, so most likely in L2.
+                    last = (num_blocks - 1) * BLOCK_V
+                    x_next = tl.load(x_row + last + cols, mask=last + cols < vocab, other=0.0,
+                                     eviction_policy=EVICT_PASS2)
+                    for j in range(num_blocks):
+                        offs = (num_blocks - 1 - j) * BLOCK_V + cols
+                        x = x_next.to(tl.float32)
+                        offs_prev = offs - BLOCK_V
+                        x_next = tl.load(x_row + offs_prev, mask=(offs_prev >= 0) & (offs_prev < vocab), other=0.0,
+                                         eviction_policy=EVICT_PASS2)
+                        p = tl.exp2(x * log2e_over_t - lse2)
+                        d = (tl.where(offs == tgt, 1.0, 0.0) - p) * coef
+                        tl.store(g_row + offs, d.to(grad_ptr.dtype.element_ty), mask=offs < vocab,
+                                 eviction_policy=EVICT_PASS2)
+            else:
+                tl.store(out + 0, 0.0)
+                tl.store(out + 1, 0.0)
+                tl.store(out + 2, 0.0)
+                tl.store(out + 3, 0.0)
+                tl.store(out + 4, 0.0)
+                if WRITE_GRAD:  # masked rows: zero gradient, no read of the row
+                    zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
+                    for j in range(num_blocks):
+                        offs = j * BLOCK_V + cols
+                        tl.store(g_row + offs, zeros, mask=offs < vocab, eviction_policy=EVICT_PASS2)
+
+
+def default_config(vocab: int, device: torch.device) -> dict:
+    """Launch parameters (tuned on an H200, bf16, V=152064)."""
+    block_v = min(triton.next_power_of_2(vocab), 8192)
+    cfg = {"block_v": block_v, "num_warps": 16, "programs_per_sm": 1, "lanewise": False,
+           "evict_pass1": "evict_last", "evict_pass2": "evict_first"}
+    if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
+        cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
+    return cfg
+
+
+def _num_programs(num_rows: int, device: torch.device, cfg: dict) -> int:
+    if cfg.get("num_programs"):  # explicit (tests: several rows per program under the interpreter)
+        return max(1, min(num_rows, cfg["num_programs"]))
+    if device.type != "cuda" or cfg["programs_per_sm"] <= 0:
+        return max(num_rows, 1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(num_rows, sms * cfg["programs_per_sm"]))
+
+
+def grpo_rows(
+    logits: torch.Tensor,              # [N, V] bf16/fp32, unit column stride
+    targets: torch.Tensor,             # [N]
+    weights: torch.Tensor,             # [N] fp32
+    behaviour_logprobs: torch.Tensor,  # [N]
+    advantages: torch.Tensor,          # [N]
+    ref_logprobs: torch.Tensor | None,
+    grad: torch.Tensor | None,         # [N, V] output (may be `logits` itself) or None for forward only
+    *,
+    temperature: float,
+    eps_low: float,
+    eps_high: float,
+    beta: float,
+    config: dict | None = None,
+) -> torch.Tensor:                     # [N, 5] fp32 per-row outputs (see _LOSS ... _ACTIVE)
+    """Launch the row kernel; writes `grad` when given. The building block of both autograd Functions."""
+    num_rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and (grad is None or (grad.shape == logits.shape and grad.stride(1) == 1))
+    cfg = {**default_config(vocab, logits.device), **(config or {})}
+    f32 = dict(dtype=torch.float32)
+    weights = weights.to(**f32).contiguous()
+    behaviour_logprobs = behaviour_logprobs.to(**f32).contiguous()
+    advantages = advantages.to(**f32).contiguous()
+    has_kl = ref_logprobs is not None and beta > 0
+    ref = ref_logprobs.to(**f32).contiguous() if has_kl else behaviour_logprobs
+    row_out = torch.empty(num_rows, _NUM_ROW_OUTPUTS, device=logits.device, **f32)
+    if num_rows == 0:
+        return row_out
+    num_programs = _num_programs(num_rows, logits.device, cfg)
+    _grpo_rows_kernel[(num_programs,)](
+        logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour_logprobs,
+        advantages, ref, row_out,
+        num_rows, triton.cdiv(num_rows, num_programs), vocab, logits.stride(0),
+        grad.stride(0) if grad is not None else 0,
+        math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
+        HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], LANEWISE=cfg["lanewise"],
+        EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], num_warps=cfg["num_warps"],
+    )
+    return row_out
+
+
+def stats_from_rows(row_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """[N, 5] per-row outputs -> (loss, stats); stats are means over rows with weight > 0."""
+    sums = row_out.sum(0)  # one reduction for all five columns
+    num_tokens = sums[_ACTIVE]
+    means = sums / num_tokens.clamp(min=1.0)
+    return sums[_LOSS], {"clip_fraction": means[_CLIPPED], "kl": means[_KL], "ratio": means[_RATIO],
+                         "num_tokens": num_tokens}
+
+
+def scale_stored_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """grad * grad_output, free in the usual case grad_output == 1 (loss.backward()).
+
+    The check costs one host sync on a scalar; multiplying unconditionally would cost a full
+    read+write of [N, V], as much as the whole kernel.
+    """
+    # detach(): a fresh tensor object over the same storage, so autograd can take it as .grad
+    # without a copy (in place, `grad` is the caller's logits tensor and is referenced elsewhere).
+    if bool(grad_output == 1):
+        return grad.detach()
+    return grad.mul_(grad_output.to(grad.dtype)).detach()
+
+
+class _GRPOLossTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
+                temperature, eps_low, eps_high, beta, inplace_backward, config, write_grad):
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        grad = None
+        if write_grad:
+            grad = logits if inplace_backward else torch.empty_like(logits)
+        row_out = grpo_rows(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad,
+                            temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta, config=config)
+        ctx.grad = grad  # a plain attribute: in place, it is the (overwritten) input itself
+        ctx.mark_non_differentiable(row_out)
+        loss = row_out[:, _LOSS].sum()
+        return loss, row_out
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_row_out):
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("grpo_loss_triton: backward through the same call twice is not supported "
+                               "(the gradient was computed once, in forward)")
+        return (scale_stored_grad(grad, grad_loss),) + (None,) * 12
+
+
+def grpo_loss_triton(
+    logits: torch.Tensor,              # [N, V] bf16/fp32 (CUDA, or CPU under TRITON_INTERPRET=1)
+    targets: torch.Tensor,             # [N] int
+    weights: torch.Tensor,             # [N] fp32 = mask * normalization (token_weights), >= 0
+    behaviour_logprobs: torch.Tensor,  # [N] fp32
+    advantages: torch.Tensor,          # [N] fp32
+    ref_logprobs: torch.Tensor | None = None,  # [N] fp32
+    *,
+    temperature: float = 1.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    beta: float = 0.0,
+    inplace_backward: bool = False,
+    config: dict | None = None,        # launch overrides: block_v, num_warps, programs_per_sm, num_programs
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(scalar loss, detached stats), differentiable in `logits`; matches `grpo_loss_reference`.
+
+    The gradient is computed in the forward call. With `inplace_backward=True` it overwrites
+    `logits` there and then (as Liger does): the logits are garbage after this call, so nothing
+    else may read them (including an autograd op that saved them), and the returned loss is
+    only a value. Backward through one call once.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
+    loss_sum, row_out = _GRPOLossTriton.apply(
+        logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
+        float(temperature), float(eps_low), float(eps_high), float(beta), bool(inplace_backward), config,
+        # Decided here: inside forward grad mode is off and needs_input_grad ignores torch.no_grad().
+        torch.is_grad_enabled() and logits.requires_grad)
+    _, stats = stats_from_rows(row_out)
+    return loss_sum, {k: v.detach() for k, v in stats.items()}

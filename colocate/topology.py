@@ -1,0 +1,87 @@
+"""Topology: the torchrun world split into inference and learner ranks, built once, passed explicitly.
+
+Global ranks [0, num_inference) are inference ranks; the rest are learners. Process groups:
+  * learner_group   - all learner ranks (gradient reduction / FSDP2 mesh);
+  * sync_group      - learner rank 0 (the adapter source) + every inference rank;
+  * transport_group - every rank (inference -> learner point-to-point trajectories).
+Nothing after start-up runs collectives on the default group. gloo on CPU, NCCL on GPU; every
+group gets the configured timeout, so a dead peer ends the job instead of hanging it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from colocate.config import Config, resolve_roles
+
+
+@dataclass
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    num_inference: int
+    num_learners: int
+    device: torch.device
+    backend: str
+    learner_group: object = field(default=None, repr=False)
+    sync_group: object = field(default=None, repr=False)
+    transport_group: object = field(default=None, repr=False)
+
+    @property
+    def role(self) -> str:
+        return "inference" if self.rank < self.num_inference else "learner"
+
+    @property
+    def inference_ranks(self) -> list[int]:
+        return list(range(self.num_inference))
+
+    @property
+    def learner_ranks(self) -> list[int]:
+        return list(range(self.num_inference, self.world_size))
+
+    @property
+    def role_rank(self) -> int:
+        """Index within the role (0 = the role's logging rank)."""
+        return self.rank if self.role == "inference" else self.rank - self.num_inference
+
+    @property
+    def sync_src(self) -> int:
+        """Global rank that broadcasts adapters: learner rank 0."""
+        return self.num_inference
+
+
+def resolve_backend(cfg: Config) -> str:
+    if cfg.sync.backend != "auto":
+        return cfg.sync.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def build_topology(cfg: Config) -> Topology:
+    """Init the default group from the torchrun environment and build the role groups."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    num_inference, num_learners = resolve_roles(cfg, world)
+    backend = resolve_backend(cfg)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=cfg.topology.timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timeout,
+                                device_id=device if backend == "nccl" else None)
+    learners = list(range(num_inference, world))
+    # Every rank creates every group, in the same order (a torch.distributed requirement).
+    learner_group = dist.new_group(learners, timeout=timeout, backend=backend)
+    sync_group = dist.new_group([learners[0]] + list(range(num_inference)), timeout=timeout, backend=backend)
+    transport_group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
+    return Topology(rank=rank, world_size=world, local_rank=local_rank, num_inference=num_inference,
+                    num_learners=num_learners, device=device, backend=backend, learner_group=learner_group,
+                    sync_group=sync_group, transport_group=transport_group)
