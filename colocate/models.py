@@ -16,6 +16,9 @@ import os
 import torch
 
 SPECIAL_TOKENS = ["<pad>", "<eos>"]
+TOKENIZER_VERSION = "2"  # bump when the training recipe changes (invalidates cached tokenizers)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # Named shapes (Qwen2.5 configs) for random-init benchmarks; vocab is the tokenizer's unless real.
 SHAPES = {
@@ -47,11 +50,16 @@ def _atomic_dir_write(path: str, write) -> None:
 
 def train_tokenizer(texts: list[str], vocab_size: int = 512):
     """Byte-level BPE trained on `texts`, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's own normalizer and pre-tokenizer: AutoTokenizer (and vLLM) rebuild a saved tiny model's
+    # tokenizer as Qwen2Tokenizer from config.json, and must then split text exactly as we did.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -67,7 +75,7 @@ def load_tokenizer(model_cfg, corpus_fn, corpus_key: str):
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return tok
-    digest = hashlib.sha1(corpus_key.encode()).hexdigest()[:10]
+    digest = hashlib.sha1(f"{TOKENIZER_VERSION}:{corpus_key}".encode()).hexdigest()[:10]
     path = os.path.join(model_cfg.cache_dir, f"tokenizer-{digest}")
     _atomic_dir_write(path, lambda d: train_tokenizer(corpus_fn()).save_pretrained(d))
     return PreTrainedTokenizerFast.from_pretrained(path)

@@ -7,8 +7,9 @@ from colocate.constraint import ConstraintState
 from colocate.envs.diplomacy import corpus
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import parse_orders
-from colocate.envs.diplomacy.prompt import (BUILD, DISBAND, INSTRUCTION, TokenCache, board_lines, completion_text,
-                                            max_completion_tokens, opening_texts, own_lines, power_orders)
+from colocate.envs.diplomacy.prompt import (BUILD, DISBAND, INSTRUCTION, TokenCache, board_lines, compact_options,
+                                            completion_text, expand_options, max_completion_tokens, opening_texts,
+                                            own_lines, power_orders)
 from colocate.models import train_tokenizer
 
 
@@ -44,7 +45,7 @@ def test_prompts_share_instruction_and_board_and_tokenize_canonically(tokenizer)
             text = INSTRUCTION + board + "".join(own)
             assert ids == tokenizer.encode(text, add_special_tokens=False)  # piecewise == whole text
             assert tokenizer.decode(ids) == text
-            assert own[0] == f"YOU ARE {power}\n" and own[-1] == "ORDERS:\n"
+            assert own[0] == f"YOU: {power}\n" and own[-1] == "ORDERS:\n"
 
 
 def test_own_part_lists_units_in_slot_order_with_their_orders():
@@ -52,9 +53,20 @@ def test_own_part_lists_units_in_slot_order_with_their_orders():
     orders = power_orders(game, dg.legal_orders(game))["FRANCE"]
     assert orders.labels == ["F BRE", "A MAR", "A PAR"]
     lines = own_lines(orders)
-    assert lines[1].startswith("F BRE: ") and "- MAO" in lines[1]
-    assert lines[3].startswith("A PAR: ") and "- BUR" in lines[3] and "A PAR - BUR" not in lines[3]
+    assert lines[1] == "F BRE: - ENG GAS MAO PIC; H; S A MAR GAS; S A PAR GAS PIC; S F LON ENG\n"
+    assert lines[3] == "A PAR: - BRE BUR GAS PIC; H; S A MAR BUR GAS; S A MUN BUR; S F BRE H GAS PIC\n"
     assert "NEUTRAL: centres BEL BUL" in "".join(board_lines(game))
+
+
+def test_compact_options_round_trip():
+    count = 0
+    for game, legal in phases(num_games=4):
+        for orders in power_orders(game, legal).values():
+            if orders.kind in ("M", "R"):
+                for label, choices in zip(orders.labels, orders.choices):
+                    assert sorted(expand_options(label, compact_options(label, choices))) == choices
+                    count += 1
+    assert count > 1000
 
 
 def test_fallback_when_piecewise_tokenization_would_differ(tokenizer):

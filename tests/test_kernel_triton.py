@@ -105,7 +105,10 @@ for dt in ("fp32", "bf16"):
             CASES.append((f"{dt}-{'inplace' if inplace else 'copy'}-beta{beta}-T{temperature}",
                           dt, inplace, beta, temperature, {"block_v": 256, "num_programs": 5}))
 CASES += [("bf16-copy-beta0.04-T1.0-oneblock", "bf16", False, 0.04, 1.0, {}),
-          ("fp32-inplace-beta0.04-T1.3-neginf", "fp32", True, 0.04, 1.3, {"block_v": 256, "neg_inf": True})]
+          ("fp32-inplace-beta0.04-T1.3-neginf", "fp32", True, 0.04, 1.3, {"block_v": 256, "neg_inf": True}),
+          ("fp32-inplace-beta0.04-T1.3-neginf-lanewise", "fp32", True, 0.04, 1.3,
+           {"block_v": 256, "neg_inf": True, "lanewise": True, "num_programs": 5}),
+          ("bf16-copy-beta0.04-T0.7-lanewise", "bf16", False, 0.04, 0.7, {"block_v": 128, "lanewise": True})]
 
 
 def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, vocab=1000, seed=0):

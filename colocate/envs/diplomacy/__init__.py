@@ -16,7 +16,7 @@ from colocate.envs.diplomacy.env import DiplomacyEnv, power_rewards, random_lega
 from colocate.envs.diplomacy.game import StateCacheError, fork_game, load_state_cache
 from colocate.envs.diplomacy.prompt import INSTRUCTION
 
-CORPUS_VERSION = "1"
+CORPUS_VERSION = "2"
 
 __all__ = ["CORPUS_VERSION", "DiplomacyEnv", "StateCacheError", "corpus", "fork_game", "load_state_cache",
            "power_rewards", "random_legal_completion"]

@@ -38,10 +38,11 @@ from colocate.constraint import Constraint
 from colocate.envs.diplomacy.game import NUM_CENTRES, POWERS
 
 INSTRUCTION = (
-    "You play the board game Diplomacy as one power. The board lists each power's units and supply "
-    "centres. For each of your units below, in the listed order, write one of its legal orders in full "
-    "on its own line: unit, then order (H hold, - move, S support, C convoy, R retreat, D disband). "
-    "In winter write one line per build or disband (B build, WAIVE skips a build).\n")
+    "Diplomacy. You command one power; the board gives each power's units and supply centres. "
+    "Write one legal order per unit listed under YOU, in that order, each in full on its own line "
+    "(e.g. A PAR - BUR). Options: H hold; - X Y: move to X or Y; VIA X: move to X by convoy; "
+    "S A MUN H X: support A MUN to hold or to move to X; C A LON X: convoy A LON to X; R X: retreat "
+    "to X; D disband. Winter: one line per build (A PAR B, or WAIVE) or disband.\n")
 
 MOVE, RETREAT, BUILD, DISBAND = "M", "R", "B", "D"
 _COAST = re.compile(r"/[NESW]C")
@@ -115,9 +116,9 @@ def board_lines(game) -> list[str]:
         if not power.units and not power.centers and not power.retreats:
             lines.append(f"{name}: eliminated\n")
             continue
-        text = f"{name}: units {', '.join(sorted(power.units)) or 'none'}"
+        text = f"{name}: {' '.join(sorted(power.units)) or 'no units'}"
         if power.retreats:
-            text += f"; dislodged {', '.join(sorted(power.retreats))}"
+            text += f"; dislodged {' '.join(sorted(power.retreats))}"
         text += f"; centres {' '.join(sorted(power.centers)) or 'none'}\n"
         lines.append(text)
     neutral = sorted(c for c in game.map.scs if c not in owned)
@@ -126,16 +127,55 @@ def board_lines(game) -> list[str]:
     return lines
 
 
+def compact_options(label: str, orders: list[str]) -> str:
+    """A unit's legal orders grouped by kind: '- BUR GAS; S A MAR H BUR; H' ('A PAR' omitted).
+
+    `expand_options` inverts it; orders of no known shape are kept verbatim (none seen so far)."""
+    groups: dict[str, list[str]] = {}
+    for order in orders:
+        words = order[len(label) + 1:].split()
+        if len(words) == 2 and words[0] == "-":
+            groups.setdefault("-", []).append(words[1])
+        elif len(words) == 3 and words[0] == "-" and words[2] == "VIA":
+            groups.setdefault("VIA", []).append(words[1])
+        elif len(words) == 3 and words[0] == "S":
+            groups.setdefault(f"S {words[1]} {words[2]}", []).append("H")
+        elif len(words) == 5 and words[0] in "SC" and words[3] == "-":
+            groups.setdefault(" ".join(words[:3]), []).append(words[4])
+        elif len(words) == 2 and words[0] == "R":
+            groups.setdefault("R", []).append(words[1])
+        else:
+            groups.setdefault(" ".join(words), [])
+    return "; ".join(f"{head} {' '.join(tails)}".rstrip() for head, tails in groups.items())
+
+
+def expand_options(label: str, text: str) -> list[str]:
+    """Full orders from `compact_options` text (tests check the round trip)."""
+    out = []
+    for part in text.split("; "):
+        words = part.split()
+        head = words[0]
+        if head in ("-", "R"):
+            out += [f"{label} {head} {x}" for x in words[1:]]
+        elif head == "VIA":
+            out += [f"{label} - {x} VIA" for x in words[1:]]
+        elif head in ("S", "C") and len(words) >= 4:
+            unit = " ".join(words[1:3])
+            out += [f"{label} {head} {unit}" if x == "H" else f"{label} {head} {unit} - {x}" for x in words[3:]]
+        else:
+            out.append(f"{label} {part}")
+    return out
+
+
 def own_lines(orders: PowerOrders) -> list[str]:
-    """The power's own part: header, one line per slot (orders without the unit), footer."""
-    lines = [f"YOU ARE {orders.power}\n"]
+    """The power's own part: header, one line per slot (options grouped, see compact_options), footer."""
+    lines = [f"YOU: {orders.power}\n"]
     if orders.kind in (MOVE, RETREAT):
         for label, choices in zip(orders.labels, orders.choices):
-            short = [o[len(label) + 1:] for o in choices]
-            lines.append(f"{label}: {' | '.join(short)}\n")
+            lines.append(f"{label}: {compact_options(label, choices)}\n")
     else:
         word = "BUILD" if orders.kind == BUILD else "DISBAND"
-        lines.append(f"{word} {orders.num_slots}, one line each: {' | '.join(orders.choices[0])}\n")
+        lines.append(f"{word} {orders.num_slots}: {'; '.join(orders.choices[0])}\n")
     lines.append("ORDERS:\n")
     return lines
 

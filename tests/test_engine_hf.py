@@ -1,0 +1,88 @@
+"""HF reference engine: constraint semantics, log-probs equal to the learner's, in-place adapter loads."""
+import torch
+
+from colocate.constraint import Constraint, ConstraintState
+from colocate.data import Request, build_batch, group_advantages, Sample
+from colocate.engine.hf import HFEngine
+from colocate.envs import make_env
+from colocate.kernels import restrict_to_allowed
+from colocate.kernels.reference import per_token_logprobs
+from colocate.learner.learner import CompletionView, completion_logits
+from colocate.models import lora_state
+
+import pytest
+
+
+def test_constraint_state_handles_prefix_choices():
+    c = Constraint(slots=[[[5], [5, 6]], [[7]]], eos_id=1)
+    s = ConstraintState(c)
+    assert s.allowed() == [5]
+    s.advance(5)
+    assert s.allowed() == [6, 7]  # either finish slot 0 and start slot 1, or continue "5 6"
+    s.advance(6)
+    assert s.allowed() == [7]
+    s.advance(7)
+    assert s.allowed() == [1]
+    s.advance(1)
+    assert s.done
+    with pytest.raises(ValueError, match="not allowed"):
+        ConstraintState(c).advance(9)
+
+
+def test_constrained_samples_are_valid_and_logprobs_match_learner(tiny_cfg, tiny_tokenizer, tiny_policy):
+    torch.manual_seed(0)
+    with torch.no_grad():  # a non-zero adapter, so the check covers the LoRA path too
+        for p in lora_state(tiny_policy).values():
+            p.normal_(0, 0.05)
+    engine = HFEngine(tiny_policy, tiny_tokenizer, seed=3)
+    env = make_env(tiny_cfg, tiny_tokenizer, seed=0)
+    for g in range(4):
+        env.start_group(g)
+    keyed = env.requests()
+    completions = engine.generate([r for _, r in keyed])
+    answers = {tuple(s) for s in keyed[0][1].constraint.slots[0]}
+    for c in completions:
+        assert tuple(c.token_ids[:-1]) in answers and c.token_ids[-1] == tiny_tokenizer.eos_token_id
+        assert c.finish_reason == "stop" and len(c.allowed_ids) == len(c.token_ids)
+        assert c.logprobs[-1] == pytest.approx(0.0, abs=1e-6)  # EOS is forced once the slot is filled
+    env.step({k: c for (k, _), c in zip(keyed, completions)})
+    samples = env.pop_finished()
+    batch = build_batch(samples, group_advantages(samples))
+    view = CompletionView(batch, tiny_tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        logits = completion_logits(tiny_policy.get_base_model(), view)
+    sub, targets = restrict_to_allowed(logits, view.targets, batch.allowed_ids)
+    learner_logp = per_token_logprobs(sub, targets, tiny_cfg.engine.temperature)
+    torch.testing.assert_close(learner_logp, batch.behaviour_logprobs, atol=1e-5, rtol=0)
+
+
+def test_unconstrained_generation_stops_at_eos_or_length(tiny_tokenizer, tiny_policy):
+    engine = HFEngine(tiny_policy, tiny_tokenizer, seed=0)
+    reqs = [Request(prompt_ids=tiny_tokenizer.encode("add 1 and 2 ; answer :"), max_new_tokens=n) for n in (1, 3, 6)]
+    out = engine.generate(reqs)
+    for r, c in zip(reqs, out):
+        assert 1 <= len(c.token_ids) <= r.max_new_tokens and c.allowed_ids is None
+        assert (c.finish_reason == "stop") == (c.token_ids[-1] == tiny_tokenizer.eos_token_id)
+        assert all(lp <= 0 for lp in c.logprobs)
+
+
+def test_load_lora_in_place_sets_version(tiny_tokenizer, tiny_policy):
+    engine = HFEngine(tiny_policy, tiny_tokenizer)
+    before = {n: p.data_ptr() for n, p in engine.lora_state().items()}
+    new = {n: torch.full_like(p, 0.5) for n, p in engine.lora_state().items()}
+    engine.load_lora(7, new)
+    assert engine.version == 7
+    for n, p in engine.lora_state().items():
+        assert p.data_ptr() == before[n] and torch.equal(p, new[n])
+    with pytest.raises(KeyError, match="lacks"):
+        engine.load_lora(8, {})
+
+
+def test_group_advantages_normalize_per_key():
+    from colocate.data import Completion
+    c = Completion([1], [0.0], None, 0)
+    samples = [Sample([1], c, r, key) for r, key in [(1, "a"), (0, "a"), (5, "b"), (5, "b")]]
+    samples.append(Sample([1], c, 0, "a", is_anchor=False))  # receives A's stats, does not shift them
+    adv = group_advantages(samples)
+    assert adv[0] == pytest.approx(1.0, abs=1e-4) and adv[1] == pytest.approx(-1.0, abs=1e-4)
+    assert adv[2] == adv[3] == 0.0 and adv[4] == pytest.approx(-1.0, abs=1e-4)

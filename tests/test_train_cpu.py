@@ -1,0 +1,50 @@
+"""End-to-end CPU runs under torchrun (2 processes, gloo): the trainer learns; model.path loads."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+
+def torchrun(args, nproc=2, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "colocate.train", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_cpu_run_reward_improves(tmp_path):
+    run_dir = tmp_path / "run"
+    torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=80", f"--metrics.run_dir={run_dir}",
+              f"--model.cache_dir={tmp_path / 'cache'}", "--sync.check_checksum=true"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 80
+    assert summary["reward_end"] >= summary["reward_start"] + 0.25, summary
+    assert (run_dir / "config.yaml").exists()
+    for role in ("learner", "inference"):
+        assert glob.glob(str(run_dir / "tb" / role / "events.out.tfevents.*")), role
+
+
+@pytest.mark.slow
+def test_local_model_path_loads_and_trains(tmp_path, tiny_cfg, tiny_tokenizer):
+    from colocate.models import build_model, build_model as build, load_tokenizer, save_tiny_model
+    model = build_model(tiny_cfg.model, tiny_tokenizer)
+    model_dir = tmp_path / "model"
+    save_tiny_model(str(model_dir), model, tiny_tokenizer)
+    cfg = tiny_cfg.model.__class__(path=str(model_dir))
+    tok2 = load_tokenizer(cfg, None, "")
+    model2 = build(cfg, tok2)
+    ids = torch.tensor([tiny_tokenizer.encode("add 1 and 2 ; answer :")])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, model2(ids).logits)
+    assert tok2.encode("add 4 and 4") == tiny_tokenizer.encode("add 4 and 4")
+    torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=3", f"--model.path={model_dir}",
+              f"--metrics.run_dir={tmp_path / 'run'}"])
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
