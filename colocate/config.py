@@ -118,6 +118,13 @@ class LearnerConfig:
     """Token budget of one forward/backward micro-batch."""
     activation_checkpointing: bool = False
     """Recompute decoder-block activations in backward."""
+    fsdp: bool = True
+    """Shard base model and adapter over the learner ranks with FSDP2 (one learner too: same code path,
+    and bf16 compute with fp32 reductions on GPU). False: a full replica per learner, adapter gradients
+    all-reduced (the reference path)."""
+    attention: str = "auto"
+    """Attention over packed micro-batches: varlen (flash-attention varlen kernel, sequence boundaries
+    from cu_seqlens), sdpa (block-diagonal causal mask), auto (varlen on CUDA, sdpa elsewhere)."""
     max_policy_lag: int = 0
     """A trajectory sampled with version v is trained at step s only if s - v <= this; 0 = synchronous."""
 
@@ -208,6 +215,7 @@ _CHOICES = {
     ("env", "name"): ("arithmetic", "diplomacy"),
     ("loss", "norm"): ("grpo", "dapo", "dr_grpo"),
     ("loss", "impl"): ("auto", "triton", "torch"),
+    ("learner", "attention"): ("auto", "varlen", "sdpa"),
     ("sync", "backend"): ("auto", "nccl", "gloo"),
 }
 

@@ -91,20 +91,27 @@ def model_config(shape: str, vocab_size: int, dtype: str):
 
 
 def build_model(model_cfg, tokenizer, device: str | torch.device = "cpu"):
-    """The frozen base model: local weights, or random at `model.shape` (identical on every rank)."""
-    from transformers import AutoModelForCausalLM
+    """The frozen base model: local weights, or random at `model.shape` (identical on every rank).
+
+    Built on the meta device, then `materialize`d on `device`; device "meta" returns it unmaterialized
+    (the learner shards it with FSDP2 first, so each rank only keeps its shard)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     dtype = getattr(torch, model_cfg.dtype)
-    if model_cfg.path:
+    is_meta = torch.device(device).type == "meta"
+    if model_cfg.path and not is_meta:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, attn_implementation="sdpa")
         return model.to(device)
-    cfg = model_config(model_cfg.shape, len(tokenizer), model_cfg.dtype)
-    if cfg.vocab_size < len(tokenizer):
-        raise ValueError(f"shape {model_cfg.shape} vocab {cfg.vocab_size} < tokenizer {len(tokenizer)}")
-    cfg.pad_token_id, cfg.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(model_cfg.seed)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if model_cfg.path:
+        cfg = AutoConfig.from_pretrained(model_cfg.path, attn_implementation="sdpa")
+    else:
+        cfg = model_config(model_cfg.shape, len(tokenizer), model_cfg.dtype)
+        if cfg.vocab_size < len(tokenizer):
+            raise ValueError(f"shape {model_cfg.shape} vocab {cfg.vocab_size} < tokenizer {len(tokenizer)}")
+        cfg.pad_token_id, cfg.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if not is_meta:
+        materialize(model, model_cfg, device)
     return model
 
 
@@ -119,6 +126,121 @@ def add_lora(model, lora_cfg):
 def lora_state(model) -> dict[str, torch.Tensor]:
     """Adapter tensors by canonical name (sorted), the unit of sync and checkpoints."""
     return {n: p for n, p in sorted(model.named_parameters()) if "lora_" in n}
+
+
+# Prefixes that wrappers insert into parameter names (activation checkpointing, FSDP1, torch.compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name as on the plain (unwrapped) module: what `lora_state` and the sync use."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def hf_key(name: str) -> str:
+    """Checkpoint key of a base parameter: the canonical name without peft's wrapping."""
+    name = canonical_name(name)
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model."):]
+    return name.replace(".base_layer.", ".")
+
+
+def _local_rows(param: torch.Tensor) -> tuple[int, int] | None:
+    """(start, end) rows of the global tensor this rank holds; None when the tensor is not sharded.
+
+    FSDP2 shards dim 0 with torch.chunk semantics (the last ranks may hold fewer rows, or none)."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(param, DTensor):
+        return None
+    if len(param.placements) != 1 or param.placements[0] != Shard(0):
+        raise ValueError(f"materialize handles FSDP's Shard(0) on a 1-D mesh, got {param.placements}")
+    rows, world = param.shape[0], param.device_mesh.size()
+    chunk = -(-rows // world)
+    start = min(rows, chunk * param.device_mesh.get_local_rank())
+    return start, min(rows, start + chunk)
+
+
+def _initial_value(module: torch.nn.Module, pname: str, name: str, shape: torch.Size, std: float, seed: int,
+                   device: torch.device) -> torch.Tensor:
+    """The full float32 initial value of one parameter, from a generator seeded by (seed, name) alone,
+    so it does not depend on the order of construction, the sharding or the number of ranks."""
+    import zlib
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+    kind = type(module).__name__
+    if pname == "bias" or ".lora_B." in f".{name}":
+        return torch.zeros(shape, device=device)
+    if ".lora_A." in f".{name}":  # peft's default: kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), +)
+        bound = 1.0 / shape[1] ** 0.5
+        return (torch.rand(shape, generator=gen, device=device) * 2 - 1) * bound
+    if kind.endswith("RMSNorm") or kind.endswith("LayerNorm"):
+        return torch.ones(shape, device=device)
+    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        value = torch.randn(shape, generator=gen, device=device) * std
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            value[module.padding_idx] = 0
+        return value
+    raise ValueError(f"no initialization rule for {name} ({kind})")
+
+
+def materialize(model: torch.nn.Module, model_cfg, device: str | torch.device) -> torch.nn.Module:
+    """Give a meta-device model (plain or FSDP2-sharded, peft-wrapped or not) real storage on `device`.
+
+    Base weights come from `model.path` (safetensors, only this rank's rows are read) or from a seeded
+    initialization per parameter: every rank, sharded or not, arrives at the same values; each full
+    value exists transiently, one parameter at a time. Adapter weights always get peft's default
+    initialization, seeded the same way. Non-persistent buffers (rotary frequencies) are recomputed.
+    """
+    device = torch.device(device)
+    model.to_empty(device=device)
+    std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
+    loaded = _checkpoint_reader(model_cfg.path) if model_cfg.path else None
+    seen: set[int] = set()
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            for pname, param in module.named_parameters(recurse=False):
+                if id(param) in seen:  # tied weights: initialize once
+                    continue
+                seen.add(id(param))
+                name = canonical_name(f"{mod_name}.{pname}" if mod_name else pname)
+                rows = _local_rows(param)
+                local = param.to_local() if rows is not None else param
+                key = hf_key(name)
+                if loaded is not None and "lora_" not in name:
+                    value = loaded(key, rows)
+                else:
+                    seed_name = name if "lora_" in name else key
+                    value = _initial_value(module, pname, seed_name, param.shape, std, model_cfg.seed, device)
+                    value = value[rows[0]:rows[1]] if rows is not None else value
+                local.copy_(value.to(local.dtype))
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                fresh = type(module)(config=module.config)
+                for bname, buf in fresh.named_buffers(recurse=False):
+                    getattr(module, bname).copy_(buf)
+    return model
+
+
+def _checkpoint_reader(path: str):
+    """key, rows -> float tensor of an HF safetensors checkpoint (single file or index + shards)."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    else:
+        single = os.path.join(path, "model.safetensors")
+        with safe_open(single, framework="pt") as f:
+            files = {k: single for k in f.keys()}
+
+    def read(key: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        if key not in files:
+            raise KeyError(f"{path}: checkpoint has no tensor {key!r}")
+        with safe_open(files[key], framework="pt") as f:
+            sl = f.get_slice(key)
+            return sl[rows[0]:rows[1]] if rows is not None else sl[:]
+    return read
 
 
 def save_tiny_model(dir_path: str, model, tokenizer) -> None:

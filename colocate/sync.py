@@ -1,7 +1,9 @@
 """Adapter sync: LoRA tensors -> one flat buffer -> broadcast on the sync group -> engine.load_lora.
 
 The sync group holds learner rank 0 (the source) and every inference rank. Each update is two
-broadcasts: an int64 header [version, numel, checksum] then the flat buffer. Both sides build the
+broadcasts: an int64 header [version, numel, checksum, flags] then the flat buffer. `flags` carries
+run-control bits to every inference rank at no extra message (FLAG_CHECKPOINT: send your state for
+a checkpoint; FLAG_STOP: stop after this version). Both sides build the
 same `LoraSpec` from their own model (same config, same sorted names), so no names or shapes cross
 the wire. The checksum is an exact integer hash of the buffer's bytes, so a receiver can prove it
 holds the learner's weights bit for bit.
@@ -15,6 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+FLAG_CHECKPOINT = 1
+FLAG_STOP = 2
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,12 @@ def checksum(flat: torch.Tensor) -> int:
 
 
 def broadcast_lora(tensors: dict[str, torch.Tensor], spec: LoraSpec, version: int, *, src: int, group,
-                   with_checksum: bool = False, buffer: torch.Tensor | None = None) -> float:
+                   with_checksum: bool = False, buffer: torch.Tensor | None = None, flags: int = 0) -> float:
     """Learner rank 0: send `tensors` as `version`. Returns seconds spent."""
     import time
     t0 = time.perf_counter()
     flat = flatten_lora(tensors, spec, buffer)
-    header = torch.tensor([version, spec.numel, checksum(flat) if with_checksum else 0],
+    header = torch.tensor([version, spec.numel, checksum(flat) if with_checksum else 0, flags],
                           dtype=torch.int64, device=flat.device)
     dist.broadcast(header, src=src, group=group)
     dist.broadcast(flat, src=src, group=group)
@@ -79,11 +85,11 @@ def broadcast_lora(tensors: dict[str, torch.Tensor], spec: LoraSpec, version: in
 
 
 def receive_lora(spec: LoraSpec, *, src: int, group, device, buffer: torch.Tensor | None = None,
-                 ) -> tuple[int, dict[str, torch.Tensor], int]:
-    """Inference rank: -> (version, tensors (views of the buffer), checksum sent (0 if none))."""
-    header = torch.zeros(3, dtype=torch.int64, device=device)
+                 ) -> tuple[int, dict[str, torch.Tensor], int, int]:
+    """Inference rank: -> (version, tensors (views of the buffer), checksum sent (0 if none), flags)."""
+    header = torch.zeros(4, dtype=torch.int64, device=device)
     dist.broadcast(header, src=src, group=group)
-    version, numel, sent_sum = (int(v) for v in header.tolist())
+    version, numel, sent_sum, flags = (int(v) for v in header.tolist())
     if numel != spec.numel:
         raise RuntimeError(f"adapter size mismatch: learner sent {numel} elements, this rank expects "
                            f"{spec.numel}; the lora config differs between roles")
@@ -91,4 +97,4 @@ def receive_lora(spec: LoraSpec, *, src: int, group, device, buffer: torch.Tenso
     dist.broadcast(flat, src=src, group=group)
     if sent_sum and checksum(flat) != sent_sum:
         raise RuntimeError(f"adapter version {version} arrived corrupted (checksum mismatch)")
-    return version, unflatten_lora(flat, spec), sent_sum
+    return version, unflatten_lora(flat, spec), sent_sum, flags

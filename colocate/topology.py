@@ -3,7 +3,7 @@
 Global ranks [0, num_inference) are inference ranks; the rest are learners. Process groups:
   * learner_group   - all learner ranks (gradient reduction / FSDP2 mesh);
   * sync_group      - learner rank 0 (the adapter source) + every inference rank;
-  * transport_group - every rank (inference -> learner point-to-point trajectories).
+  * transport_group - every rank, always gloo (inference -> learner trajectories, host tensors).
 Nothing after start-up runs collectives on the default group. gloo on CPU, NCCL on GPU; every
 group gets the configured timeout, so a dead peer ends the job instead of hanging it.
 """
@@ -81,7 +81,8 @@ def build_topology(cfg: Config) -> Topology:
     # Every rank creates every group, in the same order (a torch.distributed requirement).
     learner_group = dist.new_group(learners, timeout=timeout, backend=backend)
     sync_group = dist.new_group([learners[0]] + list(range(num_inference)), timeout=timeout, backend=backend)
-    transport_group = dist.new_group(list(range(world)), timeout=timeout, backend=backend)
+    # Trajectories are small host tensors (ids, log-probs): gloo moves them without touching GPUs.
+    transport_group = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
     return Topology(rank=rank, world_size=world, local_rank=local_rank, num_inference=num_inference,
                     num_learners=num_learners, device=device, backend=backend, learner_group=learner_group,
                     sync_group=sync_group, transport_group=transport_group)

@@ -23,14 +23,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config
+import yaml
+
+from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config, to_dict
 from colocate.data import TrajectoryBatch
 from colocate.envs import env_corpus, make_env
+from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_raise, parse_fault
 from colocate.metrics import MetricsWriter, write_json_atomic
-from colocate.models import add_lora, build_model, load_tokenizer, lora_state
-from colocate.rollout.transport import recv_batch, send_batch, shard_batch
+from colocate.models import add_lora, build_model, canonical_name, load_tokenizer, materialize
+from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
+from colocate.rollout.transport import recv_batch, recv_batch_with_flags, recv_json, send_batch, send_json, shard_batch
 from colocate.rollout.worker import RolloutWorker
-from colocate.sync import LoraSpec, broadcast_lora, checksum, flatten_lora, receive_lora
+from colocate.sync import FLAG_CHECKPOINT, FLAG_STOP, LoraSpec, broadcast_lora, checksum, flatten_lora, receive_lora
 from colocate.topology import Topology, build_topology
 
 
@@ -41,145 +45,297 @@ def parse_config(argv: list[str]) -> tuple[Config, bool]:
 
 
 def build_policy(cfg: Config, tokenizer, device):
-    """Base model + LoRA, identical on every rank (seeded), adapter version 0."""
-    model = build_model(cfg.model, tokenizer, device)
+    """Base model + LoRA, identical on every rank (per-parameter seeds), adapter version 0.
+
+    Built on the meta device and materialized on `device`; device "meta" leaves that to the learner,
+    which shards it with FSDP2 first (`colocate.learner.learner.Learner`)."""
+    model = build_model(cfg.model, tokenizer, "meta")
     for p in model.parameters():
         p.requires_grad_(False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.model.seed + 1)
+    with torch.random.fork_rng(devices=[]):  # peft draws its (overwritten) init from the global RNG
         model = add_lora(model, cfg.lora)
-    return model.to(device)
+    if torch.device(device).type != "meta":
+        materialize(model, cfg.model, device)
+    return model
 
 
-def make_engine(cfg: Config, topo: Topology, model, tokenizer):
+def engine_kind(cfg: Config, topo: Topology) -> str:
+    """hf or vllm; every rank resolves it alike (learner rank 0 must know how adapters travel)."""
     kind = cfg.engine.kind
     if kind == "auto":
         import importlib.util
         kind = "vllm" if topo.device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
-    if kind == "vllm":
+    return kind
+
+
+def make_engine(cfg: Config, topo: Topology, model, tokenizer):
+    if engine_kind(cfg, topo) == "vllm":
         from colocate.engine.vllm import VLLMEngine
         return VLLMEngine.from_config(cfg, topo, tokenizer)
     from colocate.engine.hf import HFEngine
     return HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
 
 
-def run_inference(cfg: Config, topo: Topology, model, tokenizer) -> None:
+def run_inference(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict | None, stop: StopSignal) -> None:
     engine = make_engine(cfg, topo, model, tokenizer)
     env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank)
     worker = RolloutWorker(env, engine, groups_per_batch=cfg.rollout.groups_per_step // topo.num_inference,
                            first_group_id=topo.rank * 1_000_000)
-    spec = LoraSpec.of(engine.lora_state())
+    spec = getattr(engine, "spec", None) or LoraSpec.of(engine.lora_state())
     writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
                            tensorboard=cfg.metrics.tensorboard)
     num_steps, lag = cfg.learner.num_steps, cfg.learner.max_policy_lag
+    start = 0
+    if resume is not None:  # the adapter and this rank's sampler/env state as of the checkpoint
+        start = resume["trainer_state"]["step"]
+        engine.load_lora(resume["trainer_state"]["version"], resume["adapter"])
+        restore_inference_state(resume["trainer_state"]["inference"].get(str(topo.rank)), worker, env, engine)
+    stopped = False
 
     def receive() -> None:
+        nonlocal stopped
         t0 = time.perf_counter()
-        version, tensors, sent_sum = receive_lora(spec, src=topo.sync_src, group=topo.sync_group,
-                                                  device=topo.device)
-        t1 = time.perf_counter()
-        engine.load_lora(version, tensors)
-        t2 = time.perf_counter()
-        sync = {"receive_ms": (t1 - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3, "version": version}
+        if hasattr(engine, "receive_lora"):  # vLLM: the broadcast lands in its worker, which applies it
+            got = engine.receive_lora(verify=cfg.sync.check_checksum)  # raises on a checksum/slot mismatch
+            version, sent_sum, flags = got["version"], 0, got["flags"]
+            sync = {"receive_apply_ms": (time.perf_counter() - t0) * 1e3, "apply_ms": got["apply_ms"],
+                    "version": version, **({"checksum_ok": 1.0} if got["checksum_ok"] else {})}
+        else:
+            version, tensors, sent_sum, flags = receive_lora(spec, src=topo.sync_src, group=topo.sync_group,
+                                                             device=topo.device)
+            t1 = time.perf_counter()
+            engine.load_lora(version, tensors)
+            t2 = time.perf_counter()
+            sync = {"receive_ms": (t1 - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3, "version": version}
         if sent_sum:  # prove the engine now samples with exactly the learner's bytes
             sync["checksum_ok"] = float(checksum(flatten_lora(engine.lora_state(), spec)) == sent_sum)
             if not sync["checksum_ok"]:
                 raise RuntimeError(f"rank {topo.rank}: adapter version {version} differs from the learner's")
         writer.scalars("sync", sync, version)
+        if flags & FLAG_CHECKPOINT:  # this rank's part of the checkpoint, taken at this version
+            send_json(inference_state(topo.rank, worker, env, engine), topo.sync_src, topo.transport_group)
+        stopped = stopped or bool(flags & FLAG_STOP)
 
     # Sends of batch j complete once the learners start step j, which needs version j to have been
     # received here; so only sends older than k - lag may be waited on at batch k (at most lag + 1
     # batches in flight: bounded memory, no deadlock).
     pending: list[tuple[int, list]] = []
-    for k in range(num_steps):
-        while engine.version < k - lag:
+    for k in range(start, num_steps):
+        while engine.version < k - lag and not stopped:
             receive()
+        if stopped:
+            break
         while pending and pending[0][0] < k - lag:
             for p in pending.pop(0)[1]:
                 p.wait()
         batch, stats = worker.collect()
-        pending.append((k, [send_batch(shard, dst, topo.transport_group)
+        flags = STOP_REQUESTED if stop.requested else 0  # a signal here reaches the learners in the header
+        pending.append((k, [send_batch(shard, dst, topo.transport_group, flags)
                             for shard, dst in zip(shard_batch(batch, topo.num_learners), topo.learner_ranks)]))
         writer.scalars("rollout", {k2: v for k2, v in stats.items() if k2 != "out_tokens_per_s"}, k)
         writer.scalars("engine", {"out_tokens_per_s": stats["out_tokens_per_s"],
                                   "batch_size": stats["samples"]}, k)
-    while engine.version < num_steps:
+    while engine.version < num_steps and not stopped:
         receive()
-    for _, sends in pending:
+    for _, sends in pending:  # after a stop the learners drain what is in flight
         for p in sends:
             p.wait()
     writer.close()
 
 
-def run_learner(cfg: Config, topo: Topology, model, tokenizer) -> None:
+def inference_state(rank: int, worker: RolloutWorker, env, engine) -> dict:
+    """What an inference rank needs to resume sampling exactly (JSON)."""
+    return {"rank": rank, "next_group": worker.next_group,
+            "env": env.state_dict() if hasattr(env, "state_dict") else None,
+            "engine_rng": engine.rng_state() if hasattr(engine, "rng_state") else None}
+
+
+def restore_inference_state(state: dict | None, worker: RolloutWorker, env, engine) -> None:
+    if state is None:
+        return
+    worker.next_group = state["next_group"]
+    if state.get("env") is not None and hasattr(env, "load_state_dict"):
+        env.load_state_dict(state["env"])
+    if state.get("engine_rng") is not None and hasattr(engine, "set_rng_state"):
+        engine.set_rng_state(state["engine_rng"])
+
+
+def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict | None, stop: StopSignal) -> None:
     from colocate.learner.learner import Learner
     learner = Learner(cfg, topo, model, tokenizer)
-    spec = LoraSpec.of(lora_state(model))
+    spec = LoraSpec.of(learner.lora_state())  # a gather over the learner group: every learner calls it
     is_source = topo.rank == topo.sync_src
+    sender = None  # vLLM engines receive in their worker, over a stateless NCCL group (waits for them)
+    if is_source and engine_kind(cfg, topo) == "vllm":
+        from colocate.engine.vllm_sync import open_sender
+        sender = open_sender(topo, spec, timeout_s=max(900.0, cfg.topology.timeout_s))
     writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0,
                            tensorboard=cfg.metrics.tensorboard)
-    rewards: list[float] = []
+    fault = parse_fault()
+    history: dict[str, list[float]] = {"reward": [], "loss": []}
+    start = 0
+    if resume is not None:
+        start = restore_learner(learner, resume)
+        history = {k: list(v) for k, v in resume["trainer_state"]["history"].items()}
+    num_steps, lag, ckpt = cfg.learner.num_steps, cfg.learner.max_policy_lag, cfg.checkpoint
     t_start = time.perf_counter()
-    for step in range(cfg.learner.num_steps):
+    for step in range(start, num_steps):
+        maybe_raise(fault, topo.rank, step)
         t0 = time.perf_counter()
-        batch = TrajectoryBatch.concat([recv_batch(src, topo.transport_group) for src in topo.inference_ranks])
+        received = [recv_batch_with_flags(src, topo.transport_group) for src in topo.inference_ranks]
+        batch = TrajectoryBatch.concat([b for b, _ in received])
         wait_s = time.perf_counter() - t0
         stats = learner.train_step(batch)
-        sync_s = 0.0
-        if is_source:
-            sync_s = broadcast_lora(lora_state(model), spec, learner.version, src=topo.sync_src,
-                                    group=topo.sync_group, with_checksum=cfg.sync.check_checksum)
-        rewards.append(stats["reward"])
+        # Stop when any rank saw a signal; every learner must agree (one all-reduce).
+        stop_now = torch.tensor([float(stop.requested or any(f & STOP_REQUESTED for _, f in received))],
+                                device=topo.device)
+        if topo.num_learners > 1:
+            dist.all_reduce(stop_now, op=dist.ReduceOp.MAX, group=topo.learner_group)
+        stopping = bool(stop_now.item())
+        last = step == num_steps - 1
+        checkpointing = ckpt.enabled and (stopping or last or (ckpt.every > 0 and (step + 1) % ckpt.every == 0))
+        flags = (FLAG_CHECKPOINT if checkpointing else 0) | (FLAG_STOP if stopping and not last else 0)
+        t_gather = time.perf_counter()
+        adapter = learner.lora_state()  # full tensors from the shards: all learners join the gather
+        gather_s, sync_s = time.perf_counter() - t_gather, 0.0
+        if sender is not None:
+            sync_s = sender.send(adapter, learner.version, with_checksum=cfg.sync.check_checksum, flags=flags,
+                                 wait=False)  # like dist.broadcast: later kernels on this stream wait for it
+        elif is_source:
+            sync_s = broadcast_lora(adapter, spec, learner.version, src=topo.sync_src,
+                                    group=topo.sync_group, with_checksum=cfg.sync.check_checksum, flags=flags)
+        history["reward"].append(stats["reward"])
+        history["loss"].append(stats["loss"])
+        if checkpointing:
+            write_checkpoint(cfg, topo, learner, adapter, history, step + 1, fault)
         writer.scalars("learner", {**stats, "wait_s": wait_s}, step)
         writer.scalars("rollout", {"reward": stats["reward"], "policy_lag": stats["policy_lag_mean"]}, step)
-        writer.scalars("sync", {"broadcast_ms": sync_s * 1e3}, step)
-        if step % cfg.metrics.log_every == 0 or step == cfg.learner.num_steps - 1:
-            writer.print(f"step {step + 1}/{cfg.learner.num_steps} reward {stats['reward']:.3f} "
+        writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3}, step)
+        if step % cfg.metrics.log_every == 0 or last:
+            writer.print(f"step {step + 1}/{num_steps} reward {stats['reward']:.3f} "
                          f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
                          f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
                          f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s")
+        if stopping and not last:
+            # Batches step+1 .. step+lag were already sampled and sent: receive and drop them, so no
+            # inference rank is left blocked in a send.
+            for _ in range(min(step + 1 + lag, num_steps) - (step + 1)):
+                for src in topo.inference_ranks:
+                    recv_batch(src, topo.transport_group)
+            writer.print(f"stop requested (signal): checkpoint at step {step + 1}, exiting")
+            break
     if topo.role_rank == 0:
-        k = min(10, len(rewards))  # windows of 10 steps: single batches are noisy
-        summary = {
-            "steps": len(rewards),
-            "reward_start": sum(rewards[:k]) / k,
-            "reward_end": sum(rewards[-k:]) / k,
-            "reward_target": cfg.env.reward_target,
-            "reached_target": sum(rewards[-k:]) / k >= cfg.env.reward_target,
-            "wall_time_s": time.perf_counter() - t_start,
-            "rewards": rewards,
-            "env": cfg.env.name,
-            "world_size": topo.world_size,
-            "num_inference": topo.num_inference,
-            "num_learners": topo.num_learners,
-        }
-        write_json_atomic(os.path.join(cfg.metrics.run_dir, "summary.json"), summary)
-        writer.print(f"summary: reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} "
-                     f"(target {cfg.env.reward_target}) in {summary['wall_time_s']:.0f}s")
+        write_summary(cfg, topo, history, time.perf_counter() - t_start, writer)
     writer.close()
 
 
+def restore_learner(learner, resume: dict) -> int:
+    """Adapter, optimizer and RNG from a checkpoint; returns the step to continue from."""
+    from colocate.checkpoint import check_adapter_matches, unflatten_optimizer
+    live = {canonical_name(n): p for n, p in learner.model.named_parameters() if "lora_" in n}
+    check_adapter_matches(resume["adapter"], live, resume["path"])
+    with torch.no_grad():
+        for name, param in live.items():
+            src = resume["adapter"][name]
+            if hasattr(param, "device_mesh"):
+                from torch.distributed.tensor import distribute_tensor
+                src = distribute_tensor(src.to(param.dtype), param.device_mesh, param.placements)
+            param.copy_(src)
+    params = [p for group in learner.optimizer.param_groups for p in group["params"]]
+    learner.optimizer.load_state_dict(unflatten_optimizer(resume["optimizer_tensors"], resume["optimizer_meta"], params))
+    torch.set_rng_state(resume["rng"]["torch_cpu"])
+    learner.version = resume["trainer_state"]["version"]
+    return resume["trainer_state"]["step"]
+
+
+def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, history: dict, step: int,
+                     fault: dict) -> None:
+    """Every learner joins the optimizer-state gather; learner rank 0 collects the inference ranks'
+    states and writes the checkpoint atomically."""
+    from colocate.checkpoint import checkpoint_root, flatten_optimizer, peft_config_dict, save_checkpoint
+    # Gathering DTensor optimizer state (FSDP2) is a collective: every learner flattens it.
+    optimizer_state = flatten_optimizer(learner.optimizer.state_dict())
+    if topo.rank != topo.sync_src:
+        return
+    inference = {str(r): recv_json(r, topo.transport_group) for r in topo.inference_ranks}
+    trainer_state = {"step": step, "version": learner.version, "history": history, "inference": inference}
+    path = save_checkpoint(
+        checkpoint_root(cfg.metrics.run_dir), step, adapter=adapter, peft_config=peft_config_dict(learner.model),
+        optimizer=optimizer_state, rng={"torch_cpu": torch.get_rng_state()}, trainer_state=trainer_state,
+        config_yaml=yaml.safe_dump(to_dict(cfg), sort_keys=False), keep=cfg.checkpoint.keep,
+        fault_hook=checkpoint_fault_hook(fault, step))
+    print(f"[learner] checkpoint written: {path}", flush=True)
+
+
+def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, writer: MetricsWriter) -> None:
+    rewards = history["reward"]
+    k = min(10, len(rewards))  # windows of 10 steps: single batches are noisy
+    summary = {
+        "steps": len(rewards),
+        "reward_start": sum(rewards[:k]) / max(k, 1),
+        "reward_end": sum(rewards[-k:]) / max(k, 1),
+        "reward_target": cfg.env.reward_target,
+        "reached_target": bool(rewards) and sum(rewards[-k:]) / k >= cfg.env.reward_target,
+        "wall_time_s": wall_s,
+        "rewards": rewards,
+        "losses": history["loss"],
+        "env": cfg.env.name,
+        "world_size": topo.world_size,
+        "num_inference": topo.num_inference,
+        "num_learners": topo.num_learners,
+    }
+    write_json_atomic(os.path.join(cfg.metrics.run_dir, "summary.json"), summary)
+    writer.print(f"summary: reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} "
+                 f"(target {cfg.env.reward_target}) in {wall_s:.0f}s")
+
+
+def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
+    """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto."""
+    from colocate.checkpoint import load_checkpoint, resolve_resume
+    path = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
+                          cfg.metrics.run_dir)
+    if path is None:
+        return None
+    state = load_checkpoint(path)
+    state["path"] = path
+    return state
+
+
 def main(argv: list[str] | None = None) -> None:
+    from colocate.checkpoint import CheckpointError
     try:
-        cfg, _resume = parse_config(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        print(f"colocate: config error: {e}", file=sys.stderr)
+        cfg, resume_flag = parse_config(sys.argv[1:] if argv is None else argv)
+        resume = load_resume(cfg, resume_flag)  # a corrupt checkpoint is refused before any group forms
+    except (ConfigError, CheckpointError) as e:
+        kind = "config" if isinstance(e, ConfigError) else "checkpoint"
+        print(f"colocate: {kind} error: {e}", file=sys.stderr)
         sys.exit(2)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    stop = StopSignal().install()
     topo = build_topology(cfg)
     if topo.rank == 0:
         save_config(cfg, os.path.join(cfg.metrics.run_dir, "config.yaml"))
+        if resume is not None:
+            print(f"colocate: resuming from {resume['path']} (step {resume['trainer_state']['step']})", flush=True)
     key, corpus_fn = env_corpus(cfg)
     tokenizer = load_tokenizer(cfg.model, corpus_fn, key)
-    model = build_policy(cfg, tokenizer, topo.device)
+    # Learners get the policy on the meta device: the Learner shards it, then materializes its shards.
+    # A vLLM engine loads its own weights (a model directory), so its rank keeps the meta one too.
+    on_device = topo.role == "inference" and engine_kind(cfg, topo) == "hf"
+    model = build_policy(cfg, tokenizer, topo.device if on_device else "meta")
     try:
         if topo.role == "inference":
-            run_inference(cfg, topo, model, tokenizer)
+            run_inference(cfg, topo, model, tokenizer, resume=resume, stop=stop)
         else:
-            run_learner(cfg, topo, model, tokenizer)
-    finally:
-        dist.destroy_process_group()
+            run_learner(cfg, topo, model, tokenizer, resume=resume, stop=stop)
+    except BaseException as e:
+        # One line that names the rank; torchrun then stops the other ranks (their collectives
+        # time out after topology.timeout_s at the latest).
+        print(f"colocate: rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        raise
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

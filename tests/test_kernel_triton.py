@@ -107,8 +107,15 @@ for dt in ("fp32", "bf16"):
 CASES += [("bf16-copy-beta0.04-T1.0-oneblock", "bf16", False, 0.04, 1.0, {}),
           ("fp32-inplace-beta0.04-T1.3-neginf", "fp32", True, 0.04, 1.3, {"block_v": 256, "neg_inf": True}),
           ("fp32-inplace-beta0.04-T1.3-neginf-lanewise", "fp32", True, 0.04, 1.3,
-           {"block_v": 256, "neg_inf": True, "lanewise": True, "num_programs": 5}),
-          ("bf16-copy-beta0.04-T0.7-lanewise", "bf16", False, 0.04, 0.7, {"block_v": 128, "lanewise": True})]
+           {"block_v": 256, "neg_inf": True, "group": 1, "num_programs": 5}),
+          ("bf16-copy-beta0.04-T0.7-lanewise", "bf16", False, 0.04, 0.7, {"block_v": 128, "group": 1}),
+          ("fp32-inplace-beta0.04-T0.7-pipelined", "fp32", True, 0.04, 0.7,
+           {"block_v": 256, "stages": 3, "num_programs": 5}),
+          ("bf16-inplace-beta0.0-T1.0-pipelined-lanewise", "bf16", True, 0.0, 1.0,
+           {"block_v": 256, "stages": 2, "group": 1}),
+          ("fp32-inplace-beta0.04-T1.3-neginf-grouped", "fp32", True, 0.04, 1.3,
+           {"block_v": 256, "neg_inf": True, "group": 8, "stages": 3, "num_programs": 5}),
+          ("bf16-copy-beta0.04-T0.7-grouped", "bf16", False, 0.04, 0.7, {"block_v": 128, "group": 16})]
 
 
 def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, vocab=1000, seed=0):

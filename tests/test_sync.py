@@ -59,7 +59,7 @@ def _sync_worker(rank, port, cache_dir, result_path):
             for p in engine.lora_state().values():
                 p.zero_()
         for expected in (1, 2, 3):
-            version, tensors, sent = receive_lora(spec, src=0, group=group, device="cpu")
+            version, tensors, sent, _ = receive_lora(spec, src=0, group=group, device="cpu")
             engine.load_lora(version, tensors)
             assert version == expected and engine.version == expected
             assert checksum(flatten_lora(engine.lora_state(), spec)) == sent

@@ -14,6 +14,8 @@ Left out: the fused-head mode (its cost is the head GEMMs, measured with the tra
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 from colocate.benchmarks.common import median_time
@@ -27,7 +29,9 @@ def add_args(parser) -> None:
     parser.add_argument("--vocab", type=int, default=0, help="vocabulary (default 152064; --quick 32000)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--sweep", action="store_true", help="also time launch configurations of ours")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time launch configurations of ours (kernel only), then measure ours with the fastest")
+    parser.add_argument("--config", default="", help='JSON launch overrides for ours, e.g. \'{"block_v": 16384}\'')
 
 
 def naive_loss(logits, targets, weights, behaviour, ref, advantages):
@@ -112,9 +116,17 @@ def run(args) -> dict:
     f = flat
     kw = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
 
-    def ours(inplace, config=None):
+    figures, baseline, ratios = {}, {}, {}
+    config = json.loads(args.config) if args.config else {}
+    if args.sweep:
+        results = sweep(x, pristine, f, kw)
+        figures.update({name: text for name, (_, text) in results.items()})
+        best = min((r for r in results.values() if r[0] is not None), key=lambda r: float(r[1].split()[3]))
+        config = {**best[0], **config}
+
+    def ours(inplace, config=config):
         return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
-                                          inplace_backward=inplace, config=config, **kw)[0]
+                                          inplace_backward=inplace, config=config or None, **kw)[0]
 
     impls = {"naive": (lambda t: naive_loss(t, f["targets"], f["weights"], f["behaviour"], f["ref"], f["advantages"]),
                        False)}
@@ -125,9 +137,9 @@ def run(args) -> dict:
     impls["ours_inplace"] = (ours(True), True)
     impls["ours"] = (ours(False), False)
 
-    figures, baseline, ratios = {"shape": f"N={n} (B={batch} x L={seq_len}) V={vocab} bf16",
-                                 "logits_GB": round(pristine.numel() * 2 / 1e9, 3),
-                                 "ours_config": str(default_config(vocab, x.device))}, {}, {}
+    figures.update({"shape": f"N={n} (B={batch} x L={seq_len}) V={vocab} bf16",
+                    "logits_GB": round(pristine.numel() * 2 / 1e9, 3),
+                    "ours_config": str({**default_config(vocab, x.device), **config})})
     # The floor: a read and a write of [N, V] (what ours moves), timed as a device copy.
     copy_dst = torch.empty_like(pristine)
     figures["copy_NV_ms"] = round(median_time(lambda: copy_dst.copy_(pristine), iters=args.iters) * 1e3, 3)
@@ -177,41 +189,35 @@ def run(args) -> dict:
         if isinstance(baseline.get(f"{name}_ms"), float):
             ratios[f"{name}_ms_over_ours_inplace"] = round(baseline[f"{name}_ms"] / figures["ours_inplace_ms"], 3)
     ratios["copy_ms_over_ours_inplace"] = round(figures["copy_NV_ms"] / figures["ours_inplace_ms"], 3)
-
-    if args.sweep:
-        figures.update(sweep(x, pristine, f, kw))
     return {"figures": figures, "baseline": baseline, "ratios": ratios}
 
 
 def sweep_configs():
-    """Launch configurations to time: (block_v, num_warps) x programs per SM x lanewise, plus L2 hints."""
-    configs = []
-    for block_v, num_warps in ((4096, 4), (8192, 4), (8192, 8), (8192, 16), (16384, 8), (16384, 16),
-                               (16384, 32), (32768, 16), (32768, 32)):
-        per_thread = block_v // (32 * num_warps)
-        for per_sm in ((2, 4) if num_warps == 4 else (1, 2)):
-            for lanewise in ((False, True) if per_thread <= 32 else (False,)):
-                configs.append({"block_v": block_v, "num_warps": num_warps, "programs_per_sm": per_sm,
-                                "lanewise": lanewise})
-    for hints in (("", ""), ("evict_last", ""), ("", "evict_first")):
-        for base in ({"block_v": 16384, "num_warps": 16, "programs_per_sm": 1, "lanewise": True},
-                     {"block_v": 8192, "num_warps": 8, "programs_per_sm": 2, "lanewise": True}):
-            configs.append({**base, "evict_pass1": hints[0], "evict_pass2": hints[1]})
-    return configs
+    """Launch configurations to time: (block_v, num_warps, programs per SM, pass-1 group, pipeline stages).
+
+    Mostly one row in flight per SM (its 304 KB must stay in L2 between the passes) with many bytes
+    in flight per SM (pipelined loads into shared memory); a few with two or four rows per SM.
+    """
+    rows = [(16384, 8, 2, 0, 0), (16384, 16, 1, 8, 3), (16384, 16, 1, 8, 4), (16384, 16, 1, 16, 4),
+            (16384, 32, 1, 8, 4), (16384, 32, 1, 8, 3), (32768, 32, 1, 8, 3), (16384, 16, 1, 8, 0),
+            (16384, 32, 1, 1, 4), (8192, 8, 2, 8, 3), (8192, 8, 2, 8, 0), (16384, 16, 2, 8, 3),
+            (8192, 16, 1, 8, 4), (8192, 4, 4, 0, 0), (16384, 8, 1, 8, 0), (8192, 8, 3, 8, 0)]
+    return [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st}
+            for b, w, p, g, st in rows]
 
 
 def sweep(x, pristine, f, kw, iters=10):
-    """Kernel-only ms per config: forward only, fused in place (logits restored untimed), fused into a buffer."""
+    """Kernel-only timings per config: name -> (config or None on error, "fwd ms inplace ms copy ms").
+
+    fwd: forward only; inplace: fused, writing over the logits (restored untimed); copy: fused
+    into a separate buffer."""
     from colocate.kernels.triton_grpo import grpo_rows
 
     x = x.detach()
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_{lw}".format(
-            lw="lane" if cfg["lanewise"] else "block", **cfg)
-        if "evict_pass1" in cfg:
-            name += f"_hints[{cfg['evict_pass1'] or '-'},{cfg['evict_pass2'] or '-'}]"
+        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}".format(**cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,
@@ -220,7 +226,7 @@ def sweep(x, pristine, f, kw, iters=10):
             times = [median_time(call(None), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)),
                      median_time(call(x), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)),
                      median_time(call(grad_buf), warmup=2, iters=iters, setup=lambda: x.copy_(pristine))]
-            out[name] = "fwd {:.3f} inplace {:.3f} copy {:.3f}".format(*(t * 1e3 for t in times))
+            out[name] = (cfg, "fwd {:.3f} inplace {:.3f} copy {:.3f}".format(*(t * 1e3 for t in times)))
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
-            out[name] = f"error {type(exc).__name__}: {str(exc)[:80]}"
+            out[name] = (None, f"error {type(exc).__name__}: {str(exc)[:80]}")
     return out

@@ -60,6 +60,13 @@ class HFEngine:
     def lora_state(self) -> dict[str, torch.Tensor]:
         return self._lora
 
+    def rng_state(self) -> list[int]:
+        """Sampler RNG state as JSON-able ints (checkpoints)."""
+        return self.generator.get_state().tolist()
+
+    def set_rng_state(self, state: list[int]) -> None:
+        self.generator.set_state(torch.tensor(state, dtype=torch.uint8))
+
     # -- sampling --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
         out: list[Completion] = []

@@ -86,6 +86,15 @@ class ArithmeticEnv:
             out.extend(self._done.pop(group_id))
         return out
 
+    def state_dict(self) -> dict:
+        """JSON-able state for checkpoints (between batches nothing is pending)."""
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+
     def metrics(self) -> dict[str, float]:
         n = max(self._counts["completions"], 1)
         out = {"invalid_rate": self._counts["invalid"] / n}

@@ -32,44 +32,109 @@ _NUM_ROW_OUTPUTS = 5
 
 
 @triton.jit
-def _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, LANEWISE: tl.constexpr,
-                    EVICT: tl.constexpr):
+def _load_block(x_row, blk, vocab, other, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, EVICT: tl.constexpr):
+    """Block `blk` of a row: [BLOCK_V], or [BLOCK_V // GROUP, GROUP] with each GROUP of contiguous
+    columns in one thread (so reductions over a group stay inside the thread)."""
+    if GROUP >= 2:
+        offs = blk * BLOCK_V + tl.arange(0, BLOCK_V // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    else:
+        offs = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    return tl.load(x_row + offs, mask=(offs >= 0) & (offs < vocab), other=other, eviction_policy=EVICT)
+
+
+@triton.jit
+def _online_update(m, s, z, GROUP: tl.constexpr):
+    """Fold a block of z into the running (max, sum of 2^(z - max)).
+
+    GROUP == 0: scalar state, two block-wide reductions (cross-warp, with barriers) per block.
+    GROUP == 1: one state per lane, one exp2 per element and no reduction: 2^-|z - m| rescales
+                the sum when z is the new max, else it is z's own term.
+    GROUP >= 2: one state per group of GROUP columns held by one thread: in-thread max and sum,
+                one exp2 per element plus one per group, no barrier.
+    """
+    if GROUP >= 2:
+        m_new = tl.maximum(m, tl.max(z, 1))
+        s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(z - m_new[:, None]), 1)
+        m = m_new
+    elif GROUP == 1:
+        diff = z - m
+        e = tl.exp2(-tl.abs(diff))
+        is_new_max = diff > 0
+        s = tl.where(is_new_max, s * e + 1.0, s + e)
+        m = tl.where(is_new_max, z, m)
+    else:
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(z - m_new), 0)
+        m = m_new
+    return m, s
+
+
+@triton.jit
+def _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, GROUP: tl.constexpr,
+                    STAGES: tl.constexpr, EVICT: tl.constexpr):
     """log2(sum_v 2^z_v) of one row, z = x * log2(e) / T, streamed BLOCK_V columns at a time.
 
-    The running max starts finite so that blocks of -inf (restricted vocabularies) give
-    exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN. Loads are prefetched one block ahead.
-    LANEWISE keeps a running (max, sum) per lane, one exp2 per element and no cross-warp
-    reduction (no barrier) inside the loop; otherwise each block is reduced as it arrives.
+    Running maxima start finite so that blocks of -inf (restricted vocabularies) give
+    exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN. STAGES > 0: the compiler pipelines the
+    loads (async copies into shared memory, STAGES - 1 blocks in flight); STAGES == 0: loads are
+    prefetched one block ahead in registers.
     """
-    cols = tl.arange(0, BLOCK_V)
     num_blocks = tl.cdiv(vocab, BLOCK_V)
-    x_next = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf"), eviction_policy=EVICT)
-    if LANEWISE:
-        m_lane = tl.full([BLOCK_V], -3.0e38, tl.float32)
-        s_lane = tl.zeros([BLOCK_V], tl.float32)
-        for b in range(num_blocks):
-            z = x_next.to(tl.float32) * log2e_over_t
-            offs_next = (b + 1) * BLOCK_V + cols
-            x_next = tl.load(x_row + offs_next, mask=offs_next < vocab, other=float("-inf"), eviction_policy=EVICT)
-            # one exp2: 2^-|z - m| rescales the sum when z is the new max, else is z's own term
-            diff = z - m_lane
-            e = tl.exp2(-tl.abs(diff))
-            is_new_max = diff > 0
-            s_lane = tl.where(is_new_max, s_lane * e + 1.0, s_lane + e)
-            m_lane = tl.where(is_new_max, z, m_lane)
-        m = tl.max(m_lane, 0)
-        s = tl.sum(s_lane * tl.exp2(m_lane - m), 0)
+    if GROUP >= 2:
+        m = tl.full([BLOCK_V // GROUP], -3.0e38, tl.float32)
+        s = tl.zeros([BLOCK_V // GROUP], tl.float32)
+    elif GROUP == 1:
+        m = tl.full([BLOCK_V], -3.0e38, tl.float32)
+        s = tl.zeros([BLOCK_V], tl.float32)
     else:
         m = -3.0e38
         s = 0.0
+    if STAGES > 0:
+        for b in tl.range(0, num_blocks, num_stages=STAGES):
+            x = _load_block(x_row, b, vocab, float("-inf"), BLOCK_V, GROUP, EVICT)
+            m, s = _online_update(m, s, x.to(tl.float32) * log2e_over_t, GROUP)
+    else:
+        x_next = _load_block(x_row, 0, vocab, float("-inf"), BLOCK_V, GROUP, EVICT)
         for b in range(num_blocks):
-            z = x_next.to(tl.float32) * log2e_over_t
-            offs_next = (b + 1) * BLOCK_V + cols
-            x_next = tl.load(x_row + offs_next, mask=offs_next < vocab, other=float("-inf"), eviction_policy=EVICT)
-            m_new = tl.maximum(m, tl.max(z, 0))
-            s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(z - m_new), 0)
-            m = m_new
-    return m + tl.log2(s)
+            x = x_next
+            x_next = _load_block(x_row, b + 1, vocab, float("-inf"), BLOCK_V, GROUP, EVICT)
+            m, s = _online_update(m, s, x.to(tl.float32) * log2e_over_t, GROUP)
+    if GROUP >= 1:
+        m_row = tl.max(m, 0)
+        lse2 = m_row + tl.log2(tl.sum(s * tl.exp2(m - m_row), 0))
+    else:
+        lse2 = m + tl.log2(s)
+    return lse2
+
+
+@triton.jit
+def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, BLOCK_V: tl.constexpr,
+                    STAGES: tl.constexpr, EVICT: tl.constexpr):
+    """g_row = coef * (onehot(tgt) - 2^(x * log2(e)/T - lse2)).
+
+    Last block first: those were read most recently, so they are the likeliest still in L2.
+    Every column gets -coef * p; the target's coef * (1 - p_tgt) is stored after a barrier, so
+    it lands after the block store that covers it (cheaper than a compare per element).
+    """
+    cols = tl.arange(0, BLOCK_V)
+    num_blocks = tl.cdiv(vocab, BLOCK_V)
+    neg_coef = -coef
+    if STAGES > 0:
+        for j in tl.range(0, num_blocks, num_stages=STAGES):
+            offs = (num_blocks - 1 - j) * BLOCK_V + cols
+            x = tl.load(x_row + offs, mask=offs < vocab, other=0.0, eviction_policy=EVICT).to(tl.float32)
+            d = tl.exp2(x * log2e_over_t - lse2) * neg_coef
+            tl.store(g_row + offs, d.to(g_row.dtype.element_ty), mask=offs < vocab, eviction_policy=EVICT)
+    else:
+        x_next = _load_block(x_row, num_blocks - 1, vocab, 0.0, BLOCK_V, 0, EVICT)
+        for j in range(num_blocks):
+            offs = (num_blocks - 1 - j) * BLOCK_V + cols
+            x = x_next.to(tl.float32)
+            x_next = _load_block(x_row, num_blocks - 2 - j, vocab, 0.0, BLOCK_V, 0, EVICT)
+            d = tl.exp2(x * log2e_over_t - lse2) * neg_coef
+            tl.store(g_row + offs, d.to(g_row.dtype.element_ty), mask=offs < vocab, eviction_policy=EVICT)
+    tl.debug_barrier()
+    tl.store(g_row + tgt, (coef * (1.0 - p_tgt)).to(g_row.dtype.element_ty))
 
 
 @triton.jit
@@ -95,7 +160,8 @@ def _grpo_rows_kernel(
     HAS_KL: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    LANEWISE: tl.constexpr,
+    GROUP: tl.constexpr,        # pass-1 reduction: 0 block-wide, 1 per lane, >= 2 per group of columns
+    STAGES: tl.constexpr,
     EVICT_PASS1: tl.constexpr,  # L2 hints: keep pass-1 reads for pass 2, then let them and the writes go
     EVICT_PASS2: tl.constexpr,
 ):
@@ -133,7 +199,7 @@ def _grpo_rows_kernel(
             if w > 0:
                 # Target logit first: in place, pass 2 (after a barrier) overwrites it.
                 z_tgt = tl.load(x_row + tgt).to(tl.float32) * log2e_over_t
-                lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, LANEWISE, EVICT_PASS1)
+                lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
                 logp = (z_tgt - lse2) * LN2
 
                 # Per-token GRPO terms, as in reference.grpo_token_terms.
@@ -160,20 +226,8 @@ def _grpo_rows_kernel(
                     # d loss / d x_v = w * dloss_dlogp * (onehot_v - p_v) / T
                     coef = w * dloss_dlogp * inv_t
                     tl.debug_barrier()  # every thread's read of the target logit precedes in-place writes
-                    # Pass 2, last block first: those were read most recently, so most likely in L2.
-                    last = (num_blocks - 1) * BLOCK_V
-                    x_next = tl.load(x_row + last + cols, mask=last + cols < vocab, other=0.0,
-                                     eviction_policy=EVICT_PASS2)
-                    for j in range(num_blocks):
-                        offs = (num_blocks - 1 - j) * BLOCK_V + cols
-                        x = x_next.to(tl.float32)
-                        offs_prev = offs - BLOCK_V
-                        x_next = tl.load(x_row + offs_prev, mask=(offs_prev >= 0) & (offs_prev < vocab), other=0.0,
-                                         eviction_policy=EVICT_PASS2)
-                        p = tl.exp2(x * log2e_over_t - lse2)
-                        d = (tl.where(offs == tgt, 1.0, 0.0) - p) * coef
-                        tl.store(g_row + offs, d.to(grad_ptr.dtype.element_ty), mask=offs < vocab,
-                                 eviction_policy=EVICT_PASS2)
+                    _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
+                                    BLOCK_V, STAGES, EVICT_PASS2)
             else:
                 tl.store(out + 0, 0.0)
                 tl.store(out + 1, 0.0)
@@ -189,8 +243,8 @@ def _grpo_rows_kernel(
 
 def default_config(vocab: int, device: torch.device) -> dict:
     """Launch parameters (tuned on an H200, bf16, V=152064)."""
-    block_v = min(triton.next_power_of_2(vocab), 8192)
-    cfg = {"block_v": block_v, "num_warps": 16, "programs_per_sm": 1, "lanewise": False,
+    block_v = min(triton.next_power_of_2(vocab), 16384)
+    cfg = {"block_v": block_v, "num_warps": 16, "programs_per_sm": 1, "group": 8, "stages": 4,
            "evict_pass1": "evict_last", "evict_pass2": "evict_first"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
@@ -225,6 +279,9 @@ def grpo_rows(
     num_rows, vocab = logits.shape
     assert logits.stride(1) == 1 and (grad is None or (grad.shape == logits.shape and grad.stride(1) == 1))
     cfg = {**default_config(vocab, logits.device), **(config or {})}
+    cfg["block_v"] = min(cfg["block_v"], triton.next_power_of_2(vocab))
+    if cfg["group"] > cfg["block_v"] // 2:  # tiny vocabularies (restricted ids): block-wide reduction
+        cfg["group"] = 0
     f32 = dict(dtype=torch.float32)
     weights = weights.to(**f32).contiguous()
     behaviour_logprobs = behaviour_logprobs.to(**f32).contiguous()
@@ -241,7 +298,7 @@ def grpo_rows(
         num_rows, triton.cdiv(num_rows, num_programs), vocab, logits.stride(0),
         grad.stride(0) if grad is not None else 0,
         math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
-        HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], LANEWISE=cfg["lanewise"],
+        HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
         EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], num_warps=cfg["num_warps"],
     )
     return row_out

@@ -1,8 +1,9 @@
 """Transport: a TrajectoryBatch from an inference rank to a learner rank as packed tensors.
 
 Wire format (point-to-point on the transport group): an int64 header
-    [num_fields, (field_id, dtype_id, ndim, *shape) per field]
-padded to a fixed length, then each tensor. No pickling, no per-sample messages: one header and
+    [num_fields, (field_id, dtype_id, ndim, *shape) per field, 0..., flags]
+padded to a fixed length, then each tensor. `flags` (the last header word) carries run control
+from the inference rank (FLAG_STOP: a stop was requested there). No pickling, no per-sample messages: one header and
 <= 9 tensors per shard whatever the batch size.
 """
 from __future__ import annotations
@@ -17,18 +18,19 @@ from colocate.data import TrajectoryBatch
 FIELDS = [f.name for f in fields(TrajectoryBatch)]
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool]
 HEADER_LEN = 64
+FLAG_STOP = 2
 
 
-def encode_header(batch: TrajectoryBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def encode_header(batch: TrajectoryBatch, flags: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     tensors = batch.tensors()
     header = [len(tensors)]
     payload = []
     for name, t in tensors.items():
         header += [FIELDS.index(name), DTYPES.index(t.dtype), t.dim(), *t.shape]
         payload.append(t.contiguous())
-    if len(header) > HEADER_LEN:
+    if len(header) > HEADER_LEN - 1:
         raise ValueError("trajectory header too long")
-    return torch.tensor(header + [0] * (HEADER_LEN - len(header)), dtype=torch.int64), payload
+    return torch.tensor(header + [0] * (HEADER_LEN - 1 - len(header)) + [flags], dtype=torch.int64), payload
 
 
 class PendingSend:
@@ -43,15 +45,19 @@ class PendingSend:
         self.works, self.tensors = [], []
 
 
-def send_batch(batch: TrajectoryBatch, dst: int, group) -> PendingSend:
+def send_batch(batch: TrajectoryBatch, dst: int, group, flags: int = 0) -> PendingSend:
     """Non-blocking send of one shard to global rank `dst`."""
-    header, payload = encode_header(batch)
+    header, payload = encode_header(batch, flags)
     works = [dist.isend(header, dst=dst, group=group)]
     works += [dist.isend(t, dst=dst, group=group) for t in payload]
     return PendingSend(works, [header, *payload])
 
 
 def recv_batch(src: int, group) -> TrajectoryBatch:
+    return recv_batch_with_flags(src, group)[0]
+
+
+def recv_batch_with_flags(src: int, group) -> tuple[TrajectoryBatch, int]:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src=src, group=group)
     h = header.tolist()
@@ -63,7 +69,27 @@ def recv_batch(src: int, group) -> TrajectoryBatch:
         t = torch.empty(shape, dtype=dtype)
         dist.recv(t, src=src, group=group)
         out[name] = t
-    return TrajectoryBatch(**out)
+    return TrajectoryBatch(**out), h[-1]
+
+
+CONTROL_TAG = 7  # control messages never match a trajectory receive, whatever is in flight
+
+
+def send_json(data: dict, dst: int, group) -> None:
+    """Small control payloads (an inference rank's checkpoint state): length, then UTF-8 bytes."""
+    import json
+    raw = torch.frombuffer(bytearray(json.dumps(data).encode()), dtype=torch.uint8)
+    dist.send(torch.tensor([raw.numel()], dtype=torch.int64), dst=dst, group=group, tag=CONTROL_TAG)
+    dist.send(raw, dst=dst, group=group, tag=CONTROL_TAG)
+
+
+def recv_json(src: int, group) -> dict:
+    import json
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, src=src, group=group, tag=CONTROL_TAG)
+    raw = torch.empty(int(n), dtype=torch.uint8)
+    dist.recv(raw, src=src, group=group, tag=CONTROL_TAG)
+    return json.loads(bytes(raw.tolist()).decode())
 
 
 def shard_batch(batch: TrajectoryBatch, num_shards: int) -> list[TrajectoryBatch]:

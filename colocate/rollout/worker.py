@@ -15,14 +15,14 @@ class RolloutWorker:
         self.env = env
         self.engine = engine
         self.groups_per_batch = groups_per_batch
-        self._next_group = first_group_id
+        self.next_group = first_group_id
 
     def collect(self) -> tuple[TrajectoryBatch, dict[str, float]]:
         """Play `groups_per_batch` groups to the end -> (batch, stats)."""
         t0 = time.perf_counter()
         for _ in range(self.groups_per_batch):
-            self.env.start_group(self._next_group)
-            self._next_group += 1
+            self.env.start_group(self.next_group)
+            self.next_group += 1
         samples: list[Sample] = []
         rounds, gen_time, out_tokens = 0, 0.0, 0
         while True:

@@ -1,0 +1,163 @@
+"""`--profile env`: Diplomacy phases per second, our env path against a naive one, same process.
+
+Both paths play the same workload with a uniformly random legal policy: groups of G continuations
+forked from one start state (the opening, or a random mid-game state of the committed cache),
+`horizon_years` years each; every phase builds every power's prompt and constraint, samples,
+decodes and parses the completion, sets the orders and processes the phase.
+
+  ours      DiplomacyEnv: `fork_game`, legal orders once per game phase (and once per group at the
+            fork phase), memoized piecewise tokenization, `set_orders(expand=False)` on
+            engine-format orders.
+  baseline  the straightforward version of the same loop: deepcopy + clear_cache per fork,
+            `get_all_possible_orders()` per power, the HF tokenizer called per prompt and per
+            power's choices, `set_orders` with expansion.
+
+Also times forking one mid-game state into 8 clones (ours, deepcopy + clear_cache, Game() +
+set_state) on a game with 27 phases of history and on a cache-loaded state (no history).
+"""
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+import time
+
+from colocate.benchmarks.common import median_time
+
+
+def add_args(parser) -> None:
+    parser.add_argument("--groups", type=int, default=12, help="groups per workload and path")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--horizon-years", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating baseline/ours rounds (median)")
+
+
+def load_embedded_tokenizer():
+    from colocate.config import ModelConfig
+    from colocate.envs import diplomacy
+    from colocate.models import load_tokenizer
+    return load_tokenizer(ModelConfig(), diplomacy.corpus, f"diplomacy-{diplomacy.CORPUS_VERSION}")
+
+
+def run_ours(tokenizer, starts, group_size, horizon_years, seed) -> tuple[float, int, dict]:
+    """Seconds and phases for playing one group per start state with DiplomacyEnv."""
+    from colocate.envs.diplomacy import DiplomacyEnv, random_legal_completion
+    env = DiplomacyEnv(tokenizer, group_size=group_size, horizon_years=horizon_years, seed=seed)
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    for group_id, state in enumerate(starts):
+        env.start_states = [state] if state is not None else None
+        env.start_group(group_id)
+    while True:
+        keyed = env.requests()
+        if not keyed:
+            break
+        env.step({key: random_legal_completion(request, rng) for key, request in keyed})
+        env.pop_finished()
+    elapsed = time.perf_counter() - t0
+    metrics = env.metrics()
+    return elapsed, int(metrics["phases_processed"]), metrics
+
+
+def naive_phase(game, tokenizer, rng) -> None:
+    """One phase the straightforward way: per power legal orders, prompt, tokenize, sample, parse."""
+    from colocate.envs.diplomacy import game as dg
+    from colocate.envs.diplomacy.orders import parse_orders
+    from colocate.envs.diplomacy.prompt import INSTRUCTION, board_lines, own_lines, power_orders
+    eos = tokenizer.eos_token_id
+    for power in dg.POWERS:
+        per_loc = dg.legal_orders_baseline(game, power)
+        orders = power_orders(game, {power: per_loc}).get(power) if per_loc else None
+        if orders is None:
+            continue
+        text = INSTRUCTION + "".join(board_lines(game)) + "".join(own_lines(orders))
+        tokenizer(text, add_special_tokens=False)  # the prompt ids the engine would get
+        ids = []
+        for choices in orders.choices:
+            slot = tokenizer([f"{o}\n" for o in choices], add_special_tokens=False)["input_ids"]
+            ids.extend(rng.choice(slot))
+        ids.append(eos)
+        parsed = parse_orders(tokenizer.decode(ids[:-1]), orders)
+        game.set_orders(power, parsed.orders)
+    game.process()
+
+
+def run_baseline(tokenizer, starts, group_size, horizon_years, seed) -> tuple[float, int]:
+    from colocate.envs.diplomacy import game as dg
+    rng = random.Random(seed)
+    phases = 0
+    t0 = time.perf_counter()
+    for state in starts:
+        root = dg.game_from_state(state) if state is not None else dg.new_game()
+        key = dg.phase_key(root.get_current_phase())
+        end_key = (key[0] + horizon_years, key[1], key[2])
+        for game in [dg.fork_game_baseline(root) for _ in range(group_size)]:
+            owners, last_change = dg.centre_owners(game), key[0]
+            while True:
+                naive_phase(game, tokenizer, rng)
+                phases += 1
+                if game.is_game_done:
+                    break
+                now = dg.phase_key(game.get_current_phase())
+                if dg.centre_owners(game) != owners:
+                    owners, last_change = dg.centre_owners(game), now[0]
+                if now >= end_key or now[0] - last_change >= 2:
+                    break
+    return time.perf_counter() - t0, phases
+
+
+def fork_timings(states, quick: bool) -> tuple[dict, dict]:
+    """ms to fork 8 clones: ours vs deepcopy + clear_cache vs Game() + set_state."""
+    from colocate.envs.diplomacy import game as dg
+    rng = random.Random(0)
+    played = dg.new_game()  # a played game carries 27 phases of history at S1910M
+    while dg.phase_key(played.get_current_phase()) < (1910, 0, 0):
+        for power, per_loc in dg.legal_orders(played).items():
+            played.set_orders(power, [rng.choice(v) for v in per_loc.values()])
+        played.process()
+    loaded = dg.game_from_state(max(states, key=lambda s: dg.phase_key(s["name"])))
+    ours, base = {}, {}
+    for tag, game in (("played_S1910M", played), ("cache_loaded", loaded)):
+        ours[f"fork8_ms_{tag}"] = 1e3 * median_time(lambda: [dg.fork_game(game) for _ in range(8)], iters=50)
+        iters = 1 if quick and tag.startswith("played") else 3
+        base[f"fork8_ms_deepcopy_{tag}"] = 1e3 * median_time(
+            lambda: [dg.fork_game_baseline(game) for _ in range(8)], warmup=1, iters=iters)
+        state = game.get_state()
+        base[f"fork8_ms_set_state_{tag}"] = 1e3 * median_time(
+            lambda: [dg.game_from_state(state) for _ in range(8)], iters=10)
+    base["fork8_ms_deepcopy_single_played"] = 1e3 * median_time(lambda: copy.deepcopy(played), warmup=0, iters=1)
+    return ours, base
+
+
+def run(args) -> dict:
+    from colocate.envs.diplomacy import game as dg
+    tokenizer = load_embedded_tokenizer()
+    states = dg.load_state_cache(dg.__file__.replace("game.py", "states.jsonl"))
+    groups = 2 if args.quick else args.groups
+    rounds = 1 if args.quick else args.rounds
+    figures, baseline, ratios = {}, {}, {}
+    rng = random.Random(0)
+    workloads = {"opening": [None] * groups, "midgame": [rng.choice(states) for _ in range(groups)]}
+    run_ours(tokenizer, workloads["midgame"][:1], 2, 1, seed=99)  # warm the token memo and the map
+    for name, starts in workloads.items():
+        ours_rate, base_rate, last = [], [], {}
+        for r in range(rounds):
+            t, phases = run_baseline(tokenizer, starts, args.group_size, args.horizon_years, seed=r)
+            base_rate.append(phases / t)
+            t, phases, last = run_ours(tokenizer, starts, args.group_size, args.horizon_years, seed=r)
+            ours_rate.append(phases / t)
+        ours_med, base_med = statistics.median(ours_rate), statistics.median(base_rate)
+        figures[f"{name}_phases_per_s"] = ours_med
+        baseline[f"{name}_phases_per_s"] = base_med
+        ratios[f"{name}_phases_per_s"] = ours_med / base_med
+        for key in ("build_ms_per_phase", "process_ms_per_phase", "parse_ms_per_completion", "fork_ms",
+                    "prompt_tokens_mean", "prompt_tokens_max", "orders_tokens_max", "invalid_order_rate"):
+            figures[f"{name}_{key}"] = last[key]
+        figures[f"{name}_phases_per_round"] = last["phases_processed"]
+    fork_ours, fork_base = fork_timings(states, args.quick)
+    figures.update(fork_ours)
+    baseline.update(fork_base)
+    for tag in ("played_S1910M", "cache_loaded"):
+        ratios[f"fork8_{tag}_vs_deepcopy"] = fork_base[f"fork8_ms_deepcopy_{tag}"] / fork_ours[f"fork8_ms_{tag}"]
+    figures.update(groups=groups, group_size=args.group_size, horizon_years=args.horizon_years, rounds=rounds)
+    return {"figures": figures, "baseline": baseline, "ratios": ratios}

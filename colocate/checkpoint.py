@@ -1,0 +1,225 @@
+"""Checkpoints: written atomically, loaded strictly, never pickled.
+
+Layout of `<run_dir>/checkpoints/step-000042/`:
+    adapter_model.safetensors   the LoRA adapter in peft format (PeftModel.from_pretrained and
+    adapter_config.json         vLLM's LoRARequest both load this directory)
+    optimizer.safetensors       optimizer tensors, keys "state.<param index>.<name>"
+    optimizer.json              the rest of the optimizer state dict (param groups, scalars)
+    rng.safetensors             learner torch RNG state(s)
+    trainer_state.json          step, version, metric history, each inference rank's state
+    config.yaml                 the resolved config of the run that wrote it
+
+A checkpoint is built in `.tmp-step-…` (every file fsynced) and renamed into place: a process
+killed mid-write leaves only a temp directory, which `latest_checkpoint` ignores and the next
+save removes. Every load error names the file and raises `CheckpointError`; `train.py` turns it
+into exit code 2 before any process group does work.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+REQUIRED = ("adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "optimizer.json",
+            "rng.safetensors", "trainer_state.json")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file."""
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """Newest complete `step-*` directory under root (temp directories are never complete)."""
+    if not os.path.isdir(root):
+        return None
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name)))
+    return os.path.join(root, steps[-1][1]) if steps else None
+
+
+def resolve_resume(resume: str, run_dir: str) -> str | None:
+    """'' -> None; 'auto' -> newest checkpoint of run_dir (None if there is none); else a path."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_root(run_dir))
+    if not os.path.isdir(resume):
+        raise CheckpointError(f"{resume}: resume checkpoint directory does not exist")
+    return resume
+
+
+# -- peft names ------------------------------------------------------------------------------------
+def to_peft_name(name: str) -> str:
+    """Canonical parameter name -> peft's saved key ("...lora_A.default.weight" -> "...lora_A.weight")."""
+    return name.replace(".default.", ".")
+
+
+def from_peft_name(key: str, adapter: str = "default") -> str:
+    return re.sub(r"\.(lora_[AB])\.", rf".\1.{adapter}.", key)
+
+
+# -- optimizer state <-> (tensors, json) -----------------------------------------------------------
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(t, "full_tensor", None)  # DTensor under FSDP2
+    return (full_tensor() if full_tensor is not None else t).detach().cpu().contiguous()
+
+
+def flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, meta = {}, {"param_groups": state_dict["param_groups"], "scalars": {}}
+    for idx, per_param in state_dict["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{idx}.{key}"] = _full(value)
+            else:
+                meta["scalars"][f"{idx}.{key}"] = value
+    return tensors, meta
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict, params: list[torch.Tensor]) -> dict:
+    """Rebuild an optimizer state dict for `params` (the optimizer's parameters, in its order): state
+    tensors shaped like their parameter take its device, dtype and FSDP2 sharding."""
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = value
+    for key, value in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    for idx, per_param in state.items():
+        param = params[idx]
+        for name, value in per_param.items():
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+                continue  # scalars such as Adam's step stay as saved
+            if hasattr(param, "device_mesh"):
+                from torch.distributed.tensor import distribute_tensor
+                per_param[name] = distribute_tensor(value.to(param.device_mesh.device_type).to(param.dtype),
+                                                    param.device_mesh, param.placements)
+            else:
+                per_param[name] = value.to(device=param.device, dtype=param.dtype)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# -- write -----------------------------------------------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(root: str, step: int, *, adapter: dict[str, torch.Tensor], peft_config: dict,
+                    optimizer: tuple[dict[str, torch.Tensor], dict], rng: dict[str, torch.Tensor],
+                    trainer_state: dict, config_yaml: str, keep: int, fault_hook=None) -> str:
+    """Write `step-<step>` atomically and keep the newest `keep` checkpoints. Returns its path.
+
+    `optimizer` is `flatten_optimizer(optimizer.state_dict())` (every learner runs that gather)."""
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):  # leftovers of a killed write
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    final = os.path.join(root, f"step-{step:06d}")
+    tmp = os.path.join(root, f".tmp-step-{step:06d}-{os.getpid()}")
+    os.makedirs(tmp)
+    _write_tensors(os.path.join(tmp, "adapter_model.safetensors"),
+                   {to_peft_name(n): _full(t) for n, t in adapter.items()})
+    _write_json(os.path.join(tmp, "adapter_config.json"), peft_config)
+    if fault_hook is not None:
+        fault_hook()  # tests: a kill -9 in the middle of a write
+    opt_tensors, opt_meta = optimizer
+    _write_tensors(os.path.join(tmp, "optimizer.safetensors"), opt_tensors)
+    _write_json(os.path.join(tmp, "optimizer.json"), opt_meta)
+    _write_tensors(os.path.join(tmp, "rng.safetensors"), {k: v.contiguous() for k, v in rng.items()})
+    _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)
+    with open(os.path.join(tmp, "config.yaml"), "w") as f:
+        f.write(config_yaml)
+    _fsync_dir(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    steps = sorted(n for n in os.listdir(root) if STEP_DIR.match(n))
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return final
+
+
+# -- read ------------------------------------------------------------------------------------------
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable or corrupt JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from None
+
+
+def load_checkpoint(path: str) -> dict:
+    """Read and validate every file; -> {adapter, peft_config, optimizer_tensors, optimizer_meta, rng, trainer_state}."""
+    for name in REQUIRED:
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"{os.path.join(path, name)}: missing from checkpoint")
+    out = {
+        "adapter": {from_peft_name(k): v for k, v in
+                    _read_tensors(os.path.join(path, "adapter_model.safetensors")).items()},
+        "peft_config": _read_json(os.path.join(path, "adapter_config.json")),
+        "optimizer_tensors": _read_tensors(os.path.join(path, "optimizer.safetensors")),
+        "optimizer_meta": _read_json(os.path.join(path, "optimizer.json")),
+        "rng": _read_tensors(os.path.join(path, "rng.safetensors")),
+        "trainer_state": _read_json(os.path.join(path, "trainer_state.json")),
+    }
+    state = out["trainer_state"]
+    for key in ("step", "version", "inference"):
+        if key not in state:
+            raise CheckpointError(f"{os.path.join(path, 'trainer_state.json')}: missing key {key!r}")
+    if not out["adapter"]:
+        raise CheckpointError(f"{os.path.join(path, 'adapter_model.safetensors')}: holds no tensors")
+    return out
+
+
+def check_adapter_matches(adapter: dict[str, torch.Tensor], live: dict[str, torch.Tensor], path: str) -> None:
+    """The checkpoint's adapter must have exactly the live model's names and shapes."""
+    where = os.path.join(path, "adapter_model.safetensors")
+    if set(adapter) != set(live):
+        missing = sorted(set(live) - set(adapter))[:1] or sorted(set(adapter) - set(live))[:1]
+        raise CheckpointError(f"{where}: adapter names differ from this run's LoRA config (e.g. {missing[0]})")
+    for name, t in live.items():
+        if tuple(adapter[name].shape) != tuple(t.shape):
+            raise CheckpointError(f"{where}: {name} has shape {tuple(adapter[name].shape)}, expected {tuple(t.shape)}")
+
+
+def peft_config_dict(model) -> dict:
+    """The adapter's peft config as JSON-able data (what adapter_config.json holds)."""
+    cfg = model.peft_config["default"].to_dict()
+    return json.loads(json.dumps(cfg, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))

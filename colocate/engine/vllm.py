@@ -1,0 +1,324 @@
+"""vLLM engine (vllm==0.25.0) for inference ranks: one engine per rank, TP=1, engine core in a child.
+
+What it does beyond `LLM.generate`:
+  * constraints become vLLM structured outputs (llguidance, token-id grammars: `vllm_grammar.py`);
+    vLLM masks on its own host threads and the GPU, our Python never touches a logit. After
+    generation `replay_allowed` walks `ConstraintState` over the sampled ids to rebuild
+    `Completion.allowed_ids` (the learner restricts its softmax to them) and checks the walk;
+  * log-probs are `logprobs_mode="processed_logprobs"`: after temperature and the grammar mask, i.e.
+    what the learner computes over `allowed_ids`;
+  * the adapter sits in one pinned LoRA slot and is overwritten in place, from an NCCL broadcast of
+    learner rank 0 (`vllm_sync.py`) or from tensors (`load_lora`); no files (`vllm_worker.py`).
+    Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache blocks by that name, so
+    blocks computed with an older adapter are never reused and no cache reset is needed;
+  * start-up inside torchrun follows notes/vllm-in-torchrun.md: the child sees only this rank's
+    GPU and none of torchrun's variables (`engine_environment`); `train.py` keeps its entry guarded.
+
+Deliberately absent: tensor parallelism, several adapters, sleep mode, speculative decoding.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+from colocate.data import Completion, Request
+from colocate.engine.vllm_grammar import completion_is_forced_eos, constraint_grammar, replay_allowed
+from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
+from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
+
+WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
+TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                      "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+PROMPT_BOUND = {"arithmetic": 64, "diplomacy": 1024}
+"""Upper bound of prompt tokens per environment, for max_model_len when the config leaves it 0."""
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---------------------------------------------------------------------------------- sizing
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """CUDA-graph batch sizes: 1, 2, 4, 8, every 16 to 128, every 32 beyond, and max_num_seqs itself
+    (about half of vLLM's default list at 512: start-up is dominated by compile and capture)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += list(range(16, min(max_num_seqs, 128) + 1, 16)) + list(range(160, max_num_seqs + 1, 32))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def requests_per_round(cfg, num_inference: int) -> int:
+    """Prompts one inference rank sends to `generate` at once (every live game's every power)."""
+    per_game = 7 if cfg.env.name == "diplomacy" else 1
+    return max(1, cfg.rollout.groups_per_step // num_inference) * cfg.rollout.group_size * per_game
+
+
+def engine_settings(cfg, num_inference: int, seed: int) -> dict:
+    """Keyword arguments of `VLLMEngine` (besides model_dir) sized from config and workload."""
+    max_num_seqs = max(1, min(cfg.engine.max_num_seqs, requests_per_round(cfg, num_inference)))
+    max_model_len = cfg.engine.max_model_len or \
+        -(-(PROMPT_BOUND.get(cfg.env.name, 1024) + cfg.engine.max_new_tokens) // 64) * 64
+    return dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
+                enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
+                lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha)
+
+
+# ---------------------------------------------------------------------------------- start-up
+
+def visible_device(local_rank: int) -> str:
+    """The physical GPU of `local_rank`, honouring a CUDA_VISIBLE_DEVICES already set."""
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return current.split(",")[local_rank] if current else str(local_rank)
+
+
+@contextlib.contextmanager
+def engine_environment(local_rank: int | None):
+    """The environment the engine core is spawned with (restored afterwards).
+
+    Without torchrun's variables the child's own process group cannot join torchrun's agent store
+    (it hung there); CUDA_VISIBLE_DEVICES gives it this rank's GPU as cuda:0.
+    """
+    keys = TORCHRUN_VARIABLES + ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "NCCL_CUMEM_ENABLE")
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        if local_rank is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(local_rank)
+        for k in TORCHRUN_VARIABLES:
+            os.environ.pop(k, None)
+        os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # as the learner's side; mixed settings hang
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def lora_spec_for(cfg, tokenizer) -> LoraSpec:
+    """The learner's adapter layout (names, shapes, dtype), from a model built on the meta device."""
+    from colocate.models import add_lora, build_model
+    with torch.device("meta"):
+        model = add_lora(build_model(cfg.model, tokenizer, "meta"), cfg.lora)
+    return LoraSpec.of({n: p for n, p in model.named_parameters() if "lora_" in n})
+
+
+def model_dir_key(cfg, tokenizer) -> str:
+    import hashlib
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha1(repr(vocab).encode()).hexdigest()[:10]
+    return f"model-{cfg.model.shape}-{cfg.model.dtype}-seed{cfg.model.seed}-tok{digest}"
+
+
+def save_model_dir(path: str, model, tokenizer) -> None:
+    """Write an HF directory vLLM can load (weights on every rank: is_main_process, trap 3)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    model.save_pretrained(tmp, is_main_process=True)
+    tokenizer.save_pretrained(tmp)
+    os.rename(tmp, path)
+
+
+def ensure_model_dir(cfg, tokenizer, device, *, is_writer: bool, timeout_s: float = 1800.0) -> str:
+    """`model.path`, or the random base model written once under `model.cache_dir`.
+
+    The writer builds the weights exactly as the learner does (`build_model`: same seed, same
+    device type, so the same numbers) and frees them; other ranks wait for the directory.
+    """
+    if cfg.model.path:
+        return cfg.model.path
+    path = os.path.abspath(os.path.join(cfg.model.cache_dir, model_dir_key(cfg, tokenizer)))
+    if not os.path.exists(path) and is_writer:
+        from colocate.models import build_model
+        model = build_model(cfg.model, tokenizer, device)
+        save_model_dir(path, model, tokenizer)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            raise TimeoutError(f"model directory {path} did not appear (written by inference rank 0)")
+        time.sleep(1.0)
+    return path
+
+
+# ---------------------------------------------------------------------------------- requests
+
+def sampling_kwargs(request: Request, eos_id: int) -> dict:
+    """SamplingParams fields for one request (its grammar goes in `structured_outputs`)."""
+    kw = dict(n=1, temperature=request.temperature, max_tokens=request.max_new_tokens, logprobs=0,
+              flat_logprobs=True, detokenize=False)
+    if request.constraint is not None and not request.constraint.slots:
+        kw.update(max_tokens=1, allowed_token_ids=[eos_id])  # nothing to choose: only EOS
+    return kw
+
+
+def sampled_logprobs(output) -> list[float]:
+    """Per-token log-probs of the sampled ids from a vLLM CompletionOutput (flat or per-position)."""
+    lps = output.logprobs
+    if lps is None:
+        raise RuntimeError("vLLM returned no logprobs: the request must ask for logprobs=0")
+    flat = getattr(lps, "logprobs", None)
+    if flat is not None and len(flat) == len(output.token_ids):
+        return list(flat)
+    return [lps[i][tok].logprob for i, tok in enumerate(output.token_ids)]
+
+
+def completion_from_output(output, request: Request, version: int, eos_id: int) -> tuple[Completion, dict]:
+    """vLLM CompletionOutput -> Completion (+ counters: walk failures, EOS appended)."""
+    ids = list(output.token_ids)
+    logprobs = sampled_logprobs(output)
+    reason = "length" if output.finish_reason == "length" else "stop"
+    counts = {"walk_failures": 0, "eos_appended": 0}
+    allowed = None
+    c = request.constraint
+    if c is not None:
+        replay = replay_allowed(c, ids)
+        allowed = replay.allowed_ids
+        if not replay.is_valid:
+            counts["walk_failures"] = 1
+            # A text grammar sampled a tokenization outside the trie (measurement mode only): from
+            # there each sampled id stands alone, so the batch still packs (not fit for training).
+            allowed = allowed + [[t] for t in ids[len(allowed):]]
+        elif reason == "stop" and not replay.is_done and completion_is_forced_eos(c, ids):
+            ids.append(eos_id)           # vLLM ended on the grammar without reporting the forced EOS:
+            logprobs.append(0.0)         # it was the only allowed token, log-prob 0
+            allowed.append([eos_id])
+            counts["eos_appended"] = 1
+    return Completion(token_ids=ids, logprobs=logprobs, allowed_ids=allowed, version=version,
+                      finish_reason=reason), counts
+
+
+# ---------------------------------------------------------------------------------- engine
+
+class VLLMEngine:
+    """`Engine` over `vllm.LLM`; see the module docstring."""
+
+    def __init__(self, model_dir: str, spec: LoraSpec, eos_id: int, *, max_num_seqs: int = 512,
+                 max_model_len: int = 1024, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
+                 enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
+                 max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
+                 dtype: str = "bfloat16"):
+        from vllm import LLM
+        self.spec = spec
+        self.eos_id = eos_id
+        self.grammar_mode = grammar_mode
+        self.max_num_seqs = max_num_seqs
+        self.version = 0
+        self.stats = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0}
+        t0 = time.perf_counter()
+        with engine_environment(local_rank):
+            self.llm = LLM(
+                model=model_dir, tokenizer=model_dir, dtype=dtype, seed=seed,
+                enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras,
+                enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                gpu_memory_utilization=gpu_memory_utilization,
+                logprobs_mode="processed_logprobs",
+                structured_outputs_config={"backend": "guidance"},
+                compilation_config={"cudagraph_capture_sizes": capture_sizes(max_num_seqs)},
+                worker_extension_cls=WORKER_EXTENSION)
+        self.startup_s = time.perf_counter() - t0
+        self.slot_info = self.llm.collective_rpc(
+            "colocate_init_adapter",
+            args=(list(spec.names), [list(s) for s in spec.shapes], str(spec.dtype).removeprefix("torch."),
+                  lora_rank, lora_alpha / lora_rank))[0]
+        self._lora_request = self._make_lora_request()
+
+    @classmethod
+    def from_config(cls, cfg, topo, tokenizer) -> "VLLMEngine":
+        """Inference rank of a torchrun job: port from learner rank 0, model dir, engine, sync group."""
+        from colocate.engine.vllm_sync import HOST, exchange_port
+        spec = lora_spec_for(cfg, tokenizer)
+        port = exchange_port(topo)  # matches learner rank 0's `open_sender`
+        model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
+        engine = cls(model_dir, spec, tokenizer.eos_token_id, local_rank=topo.local_rank,
+                     **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank))
+        engine.join_sync(HOST, port, world_size=1 + topo.num_inference, rank=1 + topo.rank)
+        return engine
+
+    def _make_lora_request(self):
+        from vllm.lora.request import LoRARequest
+        return LoRARequest(lora_name=f"colocate-v{self.version}", lora_int_id=SLOT_ID, lora_path=IN_MEMORY_PATH)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def join_sync(self, host: str, port: int, *, world_size: int, rank: int) -> str:
+        """Join learner rank 0's stateless NCCL group from the worker (blocks until all joined)."""
+        return self.llm.collective_rpc("colocate_init_sync", args=(host, port, world_size, rank))[0]
+
+    def receive_lora(self, verify: bool = False) -> dict:
+        """Take the next broadcast of learner rank 0 into the slot; later samples carry its version."""
+        version, sent, checksum_ok, slot_ok, flags, apply_ms = self.llm.collective_rpc(
+            "colocate_receive_adapter", args=(verify,))[0]
+        if checksum_ok is False:
+            raise RuntimeError(f"adapter version {version} arrived corrupted (checksum mismatch)")
+        if slot_ok is False:
+            raise RuntimeError(f"adapter version {version}: the LoRA slot differs from what was received")
+        self._set_version(version)
+        return {"version": version, "checksum": sent, "checksum_ok": checksum_ok, "slot_ok": slot_ok,
+                "flags": flags, "apply_ms": apply_ms}
+
+    def load_lora(self, version: int, tensors: dict[str, torch.Tensor], verify: bool = False) -> None:
+        flat = flatten_lora({n: t.detach().cpu() for n, t in tensors.items()}, self.spec)
+        (slot_ok,) = self.llm.collective_rpc(
+            "colocate_load_adapter_bytes", args=(flat.view(torch.uint8).numpy().tobytes(), verify))[0]
+        if slot_ok is False:
+            raise RuntimeError(f"adapter version {version}: the LoRA slot differs from what was sent")
+        self._set_version(version)
+
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        data = self.llm.collective_rpc("colocate_adapter_bytes")[0]
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.spec.dtype)
+        return unflatten_lora(flat, self.spec)
+
+    def slot_matches(self) -> bool:
+        return bool(self.llm.collective_rpc("colocate_slot_matches")[0])
+
+    def _set_version(self, version: int) -> None:
+        self.version = version
+        self._lora_request = self._make_lora_request()  # new name: new prefix-cache key
+
+    # -- sampling --------------------------------------------------------------------------------
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+        t0 = time.perf_counter()
+        grammars: dict[int, str] = {}  # many requests share one Constraint object
+        prompts, params = [], []
+        for r in requests:
+            structured = None
+            if r.constraint is not None and r.constraint.slots:
+                key = id(r.constraint)
+                if key not in grammars:
+                    grammars[key] = constraint_grammar(r.constraint, self.grammar_mode)
+                structured = StructuredOutputsParams(grammar=grammars[key])
+            prompts.append({"prompt_token_ids": r.prompt_ids})
+            params.append(SamplingParams(**sampling_kwargs(r, self.eos_id), structured_outputs=structured))
+        t1 = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        t2 = time.perf_counter()
+        completions = []
+        for out, r in zip(outputs, requests):
+            completion, counts = completion_from_output(out.outputs[0], r, self.version, self.eos_id)
+            completions.append(completion)
+            for k, v in counts.items():
+                self.stats[k] += v
+        if self.grammar_mode == "tokens" and self.stats["walk_failures"]:
+            raise RuntimeError("vLLM sampled a token the constraint does not allow (token grammar): "
+                               "the grammar and the Constraint disagree")
+        self.stats["requests"] += len(requests)
+        self.stats["host_s"] += (t1 - t0) + (time.perf_counter() - t2)
+        self.stats["generate_s"] += t2 - t1
+        return completions
+
+    def shutdown(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            del llm
+            import gc
+            gc.collect()

@@ -1,0 +1,173 @@
+"""vLLM worker extension: the adapter lives in one pinned LoRA slot and is overwritten in place.
+
+Loaded by vLLM inside its GPU worker (`LLM(worker_extension_cls=...)`); the methods below become
+worker methods that `VLLMEngine` calls with `llm.collective_rpc`. vLLM has no public "LoRA from
+tensors" API (it loads adapters from a directory), so instead of going through its loader:
+
+  1. at start-up one zero adapter is registered under a fixed id (`add_dummy_lora`) and pinned, so
+     vLLM keeps it in GPU slot `slot` forever and never looks for it on disk; every request names
+     that id;
+  2. each update lands in a receive buffer (NCCL broadcast from learner rank 0, or bytes through
+     the RPC), is cast to the engine's LoRA dtype into a staging buffer, lora_B is scaled by
+     alpha / r there (vLLM folds the scaling into B, `LoRALayerWeights.optimize`; doing it on a
+     copy keeps the received bytes intact), and one multi-tensor copy writes every A and B into
+     the slot's rows of the stacked `lora_a_stacked` / `lora_b_stacked` buffers.
+
+The slot buffers are the tensors the CUDA graphs read, so nothing is re-captured. What the slot
+holds is, bit for bit, what vLLM's own loader would put there for the same adapter.
+
+`slot_plan` and `AdapterSlot` are plain functions of tensors and names (tested on CPU).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from colocate.sync import LoraSpec, unflatten_lora
+
+SLOT_ID = 1
+"""The one adapter id every request uses (vLLM ids start at 1)."""
+IN_MEMORY_PATH = "/colocate/in-memory-adapter"
+"""LoRARequest needs a path; this one is never read because the id is registered and pinned."""
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def lora_module_name(name: str) -> tuple[str, bool]:
+    """peft parameter name -> (module path as vLLM names it, is lora_A).
+
+    'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight'
+        -> ('model.layers.0.self_attn.q_proj', True)
+    """
+    body = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    for tag, is_a in ((".lora_A.", True), (".lora_B.", False)):
+        if tag in body:
+            return body.split(tag)[0], is_a
+    raise ValueError(f"{name!r} is not a LoRA A/B parameter name")
+
+
+def slot_plan(names: list[str] | tuple[str, ...], module_names: set[str],
+              packed_modules: dict[str, list[str]]) -> list[tuple[str, str, int, bool]]:
+    """Where each adapter tensor goes: [(name, vLLM LoRA module, slice index, is lora_A)].
+
+    vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; their LoRA wrappers keep one
+    stacked buffer per original projection (slice i = packed_modules[fused][i]).
+    """
+    packed_index = {sub: (fused, i) for fused, subs in packed_modules.items() for i, sub in enumerate(subs)}
+    plan = []
+    for name in names:
+        module, is_a = lora_module_name(name)
+        if module in module_names:
+            plan.append((name, module, 0, is_a))
+        elif module in packed_index:
+            fused, index = packed_index[module]
+            plan.append((name, fused, index, is_a))
+        else:
+            raise KeyError(f"adapter tensor {name!r}: vLLM has no LoRA module {module!r}")
+    return plan
+
+
+def slot_views(lora_module, slice_index: int, slot: int, is_a: bool, shape: tuple[int, ...]) -> torch.Tensor:
+    """The rows of `slot` in a LoRA layer's stacked buffer that hold one A [r, in] or B [out, r]."""
+    if is_a:
+        stacked = lora_module.lora_a_stacked[slice_index]          # [max_loras, 1, max_rank, in]
+        view = stacked[slot, 0, :shape[0], :shape[1]]
+    else:
+        stacked = lora_module.lora_b_stacked[slice_index]          # [max_loras, 1, out, max_rank]
+        view = stacked[slot, 0, :shape[0], :shape[1]]
+    if tuple(view.shape) != tuple(shape):
+        raise ValueError(f"LoRA slot view {tuple(view.shape)} does not match adapter tensor {tuple(shape)}")
+    return view
+
+
+class AdapterSlot:
+    """Receive buffer -> staged (engine dtype, B scaled) -> the slot's views, all on one device."""
+
+    def __init__(self, spec: LoraSpec, destinations: list[torch.Tensor], is_a: list[bool], scaling: float):
+        device = destinations[0].device
+        self.spec = spec
+        self.scaling = float(scaling)
+        self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=device)       # what the learner sent
+        self.staged = torch.zeros(spec.numel, dtype=destinations[0].dtype, device=device)
+        views = unflatten_lora(self.staged, spec)
+        self.src = [views[n] for n in spec.names]
+        self.dst = list(destinations)
+        self.b_src = [v for v, a in zip(self.src, is_a) if not a]
+
+    @torch.inference_mode()
+    def apply(self) -> None:
+        """Write `flat` into the slot (the caller filled `flat`)."""
+        self.staged.copy_(self.flat)                      # cast, as vLLM's loader does (.to(lora dtype))
+        if self.scaling != 1.0:
+            torch._foreach_mul_(self.b_src, self.scaling)  # then B *= alpha / r, in the engine dtype
+        torch._foreach_copy_(self.dst, self.src)
+
+    @torch.inference_mode()
+    def matches(self) -> bool:
+        """The slot holds exactly the staged (cast + scaled) adapter."""
+        return all(torch.equal(d, s) for d, s in zip(self.dst, self.src))
+
+
+class ColocateWorkerExtension:
+    """Methods injected into vLLM's GPU worker (`self` is the worker: `model_runner`, `device`)."""
+
+    def colocate_init_adapter(self, names: list[str], shapes: list[list[int]], dtype: str, rank: int,
+                              scaling: float) -> dict:
+        from vllm.lora.request import LoRARequest
+        manager = self.model_runner.lora_manager
+        manager.add_dummy_lora(LoRARequest("colocate", SLOT_ID, IN_MEMORY_PATH), rank=rank)
+        manager.pin_adapter(SLOT_ID)  # registered + active in a GPU slot, never evicted
+        adapters = manager._adapter_manager
+        slot = adapters.lora_index_to_id.index(SLOT_ID)
+        spec = LoraSpec(tuple(names), tuple(tuple(s) for s in shapes), getattr(torch, dtype))
+        plan = slot_plan(spec.names, set(adapters.modules), adapters.packed_modules)
+        shape_of = dict(zip(spec.names, spec.shapes))
+        dst = [slot_views(adapters.modules[module], index, slot, is_a, shape_of[name])
+               for name, module, index, is_a in plan]
+        self.colocate_slot = AdapterSlot(spec, dst, [p[3] for p in plan], scaling)
+        self.colocate_group = None
+        return {"slot": slot, "numel": spec.numel, "lora_dtype": str(dst[0].dtype),
+                "modules": len({p[1] for p in plan})}
+
+    def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int) -> str:
+        from colocate.engine.vllm_sync import StatelessGroup
+        self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device)
+        return str(self.device)
+
+    def colocate_receive_adapter(self, verify: bool = False) -> list:
+        """One broadcast from learner rank 0 -> slot.
+
+        -> [version, sent checksum, checksum ok, slot ok, flags, apply ms] (plain values: RPC results)."""
+        from colocate.engine.vllm_sync import HEADER_NUMEL, chunked_checksum
+        slot, group = self.colocate_slot, self.colocate_group
+        header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
+        group.broadcast(header)
+        version, numel, sent, flags = (int(v) for v in header.tolist())
+        if numel != slot.spec.numel:
+            raise RuntimeError(f"adapter size mismatch: learner sent {numel} elements, the engine expects "
+                               f"{slot.spec.numel}; the lora config differs between roles")
+        group.broadcast(slot.flat)
+        t0 = time.perf_counter()
+        slot.apply()
+        torch.cuda.current_stream(self.device).synchronize()
+        apply_ms = (time.perf_counter() - t0) * 1e3
+        checksum_ok = chunked_checksum(slot.flat) == sent if sent else None
+        slot_ok = slot.matches() if verify else None
+        return [version, sent, checksum_ok, slot_ok, flags, apply_ms]
+
+    def colocate_load_adapter_bytes(self, data: bytes, verify: bool = False) -> list:
+        """The same update from bytes through the RPC (`Engine.load_lora`, tests)."""
+        slot = self.colocate_slot
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(slot.spec.dtype)
+        slot.flat.copy_(host)
+        slot.apply()
+        torch.cuda.current_stream(self.device).synchronize()
+        return [slot.matches() if verify else None]
+
+    def colocate_adapter_bytes(self) -> bytes:
+        """The adapter last received, in the learner's dtype and layout (for checksums)."""
+        return self.colocate_slot.flat.cpu().view(torch.uint8).numpy().tobytes()
+
+    def colocate_slot_matches(self) -> bool:
+        return self.colocate_slot.matches()

@@ -1,0 +1,219 @@
+"""Micro-batch layouts for the learner's forward, and the attention that respects them.
+
+Packed (what the learner trains on): whole sequences, first-fit-decreasing into micro-batches of at
+most `token_budget` tokens, concatenated into one row [1, T] with position ids restarting at 0 for
+each sequence. No padding. Sequence boundaries reach the attention in one of two ways:
+  * varlen - `cu_seqlens` [B+1] go to a flash-attention varlen kernel (`torch.nn.attention.varlen`,
+             registered with transformers as the attention implementation "colocate_varlen"); no mask
+             is built and no work is spent across sequences. On CPU the same function runs SDPA per
+             sequence (the reference for tests).
+  * sdpa   - transformers detects the restarting position ids and builds a block-diagonal causal
+             mask [1, 1, T, T] for SDPA: correct everywhere, but O(T^2) memory and compute.
+Padded (the reference, and the benchmark's baseline): sequences left-padded to the longest in the
+micro-batch with an attention mask; every row then ends at the last column, so the completion
+positions of all rows fall in the last `max completion` columns.
+
+Either way the lm_head runs only on rows whose hidden state predicts a completion token (HF's
+`logits_to_keep` with an index tensor): logits [N, V], N = completion tokens.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from colocate.data import TrajectoryBatch
+
+VARLEN = "colocate_varlen"  # name of the varlen attention in transformers' AttentionInterface
+
+
+def pack_by_budget(seq_lens: list[int], token_budget: int) -> list[list[int]]:
+    """Sequence indices grouped first-fit-decreasing so each group's total length <= budget.
+
+    A sequence longer than the budget gets a group of its own. Groups list indices in input order."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):
+        n = seq_lens[i]
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(token_budget - n)
+    return [sorted(b) for b in bins]
+
+
+def chunk_sequences(num_sequences: int, per_micro_batch: int) -> list[list[int]]:
+    """The old micro-batching: consecutive groups of `per_micro_batch` sequences (to be padded)."""
+    return [list(range(i, min(i + per_micro_batch, num_sequences)))
+            for i in range(0, num_sequences, per_micro_batch)]
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs of one micro-batch plus what the loss needs, on the learner's device."""
+    inputs: dict
+    """Keyword arguments of the model's forward (input_ids, position_ids, logits_to_keep, ...)."""
+    targets: torch.Tensor
+    """[N] int64 completion token ids."""
+    seq_ids: torch.Tensor
+    """[N] int64 index of each completion token's sequence within the micro-batch."""
+    row_index: torch.Tensor | None = None
+    """[N] int64 rows of the [R, V] logits the model returns that hold the completion logits (padded
+    layout); None when the model returns exactly the N rows in order (packed layout)."""
+    attention: str = "sdpa"
+    """Attention implementation the layout needs (VARLEN or sdpa)."""
+    num_tokens: int = 0
+    """Real (non-padding) tokens in the micro-batch."""
+
+
+def packed_micro_batch(mb: TrajectoryBatch, device, attention: str) -> MicroBatch:
+    """One row [1, T] of concatenated sequences; `attention` VARLEN passes cu_seqlens, sdpa a mask."""
+    lens = mb.seq_lens.long()
+    prompt = mb.prompt_lens.long()
+    comp = lens - prompt
+    starts = torch.cumsum(lens, 0) - lens
+    total, num_completion = int(lens.sum()), int(comp.sum())
+    position_ids = torch.arange(total) - torch.repeat_interleave(starts, lens)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lens)), comp)
+    comp_starts = torch.cumsum(comp, 0) - comp
+    within = torch.arange(num_completion) - torch.repeat_interleave(comp_starts, comp)
+    token_pos = starts[seq_ids] + prompt[seq_ids] + within  # [N] where each completion token sits
+    tokens = mb.tokens.long()
+    inputs = {
+        "input_ids": tokens.unsqueeze(0).to(device),
+        "position_ids": position_ids.unsqueeze(0).to(device),
+        # the token at t is predicted by the hidden state at t - 1
+        "logits_to_keep": (token_pos - 1).to(device),
+    }
+    if attention == VARLEN:
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lens, 0)
+        cu = cu.to(device)
+        longest = int(lens.max())
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return MicroBatch(inputs=inputs, targets=tokens[token_pos].to(device), seq_ids=seq_ids.to(device),
+                      attention=attention, num_tokens=total)
+
+
+def padded_micro_batch(mb: TrajectoryBatch, pad_id: int, device) -> MicroBatch:
+    """[B, W] left-padded to the longest sequence, with an attention mask (SDPA)."""
+    lens = mb.seq_lens.tolist()
+    comp = (mb.seq_lens - mb.prompt_lens).tolist()
+    width, keep = max(lens), max(comp)
+    input_ids = torch.full((len(lens), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(lens), width), dtype=torch.long)
+    offset, targets, seq_ids, row_index = 0, [], [], []
+    for r, (n, c) in enumerate(zip(lens, comp)):
+        input_ids[r, width - n:] = mb.tokens[offset:offset + n].long()
+        mask[r, width - n:] = 1
+        offset += n
+        targets.append(input_ids[r, width - c:])
+        seq_ids += [r] * c
+        # the model returns rows [B * keep] (columns width-1-keep .. width-2 of each row)
+        row_index += [r * keep + keep - c + j for j in range(c)]
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device),
+              "position_ids": position_ids.to(device),
+              "logits_to_keep": torch.arange(width - 1 - keep, width - 1, device=device)}
+    return MicroBatch(inputs=inputs, targets=torch.cat(targets).to(device),
+                      seq_ids=torch.tensor(seq_ids, dtype=torch.long, device=device),
+                      row_index=torch.tensor(row_index, dtype=torch.long, device=device),
+                      attention="sdpa", num_tokens=sum(lens))
+
+
+def dummy_micro_batch(device, attention: str) -> MicroBatch:
+    """Two tokens, one completion token: lets a rank with fewer micro-batches join FSDP's collectives."""
+    one = TrajectoryBatch(tokens=torch.zeros(2, dtype=torch.int32), seq_lens=torch.tensor([2], dtype=torch.int32),
+                          prompt_lens=torch.tensor([1], dtype=torch.int32),
+                          behaviour_logprobs=torch.zeros(1), advantages=torch.zeros(1), rewards=torch.zeros(1),
+                          versions=torch.zeros(1, dtype=torch.int32))
+    mb = packed_micro_batch(one, device, attention)
+    mb.num_tokens = 0
+    return mb
+
+
+def completion_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """[N, V] logits at completion positions; the lm_head runs on (about) those rows only."""
+    config = model.config
+    previous = config._attn_implementation
+    if previous != mb.attention:
+        config._attn_implementation = mb.attention
+    try:
+        logits = model(**mb.inputs, use_cache=False).logits
+    finally:
+        if previous != mb.attention:
+            config._attn_implementation = previous
+    logits = logits.reshape(-1, logits.shape[-1])  # [R, V]
+    return logits if mb.row_index is None else logits[mb.row_index]
+
+
+# ---- varlen attention -------------------------------------------------------------------------
+
+def _varlen_kernel():
+    """torch's flash-attention varlen entry and how this torch spells causal / GQA (it changed)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, set()
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
+                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D].
+
+    Sequence boundaries come from `cu_seq_lens_q` [B+1] (int32); causal within each sequence."""
+    if cu_seq_lens_q is None:
+        raise ValueError("colocate_varlen attention needs cu_seq_lens_q (use packed_micro_batch)")
+    if query.shape[0] != 1:
+        raise ValueError("colocate_varlen attention expects one packed row")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    num_groups = q.shape[1] // k.shape[1]
+    kernel, params = _varlen_kernel() if q.is_cuda else (None, set())
+    if kernel is not None:
+        kw = {"scale": scaling} if "scale" in params else {}
+        if "is_causal" in params:
+            kw["is_causal"] = True
+        else:
+            kw["window_size"] = (-1, 0)
+        if num_groups > 1:
+            if "enable_gqa" in params:
+                kw["enable_gqa"] = True
+            else:  # older torch: expand the KV heads ([T, Hkv, D] -> [T, Hq, D]; small next to the GEMMs)
+                k, v = k.repeat_interleave(num_groups, 1), v.repeat_interleave(num_groups, 1)
+        out = kernel(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, cu_seq_lens_q,
+                     max_length_q, max_length_q, **kw)
+    else:
+        out = _per_sequence_sdpa(q, k, v, cu_seq_lens_q.tolist(), scaling, num_groups)
+    return out.unsqueeze(0), None
+
+
+def _per_sequence_sdpa(q, k, v, cu: list[int], scaling, num_groups: int) -> torch.Tensor:
+    """Reference varlen: causal SDPA on each sequence's slice ([T, H, D] in and out)."""
+    outs = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        qi, ki, vi = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, D]
+        if num_groups > 1:
+            ki, vi = ki.repeat_interleave(num_groups, 1), vi.repeat_interleave(num_groups, 1)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def register_varlen_attention() -> str:
+    """Make VARLEN a valid transformers attention implementation (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(VARLEN, varlen_attention)
+    return VARLEN
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """learner.attention -> the implementation name used for packed micro-batches."""
+    if choice == "auto":
+        choice = "varlen" if device.type == "cuda" and _varlen_kernel()[0] is not None else "sdpa"
+    return register_varlen_attention() if choice == "varlen" else "sdpa"

@@ -1,0 +1,58 @@
+"""Run lifecycle: graceful stop on SIGTERM/SIGINT, and explicit fault injection for tests.
+
+A first SIGTERM or SIGINT only sets `StopSignal.requested`; the role loops carry the request to
+every rank inside messages they exchange anyway (the trajectory header, the adapter header), so
+all ranks stop after the same step, the learner writes a checkpoint, and the job exits cleanly.
+A second signal exits at once (the default action), so a wedged rank can still be killed.
+
+`COLOCATE_FAULT` injects failures for the failure tests; it is read once and does nothing unless
+set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `kill_in_checkpoint:step=S` (the
+checkpoint writer SIGKILLs itself halfway through writing step S).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+
+class StopSignal:
+    def __init__(self):
+        self.requested = False
+        self.signum: int | None = None
+
+    def install(self) -> "StopSignal":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # second signal: default action now
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        self.requested, self.signum = True, signum
+
+
+def parse_fault(spec: str | None = None) -> dict:
+    """'raise:rank=1:step=3' -> {'kind': 'raise', 'rank': 1, 'step': 3}; '' -> {}."""
+    spec = os.environ.get("COLOCATE_FAULT", "") if spec is None else spec
+    if not spec:
+        return {}
+    kind, *fields = spec.split(":")
+    out: dict = {"kind": kind}
+    for f in fields:
+        key, _, value = f.partition("=")
+        out[key] = int(value)
+    return out
+
+
+def maybe_raise(fault: dict, rank: int, step: int) -> None:
+    if fault.get("kind") == "raise" and fault.get("rank") == rank and fault.get("step") == step:
+        raise RuntimeError(f"injected fault (COLOCATE_FAULT) at step {step}")
+
+
+def checkpoint_fault_hook(fault: dict, step: int):
+    """A hook for save_checkpoint that SIGKILLs this process mid-write, or None."""
+    if fault.get("kind") == "kill_in_checkpoint" and fault.get("step") == step:
+        return lambda: os.kill(os.getpid(), signal.SIGKILL)
+    return None

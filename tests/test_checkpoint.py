@@ -1,0 +1,165 @@
+"""Checkpoints and failure behaviour: atomic writes, strict loads, resume equality, signals, crashes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from colocate.checkpoint import (CheckpointError, flatten_optimizer, latest_checkpoint, load_checkpoint,
+                                 peft_config_dict, save_checkpoint)
+from colocate.models import lora_state
+from tests.conftest import REPO
+
+
+def _save(root, step, model, keep=2):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return save_checkpoint(root, step, adapter=lora_state(model), peft_config=peft_config_dict(model),
+                           optimizer=flatten_optimizer(opt.state_dict()), rng={"torch_cpu": torch.get_rng_state()},
+                           trainer_state={"step": step, "version": step, "history": {}, "inference": {}},
+                           config_yaml="x: 1\n", keep=keep)
+
+
+def test_checkpoint_roundtrip_is_peft_loadable(tmp_path, tiny_cfg, tiny_tokenizer, tiny_policy):
+    from peft import PeftModel
+    from colocate.models import build_model
+    with torch.no_grad():
+        for p in lora_state(tiny_policy).values():
+            p.normal_(0, 0.1)
+    path = _save(str(tmp_path), 3, tiny_policy)
+    assert os.path.basename(path) == "step-000003"
+    state = load_checkpoint(path)
+    for name, t in lora_state(tiny_policy).items():
+        assert torch.equal(state["adapter"][name], t.detach())
+    # peft loads the directory as an adapter, with the same tensors
+    base = build_model(tiny_cfg.model, tiny_tokenizer)
+    loaded = PeftModel.from_pretrained(base, path)
+    got = lora_state(loaded)
+    for name, t in lora_state(tiny_policy).items():
+        assert torch.equal(got[name], t.detach()), name
+    assert all(k.startswith("state.") for k in state["optimizer_tensors"])
+
+
+def test_keep_last_k_and_temp_dirs_ignored(tmp_path, tiny_policy):
+    for step in (1, 2, 3):
+        _save(str(tmp_path), step, tiny_policy, keep=2)
+    os.makedirs(tmp_path / ".tmp-step-000004-123")
+    assert sorted(os.listdir(tmp_path)) == [".tmp-step-000004-123", "step-000002", "step-000003"]
+    assert latest_checkpoint(str(tmp_path)).endswith("step-000003")
+
+
+@pytest.mark.parametrize("victim,damage", [("adapter_model.safetensors", "truncate"),
+                                           ("trainer_state.json", "garbage"),
+                                           ("optimizer.safetensors", "delete")])
+def test_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, tiny_policy, victim, damage):
+    path = _save(str(tmp_path), 1, tiny_policy)
+    target = os.path.join(path, victim)
+    if damage == "truncate":
+        size = os.path.getsize(target)
+        with open(target, "r+b") as f:
+            f.truncate(size // 2)
+    elif damage == "garbage":
+        with open(target, "w") as f:
+            f.write("{not json")
+    else:
+        os.remove(target)
+    with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
+        load_checkpoint(path)
+
+
+# -- multi-process behaviour (2 ranks, gloo) --------------------------------------------------------
+BASE = ["--config", "configs/cpu-tiny.yaml", "--learner.max_policy_lag=0", "--checkpoint.enabled=true"]
+
+
+def launch(args, tmp_path, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "colocate.train", *BASE, f"--model.cache_dir={tmp_path / 'cache'}", *args]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def finish(proc, timeout=300):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    code, out = finish(launch(["--learner.num_steps=6", "--checkpoint.every=3",
+                               f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch(["--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch(["--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
+                              tmp_path))
+    assert code == 0 and "resuming from" in out, out
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert b["steps"] == 6
+    assert b["rewards"] == a["rewards"] and b["losses"] == a["losses"]
+
+
+@pytest.mark.slow
+def test_kill_9_during_checkpoint_keeps_previous_usable(tmp_path):
+    run = tmp_path / "run"
+    code, out = finish(launch(["--learner.num_steps=6", "--checkpoint.every=2", f"--metrics.run_dir={run}"],
+                              tmp_path, env={"COLOCATE_FAULT": "kill_in_checkpoint:step=4"}))
+    assert code != 0
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert "step-000002" in names and "step-000004" not in names
+    assert any(n.startswith(".tmp-step-000004") for n in names), names  # the half-written one
+    load_checkpoint(str(run / "checkpoints" / "step-000002"))
+    code, out = finish(launch(["--learner.num_steps=6", f"--metrics.run_dir={run}", "--resume"], tmp_path))
+    assert code == 0 and "step-000002" in out, out
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+
+
+@pytest.mark.slow
+def test_raising_rank_ends_job_fast_and_is_named(tmp_path):
+    t0 = time.time()
+    code, out = finish(launch(["--learner.num_steps=50", f"--metrics.run_dir={tmp_path / 'run'}",
+                               "--topology.timeout_s=30"], tmp_path,
+                              env={"COLOCATE_FAULT": "raise:rank=1:step=2"}), timeout=120)
+    assert code != 0
+    assert time.time() - t0 < 60 + 15  # 60 s after the fault, plus start-up
+    assert "rank 1 (learner) failed: RuntimeError: injected fault" in out, out
+
+
+@pytest.mark.slow
+def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
+    run = tmp_path / "run"
+    proc = launch(["--learner.num_steps=5000", f"--metrics.run_dir={run}"], tmp_path)
+    lines = []
+    for line in proc.stdout:  # wait until training is under way
+        lines.append(line)
+        if "step 20/5000" in line:
+            break
+    os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C / a scheduler's preemption does
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert "stop requested" in out and "checkpoint written" in out, out[-3000:]
+    assert "failed" not in out, out[-3000:]
+    ckpt = latest_checkpoint(str(run / "checkpoints"))
+    state = load_checkpoint(ckpt)
+    assert 20 <= state["trainer_state"]["step"] < 5000
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == state["trainer_state"]["step"]
+
+
+@pytest.mark.slow
+def test_resume_from_corrupt_checkpoint_exits_2(tmp_path):
+    run = tmp_path / "run"
+    code, out = finish(launch(["--learner.num_steps=2", f"--metrics.run_dir={run}"], tmp_path))
+    assert code == 0, out
+    target = run / "checkpoints" / "step-000002" / "adapter_model.safetensors"
+    target.write_bytes(target.read_bytes()[:100])
+    proc = subprocess.run([sys.executable, "-m", "colocate.train", *BASE, f"--metrics.run_dir={run}", "--resume"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "WORLD_SIZE": "2"})
+    assert proc.returncode == 2
+    assert str(target) in proc.stderr and "truncated" in proc.stderr

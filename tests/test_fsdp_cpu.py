@@ -1,0 +1,102 @@
+"""FSDP2 on CPU (gloo): two learner ranks end with the adapter one unsharded rank gets on the same data.
+
+The two ranks hold different numbers of sequences (so one of them runs dummy micro-batches), the
+loss uses per-sequence normalization and a KL term (reference pass with the adapter disabled), and
+the micro-batch budget forces several micro-batches per rank. Tolerance: fp32 everywhere, only the
+order of summation differs, so the adapters agree to 1e-5 after two AdamW steps (lr 1e-3; an
+update is ~lr, so a wrong gradient factor or a missed micro-batch shows as ~1e-3).
+"""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.conftest import REPO, free_port
+from tests.test_packing import random_batch
+
+SHAPES = [(9, 3), (14, 1), (5, 6), (11, 4), (7, 2), (12, 5), (6, 3), (10, 2)]
+RANK_SEQUENCES = [[0, 1, 2, 3, 4], [5, 6, 7]]
+OVERRIDES = {"learner": {"lr": 1e-3, "micro_batch_tokens": 32, "max_grad_norm": 1.0},
+             "loss": {"beta": 0.04, "norm": "grpo", "impl": "torch"}}
+NUM_STEPS = 2
+
+
+def _setup(cache_dir: str, extra: dict):
+    from colocate.config import load_config
+    from colocate.envs import env_corpus
+    from colocate.models import load_tokenizer
+    cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"),
+                      {**OVERRIDES, "learner": {**OVERRIDES["learner"], **extra},
+                       "model": {"cache_dir": cache_dir}})
+    tok = load_tokenizer(cfg.model, *reversed(env_corpus(cfg)))
+    return cfg, tok
+
+
+def _train(cfg, tok, topo, batch):
+    from colocate.learner.learner import Learner
+    from colocate.train import build_policy
+    learner = Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok)
+    initial = {n: t.clone() for n, t in learner.lora_state().items()}  # unsharded: views of the params
+    losses = []
+    for _ in range(NUM_STEPS):
+        batch.versions[:] = learner.version
+        losses.append(learner.train_step(batch)["loss"])
+    return initial, learner.lora_state(), losses
+
+
+def _worker(rank, port, cache_dir, result_path, variants):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from colocate.topology import Topology
+    results = []
+    for extra in variants:
+        cfg, tok = _setup(cache_dir, extra)
+        topo = Topology(rank=rank, world_size=2, local_rank=rank, num_inference=0, num_learners=2,
+                        device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0, 1]))
+        batch = random_batch(len(tok), SHAPES).select(RANK_SEQUENCES[rank])
+        initial, final, losses = _train(cfg, tok, topo, batch)
+        results.append({"initial": initial, "final": final, "losses": torch.tensor(losses)})
+    if rank == 0:
+        torch.save(results, result_path)
+    dist.destroy_process_group()
+
+
+def _single_rank(cache_dir: str, extra: dict):
+    from colocate.topology import Topology
+    cfg, tok = _setup(cache_dir, {**extra, "fsdp": False})
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    return _train(cfg, tok, topo, random_batch(len(tok), SHAPES))
+
+
+def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):
+    """Plain, and with activation checkpointing (the wrapper must not leak into the names)."""
+    variants = [{}, {"activation_checkpointing": True}]
+    cache = tiny_cfg.model.cache_dir  # the session's tokenizer, already built
+    result = str(tmp_path / "result.pt")
+    # fork: the children inherit torch/transformers/peft already imported here (spawn re-imports: +20 s)
+    mp.start_processes(_worker, args=(free_port(), cache, result, variants), nprocs=2, join=True,
+                       start_method="fork")
+    for extra, got in zip(variants, torch.load(result, weights_only=True)):
+        ref_initial, ref_final, ref_losses = _single_rank(cache, extra)
+        assert list(got["final"]) == list(ref_final), extra  # the same canonical names, same order
+        for name in ref_final:
+            assert torch.equal(got["initial"][name], ref_initial[name]), name  # sharded init == unsharded
+            torch.testing.assert_close(got["final"][name], ref_final[name], atol=1e-5, rtol=0, msg=name)
+        moved = max(float((ref_final[n] - ref_initial[n]).abs().max()) for n in ref_final)
+        assert moved > 5e-4  # the adapter did train
+        torch.testing.assert_close(got["losses"], torch.tensor(ref_losses), atol=1e-6, rtol=1e-5)
+
+
+def test_gathered_adapter_names_match_unsharded_lora_state(tiny_cfg, tiny_tokenizer):
+    from colocate.learner.fsdp import gather_full_lora
+    from colocate.models import lora_state
+    from colocate.train import build_policy
+    model = build_policy(tiny_cfg, tiny_tokenizer, "cpu")
+    plain = lora_state(model)
+    gathered = gather_full_lora(model)  # unsharded: no collective, same names and values
+    assert list(gathered) == list(plain)
+    for n in plain:
+        assert torch.equal(gathered[n], plain[n])

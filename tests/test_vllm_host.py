@@ -1,0 +1,306 @@
+"""CPU tests of the vLLM engine's host side: grammar from a Constraint, allowed_ids replay, output
+conversion, the LoRA slot plan and in-place apply, checksums, sizing and the spawn environment.
+No vLLM here (the GPU tests are tests/test_vllm_gpu.py); llguidance tests skip without it."""
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from colocate.constraint import Constraint, ConstraintState
+from colocate.data import Request
+from colocate.engine.vllm import (capture_sizes, completion_from_output, engine_environment, engine_settings,
+                                  lora_spec_for, sampled_logprobs, sampling_kwargs, visible_device)
+from colocate.engine.vllm_grammar import (completion_is_forced_eos, constraint_grammar, replay_allowed)
+from colocate.engine.vllm_sync import chunked_checksum
+from colocate.engine.vllm_worker import AdapterSlot, lora_module_name, slot_plan, slot_views
+from colocate.sync import LoraSpec, checksum, flatten_lora
+
+EOS = 1
+
+
+def prefix_constraint() -> Constraint:
+    # slot 0: [5] is a prefix of [5, 6]; slot 1 choices share their first token
+    return Constraint(slots=[[[5], [5, 6], [7, 8, 9]], [[10, 11], [10, 12]]], eos_id=EOS,
+                      texts=[["a", "ab", "cde"], ["xy", "xz"]])
+
+
+def random_walk(c: Constraint, rng: random.Random) -> list[int]:
+    state, out = ConstraintState(c), []
+    while not state.done:
+        tok = rng.choice(state.allowed())
+        out.append(tok)
+        state.advance(tok)
+    return out
+
+
+# ------------------------------------------------------------------------------- grammar
+
+def test_token_grammar_lists_each_slot_once_deduped():
+    c = Constraint(slots=[[[3, 4], [3, 4], [5]], [[6]]], eos_id=EOS)
+    g = constraint_grammar(c)
+    assert g.splitlines() == ["start: s0 s1", "s0: <[3]> <[4]> | <[5]>", "s1: <[6]>"]
+
+
+def test_text_grammar_quotes_strings_and_needs_texts():
+    c = prefix_constraint()
+    g = constraint_grammar(c, "text")
+    assert 's0: "a" | "ab" | "cde"' in g
+    with pytest.raises(ValueError):
+        constraint_grammar(Constraint(slots=[[[3]]], eos_id=EOS), "text")
+    with pytest.raises(ValueError):
+        constraint_grammar(Constraint(slots=[], eos_id=EOS))
+    with pytest.raises(ValueError):
+        constraint_grammar(c, "regex")
+
+
+# ------------------------------------------------------------------------------- replay
+
+def test_replay_matches_constraint_state_on_random_walks():
+    c, rng = prefix_constraint(), random.Random(0)
+    for _ in range(50):
+        ids = random_walk(c, rng)
+        replay = replay_allowed(c, ids)
+        assert replay.is_valid and replay.is_done and len(replay.allowed_ids) == len(ids)
+        state = ConstraintState(c)
+        for tok, allowed in zip(ids, replay.allowed_ids):
+            assert allowed == state.allowed() and tok in allowed
+            state.advance(tok)
+
+
+def test_replay_prefix_choice_allows_eos_and_continuation():
+    c = Constraint(slots=[[[5], [5, 6]]], eos_id=EOS)
+    assert replay_allowed(c, [5, EOS]).allowed_ids == [[5], [EOS, 6]]
+    assert replay_allowed(c, [5, 6, EOS]).allowed_ids == [[5], [EOS, 6], [EOS]]
+
+
+def test_replay_reports_first_disallowed_token_and_tokens_after_eos():
+    c = prefix_constraint()
+    bad = replay_allowed(c, [7, 9])
+    assert not bad.is_valid and not bad.is_done and bad.allowed_ids == [[5, 7]]
+    after = replay_allowed(c, [5, 10, 11, EOS, 3])
+    assert not after.is_valid and after.is_done and len(after.allowed_ids) == 4
+
+
+def test_forced_eos_detection():
+    c = prefix_constraint()
+    assert completion_is_forced_eos(c, [7, 8, 9, 10, 11])
+    assert not completion_is_forced_eos(c, [7, 8, 9])            # slot 1 still open
+    assert not completion_is_forced_eos(c, [7, 8, 9, 10, 11, EOS])  # already ended
+
+
+# ------------------------------------------------------------------------------- llguidance
+
+def llg_allowed(matcher, bitmask, vocab: int) -> list[int]:
+    import llguidance.torch
+    llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+    words = bitmask[0].tolist()
+    return [w * 32 + b for w, v in enumerate(words) for b in range(32) if (v >> b) & 1 and w * 32 + b < vocab]
+
+
+@pytest.mark.parametrize("make", ["prefix", "arithmetic"])
+def test_llguidance_token_grammar_allows_exactly_the_constraint(make, tiny_tokenizer):
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+    import llguidance.torch
+    tok = tiny_tokenizer
+    if make == "prefix":
+        c = Constraint(slots=[[[5], [5, 6], [7, 8, 9]], [[10, 11], [10, 12]]], eos_id=tok.eos_token_id)
+    else:
+        answers = [str(v) for v in range(9)]
+        c = Constraint(slots=[[tok.encode(" " + a, add_special_tokens=False) for a in answers]],
+                       eos_id=tok.eos_token_id)
+    vocab = 1024  # model vocab larger than the tokenizer's, as with the random Qwen shapes
+    lt = llguidance.hf.from_tokenizer(tok, vocab)
+    grammar = llguidance.grammar_from("grammar", constraint_grammar(c))
+    assert not llguidance.LLMatcher.validate_grammar(grammar, lt)
+    bitmask = llguidance.torch.allocate_token_bitmask(1, lt.vocab_size)
+    rng = random.Random(1)
+    for _ in range(20):
+        matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
+        state = ConstraintState(c)
+        while not state.done:
+            assert llg_allowed(matcher, bitmask, vocab) == state.allowed()
+            t = rng.choice(state.allowed())
+            state.advance(t)
+            if not state.done:
+                assert matcher.consume_token(t)
+
+
+def test_llguidance_text_grammar_admits_other_tokenizations(tiny_tokenizer):
+    """Why the engine uses token grammars: a text grammar lets " 7" be spelled in other tokens."""
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+    import llguidance.torch
+    tok = tiny_tokenizer
+    words = [" answer", " and"]  # canonically one token each; also spelt " ", "an", "sw", ...
+    c = Constraint(slots=[[tok.encode(w, add_special_tokens=False) for w in words]], eos_id=tok.eos_token_id,
+                   texts=[words])
+    lt = llguidance.hf.from_tokenizer(tok, len(tok))
+    matcher = llguidance.LLMatcher(lt, llguidance.grammar_from("grammar", constraint_grammar(c, "text")), log_level=0)
+    bitmask = llguidance.torch.allocate_token_bitmask(1, lt.vocab_size)
+    text_first = set(llg_allowed(matcher, bitmask, len(tok)))
+    assert set(ConstraintState(c).allowed()) <= text_first
+    assert text_first != set(ConstraintState(c).allowed())
+
+
+# ------------------------------------------------------------------------------- outputs
+
+def fake_output(ids, lps, reason="stop", flat=True):
+    if flat:
+        logprobs = SimpleNamespace(logprobs=list(lps))
+    else:
+        logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)]
+    return SimpleNamespace(token_ids=list(ids), logprobs=logprobs, finish_reason=reason)
+
+
+def test_sampled_logprobs_flat_and_per_position():
+    assert sampled_logprobs(fake_output([5, 6], [-0.5, -1.0])) == [-0.5, -1.0]
+    assert sampled_logprobs(fake_output([5, 6], [-0.5, -1.0], flat=False)) == [-0.5, -1.0]
+
+
+def test_completion_keeps_sampled_eos_and_replays_allowed():
+    c = prefix_constraint()
+    req = Request(prompt_ids=[2, 3], max_new_tokens=8, constraint=c)
+    comp, counts = completion_from_output(fake_output([7, 8, 9, 10, 12, EOS], [-1.1, 0, 0, 0, -0.7, 0]), req, 4, EOS)
+    assert comp.token_ids[-1] == EOS and comp.version == 4 and comp.finish_reason == "stop"
+    assert comp.allowed_ids == [[5, 7], [8], [9], [10], [11, 12], [EOS]]
+    assert counts == {"walk_failures": 0, "eos_appended": 0}
+
+
+def test_completion_appends_forced_eos_when_vllm_omits_it():
+    c = prefix_constraint()
+    req = Request(prompt_ids=[2], max_new_tokens=8, constraint=c)
+    comp, counts = completion_from_output(fake_output([5, 10, 11], [-0.3, -0.2, -0.6]), req, 0, EOS)
+    assert comp.token_ids == [5, 10, 11, EOS] and comp.logprobs[-1] == 0.0 and comp.allowed_ids[-1] == [EOS]
+    assert counts["eos_appended"] == 1
+
+
+def test_completion_length_and_walk_failure_and_unconstrained():
+    c = prefix_constraint()
+    req = Request(prompt_ids=[2], max_new_tokens=2, constraint=c)
+    comp, counts = completion_from_output(fake_output([7, 8], [-1, 0], reason="length"), req, 0, EOS)
+    assert comp.finish_reason == "length" and len(comp.allowed_ids) == 2 and counts["walk_failures"] == 0
+    comp, counts = completion_from_output(fake_output([7, 3, 9], [-1, -2, -3]), req, 0, EOS)
+    assert counts["walk_failures"] == 1 and comp.allowed_ids == [[5, 7], [3], [9]]
+    free = Request(prompt_ids=[2], max_new_tokens=3)
+    comp, _ = completion_from_output(fake_output([4, 4, EOS], [-1, -1, -1]), free, 2, EOS)
+    assert comp.allowed_ids is None and comp.token_ids == [4, 4, EOS]
+
+
+def test_sampling_kwargs():
+    kw = sampling_kwargs(Request(prompt_ids=[1], max_new_tokens=9, temperature=0.7), EOS)
+    assert kw == dict(n=1, temperature=0.7, max_tokens=9, logprobs=0, flat_logprobs=True, detokenize=False)
+    only_eos = sampling_kwargs(Request(prompt_ids=[1], max_new_tokens=9, constraint=Constraint([], EOS)), EOS)
+    assert only_eos["max_tokens"] == 1 and only_eos["allowed_token_ids"] == [EOS]
+
+
+# ------------------------------------------------------------------------------- LoRA slot
+
+QWEN_PACKED = {"model.layers.0.self_attn.qkv_proj": ["model.layers.0.self_attn.q_proj",
+                                                      "model.layers.0.self_attn.k_proj",
+                                                      "model.layers.0.self_attn.v_proj"],
+               "model.layers.0.mlp.gate_up_proj": ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]}
+QWEN_MODULES = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"}
+
+
+def test_lora_module_name_and_slot_plan():
+    assert lora_module_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") == \
+        ("model.layers.0.self_attn.q_proj", True)
+    assert lora_module_name("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight") == \
+        ("model.layers.0.mlp.down_proj", False)
+    names = [f"base_model.model.model.layers.0.{m}.lora_{ab}.default.weight"
+             for m in ("self_attn.k_proj", "mlp.up_proj", "self_attn.o_proj") for ab in "AB"]
+    plan = slot_plan(names, QWEN_MODULES, QWEN_PACKED)
+    assert [(p[1], p[2], p[3]) for p in plan] == [
+        ("model.layers.0.self_attn.qkv_proj", 1, True), ("model.layers.0.self_attn.qkv_proj", 1, False),
+        ("model.layers.0.mlp.gate_up_proj", 1, True), ("model.layers.0.mlp.gate_up_proj", 1, False),
+        ("model.layers.0.self_attn.o_proj", 0, True), ("model.layers.0.self_attn.o_proj", 0, False)]
+    with pytest.raises(KeyError):
+        slot_plan(["base_model.model.model.layers.0.mlp.fc9.lora_A.default.weight"], QWEN_MODULES, QWEN_PACKED)
+
+
+def fake_lora_module(n_slices, in_dim, outs, max_loras=2, max_rank=4, dtype=torch.bfloat16):
+    return SimpleNamespace(
+        lora_a_stacked=tuple(torch.zeros(max_loras, 1, max_rank, in_dim, dtype=dtype) for _ in range(n_slices)),
+        lora_b_stacked=tuple(torch.zeros(max_loras, 1, o, max_rank, dtype=dtype) for o in outs))
+
+
+def test_adapter_slot_applies_cast_and_scaled_copy_without_touching_received_bytes():
+    rank, hidden, kv = 4, 8, 4
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight": torch.randn(rank, hidden),
+        "base_model.model.model.layers.0.self_attn.k_proj.lora_B.default.weight": torch.randn(kv, rank),
+        "base_model.model.model.layers.0.self_attn.o_proj.lora_A.default.weight": torch.randn(rank, hidden),
+        "base_model.model.model.layers.0.self_attn.o_proj.lora_B.default.weight": torch.randn(hidden, rank),
+    }
+    spec = LoraSpec.of(tensors)
+    modules = {"model.layers.0.self_attn.qkv_proj": fake_lora_module(3, hidden, (hidden, kv, kv)),
+               "model.layers.0.self_attn.o_proj": fake_lora_module(1, hidden, (hidden,))}
+    plan = slot_plan(spec.names, set(modules), QWEN_PACKED)
+    slot = 1
+    dst = [slot_views(modules[m], i, slot, a, spec.shapes[spec.names.index(n)]) for n, m, i, a in plan]
+    adapter = AdapterSlot(spec, dst, [p[3] for p in plan], scaling=2.5)
+    adapter.flat.copy_(flatten_lora(tensors, spec))
+    received = adapter.flat.clone()
+    for _ in range(2):  # a second apply of the same bytes must not scale B twice
+        adapter.apply()
+    assert torch.equal(adapter.flat, received) and adapter.matches()
+    qkv = modules["model.layers.0.self_attn.qkv_proj"]
+    k_a = tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight"]
+    k_b = tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.default.weight"]
+    assert torch.equal(qkv.lora_a_stacked[1][slot, 0], k_a.to(torch.bfloat16))
+    assert torch.equal(qkv.lora_b_stacked[1][slot, 0], k_b.to(torch.bfloat16) * 2.5)  # vLLM's order: cast, scale
+    assert not qkv.lora_a_stacked[0].any() and not qkv.lora_a_stacked[1][0].any()  # other slices / slots untouched
+    with pytest.raises(ValueError):
+        slot_views(modules["model.layers.0.self_attn.o_proj"], 0, slot, True, (rank + 8, hidden))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_chunked_checksum_equals_reference(chunk):
+    flat = torch.randn(1001)
+    assert chunked_checksum(flat, chunk_bytes=chunk) == checksum(flat)
+    assert chunked_checksum(flat.to(torch.bfloat16), chunk_bytes=chunk) == checksum(flat.to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------- sizing, start-up
+
+def test_capture_sizes_cover_the_batch():
+    assert capture_sizes(512)[:5] == [1, 2, 4, 8, 16] and capture_sizes(512)[-1] == 512
+    assert capture_sizes(100)[-1] == 100 and capture_sizes(3) == [1, 2, 3]
+
+
+def test_engine_settings_from_config(tiny_cfg):
+    s = engine_settings(tiny_cfg, num_inference=2, seed=5)
+    assert s["max_num_seqs"] == (16 // 2) * 8 and s["max_model_len"] == 128
+    assert s["lora_rank"] == tiny_cfg.lora.rank and s["seed"] == 5
+
+
+def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert visible_device(1) == "5"
+    with engine_environment(2):
+        assert "RANK" not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith(os.sep + "main") or os.environ["PYTHONPATH"]
+    assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+
+
+def test_lora_spec_for_matches_the_learners(tiny_cfg, tiny_tokenizer):
+    from colocate.models import lora_state
+    from colocate.train import build_policy
+    spec = lora_spec_for(tiny_cfg, tiny_tokenizer)
+    assert spec == LoraSpec.of(lora_state(build_policy(tiny_cfg, tiny_tokenizer, torch.device("cpu"))))
+
+
+def test_synthetic_workload_shapes(tiny_tokenizer):
+    from colocate.benchmarks.vllm_session import synthetic_requests
+    reqs = synthetic_requests(16, len(tiny_tokenizer), EOS, seed=0)
+    assert all(len(r.prompt_ids) == 440 and r.prompt_ids[:300] == reqs[0].prompt_ids[:300] for r in reqs)
+    assert reqs[0].constraint is reqs[7].constraint and reqs[8].constraint is not reqs[0].constraint
+    rng = random.Random(0)
+    assert {len(random_walk(r.constraint, rng)) for r in reqs} == {32}  # 31 order tokens + EOS
