@@ -177,8 +177,14 @@ class MetricsConfig:
     """Profiler: warm-up steps."""
     profile_active: int = 2
     """Profiler: recorded steps."""
+    profile_dir: str = "profiles"
+    """Profiler traces go to <profile_dir>/<run name>/ (one trace file per role)."""
     nvml_interval_s: float = 5.0
     """Seconds between NVML / CPU samples; 0 disables the sampler."""
+    stall_timeout_s: float = 600.0
+    """Alert when a role makes no progress (no trajectory produced or consumed) for this long; 0 = off."""
+    max_nonfinite_steps: int = 3
+    """A NaN/inf loss skips the update; this many in a row stop the run with an error."""
 
 
 @dataclass

@@ -1,13 +1,22 @@
-"""Metrics: TensorBoard scalars per role, a progress line per role, the run summary.
+"""Metrics: TensorBoard scalars per role, progress lines, system sampling, alerts, profiler windows.
 
-Names are namespaced `rollout/…`, `engine/…`, `learner/…`, `sync/…`, `system/…`. Only a role's
-first rank writes (`MetricsWriter(enabled=...)`), so a role logs once whatever its size.
+Names are namespaced `rollout/…`, `engine/…`, `learner/…`, `sync/…`, `system/…`, `alerts/…`. Only
+a role's first rank writes (`MetricsWriter(enabled=...)`), so a role logs once whatever its size.
+Background helpers are threads owned by the role loop that starts them:
+  * `SystemSampler` - GPU utilization, SM clock and memory from NVML (when a GPU is present) and
+    process/host CPU % from psutil, every `metrics.nvml_interval_s`;
+  * `StallWatchdog` - a loud alert when a role makes no progress for `metrics.stall_timeout_s`.
+`make_profiler` records a torch.profiler window (wait/warm-up/active steps) into
+`<profile_dir>/<run name>/<role>-rank<r>.*.pt.trace.json`, which Perfetto and the TensorBoard
+profiler plugin open.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 
@@ -30,10 +39,138 @@ class MetricsWriter:
         if self.enabled:
             print(f"[{time.strftime('%H:%M:%S')} {self.role}] {message}", file=sys.stdout, flush=True)
 
+    def alert(self, name: str, message: str, step: int) -> None:
+        """Loud on the console (every rank) and counted in TensorBoard (`alerts/<name>`)."""
+        print(f"[{time.strftime('%H:%M:%S')} {self.role}] ALERT {name}: {message}", file=sys.stderr, flush=True)
+        self.scalars("alerts", {name: 1.0}, step)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+
+
+def percentiles(values: list[float], prefix: str) -> dict[str, float]:
+    """{prefix_p50, prefix_p95} of the values (nothing when empty)."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return {f"{prefix}_p50": pick(0.50), f"{prefix}_p95": pick(0.95)}
+
+
+class SystemSampler(threading.Thread):
+    """Samples NVML (GPU util %, SM clock MHz, memory used GiB) and CPU % every `interval_s`."""
+
+    def __init__(self, writer: MetricsWriter, interval_s: float, gpu_index: int | None):
+        super().__init__(name="colocate-system-sampler", daemon=True)
+        self.writer, self.interval_s, self.gpu_index = writer, interval_s, gpu_index
+        self._stop = threading.Event()
+        self._t0 = time.time()
+        self.samples = 0
+
+    def _nvml_handle(self):
+        if self.gpu_index is None:
+            return None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            return pynvml.nvmlDeviceGetHandleByIndex(self.gpu_index)
+        except Exception:  # no driver / no library: CPU metrics only
+            return None
+
+    def run(self) -> None:
+        import psutil
+        proc = psutil.Process()
+        proc.cpu_percent(None)
+        psutil.cpu_percent(None)
+        handle = self._nvml_handle()
+        while not self._stop.wait(self.interval_s):
+            values = {"cpu_percent_process": proc.cpu_percent(None), "cpu_percent_host": psutil.cpu_percent(None),
+                      "rss_gib": proc.memory_info().rss / 2**30}
+            if handle is not None:
+                import pynvml
+                util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+                values.update(gpu_util_percent=util.gpu, gpu_mem_util_percent=util.memory,
+                              sm_clock_mhz=pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                              gpu_mem_used_gib=pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30)
+            self.writer.scalars("system", values, int(time.time() - self._t0))
+            self.samples += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class StallWatchdog(threading.Thread):
+    """Alerts (once per stall) when `beat()` has not been called for `timeout_s` seconds."""
+
+    def __init__(self, writer: MetricsWriter, timeout_s: float, what: str):
+        super().__init__(name="colocate-stall-watchdog", daemon=True)
+        self.writer, self.timeout_s, self.what = writer, timeout_s, what
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._alerted = False
+        self.step = 0
+
+    def beat(self, step: int) -> None:
+        self._last, self._alerted, self.step = time.monotonic(), False, step
+
+    def run(self) -> None:
+        while not self._stop.wait(min(self.timeout_s / 4, 5.0)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s and not self._alerted:
+                self._alerted = True
+                self.writer.alert("stalled", f"no {self.what} for {idle:.0f}s (step {self.step})", self.step)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@contextlib.contextmanager
+def role_monitors(metrics_cfg, writer: MetricsWriter, *, gpu_index: int | None, what: str):
+    """Start the system sampler and stall watchdog for a role loop; stop them on exit."""
+    threads: list = []
+    if writer.enabled and metrics_cfg.nvml_interval_s > 0:
+        threads.append(SystemSampler(writer, metrics_cfg.nvml_interval_s, gpu_index))
+    # With the watchdog off, a never-started one still takes beats.
+    watchdog = StallWatchdog(writer, metrics_cfg.stall_timeout_s, what)
+    if metrics_cfg.stall_timeout_s > 0:
+        threads.append(watchdog)
+    for t in threads:
+        t.start()
+    try:
+        yield watchdog
+    finally:
+        for t in threads:
+            t.stop()
+
+
+class NullProfiler:
+    def step(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+def make_profiler(metrics_cfg, role: str, rank: int, *, enabled: bool):
+    """A started torch.profiler recording one window of steps, or a no-op. Call `.step()` per step."""
+    if not (metrics_cfg.profile and enabled):
+        return NullProfiler()
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+    run_name = os.path.basename(os.path.normpath(metrics_cfg.run_dir))
+    out_dir = os.path.join(metrics_cfg.profile_dir, run_name)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities,
+                   schedule=schedule(wait=metrics_cfg.profile_wait, warmup=metrics_cfg.profile_warmup,
+                                     active=metrics_cfg.profile_active, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(out_dir, worker_name=f"{role}-rank{rank}"),
+                   record_shapes=False, profile_memory=False, with_stack=False)
+    prof.start()
+    return prof
 
 
 def write_json_atomic(path: str, data: dict) -> None:

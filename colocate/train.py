@@ -16,6 +16,8 @@ notes/vllm-in-torchrun.md).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import sys
 import time
@@ -29,10 +31,13 @@ from colocate.config import Config, ConfigError, load_config, parse_overrides, s
 from colocate.data import TrajectoryBatch
 from colocate.envs import env_corpus, make_env
 from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_raise, parse_fault
-from colocate.metrics import MetricsWriter, write_json_atomic
+from torch.profiler import record_function
+
+from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
 from colocate.models import add_lora, build_model, canonical_name, load_tokenizer, materialize
 from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
-from colocate.rollout.transport import recv_batch, recv_batch_with_flags, recv_json, send_batch, send_json, shard_batch
+from colocate.rollout.transport import (TrajectorySender, recv_batch, recv_batch_with_flags, recv_json, send_json,
+                                       shard_batch)
 from colocate.rollout.worker import RolloutWorker
 from colocate.sync import FLAG_CHECKPOINT, FLAG_STOP, LoraSpec, broadcast_lora, checksum, flatten_lora, receive_lora
 from colocate.topology import Topology, build_topology
@@ -116,31 +121,44 @@ def run_inference(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict
             send_json(inference_state(topo.rank, worker, env, engine), topo.sync_src, topo.transport_group)
         stopped = stopped or bool(flags & FLAG_STOP)
 
+    with role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo), what="trajectory produced") as watchdog:
+        profiler = make_profiler(cfg.metrics, "inference", topo.rank, enabled=topo.role_rank == 0)
+        try:
+            rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, start, receive,
+                         is_stopped=lambda: stopped)
+        finally:
+            profiler.stop()
+    writer.close()
+
+
+def gpu_index(topo: Topology) -> int | None:
+    return topo.device.index if topo.device.type == "cuda" else None
+
+
+def rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, start, receive, is_stopped) -> None:
+    """Batches start..S-1 of one inference rank (see the module docstring for the protocol)."""
+    num_steps, lag = cfg.learner.num_steps, cfg.learner.max_policy_lag
     # Sends of batch j complete once the learners start step j, which needs version j to have been
     # received here; so only sends older than k - lag may be waited on at batch k (at most lag + 1
     # batches in flight: bounded memory, no deadlock).
-    pending: list[tuple[int, list]] = []
+    sender = TrajectorySender(topo.transport_group)
     for k in range(start, num_steps):
-        while engine.version < k - lag and not stopped:
+        while engine.version < k - lag and not is_stopped():
             receive()
-        if stopped:
+        if is_stopped():
             break
-        while pending and pending[0][0] < k - lag:
-            for p in pending.pop(0)[1]:
-                p.wait()
-        batch, stats = worker.collect()
+        sender.wait_through(k - lag - 1)
+        with record_function("rollout/collect"):
+            batch, stats, engine_stats = worker.collect()
         flags = STOP_REQUESTED if stop.requested else 0  # a signal here reaches the learners in the header
-        pending.append((k, [send_batch(shard, dst, topo.transport_group, flags)
-                            for shard, dst in zip(shard_batch(batch, topo.num_learners), topo.learner_ranks)]))
-        writer.scalars("rollout", {k2: v for k2, v in stats.items() if k2 != "out_tokens_per_s"}, k)
-        writer.scalars("engine", {"out_tokens_per_s": stats["out_tokens_per_s"],
-                                  "batch_size": stats["samples"]}, k)
-    while engine.version < num_steps and not stopped:
+        sender.submit(k, list(zip(shard_batch(batch, topo.num_learners), topo.learner_ranks)), flags)
+        writer.scalars("rollout", stats, k)
+        writer.scalars("engine", engine_stats, k)
+        watchdog.beat(k)
+        profiler.step()
+    while engine.version < num_steps and not is_stopped():
         receive()
-    for _, sends in pending:  # after a stop the learners drain what is in flight
-        for p in sends:
-            p.wait()
-    writer.close()
+    sender.close()  # after a stop the learners drain what is in flight
 
 
 def inference_state(rank: int, worker: RolloutWorker, env, engine) -> dict:
@@ -178,6 +196,13 @@ def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict |
         start = restore_learner(learner, resume)
         history = {k: list(v) for k, v in resume["trainer_state"]["history"].items()}
     num_steps, lag, ckpt = cfg.learner.num_steps, cfg.learner.max_policy_lag, cfg.checkpoint
+    # Daemon threads and a profiler window; an exception ends the process, so no try/finally needed.
+    monitors = contextlib.ExitStack()
+    watchdog = monitors.enter_context(role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo),
+                                                    what="trajectory consumed"))
+    profiler = make_profiler(cfg.metrics, "learner", topo.rank, enabled=topo.role_rank == 0)
+    monitors.callback(profiler.stop)
+    nonfinite_run = 0
     t_start = time.perf_counter()
     for step in range(start, num_steps):
         maybe_raise(fault, topo.rank, step)
@@ -185,7 +210,18 @@ def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict |
         received = [recv_batch_with_flags(src, topo.transport_group) for src in topo.inference_ranks]
         batch = TrajectoryBatch.concat([b for b, _ in received])
         wait_s = time.perf_counter() - t0
-        stats = learner.train_step(batch)
+        with record_function("learner/train_step"):
+            stats = learner.train_step(batch)
+        watchdog.beat(step)
+        if not math.isfinite(stats["loss"]):  # the learner skipped the update; K in a row is fatal
+            nonfinite_run += 1
+            writer.alert("nonfinite_loss", f"loss {stats['loss']} at step {step + 1}: update skipped "
+                         f"({nonfinite_run} in a row, limit {cfg.metrics.max_nonfinite_steps})", step)
+            if nonfinite_run >= cfg.metrics.max_nonfinite_steps:
+                raise RuntimeError(f"{nonfinite_run} non-finite losses in a row (metrics.max_nonfinite_steps); "
+                                   f"last at step {step + 1}: lower learner.lr or check the data")
+        else:
+            nonfinite_run = 0
         # Stop when any rank saw a signal; every learner must agree (one all-reduce).
         stop_now = torch.tensor([float(stop.requested or any(f & STOP_REQUESTED for _, f in received))],
                                 device=topo.device)
@@ -224,6 +260,8 @@ def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict |
                     recv_batch(src, topo.transport_group)
             writer.print(f"stop requested (signal): checkpoint at step {step + 1}, exiting")
             break
+        profiler.step()
+    monitors.close()
     if topo.role_rank == 0:
         write_summary(cfg, topo, history, time.perf_counter() - t_start, writer)
     writer.close()

@@ -4,7 +4,7 @@ The two ranks hold different numbers of sequences (so one of them runs dummy mic
 loss uses per-sequence normalization and a KL term (reference pass with the adapter disabled), and
 the micro-batch budget forces several micro-batches per rank. Tolerance: fp32 everywhere, only the
 order of summation differs, so the adapters agree to 1e-5 after two AdamW steps (lr 1e-3; an
-update is ~lr, so a wrong gradient factor or a missed micro-batch shows as ~1e-3).
+update is ~lr, so a missed micro-batch shows as ~1e-3; a wrong gradient factor shows in the grad norm).
 """
 import os
 
@@ -38,10 +38,11 @@ def _train(cfg, tok, topo, batch):
     from colocate.train import build_policy
     learner = Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok)
     initial = {n: t.clone() for n, t in learner.lora_state().items()}  # unsharded: views of the params
-    losses = []
+    losses = []  # (loss, grad norm) per step: Adam is blind to a gradient scale, the norm is not
     for _ in range(NUM_STEPS):
         batch.versions[:] = learner.version
-        losses.append(learner.train_step(batch)["loss"])
+        stats = learner.train_step(batch)
+        losses.append((stats["loss"], stats["grad_norm"]))
     return initial, learner.lora_state(), losses
 
 
@@ -76,11 +77,12 @@ def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):
     variants = [{}, {"activation_checkpointing": True}]
     cache = tiny_cfg.model.cache_dir  # the session's tokenizer, already built
     result = str(tmp_path / "result.pt")
-    # fork: the children inherit torch/transformers/peft already imported here (spawn re-imports: +20 s)
+    references = [_single_rank(cache, extra) for extra in variants]
+    # fork: the children inherit the modules imported above (spawn would re-import them: +20 s)
     mp.start_processes(_worker, args=(free_port(), cache, result, variants), nprocs=2, join=True,
                        start_method="fork")
-    for extra, got in zip(variants, torch.load(result, weights_only=True)):
-        ref_initial, ref_final, ref_losses = _single_rank(cache, extra)
+    for extra, got, reference in zip(variants, torch.load(result, weights_only=True), references):
+        ref_initial, ref_final, ref_losses = reference
         assert list(got["final"]) == list(ref_final), extra  # the same canonical names, same order
         for name in ref_final:
             assert torch.equal(got["initial"][name], ref_initial[name]), name  # sharded init == unsharded

@@ -65,7 +65,7 @@ def _sync_worker(rank, port, cache_dir, result_path):
             assert checksum(flatten_lora(engine.lora_state(), spec)) == sent
         dist.broadcast(flatten_lora(engine.lora_state(), spec), src=1, group=group)
         from colocate.rollout.transport import send_batch
-        send_batch(_example_batch(), 0, group).wait()
+        send_batch(_example_batch(), 0, group)
     dist.destroy_process_group()
 
 

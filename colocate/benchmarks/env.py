@@ -12,12 +12,14 @@ decodes and parses the completion, sets the orders and processes the phase.
             `get_all_possible_orders()` per power, the HF tokenizer called per prompt and per
             power's choices, `set_orders` with expansion.
 
-Also times forking one mid-game state into 8 clones (ours, deepcopy + clear_cache, Game() +
+The heap left by the imports is frozen first (`gc.freeze()`): otherwise a full GC pass (~0.3 s)
+lands at random in one path. Also times forking one mid-game state into 8 clones (ours, deepcopy + clear_cache, Game() +
 set_state) on a game with 27 phases of history and on a cache-loaded state (no history).
 """
 from __future__ import annotations
 
 import copy
+import gc
 import random
 import statistics
 import time
@@ -133,6 +135,10 @@ def run(args) -> dict:
     from colocate.envs.diplomacy import game as dg
     tokenizer = load_embedded_tokenizer()
     states = dg.load_state_cache(dg.__file__.replace("game.py", "states.jsonl"))
+    # torch + transformers leave ~10^6 objects behind; one full GC pass over them costs ~0.3 s and
+    # lands at random inside one path or the other. Freeze them (as a long-running worker should).
+    gc.collect()
+    gc.freeze()
     groups = 2 if args.quick else args.groups
     rounds = 1 if args.quick else args.rounds
     figures, baseline, ratios = {}, {}, {}

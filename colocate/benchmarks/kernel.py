@@ -7,8 +7,9 @@ Same inputs, same process, one GPU:
   ours      `triton_grpo.grpo_loss_triton` in place and not
 Figures per implementation: median fwd+bwd ms and peak memory above what was allocated before the
 call (the logits and inputs), in GB. In-place calls get their logits copied back from a pristine
-buffer, untimed, before every call. Loss values are compared on pristine logits. `--sweep` also
-times launch configurations of ours (block_v, num_warps, programs per SM).
+buffer, untimed, before every call. Loss values and gradients are compared on pristine logits.
+`ours_kernel_only_inplace_ms` times the row kernel alone (no autograd) to show the wrapper's cost.
+`--sweep` first times launch configurations of ours (kernel only) and then measures the fastest.
 
 Left out: the fused-head mode (its cost is the head GEMMs, measured with the trainer profile).
 """
@@ -25,12 +26,13 @@ EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 
 def add_args(parser) -> None:
     parser.add_argument("--batch", type=int, default=0, help="sequences (default 16; --quick 4)")
-    parser.add_argument("--seq-len", type=int, default=0, help="completion tokens per sequence (default 1024; --quick 256)")
+    parser.add_argument("--seq-len", type=int, default=0,
+                        help="completion tokens per sequence (default 1024; --quick 256)")
     parser.add_argument("--vocab", type=int, default=0, help="vocabulary (default 152064; --quick 32000)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--sweep", action="store_true",
-                        help="first time launch configurations of ours (kernel only), then measure ours with the fastest")
+                        help="first time launch configurations of ours (kernel only), then measure the fastest")
     parser.add_argument("--config", default="", help='JSON launch overrides for ours, e.g. \'{"block_v": 16384}\'')
 
 
@@ -100,23 +102,37 @@ def load_liger():
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def liger_loss(liger, seq, inplace):
+    """Liger's triton_grpo_loss on [B, L+1, V] logits, dapo normalization (= our weights)."""
+    return lambda t: liger(t, seq["behaviour"], seq["ref"], seq["targets"], seq["advantages"],
+                           completion_mask=seq["mask"], temperature=1.0, beta=BETA, eps_low=EPS_LOW,
+                           eps_high=EPS_HIGH, inplace=inplace, loss_type="dapo", reduce=True)[0]
+
+
+def rel_diff(a, b, chunk=1024):
+    """||a - b|| / ||b|| over [N, V] tensors, a row chunk at a time in float32."""
+    num = den = 0.0
+    for ca, cb in zip(a.split(chunk), b.split(chunk)):
+        num += float((ca.float() - cb.float()).pow(2).sum())
+        den += float(cb.float().pow(2).sum())
+    return (num / max(den, 1e-30)) ** 0.5
+
+
 def run(args) -> dict:
     if not torch.cuda.is_available():
         return {"figures": {"skipped": "needs CUDA"}, "baseline": {}, "ratios": {}}
     from colocate.kernels.reference import grpo_loss_reference
-    from colocate.kernels.triton_grpo import default_config, grpo_loss_triton
+    from colocate.kernels.triton_grpo import default_config, grpo_loss_triton, grpo_rows
 
     batch = args.batch or (4 if args.quick else 16)
     seq_len = args.seq_len or (256 if args.quick else 1024)
     vocab = args.vocab or (32000 if args.quick else 152064)
-    logits3d, pristine, flat, seq = make_inputs(batch, seq_len, vocab)
-    n = batch * seq_len
+    logits3d, pristine, f, seq = make_inputs(batch, seq_len, vocab)
     x = pristine.clone().requires_grad_()       # [N, V] working copy for naive / compiled / ours
     x3d = logits3d.clone().requires_grad_()     # [B, L+1, V] working copy for Liger
-    f = flat
     kw = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
-
     figures, baseline, ratios = {}, {}, {}
+
     config = json.loads(args.config) if args.config else {}
     if args.sweep:
         results = sweep(x, pristine, f, kw)
@@ -124,12 +140,12 @@ def run(args) -> dict:
         best = min((r for r in results.values() if r[0] is not None), key=lambda r: float(r[1].split()[3]))
         config = {**best[0], **config}
 
-    def ours(inplace, config=config):
+    def ours(inplace):
         return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
                                           inplace_backward=inplace, config=config or None, **kw)[0]
 
-    impls = {"naive": (lambda t: naive_loss(t, f["targets"], f["weights"], f["behaviour"], f["ref"], f["advantages"]),
-                       False)}
+    impls = {"naive": (lambda t: naive_loss(t, f["targets"], f["weights"], f["behaviour"], f["ref"],
+                                            f["advantages"]), False)}
     if not args.no_compile:
         compiled = torch.compile(grpo_loss_reference, dynamic=False)
         impls["compiled"] = (lambda t: compiled(t, f["targets"], f["weights"], f["behaviour"], f["advantages"],
@@ -137,7 +153,7 @@ def run(args) -> dict:
     impls["ours_inplace"] = (ours(True), True)
     impls["ours"] = (ours(False), False)
 
-    figures.update({"shape": f"N={n} (B={batch} x L={seq_len}) V={vocab} bf16",
+    figures.update({"shape": f"N={batch * seq_len} (B={batch} x L={seq_len}) V={vocab} bf16",
                     "logits_GB": round(pristine.numel() * 2 / 1e9, 3),
                     "ours_config": str({**default_config(vocab, x.device), **config})})
     # The floor: a read and a write of [N, V] (what ours moves), timed as a device copy.
@@ -148,41 +164,35 @@ def run(args) -> dict:
     for name, (fn, inplace) in impls.items():
         ms, gb = measure(fn, x, pristine, inplace, args.iters)
         (figures if name.startswith("ours") else baseline).update({f"{name}_ms": ms, f"{name}_extra_GB": gb})
+    xd = x.detach()
+    figures["ours_kernel_only_inplace_ms"] = round(1e3 * median_time(
+        lambda: grpo_rows(xd, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], xd,
+                          config=config or None, **kw),
+        iters=args.iters, setup=lambda: restore(x, pristine)), 3)
 
     liger, why = load_liger()
     if liger is None:
         baseline["liger"] = f"unavailable ({why})"
     else:
-        for inplace in (True, False):
-            fn = (lambda t, ip=inplace: liger(t, seq["behaviour"], seq["ref"], seq["targets"], seq["advantages"],
-                                              completion_mask=seq["mask"], temperature=1.0, beta=BETA,
-                                              eps_low=EPS_LOW, eps_high=EPS_HIGH, inplace=ip, loss_type="dapo",
-                                              reduce=True)[0])
-            name = "liger_inplace" if inplace else "liger"
-            ms, gb = measure(fn, x3d, logits3d, inplace, args.iters)
+        for name, inplace in (("liger_inplace", True), ("liger", False)):
+            ms, gb = measure(liger_loss(liger, seq, inplace), x3d, logits3d, inplace, args.iters)
             baseline.update({f"{name}_ms": ms, f"{name}_extra_GB": gb})
 
-    # Values on pristine logits: every implementation against naive.
+    # Values on pristine logits (in-place calls above left garbage): every implementation vs naive.
     restore(x, pristine)
     restore(x3d, logits3d)
     with torch.no_grad():
         values = {name: float(fn(x)) for name, (fn, _) in impls.items()}
         if liger is not None:
-            values["liger"] = float(liger(x3d, seq["behaviour"], seq["ref"], seq["targets"], seq["advantages"],
-                                          completion_mask=seq["mask"], temperature=1.0, beta=BETA, eps_low=EPS_LOW,
-                                          eps_high=EPS_HIGH, inplace=False, loss_type="dapo", reduce=True)[0])
+            values["liger"] = float(liger_loss(liger, seq, False)(x3d))
     figures["loss_values"] = {k: round(v, 7) for k, v in values.items()}
     figures["ours_loss_rel_diff_vs_naive"] = abs(values["ours"] - values["naive"]) / max(abs(values["naive"]), 1e-12)
     # Gradients: ours vs naive on the same pristine logits.
     restore(x, pristine)
-    naive_loss(x, f["targets"], f["weights"], f["behaviour"], f["ref"], f["advantages"]).backward()
+    impls["naive"][0](x).backward()
     g_naive, x.grad = x.grad, None
     ours(False)(x).backward()
-    num = den = 0.0
-    for a, b in zip(x.grad.split(1024), g_naive.split(1024)):
-        num += float((a.float() - b.float()).pow(2).sum())
-        den += float(b.float().pow(2).sum())
-    figures["ours_grad_rel_diff_vs_naive"] = (num / max(den, 1e-30)) ** 0.5
+    figures["ours_grad_rel_diff_vs_naive"] = rel_diff(x.grad, g_naive)
     x.grad = g_naive = None
 
     for name in ("naive", "compiled", "liger_inplace", "liger"):

@@ -10,6 +10,8 @@ Left out on purpose: CUDA graphs, paged KV, prefix sharing (that is vLLM's job).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from colocate.constraint import ConstraintState
@@ -46,6 +48,8 @@ class HFEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
         self._lora = {n: p for n, p in sorted(self.model.named_parameters()) if "lora_" in n}
+        self._counters = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
+                          "sequences": 0, "batches": 0}
 
     # -- weights ---------------------------------------------------------------------------------
     def load_lora(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -59,6 +63,15 @@ class HFEngine:
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         return self._lora
+
+    def stats(self) -> dict[str, float]:
+        """Throughput since the last call: prefill and decode tokens/s, mean batch size."""
+        c = self._counters
+        out = {"prefill_tokens_per_s": c["prefill_tokens"] / max(c["prefill_s"], 1e-9),
+               "decode_tokens_per_s": c["decode_tokens"] / max(c["decode_s"], 1e-9),
+               "batch_size": c["sequences"] / max(c["batches"], 1)}
+        self._counters = {k: type(v)(0) for k, v in c.items()}
+        return out
 
     def rng_state(self) -> list[int]:
         """Sampler RNG state as JSON-able ints (checkpoints)."""
@@ -90,7 +103,14 @@ class HFEngine:
 
         cache = DynamicCache()
         positions = (attn.cumsum(1) - 1).clamp(min=0)
+        t0 = time.perf_counter()
         logits = self._forward(ids, attn, positions, cache)  # [B, V] next-token logits
+        t1 = time.perf_counter()
+        c = self._counters
+        c["prefill_tokens"] += int(attn.sum())
+        c["prefill_s"] += t1 - t0
+        c["sequences"] += batch
+        c["batches"] += 1
         for step in range(max_new):
             mask, allowed_now = self._constraint_mask(states, finished, logits.shape[-1])
             scaled = logits.float() / temps + mask
@@ -117,6 +137,8 @@ class HFEngine:
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], 1)
             positions = positions[:, -1:] + 1
             logits = self._forward(choice.unsqueeze(1), attn, positions, cache)
+        c["decode_tokens"] += sum(len(t) for t in tokens)
+        c["decode_s"] += time.perf_counter() - t1
         return [Completion(token_ids=tokens[i], logprobs=logprobs[i], allowed_ids=allowed_log[i],
                            version=self.version, finish_reason=reasons[i]) for i in range(batch)]
 

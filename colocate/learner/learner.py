@@ -12,7 +12,8 @@ micro-batches as the busiest one (FSDP's collectives must match; the extra ones 
 with zero loss) -> per micro-batch: (beta > 0) an adapter-disabled no-grad pass for reference
 log-probs -> policy forward, logits at completion positions only -> `colocate.kernels.grpo_loss` ->
 backward (FSDP reduce-scatters the adapter gradients after the last micro-batch only) -> clip the
-global grad norm -> AdamW -> version += 1.
+global grad norm -> AdamW (skipped on every rank when the loss or grad norm is not finite) ->
+version += 1.
 
 Normalizers (token and sequence counts) are global over the learner ranks, so the SUM of per-rank
 gradients is the gradient of the global loss: FSDP's divide factor is 1 (`fsdp.apply_fsdp`); without
@@ -153,15 +154,19 @@ class Learner:
                 dist.all_reduce(p.grad, group=self.topology.learner_group)
         max_norm = cfg.learner.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP
+        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP: the global norm
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-
         sums = self._all_reduce(torch.tensor([totals["loss"], totals["clip_fraction"], totals["kl"],
                                               totals["ratio"], float(tokens_done), float(model_tokens)],
                                              device=self.device))
+        # A non-finite loss or gradient skips the update on every rank alike (both values are global);
+        # the version still advances, so the step protocol with the inference ranks is unchanged.
+        skipped = not (torch.isfinite(sums[0]) and torch.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
         denom = max(float(sums[4]), 1.0)
         elapsed = time.perf_counter() - t0
         return {
@@ -176,6 +181,7 @@ class Learner:
             "tokens": float(sums[4]),
             "model_tokens": float(sums[5]),
             "micro_batches": float(num_micro),
+            "skipped_update": float(skipped),
             "step_s": elapsed,
             "tokens_per_s": float(sums[4]) / max(elapsed, 1e-9),
         }

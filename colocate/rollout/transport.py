@@ -8,6 +8,8 @@ from the inference rank (FLAG_STOP: a stop was requested there). No pickling, no
 """
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import fields
 
 import torch
@@ -33,24 +35,63 @@ def encode_header(batch: TrajectoryBatch, flags: int = 0) -> tuple[torch.Tensor,
     return torch.tensor(header + [0] * (HEADER_LEN - 1 - len(header)) + [flags], dtype=torch.int64), payload
 
 
-class PendingSend:
-    """Work handles of one non-blocking send, holding its tensors alive until `wait()`."""
+class TrajectorySender:
+    """Sends batches from a background thread, so sampling goes on while learners receive.
 
-    def __init__(self, works: list, tensors: list[torch.Tensor]):
-        self.works, self.tensors = works, tensors
+    Blocking sends in one thread rather than `isend` handles kept by the caller: gloo isend work
+    objects created under torch.profiler and freed after it stopped crashed the process (torch 2.13,
+    reproduced standalone). `wait_through(k)` blocks until every send of batches <= k is done.
+    """
 
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works, self.tensors = [], []
+    def __init__(self, group):
+        self.group = group
+        self._queue: queue.Queue = queue.Queue()
+        self._done = -1
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="colocate-trajectory-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, index: int, shards: list[tuple[TrajectoryBatch, int]], flags: int = 0) -> None:
+        """Queue batch `index` as (shard, destination rank) pairs."""
+        self._queue.put((index, shards, flags))
+
+    def wait_through(self, index: int) -> None:
+        with self._cond:
+            while self._done < index and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise RuntimeError(f"trajectory send failed: {self._error}") from self._error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"trajectory send failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            index, shards, flags = item
+            try:
+                for batch, dst in shards:
+                    header, payload = encode_header(batch, flags)
+                    for t in (header, *payload):
+                        dist.send(t, dst=dst, group=self.group)
+            except BaseException as e:  # a dead peer: surface it in the main thread
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._done = index
+                self._cond.notify_all()
 
 
-def send_batch(batch: TrajectoryBatch, dst: int, group, flags: int = 0) -> PendingSend:
-    """Non-blocking send of one shard to global rank `dst`."""
+def send_batch(batch: TrajectoryBatch, dst: int, group, flags: int = 0) -> None:
+    """Blocking send of one shard to global rank `dst` (tests and simple callers)."""
     header, payload = encode_header(batch, flags)
-    works = [dist.isend(header, dst=dst, group=group)]
-    works += [dist.isend(t, dst=dst, group=group) for t in payload]
-    return PendingSend(works, [header, *payload])
+    for t in (header, *payload):
+        dist.send(t, dst=dst, group=group)
 
 
 def recv_batch(src: int, group) -> TrajectoryBatch:

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# py-spy flame graphs of every rank of a torchrun job: one SVG per rank.
+#
+#   scripts/flamegraph.sh [--duration S] [--native] [--rate HZ] [--out DIR] --pid PID
+#       record the ranks of a running job; PID is the torchrun launcher (or any ancestor of the ranks)
+#   scripts/flamegraph.sh [--duration S] [--native] [--rate HZ] [--out DIR] -- COMMAND...
+#       start COMMAND (e.g. torchrun --nproc-per-node 2 -m colocate.train ...), record its ranks
+#
+# Ranks are found as descendants of PID whose environment has RANK=<n>; each is recorded in
+# parallel with `py-spy record` into DIR/rank<n>.svg (default DIR: profiles/flamegraphs).
+# --native adds C/C++ frames (slower, needs symbols). py-spy needs ptrace: in a container, run with
+# CAP_SYS_PTRACE or as root with kernel.yama.ptrace_scope <= 1.
+set -euo pipefail
+
+duration=20 native="" rate=100 out="profiles/flamegraphs" pid="" cmd=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --duration) duration=$2; shift 2 ;;
+    --native) native="--native"; shift ;;
+    --rate) rate=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --pid) pid=$2; shift 2 ;;
+    --) shift; cmd=("$@"); break ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "flamegraph.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+command -v py-spy >/dev/null || { echo "flamegraph.sh: py-spy not found (pip install -e '.[profile]')" >&2; exit 2; }
+if [ -z "$pid" ] && [ ${#cmd[@]} -eq 0 ]; then echo "flamegraph.sh: give --pid PID or -- COMMAND" >&2; exit 2; fi
+mkdir -p "$out"
+
+started=""
+if [ ${#cmd[@]} -gt 0 ]; then
+  "${cmd[@]}" &
+  pid=$! started=1
+fi
+
+descendants() {  # all descendant pids of $1
+  local child
+  for child in $(pgrep -P "$1" 2>/dev/null); do echo "$child"; descendants "$child"; done
+}
+rank_of() {  # RANK=<n> from a process environment, empty if none
+  tr '\0' '\n' < "/proc/$1/environ" 2>/dev/null | sed -n 's/^RANK=//p' | head -n1
+}
+
+# Wait (up to 120 s) until the ranks exist and have imported Python.
+declare -A ranks
+for _ in $(seq 1 240); do
+  ranks=()
+  for p in $(descendants "$pid"); do
+    r=$(rank_of "$p")
+    [ -n "$r" ] && [ -z "${ranks[$r]:-}" ] && ranks[$r]=$p
+  done
+  [ ${#ranks[@]} -gt 0 ] && break
+  sleep 0.5
+done
+[ ${#ranks[@]} -gt 0 ] || { echo "flamegraph.sh: no ranks (RANK=...) under pid $pid" >&2; exit 1; }
+sleep 2  # let them get past start-up
+
+recorders=()
+for r in "${!ranks[@]}"; do
+  py-spy record --pid "${ranks[$r]}" --duration "$duration" --rate "$rate" $native --nonblocking \
+    --format flamegraph --output "$out/rank$r.svg" >"$out/rank$r.log" 2>&1 &
+  recorders+=($!)
+done
+status=0
+for p in "${recorders[@]}"; do wait "$p" || status=1; done
+if [ -n "$started" ]; then wait "$pid" || true; fi
+for r in "${!ranks[@]}"; do
+  if [ -s "$out/rank$r.svg" ]; then echo "rank $r: $out/rank$r.svg"; else echo "rank $r: no samples (see $out/rank$r.log)" >&2; status=1; fi
+done
+exit $status

@@ -1,0 +1,91 @@
+"""Observability: TensorBoard namespaces per role, profiler traces per role, alerts, flame graphs."""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from colocate.metrics import MetricsWriter, StallWatchdog, percentiles
+from tests.conftest import REPO
+
+
+def read_scalar_tags(event_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(event_dir)
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
+@pytest.mark.slow
+def test_profiled_cpu_run_writes_every_namespace_and_a_trace_per_role(tmp_path):
+    run = tmp_path / "obsrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "colocate.train",
+           "--config", "configs/cpu-tiny.yaml", "--learner.num_steps=8", f"--metrics.run_dir={run}",
+           f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.profile=true", f"--metrics.profile_dir={tmp_path}",
+           "--metrics.nvml_interval_s=0.2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    tags = read_scalar_tags(str(run / "tb" / "inference")) | read_scalar_tags(str(run / "tb" / "learner"))
+    for namespace in ("rollout", "engine", "learner", "sync", "system"):
+        assert any(t.startswith(namespace + "/") for t in tags), (namespace, sorted(tags))
+    for tag in ("rollout/phase_latency_s_p95", "rollout/group_latency_s_p50", "rollout/games_per_s",
+                "rollout/invalid_rate", "engine/decode_tokens_per_s", "engine/prefill_tokens_per_s",
+                "engine/batch_size", "learner/loss", "learner/kl", "learner/clip_fraction", "learner/grad_norm",
+                "learner/tokens_per_s", "sync/broadcast_ms", "sync/apply_ms", "system/cpu_percent_host"):
+        assert tag in tags, tag
+    for role in ("inference", "learner"):
+        traces = glob.glob(str(tmp_path / "obsrun" / f"{role}-rank*.pt.trace.json"))
+        assert len(traces) == 1, (role, os.listdir(tmp_path / "obsrun"))
+        with open(traces[0]) as f:
+            trace = json.load(f)
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert f"{'rollout/collect' if role == 'inference' else 'learner/train_step'}" in names
+
+
+def test_stall_watchdog_alerts_once(capsys):
+    writer = MetricsWriter("unused", "inference", enabled=False)
+    dog = StallWatchdog(writer, timeout_s=0.2, what="trajectory produced")
+    dog.start()
+    time.sleep(1.5)
+    dog.stop()
+    err = capsys.readouterr().err
+    assert err.count("ALERT stalled: no trajectory produced") == 1
+
+
+def test_percentiles():
+    assert percentiles([], "x") == {}
+    p = percentiles([float(i) for i in range(101)], "lat")
+    assert p == {"lat_p50": 50.0, "lat_p95": 95.0}
+
+
+def ptrace_allowed() -> bool:
+    if shutil.which("py-spy") is None:
+        return False
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    try:
+        time.sleep(0.3)
+        return subprocess.run(["py-spy", "dump", "--pid", str(child.pid)], capture_output=True,
+                              timeout=20).returncode == 0
+    finally:
+        child.kill()
+
+
+@pytest.mark.slow
+def test_flamegraph_script_writes_one_svg_per_rank(tmp_path):
+    if not ptrace_allowed():
+        pytest.skip("py-spy missing or ptrace not permitted here (needs CAP_SYS_PTRACE)")
+    out = tmp_path / "fg"
+    cmd = ["bash", "scripts/flamegraph.sh", "--duration", "4", "--out", str(out), "--",
+           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "colocate.train",
+           "--config", "configs/cpu-tiny.yaml", "--learner.num_steps=150", f"--metrics.run_dir={tmp_path / 'run'}",
+           f"--model.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in (0, 1):
+        svg = out / f"rank{rank}.svg"
+        assert svg.exists() and svg.stat().st_size > 1000
+        assert "<svg" in svg.read_text()[:2000]
