@@ -34,8 +34,16 @@ import torch
 
 from colocate.constraint import Constraint
 from colocate.data import Request
+from colocate.metrics import write_json_atomic
 
-SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b"}
+SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b", "tiny": "tiny"}
+LEARNER = "cuda:0"
+"""The learner's device; "cpu" only for a dry run against a stand-in engine."""
+
+
+def sync_learner() -> None:
+    if torch.device(LEARNER).type == "cuda":
+        torch.cuda.synchronize(LEARNER)
 
 
 def log(msg: str) -> None:
@@ -99,7 +107,7 @@ class Session:
         """Learner -> engine over NCCL, as train.py does (the send is enqueued, the worker completes it)."""
         self.sender.send(self.lora(), self.version, with_checksum=with_checksum, wait=False)
         got = self.engine.receive_lora(verify=verify)
-        torch.cuda.synchronize(0)
+        sync_learner()
         return got
 
 
@@ -111,7 +119,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     from colocate.engine.vllm import VLLMEngine, ensure_model_dir, lora_spec_for
     from colocate.engine.vllm_sync import HOST, AdapterSender, StatelessGroup, listen_socket
     from colocate.train import build_policy
-    if torch.cuda.device_count() < 2:
+    if torch.device(LEARNER).type == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("the vLLM session needs 2 GPUs (learner on cuda:0, engine on GPU 1) and vllm")
     cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "colocate-models")
     cfg = load_config(None, {"model": {"shape": SHAPES[shape], "dtype": "bfloat16", "cache_dir": cache_dir},
@@ -119,16 +127,16 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     figures = {}
     t0 = time.perf_counter()
     tokenizer = load_embedded_tokenizer()
-    policy = build_policy(cfg, tokenizer, "cuda:0").eval()
+    policy = build_policy(cfg, tokenizer, LEARNER).eval()
     with torch.no_grad():  # a non-trivial adapter (peft starts B at 0, which would hide a wrong A)
-        g = torch.Generator(device="cuda:0").manual_seed(1)
+        g = torch.Generator(device=LEARNER).manual_seed(1)
         for n, p in policy.named_parameters():
             if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=g, device="cuda:0") * lora_b_std)
+                p.copy_(torch.randn(p.shape, generator=g, device=LEARNER) * lora_b_std)
     spec = lora_spec_for(cfg, tokenizer)
-    model_dir = ensure_model_dir(cfg, tokenizer, "cuda:0", is_writer=True)
+    model_dir = ensure_model_dir(cfg, tokenizer, LEARNER, is_writer=True)
     figures["setup/policy_and_model_dir_s"] = time.perf_counter() - t0
-    log(f"{shape}: policy on cuda:0, model dir {model_dir} ({figures['setup/policy_and_model_dir_s']:.0f}s)")
+    log(f"{shape}: policy on {LEARNER}, model dir {model_dir} ({figures['setup/policy_and_model_dir_s']:.0f}s)")
     engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1)
@@ -137,7 +145,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     # Both ends of the stateless group live in this process: the learner's end joins from a thread.
     sock, port = listen_socket()
     box = {}
-    thread = threading.Thread(target=lambda: box.update(group=StatelessGroup(HOST, port, 0, 2, "cuda:0", listen=sock)))
+    thread = threading.Thread(target=lambda: box.update(group=StatelessGroup(HOST, port, 0, 2, LEARNER, listen=sock)))
     thread.start()
     engine.join_sync(HOST, port, world_size=2, rank=1)
     thread.join()
@@ -173,7 +181,7 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     parts = {"send_enqueue_ms": [], "receive_apply_ms": [], "first_token_ms": [], "total_ms": [], "apply_ms": []}
     for i in range(warmup + iters):
         s.step_adapter()
-        torch.cuda.synchronize(0)
+        sync_learner()
         t0 = time.perf_counter()                                   # learner step end
         s.sender.send(s.lora(), s.version, wait=False)
         t1 = time.perf_counter()
@@ -182,7 +190,7 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
         (c,) = s.engine.generate(probe)
         t3 = time.perf_counter()
         assert c.version == s.version == got["version"]
-        torch.cuda.synchronize(0)
+        sync_learner()
         if i >= warmup:
             for k, v in (("send_enqueue_ms", t1 - t0), ("receive_apply_ms", t2 - t1), ("first_token_ms", t3 - t2),
                          ("total_ms", t3 - t0)):
@@ -204,7 +212,7 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     with tempfile.TemporaryDirectory(dir=os.environ.get("COLOCATE_DISK_DIR") or None) as root:
         for i in range(max(3, iters // 2) + 1):
             s.step_adapter()
-            torch.cuda.synchronize(0)
+            sync_learner()
             t0 = time.perf_counter()
             path = os.path.join(root, f"v{s.version}")
             s.policy.save_pretrained(path, is_main_process=True)
@@ -232,6 +240,7 @@ def learner_logprobs(policy, requests, completions, temperature: float, batch: i
     from colocate.kernels import restrict_to_allowed
     from colocate.kernels.reference import per_token_logprobs
     out: list[float] = []
+    device = next(policy.parameters()).device
     import contextlib
     with policy.disable_adapter() if not use_adapter else contextlib.nullcontext():
         for start in range(0, len(requests), batch):
@@ -249,12 +258,12 @@ def learner_logprobs(policy, requests, completions, temperature: float, batch: i
                 cols += list(range(p - 1, p - 1 + len(c.token_ids)))
                 targets += c.token_ids
                 allowed += c.allowed_ids
-            logits = policy(input_ids=ids.cuda(0), attention_mask=mask.cuda(0)).logits[rows, cols]
+            logits = policy(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[rows, cols]
             k = max(len(a) for a in allowed)
             allowed_t = torch.full((len(allowed), k), -1, dtype=torch.long)
             for j, a in enumerate(allowed):
                 allowed_t[j, :len(a)] = torch.tensor(a)
-            sub, tgt = restrict_to_allowed(logits, torch.tensor(targets).cuda(0), allowed_t.cuda(0))
+            sub, tgt = restrict_to_allowed(logits, torch.tensor(targets, device=device), allowed_t.to(device))
             out += per_token_logprobs(sub, tgt, temperature).tolist()
     return out
 
@@ -317,13 +326,13 @@ def _timed_ours(engine, tokenizer, requests) -> tuple[float, int]:
 
 @torch.no_grad()
 def hf_generate_tok_s(policy, requests, new_tokens: int = 32) -> float:
-    ids = torch.tensor([r.prompt_ids for r in requests], device="cuda:0")
+    ids = torch.tensor([r.prompt_ids for r in requests], device=LEARNER)
     policy.generate(input_ids=ids[:4], attention_mask=torch.ones_like(ids[:4]), max_new_tokens=4, do_sample=True)
-    torch.cuda.synchronize(0)
+    sync_learner()
     t = time.perf_counter()
     policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                     min_new_tokens=new_tokens, do_sample=True, temperature=1.0)
-    torch.cuda.synchronize(0)
+    sync_learner()
     return len(requests) * new_tokens / (time.perf_counter() - t)
 
 
@@ -426,9 +435,12 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
                 sync_iters: int = 10) -> dict:
     """Open one engine for `shape`, run `parts` (sync, parity, rollout) in that order of priority."""
     deadline = time.time() + budget_s
+    partial = os.environ.get("COLOCATE_PARTIAL_JSON", "")  # figures so far, rewritten after each part
     s = open_session(shape, max_num_seqs=max(num_seqs, 64))
     figures = dict(s.figures)
     for part in parts:
+        if partial:
+            write_json_atomic(partial, {"shape": shape, "figures": figures})
         if time.time() > deadline:
             figures[f"{part}/skipped"] = "budget"
             continue
@@ -445,5 +457,7 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
             traceback.print_exc()
             figures[f"{part}/error"] = f"{type(exc).__name__}: {exc}"[:500]
     figures["engine/stats"] = dict(s.engine.stats)
+    if partial:
+        write_json_atomic(partial, {"shape": shape, "figures": figures})
     s.engine.shutdown()
     return figures

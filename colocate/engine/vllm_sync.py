@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from colocate.engine.vllm_worker import synchronize
 from colocate.sync import LoraSpec, flatten_lora
 
 HOST = "127.0.0.1"  # one node: learner rank 0 and the vLLM workers share it
@@ -75,7 +76,8 @@ class StatelessGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0 sends, every other rank receives into `tensor` (on the current stream)."""
-        self.comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream(self.device))
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.comm.broadcast(tensor, src=0, stream=stream)
 
 
 class AdapterSender:
@@ -98,7 +100,7 @@ class AdapterSender:
         self.group.broadcast(self.header)
         self.group.broadcast(self.flat)
         if wait:
-            torch.cuda.current_stream(self.group.device).synchronize()
+            synchronize(self.group.device)
         return time.perf_counter() - t0
 
 

@@ -34,6 +34,11 @@ IN_MEMORY_PATH = "/colocate/in-memory-adapter"
 _PEFT_PREFIX = "base_model.model."
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def lora_module_name(name: str) -> tuple[str, bool]:
     """peft parameter name -> (module path as vLLM names it, is lora_A).
 
@@ -150,7 +155,7 @@ class ColocateWorkerExtension:
         group.broadcast(slot.flat)
         t0 = time.perf_counter()
         slot.apply()
-        torch.cuda.current_stream(self.device).synchronize()
+        synchronize(self.device)
         apply_ms = (time.perf_counter() - t0) * 1e3
         checksum_ok = chunked_checksum(slot.flat) == sent if sent else None
         slot_ok = slot.matches() if verify else None
@@ -162,7 +167,7 @@ class ColocateWorkerExtension:
         host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(slot.spec.dtype)
         slot.flat.copy_(host)
         slot.apply()
-        torch.cuda.current_stream(self.device).synchronize()
+        synchronize(self.device)
         return [slot.matches() if verify else None]
 
     def colocate_adapter_bytes(self) -> bytes:

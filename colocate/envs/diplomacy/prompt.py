@@ -2,31 +2,32 @@
 
 A prompt is three parts, so that prefix caching shares the first two across the 7 powers of a game:
 
-    INSTRUCTION                       static text, identical for every prompt of every game
-    PHASE F1905M                      the board: identical for the 7 powers of one game phase
-    AUSTRIA: units A BUD, F TRI; centres BUD TRI VIE
+    Diplomacy. You command one power; ...        INSTRUCTION: identical for every prompt
+    PHASE S1901M                                 the board: identical for the 7 powers of a phase
+    AUSTRIA: A BUD A VIE F TRI; centres BUD TRI VIE
     ...
-    NEUTRAL: centres BEL HOL
-    YOU ARE FRANCE                    the power's own part: its orderable units and legal orders
-    A PAR: H | - BUR | S A MAR - BUR
+    NEUTRAL: centres BEL BUL DEN ...
+    YOU: FRANCE                                  the power's own part: one line per slot
+    F BRE: - ENG GAS MAO PIC; H; S A MAR GAS; S A PAR GAS PIC; S F LON ENG
+    A MAR: ...
     ORDERS:
 
-The listed orders omit the unit ("- BUR" under "A PAR:"); the completion writes every order in
-full, one per line, in the listed unit order: "A PAR - BUR\nF BRE - MAO\n" then EOS.
+Own-part lines group a unit's legal orders (`compact_options`: '- X Y' moves, 'S A MAR H GAS'
+support to hold or to move, 'C A LON BEL' convoys, 'VIA X', 'R X'), about 40 % fewer tokens than
+listing every order. The completion writes each order in full, one per line, in the listed unit
+order: "F BRE - MAO\nA MAR - SPA\nA PAR - BUR\n" then EOS.
 
-Constraint: one slot per line of the own part, each choice the token ids of one full legal order
-plus "\n", tokenized alone. Byte-level BPE decodes a concatenation of id sequences to the
-concatenation of their texts, so the decoded completion is exactly the lines `orders.py` parses.
+Constraint: one slot per line of the own part; each choice is the token ids of one full legal
+order plus "\n", tokenized alone (`Constraint.texts` keeps the strings for grammar engines).
+Byte-level BPE decodes a concatenation of id sequences to the concatenation of their texts, so the
+decoded completion is exactly the lines `orders.py` parses.
 
-Adjustment phases: a power with builds gets `count` slots (count = min(build sites, centres -
-units)), each slot offering every build order of every free home centre plus WAIVE; a power with
-too many units gets `count = units - centres` slots, each offering every disband order. A slot
-cannot see the others, so two slots may pick the same site: the parser keeps the first and counts
-the repeat as invalid (the engine then disbands by its civil-disorder rule, or builds fewer).
-
-Token ids are memoized per line and per order (the same lines recur across clones and phases);
-segments always end with "\n", a pre-token boundary, so the concatenated ids equal the ids of the
-whole text for byte-level BPE tokenizers (checked in tests for the embedded tokenizer).
+Adjustment phases: a power with builds gets `count` slots (count = min(free home centres, centres -
+units), as the engine counts), each offering every build order of every free home centre plus
+WAIVE; a power with too many units gets `count = units - centres` slots, each offering every
+disband order. A slot cannot see the others, so two slots may pick the same site: the parser keeps
+the first and counts the repeat as invalid (the engine then builds fewer, or disbands by its
+civil-disorder rule). Retreats: one slot per dislodged unit (R X or D).
 """
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def compact_options(label: str, orders: list[str]) -> str:
             groups.setdefault("VIA", []).append(words[1])
         elif len(words) == 3 and words[0] == "S":
             groups.setdefault(f"S {words[1]} {words[2]}", []).append("H")
-        elif len(words) == 5 and words[0] in "SC" and words[3] == "-":
+        elif len(words) == 5 and words[0] in ("S", "C") and words[3] == "-":
             groups.setdefault(" ".join(words[:3]), []).append(words[4])
         elif len(words) == 2 and words[0] == "R":
             groups.setdefault("R", []).append(words[1])
@@ -203,6 +204,8 @@ class TokenCache:
         self.is_piecewise = True
         samples = [INSTRUCTION, *sample_texts]
         self.is_piecewise = all(self.encode(t) == self._encode_whole(t) for t in samples)
+        if not self.is_piecewise:
+            self._pieces.clear()
         self.instruction_ids = self.encode(INSTRUCTION)
 
     def _encode_whole(self, text: str) -> list[int]:
@@ -245,10 +248,11 @@ def opening_texts() -> list[str]:
     """Board, own parts and first orders of the opening: samples to check a tokenizer against."""
     from colocate.envs.diplomacy.game import legal_orders, new_game
     game = new_game()
-    texts = ["".join(board_lines(game))]
+    board = "".join(board_lines(game))
+    texts = [board]
     for orders in power_orders(game, legal_orders(game)).values():
-        texts.append("".join(own_lines(orders)))
-        texts.append(completion_text([c[-1] for c in orders.choices]))
+        own = "".join(own_lines(orders))
+        texts += [own, INSTRUCTION + board + own, completion_text([c[-1] for c in orders.choices])]
     return texts
 
 
