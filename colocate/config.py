@@ -118,6 +118,8 @@ class LearnerConfig:
     """Token budget of one forward/backward micro-batch."""
     activation_checkpointing: bool = False
     """Recompute decoder-block activations in backward."""
+    compile: bool = False
+    """torch.compile each decoder block (dynamic shapes); the first step pays the compilation."""
     fsdp: bool = True
     """Shard base model and adapter over the learner ranks with FSDP2 (one learner too: same code path,
     and bf16 compute with fp32 reductions on GPU). False: a full replica per learner, adapter gradients

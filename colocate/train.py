@@ -141,7 +141,7 @@ def rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, st
     # Sends of batch j complete once the learners start step j, which needs version j to have been
     # received here; so only sends older than k - lag may be waited on at batch k (at most lag + 1
     # batches in flight: bounded memory, no deadlock).
-    sender = TrajectorySender(topo.transport_group)
+    sender = TrajectorySender(topo.transport_group, first_index=start)
     for k in range(start, num_steps):
         while engine.version < k - lag and not is_stopped():
             receive()

@@ -63,7 +63,8 @@ out = sys.argv[1]
 keys = ["engine/startup_s", "sync/ours_total_ms", "sync/ours_receive_apply_ms", "sync/ours_first_token_ms",
         "sync/first_token_no_update_ms", "sync/disk_total_ms", "sync/speedup_vs_disk", "sync/checksum_ok",
         "sync/slot_matches_received", "sync/engine_bytes_equal_learner", "parity/mean_abs_diff",
-        "parity/max_abs_diff", "parity/adapter_effect_mean_abs", "parity/walk_failures",
+        "parity/free_mean_abs_diff", "parity/max_abs_diff", "parity/adapter_effect_mean_abs",
+        "parity_diplomacy/free_mean_abs_diff", "parity_unconstrained/mean_abs_diff", "parity/walk_failures",
         "rollout/vllm_alone_out_tok_s", "rollout/ours_out_tok_s", "rollout/ours_vs_vllm_alone",
         "rollout/vllm_unconstrained_out_tok_s", "rollout/hf_generate_out_tok_s", "rollout/ours_vs_hf",
         "diplomacy/ours_vs_vllm_alone", "text_grammar/failure_rate"]

@@ -155,3 +155,25 @@ def test_state_cache_start_and_from_config(tokenizer, tmp_path):
     cfg.env.state_cache = str(bad)
     with pytest.raises(StateCacheError, match=str(bad)):
         DiplomacyEnv.from_config(cfg, tokenizer, seed=0)
+
+
+def test_with_the_hf_engine_and_tiny_model(tokenizer):
+    """The env's constraints drive the reference engine: every completion is a legal order set."""
+    import torch
+    from colocate.config import ModelConfig
+    from colocate.engine.hf import HFEngine
+    from colocate.models import build_model
+    model = build_model(ModelConfig(shape="tiny"), tokenizer)
+    engine = HFEngine(model, tokenizer, seed=0)
+    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=1, seed=7, max_new_tokens=160)
+    env.start_group(0)
+    keyed = env.requests()  # the fork phase: 2 continuations x 7 powers, one engine call
+    completions = engine.generate([r for _, r in keyed])
+    for c in completions:
+        assert c.finish_reason == "stop" and c.token_ids[-1] == tokenizer.eos_token_id
+        assert len(c.allowed_ids) == len(c.token_ids) and max(c.logprobs) <= 1e-6
+        assert torch.isfinite(torch.tensor(c.logprobs)).all()
+    env.step({k: c for (k, _), c in zip(keyed, completions)})
+    metrics = env.metrics()
+    assert metrics["invalid_order_rate"] == 0.0 and metrics["garbled_lines_per_completion"] == 0.0
+    assert metrics["phases_processed"] == 2

@@ -5,8 +5,8 @@ import torch
 from colocate.data import TrajectoryBatch
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner.learner import CompletionView, completion_logits as right_padded_logits
-from colocate.learner.packing import (VARLEN, completion_logits, pack_by_budget, packed_micro_batch,
-                                      padded_micro_batch, register_varlen_attention)
+from colocate.learner.packing import (VARLEN, VARLEN_GROUPED, check_varlen_kernel, completion_logits, pack_by_budget, packed_micro_batch,
+                                      padded_micro_batch, register_varlen_attention, set_attention)
 from colocate.models import lora_state
 
 
@@ -39,7 +39,7 @@ def test_pack_by_budget_respects_budget_and_keeps_every_sequence():
     assert pack_by_budget([], 10) == []
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+@pytest.mark.parametrize("attention", ["sdpa", "varlen", "grouped"])
 def test_packed_logprobs_equal_padded(tiny_policy, tiny_tokenizer, attention):
     torch.manual_seed(0)
     with torch.no_grad():  # a non-zero adapter, so the LoRA path is covered too
@@ -47,11 +47,14 @@ def test_packed_logprobs_equal_padded(tiny_policy, tiny_tokenizer, attention):
             p.normal_(0, 0.05)
     shapes = [(9, 3), (14, 1), (5, 6), (11, 4), (7, 2)]
     batch = random_batch(len(tiny_tokenizer), shapes)
-    name = register_varlen_attention() if attention == "varlen" else "sdpa"
+    register_varlen_attention()
+    name = {"sdpa": "sdpa", "varlen": VARLEN, "grouped": VARLEN_GROUPED}[attention]
     tiny_policy.eval()
     with torch.no_grad():
+        set_attention(tiny_policy, name)
         packed = packed_micro_batch(batch, "cpu", name)
         logits_packed = completion_logits(tiny_policy, packed)
+        set_attention(tiny_policy, "sdpa")
         left = padded_micro_batch(batch, tiny_tokenizer.pad_token_id, "cpu")
         logits_left = completion_logits(tiny_policy, left)
         view = CompletionView(batch, tiny_tokenizer.pad_token_id, "cpu")  # the old right-padded path
@@ -64,7 +67,10 @@ def test_packed_logprobs_equal_padded(tiny_policy, tiny_tokenizer, attention):
     lp_right = per_token_logprobs(logits_right, view.targets, 1.0)
     torch.testing.assert_close(lp_packed, lp_right, atol=1e-5, rtol=0)
     torch.testing.assert_close(lp_left, lp_right, atol=1e-5, rtol=0)
-    assert tiny_policy.config._attn_implementation == "sdpa"  # restored after each forward
+    if name != "sdpa":  # the padded layout refuses a model set up for varlen (it would ignore the mask)
+        set_attention(tiny_policy, name)
+        with pytest.raises(ValueError, match="needs attention"):
+            completion_logits(tiny_policy, left)
 
 
 def test_packed_sequences_do_not_see_each_other(tiny_policy, tiny_tokenizer):
@@ -74,9 +80,20 @@ def test_packed_sequences_do_not_see_each_other(tiny_policy, tiny_tokenizer):
     b = random_batch(len(tiny_tokenizer), shapes, seed=1)
     b.tokens[: 11] = torch.randint(2, len(tiny_tokenizer), (11,)).int()  # rewrite sequence 0
     for name in ("sdpa", register_varlen_attention()):
+        set_attention(tiny_policy, name)
         with torch.no_grad():
             la = completion_logits(tiny_policy, packed_micro_batch(a, "cpu", name))
             lb = completion_logits(tiny_policy, packed_micro_batch(b, "cpu", name))
         torch.testing.assert_close(la[3:], lb[3:], atol=1e-6, rtol=0)
         assert not torch.allclose(la[:3], lb[:3])
     assert VARLEN == "colocate_varlen"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_varlen_kernel_matches_grouped_sdpa():
+    """torch's flash varlen kernel (what learner.attention=varlen uses on GPU) against grouped SDPA."""
+    got = check_varlen_kernel("cuda")
+    if not got["kernel"]:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    assert got["out_rel_err"] < 1e-2 and got["grad_rel_err"] < 1e-2, got

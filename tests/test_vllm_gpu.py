@@ -69,4 +69,5 @@ def test_session_sync_checksum_and_logprob_parity(tmp_path):
     assert f["sync/speedup_vs_disk"] > 1.0
     assert f["parity/walk_failures"] == 0
     assert f["parity/mean_abs_diff"] <= 0.02
+    assert f["parity/free_mean_abs_diff"] <= 0.02 and f["parity_diplomacy/free_mean_abs_diff"] <= 0.02
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # a token that was the only choice has log-prob 0

@@ -10,8 +10,8 @@ import torch
 
 from colocate.constraint import Constraint, ConstraintState
 from colocate.data import Request
-from colocate.engine.vllm import (capture_sizes, completion_from_output, engine_environment, engine_settings,
-                                  lora_spec_for, sampled_logprobs, sampling_kwargs, visible_device)
+from colocate.engine.vllm import (REPO_ROOT, capture_sizes, completion_from_output, engine_environment,
+                                  engine_settings, lora_spec_for, sampled_logprobs, sampling_kwargs, visible_device)
 from colocate.engine.vllm_grammar import (completion_is_forced_eos, constraint_grammar, replay_allowed)
 from colocate.engine.vllm_sync import chunked_checksum
 from colocate.engine.vllm_worker import AdapterSlot, lora_module_name, slot_plan, slot_views
@@ -286,7 +286,7 @@ def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
     with engine_environment(2):
         assert "RANK" not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
-        assert os.environ["PYTHONPATH"].split(os.pathsep)[0].endswith(os.sep + "main") or os.environ["PYTHONPATH"]
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == REPO_ROOT  # the worker extension imports colocate
     assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
 
 
@@ -304,3 +304,36 @@ def test_synthetic_workload_shapes(tiny_tokenizer):
     assert reqs[0].constraint is reqs[7].constraint and reqs[8].constraint is not reqs[0].constraint
     rng = random.Random(0)
     assert {len(random_walk(r.constraint, rng)) for r in reqs} == {32}  # 31 order tokens + EOS
+
+
+def test_model_dir_holds_the_learners_weights_even_for_a_tied_shape(tmp_path, monkeypatch, tiny_cfg, tiny_tokenizer):
+    """What vLLM loads must be the learner's model: an lm_head that materialize left untied is saved untied."""
+    from transformers import AutoModelForCausalLM
+    from colocate import models
+    from colocate.engine.vllm import save_model_dir
+    monkeypatch.setitem(models.SHAPES, "tiny", {**models.SHAPES["tiny"], "tie_word_embeddings": True})
+    model = models.build_model(tiny_cfg.model, tiny_tokenizer, "cpu").eval()
+    save_model_dir(str(tmp_path / "m"), model, tiny_tokenizer)
+    # vLLM ties lm_head to embed_tokens whenever config.json says so (it then skips lm_head.weight)
+    import json
+    from safetensors import safe_open
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # what materialize leaves
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), model.lm_head.weight)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
+    ids = torch.tensor([tiny_tokenizer.encode("add 3 and 4 ; answer :")])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_adapter_sender_flattens_in_spec_order():
+    from colocate.engine.vllm_sync import AdapterSender
+    sent = []
+    group = SimpleNamespace(device=torch.device("cpu"), broadcast=lambda t: sent.append(t.clone()))
+    tensors = {"b.lora_A.weight": torch.randn(2, 3), "a.lora_B.weight": torch.randn(4, 2)}
+    spec = LoraSpec.of(tensors)
+    AdapterSender(group, spec).send(tensors, 7, with_checksum=True, flags=2)
+    header, flat = sent
+    assert header.tolist() == [7, spec.numel, checksum(flat), 2]
+    assert torch.equal(flat, flatten_lora(tensors, spec))

@@ -9,7 +9,7 @@ session serves every measurement of a shape:
                    save adapter + LoRARequest(path) + first token (disk), same engine, same prompt;
                    plus a checksum / slot read-back check of one update.
   measure_parity   vLLM's sampled-token log-probs against the learner's (same adapter, same
-                   `allowed_ids` mask, same temperature) on constrained completions.
+                   `allowed_ids` mask, same temperature): synthetic, Diplomacy, unconstrained.
   measure_rollout  the same requests through vLLM alone (pre-built prompts and grammars), our
                    inference-rank path (requests -> grammar -> engine -> replay -> parse), and HF
                    `generate` (peft, 64 sequences, unconstrained, as the anchor); optional
@@ -19,6 +19,9 @@ Synthetic workload (anchors/vllm_probe.py): prompts of 440 tokens sharing their 
 ids of the embedded tokenizer; a constraint of 4 slots x 16 choices of 8/8/8/7 tokens (2-token
 shared prefix per slot, as orders share "A PAR"), so every completion is 31 tokens + EOS = 32.
 The prefix cache is reset before every timed run, so no run reuses another's prompts.
+
+`--learner-device cpu` with a stand-in `vllm` package runs all of it on a CPU (a dry run of the
+code paths; the figures mean nothing there).
 """
 from __future__ import annotations
 
@@ -78,6 +81,15 @@ def synthetic_requests(n: int, vocab: int, eos_id: int, *, seed: int, prompt_len
 
 # ---------------------------------------------------------------------------------- session
 
+def embedded_tokenizer(cfg):
+    """The embedded tokenizer trained on Diplomacy text (cached under .cache/colocate)."""
+    from colocate.config import ModelConfig
+    from colocate.envs import env_corpus
+    from colocate.models import load_tokenizer
+    key, corpus_fn = env_corpus(cfg)
+    return load_tokenizer(ModelConfig(), corpus_fn, key)
+
+
 @dataclass
 class Session:
     shape: str
@@ -114,7 +126,6 @@ class Session:
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
                  cache_dir: str = "") -> Session:
-    from colocate.benchmarks.env import load_embedded_tokenizer
     from colocate.config import load_config
     from colocate.engine.vllm import VLLMEngine, ensure_model_dir, lora_spec_for
     from colocate.engine.vllm_sync import HOST, AdapterSender, StatelessGroup, listen_socket
@@ -126,7 +137,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
                              "lora": {"rank": 16, "alpha": 32.0}, "env": {"name": "diplomacy"}})
     figures = {}
     t0 = time.perf_counter()
-    tokenizer = load_embedded_tokenizer()
+    tokenizer = embedded_tokenizer(cfg)
     policy = build_policy(cfg, tokenizer, LEARNER).eval()
     with torch.no_grad():  # a non-trivial adapter (peft starts B at 0, which would hide a wrong A)
         g = torch.Generator(device=LEARNER).manual_seed(1)
@@ -236,12 +247,13 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
 @torch.no_grad()
 def learner_logprobs(policy, requests, completions, temperature: float, batch: int = 16,
                      use_adapter: bool = True) -> list[float]:
-    """The learner's log-probs of the sampled tokens, softmax restricted to `allowed_ids`."""
+    """The learner's log-probs of the sampled tokens: softmax over `allowed_ids` when the completion
+    has them (the learner's `restrict_to_allowed`), over the vocabulary otherwise."""
+    import contextlib
     from colocate.kernels import restrict_to_allowed
     from colocate.kernels.reference import per_token_logprobs
     out: list[float] = []
     device = next(policy.parameters()).device
-    import contextlib
     with policy.disable_adapter() if not use_adapter else contextlib.nullcontext():
         for start in range(0, len(requests), batch):
             reqs, comps = requests[start:start + batch], completions[start:start + batch]
@@ -257,33 +269,63 @@ def learner_logprobs(policy, requests, completions, temperature: float, batch: i
                 rows += [i] * len(c.token_ids)
                 cols += list(range(p - 1, p - 1 + len(c.token_ids)))
                 targets += c.token_ids
-                allowed += c.allowed_ids
+                allowed += c.allowed_ids if c.allowed_ids is not None else []
             logits = policy(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[rows, cols]
-            k = max(len(a) for a in allowed)
-            allowed_t = torch.full((len(allowed), k), -1, dtype=torch.long)
-            for j, a in enumerate(allowed):
-                allowed_t[j, :len(a)] = torch.tensor(a)
-            sub, tgt = restrict_to_allowed(logits, torch.tensor(targets, device=device), allowed_t.to(device))
-            out += per_token_logprobs(sub, tgt, temperature).tolist()
+            tgt = torch.tensor(targets, device=device)
+            if allowed:
+                k = max(len(a) for a in allowed)
+                allowed_t = torch.full((len(allowed), k), -1, dtype=torch.long)
+                for j, a in enumerate(allowed):
+                    allowed_t[j, :len(a)] = torch.tensor(a)
+                logits, tgt = restrict_to_allowed(logits, tgt, allowed_t.to(device))
+            out += per_token_logprobs(logits, tgt, temperature).tolist()
     return out
 
 
-def measure_parity(s: Session, n: int = 64) -> dict:
-    reqs = synthetic_requests(n, len(s.tokenizer), s.tokenizer.eos_token_id, seed=11)
-    comps = s.engine.generate(reqs)
-    assert all(c.version == s.version for c in comps)
+def parity_stats(prefix: str, s: Session, reqs, comps) -> dict:
     engine_lp = [x for c in comps for x in c.logprobs]
     mine = learner_logprobs(s.policy, reqs, comps, 1.0)
     base = learner_logprobs(s.policy, reqs, comps, 1.0, use_adapter=False)
     diffs = [abs(a - b) for a, b in zip(engine_lp, mine)]
-    effect = [abs(a - b) for a, b in zip(mine, base)]
-    forced = [abs(x) for c in comps for x, a in zip(c.logprobs, c.allowed_ids) if len(a) == 1]
-    return {"parity/tokens": len(diffs), "parity/mean_abs_diff": statistics.mean(diffs),
-            "parity/max_abs_diff": max(diffs), "parity/p99_abs_diff": sorted(diffs)[int(0.99 * (len(diffs) - 1))],
-            "parity/adapter_effect_mean_abs": statistics.mean(effect),
-            "parity/mean_logprob": statistics.mean(engine_lp),
-            "parity/forced_tokens": len(forced), "parity/forced_max_abs_logprob": max(forced) if forced else 0.0,
-            "parity/walk_failures": s.engine.stats["walk_failures"], "parity/eos_appended": s.engine.stats["eos_appended"]}
+    out = {f"{prefix}/tokens": len(diffs), f"{prefix}/mean_abs_diff": statistics.mean(diffs),
+           f"{prefix}/max_abs_diff": max(diffs), f"{prefix}/p99_abs_diff": sorted(diffs)[int(0.99 * (len(diffs) - 1))],
+           f"{prefix}/adapter_effect_mean_abs": statistics.mean(abs(a - b) for a, b in zip(mine, base)),
+           f"{prefix}/mean_logprob": statistics.mean(engine_lp)}
+    if all(c.allowed_ids is not None for c in comps):
+        sizes = [len(a) for c in comps for a in c.allowed_ids]
+        free = [d for d, k in zip(diffs, sizes) if k > 1]  # tokens with a choice (forced ones are log 1 = 0)
+        forced = [abs(x) for x, k in zip(engine_lp, sizes) if k == 1]
+        out.update({f"{prefix}/free_tokens": len(free),
+                    f"{prefix}/free_mean_abs_diff": statistics.mean(free) if free else 0.0,
+                    f"{prefix}/free_max_abs_diff": max(free) if free else 0.0,
+                    f"{prefix}/forced_max_abs_logprob": max(forced) if forced else 0.0})
+    return out
+
+
+def measure_parity(s: Session, n: int = 64) -> dict:
+    """vLLM's sampled-token log-probs vs the learner's on the same completions, same adapter, same mask.
+
+    Three workloads: synthetic constrained (most tokens forced), Diplomacy orders (real branching),
+    and unconstrained (softmax over the whole vocabulary: the hardest, no mask to hide behind)."""
+    vocab, eos = len(s.tokenizer), s.tokenizer.eos_token_id
+    reqs = synthetic_requests(n, vocab, eos, seed=11)
+    comps = s.engine.generate(reqs)
+    assert all(c.version == s.version for c in comps)
+    out = parity_stats("parity", s, reqs, comps)
+    try:
+        from colocate.envs.diplomacy import DiplomacyEnv
+        env = DiplomacyEnv(s.tokenizer, group_size=4, horizon_years=1, seed=3)
+        for g in range(3):
+            env.start_group(g)
+        dreqs = [r for _, r in env.requests()][:n]
+        out.update(parity_stats("parity_diplomacy", s, dreqs, s.engine.generate(dreqs)))
+    except Exception as exc:
+        out["parity_diplomacy/error"] = f"{type(exc).__name__}: {exc}"[:300]
+    ureqs = synthetic_requests(n // 2, vocab, eos, seed=12, max_new_tokens=16, constrained=False)
+    out.update(parity_stats("parity_unconstrained", s, ureqs, s.engine.generate(ureqs)))
+    out.update({"parity/walk_failures": s.engine.counters["walk_failures"],
+                "parity/eos_appended": s.engine.counters["eos_appended"]})
+    return out
 
 
 # ---------------------------------------------------------------------------------- rollout
@@ -344,19 +386,22 @@ def measure_rollout(s: Session, num_seqs: int = 512, rounds: int = 2, hf_seqs: i
     warm = synthetic_requests(32, vocab, eos, seed=99)
     e.generate(warm)
     alone, ours = [], []
-    for r in range(rounds):  # alternate, fresh prompts each run (same shapes)
-        reqs = synthetic_requests(num_seqs, vocab, eos, seed=1000 + r)
-        prompts, params = _vllm_inputs(e, reqs)
-        dt, n = _timed_vllm_alone(e, prompts, params)
-        alone.append(n / dt)
-        reqs = synthetic_requests(num_seqs, vocab, eos, seed=2000 + r)
-        dt, n = _timed_ours(e, tok, reqs)
-        ours.append(n / dt)
+    for r in range(rounds):  # fresh prompts each run (same shapes); the order alternates per round
+        def run_alone():
+            prompts, params = _vllm_inputs(e, synthetic_requests(num_seqs, vocab, eos, seed=1000 + r))
+            dt, n = _timed_vllm_alone(e, prompts, params)
+            alone.append(n / dt)
+
+        def run_ours():
+            dt, n = _timed_ours(e, tok, synthetic_requests(num_seqs, vocab, eos, seed=2000 + r))
+            ours.append(n / dt)
+        for run in ((run_alone, run_ours) if r % 2 == 0 else (run_ours, run_alone)):
+            run()
     out["rollout/num_seqs"] = num_seqs
     out["rollout/vllm_alone_out_tok_s"] = statistics.mean(alone)
     out["rollout/ours_out_tok_s"] = statistics.mean(ours)
     out["rollout/ours_vs_vllm_alone"] = out["rollout/ours_out_tok_s"] / out["rollout/vllm_alone_out_tok_s"]
-    out["rollout/ours_host_s_per_seq_ms"] = 1e3 * e.stats["host_s"] / max(e.stats["requests"], 1)
+    out["rollout/ours_host_s_per_seq_ms"] = 1e3 * e.counters["host_s"] / max(e.counters["requests"], 1)
     log(f"{s.shape}: rollout alone {out['rollout/vllm_alone_out_tok_s']:.0f} ours {out['rollout/ours_out_tok_s']:.0f} tok/s")
     reqs = synthetic_requests(num_seqs, vocab, eos, seed=3000, constrained=False)
     prompts, params = _vllm_inputs(e, reqs, constrained=False)
@@ -411,7 +456,7 @@ def measure_text_grammar(s: Session, n: int = 128) -> dict:
     """How often a text grammar (choices as strings) samples ids outside the Constraint's trie."""
     from colocate.envs.diplomacy import DiplomacyEnv
     e = s.engine
-    before = dict(e.stats)
+    before = dict(e.counters)
     e.grammar_mode = "text"
     try:
         env = DiplomacyEnv(s.tokenizer, group_size=8, horizon_years=1, seed=6)
@@ -423,8 +468,8 @@ def measure_text_grammar(s: Session, n: int = 128) -> dict:
         return {"text_grammar/error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
         e.grammar_mode = "tokens"
-    failures = e.stats["walk_failures"] - before["walk_failures"]
-    e.stats["walk_failures"] = before["walk_failures"]
+    failures = e.counters["walk_failures"] - before["walk_failures"]
+    e.counters["walk_failures"] = before["walk_failures"]
     return {"text_grammar/completions": len(comps), "text_grammar/walk_failures": failures,
             "text_grammar/failure_rate": failures / max(len(comps), 1)}
 
@@ -456,7 +501,7 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
             import traceback
             traceback.print_exc()
             figures[f"{part}/error"] = f"{type(exc).__name__}: {exc}"[:500]
-    figures["engine/stats"] = dict(s.engine.stats)
+    figures["engine/stats"] = dict(s.engine.counters)
     if partial:
         write_json_atomic(partial, {"shape": shape, "figures": figures})
     s.engine.shutdown()

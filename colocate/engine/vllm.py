@@ -107,15 +107,28 @@ def lora_spec_for(cfg, tokenizer) -> LoraSpec:
     return LoraSpec.of({n: p for n, p in model.named_parameters() if "lora_" in n})
 
 
+MODEL_DIR_VERSION = "2"  # bump when what `save_model_dir` writes changes (2: heads saved as the learner has them)
+
+
 def model_dir_key(cfg, tokenizer) -> str:
     import hashlib
     vocab = sorted(tokenizer.get_vocab().items())
     digest = hashlib.sha1(repr(vocab).encode()).hexdigest()[:10]
-    return f"model-{cfg.model.shape}-{cfg.model.dtype}-seed{cfg.model.seed}-tok{digest}"
+    return f"model-v{MODEL_DIR_VERSION}-{cfg.model.shape}-{cfg.model.dtype}-seed{cfg.model.seed}-tok{digest}"
 
 
 def save_model_dir(path: str, model, tokenizer) -> None:
-    """Write an HF directory vLLM can load (weights on every rank: is_main_process, trap 3)."""
+    """Write an HF directory vLLM can load (weights on every rank: is_main_process, trap 3).
+
+    It must hold the weights the learner holds. `models.materialize` gives every parameter fresh
+    storage (`to_empty`), which unties lm_head from embed_tokens even when the config says tied
+    (Qwen2.5-0.5B): saved as "tied", the file would lose lm_head and vLLM would tie it back to the
+    embeddings, sampling from another model than the learner trains (seen: 0.7 nats apart).
+    So a head that is not actually tied is saved, and declared, untied."""
+    config = model.config
+    if getattr(config, "tie_word_embeddings", False) and \
+            model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        config.tie_word_embeddings = False
     tmp = f"{path}.tmp{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     model.save_pretrained(tmp, is_main_process=True)
@@ -210,7 +223,8 @@ class VLLMEngine:
         self.grammar_mode = grammar_mode
         self.max_num_seqs = max_num_seqs
         self.version = 0
-        self.stats = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0}
+        self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0}
+        self._reported = dict(self.counters)
         t0 = time.perf_counter()
         with engine_environment(local_rank):
             self.llm = LLM(
@@ -307,14 +321,22 @@ class VLLMEngine:
             completion, counts = completion_from_output(out.outputs[0], r, self.version, self.eos_id)
             completions.append(completion)
             for k, v in counts.items():
-                self.stats[k] += v
-        if self.grammar_mode == "tokens" and self.stats["walk_failures"]:
+                self.counters[k] += v
+        if self.grammar_mode == "tokens" and self.counters["walk_failures"]:
             raise RuntimeError("vLLM sampled a token the constraint does not allow (token grammar): "
                                "the grammar and the Constraint disagree")
-        self.stats["requests"] += len(requests)
-        self.stats["host_s"] += (t1 - t0) + (time.perf_counter() - t2)
-        self.stats["generate_s"] += t2 - t1
+        self.counters["requests"] += len(requests)
+        self.counters["host_s"] += (t1 - t0) + (time.perf_counter() - t2)
+        self.counters["generate_s"] += t2 - t1
         return completions
+
+    def stats(self) -> dict[str, float]:
+        """Since the last call: requests, host time per request around vLLM (grammar, params, replay),
+        completions that ended on an appended EOS, replay failures (0 with token grammars)."""
+        d = {k: self.counters[k] - self._reported[k] for k in self.counters}
+        self._reported = dict(self.counters)
+        return {"requests": float(d["requests"]), "host_ms_per_request": 1e3 * d["host_s"] / max(d["requests"], 1),
+                "eos_appended": float(d["eos_appended"]), "walk_failures": float(d["walk_failures"])}
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from colocate.engine.vllm_worker import synchronize
-from colocate.sync import LoraSpec, flatten_lora
+from colocate.sync import LoraSpec, unflatten_lora
 
 HOST = "127.0.0.1"  # one node: learner rank 0 and the vLLM workers share it
 HEADER_NUMEL = 4    # int64 [version, numel, checksum, flags], as colocate.sync
@@ -87,6 +87,8 @@ class AdapterSender:
         self.group = group
         self.spec = spec
         self.flat = torch.empty(spec.numel, dtype=spec.dtype, device=group.device)
+        views = unflatten_lora(self.flat, spec)
+        self.views = [views[n] for n in spec.names]
         self.header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=group.device)
 
     def send(self, tensors: dict[str, torch.Tensor], version: int, *, with_checksum: bool = False,
@@ -94,7 +96,8 @@ class AdapterSender:
         """Broadcast `tensors` as `version`; seconds spent. `wait=False` returns once enqueued
         (the receivers complete it), which lets one process drive both ends in benchmarks."""
         t0 = time.perf_counter()
-        flatten_lora(tensors, self.spec, self.flat)
+        # One multi-tensor copy instead of a copy per tensor: 392 launches at 7B cost ~5 ms of host time.
+        torch._foreach_copy_(self.views, [tensors[n].detach() for n in self.spec.names])
         sent_sum = chunked_checksum(self.flat) if with_checksum else 0
         self.header.copy_(torch.tensor([version, self.spec.numel, sent_sum, flags], dtype=torch.int64))
         self.group.broadcast(self.header)

@@ -2,6 +2,7 @@
 
 The policy stays a plain peft-wrapped transformers module; these functions change it in place:
   * `apply_ac`   - wraps each decoder block in a non-reentrant checkpoint wrapper;
+  * `apply_compile` - torch.compile per decoder block (learner.compile);
   * `apply_fsdp` - FSDP2 `fully_shard` per decoder block, then the root, over the learner mesh;
   * `gather_full_lora` - the adapter's full tensors from the shards, under the names `lora_state`
     gives on an unsharded model (the sync's contract).
@@ -10,7 +11,7 @@ Gradient factor: the learner's loss is normalized by global counts (tokens / seq
 learner ranks), so the gradient of the global loss is the SUM of the per-rank gradients. FSDP2
 divides by the number of ranks by default; `apply_fsdp` sets the divide factor to 1.
 
-Left out: tensor/context parallelism, torch.compile, CPU offload.
+Left out: tensor/context parallelism, CPU offload.
 """
 from __future__ import annotations
 
@@ -41,6 +42,16 @@ def apply_ac(model: nn.Module) -> None:
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder block (inductor fuses the LoRA epilogues, norms, rotary, SiLU).
+
+    Dynamic shapes: every micro-batch has another token count. Apply after `apply_ac`, before
+    `apply_fsdp` (FSDP's hooks then stay outside the compiled region, as in torchtitan)."""
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer, dynamic=True)
 
 
 def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None,

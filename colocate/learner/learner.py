@@ -1,7 +1,8 @@
 """Learner: GRPO steps on a LoRA adapter from packed trajectory batches, FSDP2 over learner ranks.
 
 Set-up (`Learner.__init__`): the policy arrives on the meta device (or materialized, in tests) ->
-activation checkpointing (`learner.activation_checkpointing`) -> FSDP2 per decoder block, then the
+activation checkpointing (`learner.activation_checkpointing`) -> torch.compile per block
+(`learner.compile`) -> FSDP2 per decoder block, then the
 root (`learner.fsdp`; bf16 compute, fp32 gradient reduction on GPU) -> `models.materialize`: each
 rank fills only its shards, from `model.path` or a per-parameter seeded init -> AdamW over the
 adapter parameters only.
@@ -11,8 +12,9 @@ of at most `micro_batch_tokens` tokens (no padding; `packing.py`) -> every rank 
 micro-batches as the busiest one (FSDP's collectives must match; the extra ones are 2-token dummies
 with zero loss) -> per micro-batch: (beta > 0) an adapter-disabled no-grad pass for reference
 log-probs -> policy forward, logits at completion positions only -> `colocate.kernels.grpo_loss` ->
-backward (FSDP reduce-scatters the adapter gradients after the last micro-batch only) -> clip the
-global grad norm -> AdamW (skipped on every rank when the loss or grad norm is not finite) ->
+backward (FSDP reduce-scatters the adapter gradients after every micro-batch, in fp32, into fp32
+shards: the adapter is ~0.5 % of the model, and deferring the sync would accumulate in bf16) -> clip
+the global grad norm -> AdamW (skipped on every rank when the loss or grad norm is not finite) ->
 version += 1.
 
 Normalizers (token and sequence counts) are global over the learner ranks, so the SUM of per-rank
@@ -31,7 +33,7 @@ from colocate.kernels import grpo_loss, restrict_to_allowed
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
 from colocate.learner.packing import (MicroBatch, dummy_micro_batch, pack_by_budget, packed_micro_batch,
-                                      resolve_attention)
+                                      resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
 
@@ -45,8 +47,11 @@ class Learner:
         self.device = topology.device
         lc = cfg.learner
         self.attention = resolve_attention(lc.attention, self.device)
+        set_attention(model, self.attention)
         if lc.activation_checkpointing:
             fsdp.apply_ac(model)
+        if lc.compile:
+            fsdp.apply_compile(model)
         self.use_fsdp = lc.fsdp
         self.fsdp_modules = []
         if self.use_fsdp:
@@ -80,10 +85,6 @@ class Learner:
         groups = pack_by_budget(batch.seq_lens.tolist(), self.cfg.learner.micro_batch_tokens)
         return [(sub, packed_micro_batch(sub, self.device, self.attention))
                 for sub in (batch.select(g) for g in groups)]
-
-    def _set_gradient_sync(self, enabled: bool) -> None:
-        for module in self.fsdp_modules:
-            module.set_requires_gradient_sync(enabled, recurse=False)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -120,7 +121,6 @@ class Learner:
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0}
         tokens_done = model_tokens = 0
         for i in range(num_micro):
-            self._set_gradient_sync(i == num_micro - 1)
             if i >= len(work):
                 logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
                 (logits.sum() * 0.0).backward()

@@ -5,13 +5,15 @@ most `token_budget` tokens, concatenated into one row [1, T] with position ids r
 each sequence. No padding. Sequence boundaries reach the attention in one of two ways:
   * varlen - `cu_seqlens` [B+1] go to a flash-attention varlen kernel (`torch.nn.attention.varlen`,
              registered with transformers as the attention implementation "colocate_varlen"); no mask
-             is built and no work is spent across sequences. On CPU the same function runs SDPA per
-             sequence (the reference for tests).
+             is built and no work is spent across sequences. Without that kernel (CPU) the same
+             function runs causal SDPA on the sequences grouped by length, one batched call per
+             distinct length. The default (learner.attention auto).
   * sdpa   - transformers detects the restarting position ids and builds a block-diagonal causal
-             mask [1, 1, T, T] for SDPA: correct everywhere, but O(T^2) memory and compute.
+             mask [1, 1, T, T] for SDPA: correct everywhere, but O(T^2) memory and compute (on CPU,
+             cpu-tiny's 128 x 16-token sequences: 0.50 s a step, varlen 0.06 s, the old padded 0.09 s).
 Padded (the reference, and the benchmark's baseline): sequences left-padded to the longest in the
-micro-batch with an attention mask; every row then ends at the last column, so the completion
-positions of all rows fall in the last `max completion` columns.
+micro-batch, SDPA with a mask; every row then ends at the last column, so the completion positions
+of all rows fall in the last `max completion` columns.
 
 Either way the lm_head runs only on rows whose hidden state predicts a completion token (HF's
 `logits_to_keep` with an index tensor): logits [N, V], N = completion tokens.
@@ -91,7 +93,7 @@ def packed_micro_batch(mb: TrajectoryBatch, device, attention: str) -> MicroBatc
         # the token at t is predicted by the hidden state at t - 1
         "logits_to_keep": (token_pos - 1).to(device),
     }
-    if attention == VARLEN:
+    if attention.startswith(VARLEN):  # VARLEN or VARLEN_GROUPED: boundaries as cu_seqlens
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lens, 0)
         cu = cu.to(device)
@@ -102,24 +104,28 @@ def packed_micro_batch(mb: TrajectoryBatch, device, attention: str) -> MicroBatc
 
 
 def padded_micro_batch(mb: TrajectoryBatch, pad_id: int, device) -> MicroBatch:
-    """[B, W] left-padded to the longest sequence, with an attention mask (SDPA)."""
+    """[B, W] left-padded to the longest sequence; SDPA with a [B, 1, W, W] mask.
+
+    The padding of a row is a segment of its own (position ids restart at the first real token), so
+    transformers builds a causal mask within segments: real tokens see only their sequence, and no
+    padding row is fully masked (some CUDA SDPA kernels return NaN for those, which would then
+    leak through the zero attention weights into real tokens)."""
     lens = mb.seq_lens.tolist()
     comp = (mb.seq_lens - mb.prompt_lens).tolist()
     width, keep = max(lens), max(comp)
     input_ids = torch.full((len(lens), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(lens), width), dtype=torch.long)
+    position_ids = torch.zeros((len(lens), width), dtype=torch.long)
     offset, targets, seq_ids, row_index = 0, [], [], []
     for r, (n, c) in enumerate(zip(lens, comp)):
         input_ids[r, width - n:] = mb.tokens[offset:offset + n].long()
-        mask[r, width - n:] = 1
+        position_ids[r, :width - n] = torch.arange(width - n)
+        position_ids[r, width - n:] = torch.arange(n)
         offset += n
         targets.append(input_ids[r, width - c:])
         seq_ids += [r] * c
         # the model returns rows [B * keep] (columns width-1-keep .. width-2 of each row)
         row_index += [r * keep + keep - c + j for j in range(c)]
-    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
-    inputs = {"input_ids": input_ids.to(device), "attention_mask": mask.to(device),
-              "position_ids": position_ids.to(device),
+    inputs = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device),
               "logits_to_keep": torch.arange(width - 1 - keep, width - 1, device=device)}
     return MicroBatch(inputs=inputs, targets=torch.cat(targets).to(device),
                       seq_ids=torch.tensor(seq_ids, dtype=torch.long, device=device),
@@ -138,17 +144,21 @@ def dummy_micro_batch(device, attention: str) -> MicroBatch:
     return mb
 
 
+def set_attention(model, name: str) -> None:
+    """Select the model's attention implementation (sdpa or VARLEN) for all later forwards.
+
+    Set once per layout, not around each forward: activation checkpointing recomputes the forward
+    during backward and must find the same implementation."""
+    model.config._attn_implementation = name
+
+
 def completion_logits(model, mb: MicroBatch) -> torch.Tensor:
     """[N, V] logits at completion positions; the lm_head runs on (about) those rows only."""
-    config = model.config
-    previous = config._attn_implementation
-    if previous != mb.attention:
-        config._attn_implementation = mb.attention
-    try:
-        logits = model(**mb.inputs, use_cache=False).logits
-    finally:
-        if previous != mb.attention:
-            config._attn_implementation = previous
+    current = model.config._attn_implementation
+    if current != mb.attention:
+        raise ValueError(f"this micro-batch needs attention {mb.attention!r}, the model uses {current!r} "
+                         f"(packing.set_attention)")
+    logits = model(**mb.inputs, use_cache=False).logits
     logits = logits.reshape(-1, logits.shape[-1])  # [R, V]
     return logits if mb.row_index is None else logits[mb.row_index]
 
@@ -165,17 +175,20 @@ def _varlen_kernel():
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
+                     cu_seq_lens_q=None, max_length_q=None, use_kernel: bool = True, flash=None, **kwargs):
     """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> [1, T, Hq, D].
 
-    Sequence boundaries come from `cu_seq_lens_q` [B+1] (int32); causal within each sequence."""
+    Sequence boundaries come from `cu_seq_lens_q` [B+1] (int32); causal within each sequence. The
+    flash varlen kernel serves CUDA bf16/fp16; anything else (or use_kernel False) runs grouped SDPA."""
     if cu_seq_lens_q is None:
         raise ValueError("colocate_varlen attention needs cu_seq_lens_q (use packed_micro_batch)")
     if query.shape[0] != 1:
         raise ValueError("colocate_varlen attention expects one packed row")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     num_groups = q.shape[1] // k.shape[1]
-    kernel, params = _varlen_kernel() if q.is_cuda else (None, set())
+    flash_ok = use_kernel and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    # `flash` is _varlen_kernel(), bound at registration: no import or inspect inside a compiled region
+    kernel, params = (flash or _varlen_kernel()) if flash_ok else (None, set())
     if kernel is not None:
         kw = {"scale": scaling} if "scale" in params else {}
         if "is_causal" in params:
@@ -190,30 +203,66 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = kernel(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, cu_seq_lens_q,
                      max_length_q, max_length_q, **kw)
     else:
-        out = _per_sequence_sdpa(q, k, v, cu_seq_lens_q.tolist(), scaling, num_groups)
+        out = _sdpa_by_length(q, k, v, cu_seq_lens_q, scaling, num_groups)
     return out.unsqueeze(0), None
 
 
-def _per_sequence_sdpa(q, k, v, cu: list[int], scaling, num_groups: int) -> torch.Tensor:
-    """Reference varlen: causal SDPA on each sequence's slice ([T, H, D] in and out)."""
-    outs = []
-    for s, e in zip(cu[:-1], cu[1:]):
-        qi, ki, vi = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, D]
-        if num_groups > 1:
-            ki, vi = ki.repeat_interleave(num_groups, 1), vi.repeat_interleave(num_groups, 1)
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling)[0].transpose(0, 1))
-    return torch.cat(outs)
+def _sdpa_by_length(q, k, v, cu: torch.Tensor, scaling, num_groups: int) -> torch.Tensor:
+    """Varlen without the flash kernel: causal SDPA over sequences grouped by length, one batched
+    call per distinct length (exact per sequence; [T, H, D] in and out)."""
+    starts, lens = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+    index, outs = [], []
+    for length in lens.unique().tolist():
+        seqs = (lens == length).nonzero().flatten()
+        idx = (starts[seqs, None] + torch.arange(length, device=q.device)).reshape(-1)  # [n * L]
+        qi, ki, vi = (t[idx].unflatten(0, (len(seqs), length)).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling, enable_gqa=num_groups > 1)
+        index.append(idx)
+        outs.append(o.transpose(1, 2).flatten(0, 1))
+    return torch.cat(outs)[torch.argsort(torch.cat(index))]
+
+
+VARLEN_GROUPED = "colocate_varlen_grouped"  # the same, never the flash kernel (fallback, comparisons)
 
 
 def register_varlen_attention() -> str:
-    """Make VARLEN a valid transformers attention implementation (idempotent); returns its name."""
+    """Make VARLEN (and VARLEN_GROUPED) valid transformers attention implementations; returns VARLEN."""
+    import functools
     from transformers import AttentionInterface
-    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionInterface.register(VARLEN, functools.partial(varlen_attention, flash=_varlen_kernel()))
+    AttentionInterface.register(VARLEN_GROUPED, functools.partial(varlen_attention, use_kernel=False))
     return VARLEN
 
 
+def check_varlen_kernel(device, dtype=torch.bfloat16, num_heads: int = 8, num_kv_heads: int = 2) -> dict:
+    """Flash varlen against grouped SDPA on random packed q/k/v (GQA), forward and input gradients.
+
+    -> {"kernel": bool, "out_rel_err", "grad_rel_err"}; a GPU start-up check (no kernel: kernel False)."""
+    if _varlen_kernel()[0] is None or torch.device(device).type != "cuda":
+        return {"kernel": False}
+    g = torch.Generator(device=device).manual_seed(0)
+    lens = [37, 128, 5, 200, 64]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+    total = sum(lens)
+
+    def rand(h):
+        return torch.randn(1, h, total, 64, generator=g, device=device, dtype=dtype).requires_grad_()
+    q, k, v = rand(num_heads), rand(num_kv_heads), rand(num_kv_heads)
+    grad_out = torch.randn(1, total, num_heads, 64, generator=g, device=device, dtype=dtype)
+    results = []
+    for use_kernel in (True, False):
+        out, _ = varlen_attention(None, q, k, v, None, 64 ** -0.5, cu_seq_lens_q=cu, max_length_q=max(lens),
+                                  use_kernel=use_kernel)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        results.append((out.float(), [x.float() for x in grads]))
+    (out, grads), (ref, ref_grads) = results
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    return {"kernel": True, "out_rel_err": rel(out, ref),
+            "grad_rel_err": max(rel(a, b) for a, b in zip(grads, ref_grads))}
+
+
 def resolve_attention(choice: str, device: torch.device) -> str:
-    """learner.attention -> the implementation name used for packed micro-batches."""
-    if choice == "auto":
-        choice = "varlen" if device.type == "cuda" and _varlen_kernel()[0] is not None else "sdpa"
-    return register_varlen_attention() if choice == "varlen" else "sdpa"
+    """learner.attention -> the implementation name used for packed micro-batches (auto: varlen)."""
+    return "sdpa" if choice == "sdpa" else register_varlen_attention()

@@ -43,10 +43,10 @@ class TrajectorySender:
     reproduced standalone). `wait_through(k)` blocks until every send of batches <= k is done.
     """
 
-    def __init__(self, group):
+    def __init__(self, group, first_index: int = 0):
         self.group = group
         self._queue: queue.Queue = queue.Queue()
-        self._done = -1
+        self._done = first_index - 1  # a resumed run starts past batches it never sends
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="colocate-trajectory-sender", daemon=True)

@@ -1,0 +1,415 @@
+"""Benchmark profile `trainer`: learner steps (FSDP2 + LoRA) with packed micro-batches against the old
+padded layout, on the 7B shape with random weights, in one run.
+
+Launch: `python scripts/benchmark.py --profile trainer [--num-gpus 2]`. The profile spawns one worker
+process per GPU itself (torch.multiprocessing, NCCL); `--quick` runs the tiny shape on 2 CPU
+processes (gloo) as a smoke test. Every worker is a learner rank: same model, same step code
+(`colocate.learner.Learner`), its own synthetic trajectories.
+
+Variants, measured in this order (the model is built once without and once with activation
+checkpointing):
+  padded    the old setting: micro-batches of `--padded-batch` sequences left-padded to the
+            longest, SDPA with a padding mask (the baseline)
+  packed-B  token-budget packing to B tokens, varlen flash attention (`--budgets`)
+  sdpa-B    packed, but SDPA with a dense block-diagonal mask (`--sdpa-budget`; 0 skips)
+  ac-B      packed with activation checkpointing (`--ac-budget`; 0 skips)
+  compiled-B packed with torch.compile per decoder block (`--compile-budget`; 0 skips; the
+            first steps compile and are not timed)
+Per variant: `--warmup` untimed steps, then the median of `--steps` timed steps; peak memory per
+rank (max_memory_allocated) over the variant.
+
+Synthetic trajectories, Diplomacy-like: groups of `--group-size` samples share one prompt; prompts are
+a shared instruction (260 tokens) + a board shared by the 7 powers of a game (120-180) + the
+power's own part, 400-600 tokens in all; completions 30-100 tokens. Unconstrained (full-vocabulary
+GRPO loss), beta = 0 (no reference pass), behaviour log-probs near the model's.
+
+MFU = (4 * P_blocks * T + 4 * P_head * N + 6 * n_layers * H_q * d_head * sum_i L_i^2)
+      / (step_time * num_gpus * peak)
+  T tokens (prompt + completion, no padding) and N completion tokens over all ranks; P_blocks the
+  decoder blocks' frozen parameters (every token: forward + input-gradient GEMMs = 2 + 2 FLOPs per
+  parameter; frozen weights need no weight gradients); P_head the lm_head's, applied only at
+  completion positions; attention: causal QK^T and PV (2 L^2 H d per layer forward) times 3 for
+  forward + backward; L_i the sequence lengths. LoRA and elementwise FLOPs are not counted. peak =
+  790e12 (bf16 dense, measured on an H200 of this workplace). The baseline is scored with the same
+  useful FLOPs (its padding is waste, not work).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+PEAK_FLOPS = 790e12
+
+
+def add_args(parser) -> None:
+    parser.add_argument("--num-gpus", type=int, default=0, help="worker processes (default: all GPUs; --quick 2)")
+    parser.add_argument("--shape", default="", help="model shape (default qwen2.5-7b; --quick tiny)")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--seqs-per-rank", type=int, default=48, help="sequences per learner rank per step")
+    parser.add_argument("--group-size", type=int, default=4, help="samples sharing one prompt")
+    parser.add_argument("--padded-batch", type=int, default=4, help="sequences per padded micro-batch (baseline)")
+    parser.add_argument("--budgets", default="", help="packed token budgets, comma separated (default 8192,12288)")
+    parser.add_argument("--sdpa-budget", type=int, default=-1, help="dense-mask SDPA variant budget (0 skips)")
+    parser.add_argument("--ac-budget", type=int, default=-1, help="activation-checkpointing variant budget (0 skips)")
+    parser.add_argument("--extra-budget", type=int, default=0, help="one more packed budget, run last (OOM risk)")
+    parser.add_argument("--compile-budget", type=int, default=0,
+                        help="packed with torch.compile per block at this budget, run last (0 skips)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--loss-impl", default="auto", choices=("auto", "triton", "torch"))
+    parser.add_argument("--time-limit-s", type=float, default=330.0,
+                        help="no new variant starts after this many seconds (the rest are reported as skipped)")
+    parser.add_argument("--partial", default="", help="also write the record here after every variant")
+
+
+def run(args) -> dict:
+    import torch.multiprocessing as mp
+    quick = args.quick
+    if not torch.cuda.is_available() and not quick:
+        raise SystemExit("the trainer profile needs CUDA GPUs (or --quick for the CPU smoke test)")
+    num = args.num_gpus or (2 if quick else torch.cuda.device_count())
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        port = _free_port()
+        mp.start_processes(_worker, args=(num, port, vars(args), result_path), nprocs=num, join=True,
+                           start_method="spawn")
+        with open(result_path) as f:
+            record = json.load(f)
+    print(f"{'variant':14s} {'tok/s':>9s} {'MFU':>6s} {'step_s':>7s} {'peak_GB':>8s} {'micro':>5s}")
+    for v in record["variants"]:
+        print(f"{v['name']:14s} {v['tokens_per_s']:9.0f} {v['mfu']:6.3f} {v['step_s']:7.2f} {max(v['peak_gb']):8.1f} "
+              f"{v['micro_batches_per_rank']:5.0f}")
+    return record
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- synthetic trajectories ---------------------------------------------------------------------
+
+class SyntheticVocab:
+    """Stands in for a tokenizer: random-init shapes need only a size and the special ids."""
+    pad_token_id = 0
+    eos_token_id = 1
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def diplomacy_like_batch(num_seqs: int, vocab: int, group_size: int, seed: int, scale: float = 1.0,
+                         behaviour_logprob: float = -11.9):
+    """Packed TrajectoryBatch: shared instruction, per-game board, per-power part; G samples per prompt."""
+    from colocate.data import TrajectoryBatch
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(2, vocab, (max(1, int(n)),), generator=g)
+
+    def uniform(lo, hi):
+        return int(lo * scale + torch.randint(0, max(1, int((hi - lo) * scale) + 1), (1,), generator=g))
+
+    instruction = ids(260 * scale)
+    tokens, seq_lens, prompt_lens = [], [], []
+    while len(seq_lens) < num_seqs:
+        board = ids(uniform(120, 180))
+        for _power in range(7):
+            own = ids(uniform(400, 600) - len(instruction) - len(board))
+            prompt = torch.cat([instruction, board, own])
+            for _ in range(group_size):
+                if len(seq_lens) == num_seqs:
+                    break
+                completion = ids(uniform(30, 100))
+                tokens.append(torch.cat([prompt, completion]))
+                seq_lens.append(len(prompt) + len(completion))
+                prompt_lens.append(len(prompt))
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    prompt_lens_t = torch.tensor(prompt_lens, dtype=torch.int32)
+    n = int((seq_lens_t - prompt_lens_t).sum())
+    return TrajectoryBatch(
+        tokens=torch.cat(tokens).int(), seq_lens=seq_lens_t, prompt_lens=prompt_lens_t,
+        behaviour_logprobs=behaviour_logprob + 0.1 * torch.randn(n, generator=g),
+        advantages=torch.randn(num_seqs, generator=g), rewards=torch.rand(num_seqs, generator=g),
+        versions=torch.zeros(num_seqs, dtype=torch.int32))
+
+
+# ---- FLOPs ----------------------------------------------------------------------------------------
+
+def step_flops(model_config, p_blocks: int, batch_stats: dict) -> float:
+    """Useful FLOPs of one learner step over all ranks (see the module docstring)."""
+    head = model_config.vocab_size * model_config.hidden_size
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    attention = 6 * model_config.num_hidden_layers * model_config.num_attention_heads * head_dim
+    return (4 * p_blocks * batch_stats["tokens"] + 4 * head * batch_stats["completion_tokens"]
+            + attention * batch_stats["sum_sq_len"])
+
+
+# ---- the worker -----------------------------------------------------------------------------------
+
+def _worker(rank: int, world: int, port: int, args: dict, result_path: str) -> None:
+    import datetime
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    cuda = torch.cuda.is_available() and not args["quick"]
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=180), device_id=device if cuda else None)
+    try:
+        record = _measure(rank, world, device, args, result_path)
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump(record, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _log0(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[trainer-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _measure(rank: int, world: int, device: torch.device, args: dict, result_path: str) -> dict:
+    import torch.distributed as dist
+    from colocate.config import load_config
+    from colocate.topology import Topology
+    quick, cuda = args["quick"], device.type == "cuda"
+    shape = args["shape"] or ("tiny" if quick else "qwen2.5-7b")
+    budgets = [int(b) for b in (args["budgets"] or ("256,512" if quick else "8192,12288")).split(",") if b]
+    sdpa_budget = args["sdpa_budget"] if args["sdpa_budget"] >= 0 else (256 if quick else 8192)
+    ac_budget = args["ac_budget"] if args["ac_budget"] >= 0 else (512 if quick else 16384)
+    scale = 0.05 if quick else 1.0  # --quick: sequences 20x shorter
+    vocab = SyntheticVocab(512 if shape == "tiny" else 151646)
+    t_start = time.perf_counter()
+    loss_impl = _pick_loss_impl(args["loss_impl"], device)
+    packed_attention, probe = _pick_packed_attention(device)
+    _log0(rank, f"flash varlen probe: {probe} -> packed attention {packed_attention}")
+    group = dist.new_group(list(range(world)))
+    topo = Topology(rank=rank, world_size=world, local_rank=rank, num_inference=0, num_learners=world,
+                    device=device, backend="nccl" if cuda else "gloo", learner_group=group)
+    batch = diplomacy_like_batch(args["seqs_per_rank"], len(vocab), args["group_size"], seed=1000 + rank,
+                                 scale=scale)
+    stats = _batch_stats(batch, device)
+
+    def config(ac: bool, budget: int, compile_blocks: bool = False):
+        return load_config(None, {
+            "model": {"shape": shape, "dtype": "bfloat16" if cuda else "float32", "seed": 0},
+            "lora": {"rank": args["lora_rank"], "alpha": 2.0 * args["lora_rank"]},
+            "engine": {"max_new_tokens": 100, "temperature": 1.0},
+            "learner": {"lr": 1e-5, "micro_batch_tokens": budget, "activation_checkpointing": ac, "fsdp": True,
+                        "compile": compile_blocks,
+                        "attention": "auto", "max_policy_lag": 1_000_000},
+            "loss": {"beta": 0.0, "norm": "dapo", "impl": loss_impl},
+        })
+
+    record = {"figures": {}, "baseline": {}, "ratios": {}, "variants": [], "skipped": [],
+              "setup": {"shape": shape, "num_ranks": world, "lora_rank": args["lora_rank"], "loss_impl": loss_impl,
+                        "batch_per_rank": {k: v for k, v in stats.items()}, "peak_flops": PEAK_FLOPS,
+                        "torch": torch.__version__, "varlen_probe": probe, "packed_attention": packed_attention}}
+
+    def save_partial():
+        if rank == 0 and args["partial"]:
+            with open(args["partial"], "w") as f:
+                json.dump(record, f, indent=2)
+
+    plans = [(False, [("padded", 0)] + [("packed", b) for b in budgets]
+              + ([("sdpa", sdpa_budget)] if sdpa_budget else [])),
+             (True, [("ac", ac_budget)] if ac_budget else []),
+             (False, [("packed", args["extra_budget"])] if args["extra_budget"] else []),
+             (False, [("compiled", args["compile_budget"])] if args["compile_budget"] else [])]
+    for ac, variants in plans:
+        if not variants:
+            continue
+        if time.perf_counter() - t_start > args["time_limit_s"]:
+            record["skipped"] += [f"{k}-{b}" for k, b in variants]
+            continue
+        t0 = time.perf_counter()
+        compiled = variants[0][0] == "compiled"
+        learner, p_blocks = _build(config(ac, variants[0][1] or budgets[0], compiled), topo, vocab)
+        build_s = time.perf_counter() - t0
+        _log0(rank, f"built {shape} (ac={ac}) in {build_s:.1f}s")
+        if "check" not in record:
+            record["check"] = _check_packed_equals_padded(learner, batch, device, packed_attention)
+            _log0(rank, f"packed vs padded log-probs: {record['check']}")
+        for kind, budget in variants:
+            if time.perf_counter() - t_start > args["time_limit_s"]:
+                record["skipped"].append(f"{kind}-{budget}")
+                continue
+            try:
+                result = _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, device,
+                                       packed_attention)
+            except Exception as e:  # noqa: BLE001 - e.g. a compiler failure: the same on every rank
+                record["skipped"].append(f"{kind}-{budget}: {type(e).__name__}: {str(e)[:300]}")
+                _log0(rank, f"{kind}-{budget} failed: {type(e).__name__}: {str(e)[:300]}")
+                save_partial()
+                continue
+            result.update(name=f"{kind}-{budget}" if budget else kind, build_s=build_s)
+            record["variants"].append(result)
+            _log0(rank, f"{result['name']}: {result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
+                        f"step {result['step_s']:.2f}s, peak {max(result['peak_gb']):.1f} GB")
+            save_partial()
+        del learner
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    _summarize(record)
+    save_partial()
+    return record
+
+
+def _pick_loss_impl(choice: str, device: torch.device) -> str:
+    """The Triton loss if it runs here (a tiny fwd+bwd), else the PyTorch reference."""
+    if choice != "auto" or device.type != "cuda":
+        return choice if choice != "auto" else "torch"
+    from colocate.kernels import grpo_loss
+    try:
+        logits = torch.randn(8, 1024, device=device, dtype=torch.bfloat16, requires_grad=True)
+        targets = torch.randint(0, 1024, (8,), device=device)
+        loss, _ = grpo_loss(logits, targets, torch.ones(8, dtype=torch.bool, device=device),
+                            torch.full((8,), -7.0, device=device), torch.randn(8, device=device), impl="triton")
+        loss.backward()
+        torch.cuda.synchronize()
+        return "triton"
+    except Exception as e:  # noqa: BLE001 - any failure means: use the reference
+        print(f"[trainer-bench] triton loss unavailable ({type(e).__name__}: {e}); using torch", flush=True)
+        return "torch"
+
+
+def _pick_packed_attention(device: torch.device) -> tuple[str, dict]:
+    """VARLEN when torch's flash varlen kernel agrees with grouped SDPA here, else VARLEN_GROUPED."""
+    from colocate.learner.packing import VARLEN, VARLEN_GROUPED, check_varlen_kernel, register_varlen_attention
+    register_varlen_attention()
+    try:
+        probe = check_varlen_kernel(device)
+    except Exception as e:  # noqa: BLE001 - a failing kernel means: use the fallback
+        probe = {"kernel": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    ok = probe.get("kernel") and probe["out_rel_err"] < 2e-2 and probe["grad_rel_err"] < 2e-2
+    return (VARLEN if ok else VARLEN_GROUPED), probe
+
+
+def _batch_stats(batch, device) -> dict:
+    lens = batch.seq_lens.long()
+    return {"sequences": int(lens.numel()), "tokens": int(lens.sum()),
+            "completion_tokens": int(batch.num_completion_tokens), "sum_sq_len": int((lens * lens).sum()),
+            "padded4_tokens": int(sum(int(lens[i:i + 4].max()) * len(lens[i:i + 4]) for i in range(0, len(lens), 4)))}
+
+
+def _build(cfg, topo, vocab):
+    from colocate.learner.learner import Learner
+    from colocate.train import build_policy
+    learner = Learner(cfg, topo, build_policy(cfg, vocab, "meta"), vocab)
+    p_blocks = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
+    return learner, p_blocks
+
+
+def _padded_micro_batches(learner, per_micro_batch: int):
+    """The old layout for the baseline: consecutive chunks, left-padded, SDPA with a mask."""
+    from colocate.learner.packing import chunk_sequences, padded_micro_batch
+
+    def micro_batches(batch):
+        return [(sub, padded_micro_batch(sub, learner.pad_id, learner.device))
+                for sub in (batch.select(c) for c in chunk_sequences(batch.num_sequences, per_micro_batch))]
+    return micro_batches
+
+
+def _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, device, packed_attention) -> dict:
+    import torch.distributed as dist
+    from colocate.learner.packing import set_attention
+    cuda = device.type == "cuda"
+    # Select the layout on this learner (instance attributes shadow the class's packing).
+    learner.__dict__.pop("micro_batches", None)
+    if kind == "padded":
+        learner.micro_batches = _padded_micro_batches(learner, args["padded_batch"])
+        learner.attention = "sdpa"
+    else:
+        learner.attention = "sdpa" if kind == "sdpa" else packed_attention
+        learner.cfg.learner.micro_batch_tokens = budget
+    set_attention(learner.model, learner.attention)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, micro = [], 0
+    warmup = max(args["warmup"], 2) if kind == "compiled" else args["warmup"]  # compile, then recompiles
+    t_first, first_step_s = time.perf_counter(), None
+    for i in range(warmup + args["steps"]):
+        batch.versions[:] = learner.version
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = learner.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = torch.tensor([time.perf_counter() - t0], device=device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=learner.topology.learner_group)
+        if i >= warmup:
+            times.append(float(dt))
+        elif i == 0:
+            first_step_s = float(dt)
+        micro = out["micro_batches"]
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                         torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0], device=device)
+    peaks = [torch.zeros_like(peak) for _ in range(world)]
+    dist.all_gather(peaks, peak, group=learner.topology.learner_group)
+    step_s = statistics.median(times)
+    total = {k: stats[k] * world for k in ("tokens", "completion_tokens", "sum_sq_len")}
+    flops = step_flops(learner.model.config, p_blocks, total)
+    return {"kind": kind, "budget": budget, "step_s": step_s, "step_times": times, "first_step_s": first_step_s,
+            "variant_s": time.perf_counter() - t_first,
+            "tokens_per_s": total["tokens"] / step_s, "completion_tokens_per_s": total["completion_tokens"] / step_s,
+            "mfu": flops / (step_s * world * PEAK_FLOPS), "tflops_per_gpu": flops / step_s / world / 1e12,
+            "micro_batches_per_rank": micro, "peak_gb": [float(p[0]) for p in peaks],
+            "reserved_gb": [float(p[1]) for p in peaks], "loss": out["loss"], "grad_norm": out["grad_norm"]}
+
+
+@torch.no_grad()
+def _check_packed_equals_padded(learner, batch, device, attention) -> dict:
+    """Log-probs of 8 sequences: packed (varlen) against padded (SDPA + mask), same sharded model."""
+    from colocate.kernels.reference import per_token_logprobs
+    from colocate.learner.packing import completion_logits, packed_micro_batch, padded_micro_batch, set_attention
+    sub = batch.select(list(range(min(8, batch.num_sequences))))
+    packed = packed_micro_batch(sub, device, attention)
+    set_attention(learner.model, attention)
+    lp_packed = per_token_logprobs(completion_logits(learner.model, packed).float(), packed.targets, 1.0)
+    padded = padded_micro_batch(sub, learner.pad_id, device)
+    set_attention(learner.model, "sdpa")
+    lp_padded = per_token_logprobs(completion_logits(learner.model, padded).float(), padded.targets, 1.0)
+    set_attention(learner.model, learner.attention)
+    diff = (lp_packed - lp_padded).abs()
+    return {"attention": attention, "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+            "mean_logprob": float(lp_padded.mean()), "tokens": int(diff.numel())}
+
+
+def _summarize(record: dict) -> None:
+    by_name = {v["name"]: v for v in record["variants"]}
+    base = by_name.get("padded")
+    packed = [v for v in record["variants"] if v["kind"] in ("packed", "compiled")]
+    if base:
+        record["baseline"] = {"padded_tokens_per_s": base["tokens_per_s"], "padded_mfu": base["mfu"],
+                              "padded_step_s": base["step_s"], "padded_peak_gb": max(base["peak_gb"])}
+    if packed:
+        best = max(packed, key=lambda v: v["tokens_per_s"])
+        record["figures"] = {"best": best["name"], "tokens_per_s": best["tokens_per_s"], "mfu": best["mfu"],
+                             "step_s": best["step_s"], "peak_gb": max(best["peak_gb"])}
+        for v in record["variants"]:
+            if v["kind"] != "padded":
+                record["figures"][f"{v['name']}_tokens_per_s"] = v["tokens_per_s"]
+                record["figures"][f"{v['name']}_mfu"] = v["mfu"]
+                record["figures"][f"{v['name']}_peak_gb"] = max(v["peak_gb"])
+        if base:
+            record["ratios"] = {"tokens_per_s_vs_padded": best["tokens_per_s"] / base["tokens_per_s"]}
