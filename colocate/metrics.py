@@ -35,6 +35,10 @@ class MetricsWriter:
         for key, value in values.items():
             self._tb.add_scalar(f"{namespace}/{key}", float(value), step)
 
+    def histogram(self, tag: str, values, step: int) -> None:
+        if self._tb is not None and len(values):
+            self._tb.add_histogram(tag, values, step)
+
     def print(self, message: str) -> None:
         if self.enabled:
             print(f"[{time.strftime('%H:%M:%S')} {self.role}] {message}", file=sys.stdout, flush=True)

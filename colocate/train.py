@@ -142,16 +142,23 @@ def rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, st
     # received here; so only sends older than k - lag may be waited on at batch k (at most lag + 1
     # batches in flight: bounded memory, no deadlock).
     sender = TrajectorySender(topo.transport_group, first_index=start)
+    busy_s, t_start = 0.0, time.perf_counter()
+    t_batch = t_start
     for k in range(start, num_steps):
         while engine.version < k - lag and not is_stopped():
             receive()
         if is_stopped():
             break
         sender.wait_through(k - lag - 1)
+        t_collect = time.perf_counter()
         with record_function("rollout/collect"):
             batch, stats, engine_stats = worker.collect()
+        busy_s += time.perf_counter() - t_collect
         flags = STOP_REQUESTED if stop.requested else 0  # a signal here reaches the learners in the header
         sender.submit(k, list(zip(shard_batch(batch, topo.num_learners), topo.learner_ranks)), flags)
+        stats["idle_fraction"] = 1.0 - (time.perf_counter() - t_collect) / max(time.perf_counter() - t_batch, 1e-9)
+        stats["queue_depth"] = sender.in_flight(k)
+        t_batch = time.perf_counter()
         writer.scalars("rollout", stats, k)
         writer.scalars("engine", engine_stats, k)
         watchdog.beat(k)
@@ -159,6 +166,9 @@ def rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, st
     while engine.version < num_steps and not is_stopped():
         receive()
     sender.close()  # after a stop the learners drain what is in flight
+    wall = time.perf_counter() - t_start
+    write_json_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
+                      {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9)})
 
 
 def inference_state(rank: int, worker: RolloutWorker, env, engine) -> dict:
@@ -202,7 +212,7 @@ def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict |
                                                     what="trajectory consumed"))
     profiler = make_profiler(cfg.metrics, "learner", topo.rank, enabled=topo.role_rank == 0)
     monitors.callback(profiler.stop)
-    nonfinite_run = 0
+    nonfinite_run, busy_s, dropped = 0, 0.0, 0.0
     t_start = time.perf_counter()
     for step in range(start, num_steps):
         maybe_raise(fault, topo.rank, step)
@@ -210,8 +220,13 @@ def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict |
         received = [recv_batch_with_flags(src, topo.transport_group) for src in topo.inference_ranks]
         batch = TrajectoryBatch.concat([b for b, _ in received])
         wait_s = time.perf_counter() - t0
+        lags = (learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
+        t_train = time.perf_counter()
         with record_function("learner/train_step"):
             stats = learner.train_step(batch)
+        busy_s += time.perf_counter() - t_train
+        dropped += stats["dropped_stale"]
+        writer.histogram("learner/policy_lag", lags, step)
         watchdog.beat(step)
         if not math.isfinite(stats["loss"]):  # the learner skipped the update; K in a row is fatal
             nonfinite_run += 1
@@ -244,7 +259,8 @@ def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict |
         history["loss"].append(stats["loss"])
         if checkpointing:
             write_checkpoint(cfg, topo, learner, adapter, history, step + 1, fault)
-        writer.scalars("learner", {**stats, "wait_s": wait_s}, step)
+        writer.scalars("learner", {**stats, "wait_s": wait_s,
+                                   "idle_fraction": wait_s / max(time.perf_counter() - t0, 1e-9)}, step)
         writer.scalars("rollout", {"reward": stats["reward"], "policy_lag": stats["policy_lag_mean"]}, step)
         writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3}, step)
         if step % cfg.metrics.log_every == 0 or last:
@@ -263,7 +279,10 @@ def run_learner(cfg: Config, topo: Topology, model, tokenizer, *, resume: dict |
         profiler.step()
     monitors.close()
     if topo.role_rank == 0:
-        write_summary(cfg, topo, history, time.perf_counter() - t_start, writer)
+        wall = time.perf_counter() - t_start
+        write_summary(cfg, topo, history, wall, writer, {
+            "learner_busy_fraction": busy_s / max(wall, 1e-9), "dropped_stale": dropped,
+            "steps_per_hour": (len(history["reward"]) - start) / max(wall, 1e-9) * 3600})
     writer.close()
 
 
@@ -305,7 +324,8 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
     print(f"[learner] checkpoint written: {path}", flush=True)
 
 
-def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, writer: MetricsWriter) -> None:
+def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, writer: MetricsWriter,
+                  extra: dict) -> None:
     rewards = history["reward"]
     k = min(10, len(rewards))  # windows of 10 steps: single batches are noisy
     summary = {
@@ -321,6 +341,8 @@ def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, wri
         "world_size": topo.world_size,
         "num_inference": topo.num_inference,
         "num_learners": topo.num_learners,
+        "max_policy_lag": cfg.learner.max_policy_lag,
+        **extra,
     }
     write_json_atomic(os.path.join(cfg.metrics.run_dir, "summary.json"), summary)
     writer.print(f"summary: reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} "

@@ -56,6 +56,11 @@ class TrajectorySender:
         """Queue batch `index` as (shard, destination rank) pairs."""
         self._queue.put((index, shards, flags))
 
+    def in_flight(self, submitted_through: int) -> int:
+        """Batches submitted (through `submitted_through`) but not yet taken by the learners."""
+        with self._cond:
+            return submitted_through - self._done
+
     def wait_through(self, index: int) -> None:
         with self._cond:
             while self._done < index and self._error is None:
