@@ -194,7 +194,12 @@ def materialize(model: torch.nn.Module, model_cfg, device: str | torch.device) -
     initialization, seeded the same way. Non-persistent buffers (rotary frequencies) are recomputed.
     """
     device = torch.device(device)
+    # `to_empty` gives each module its own new parameter, which silently unties a tied lm_head
+    # (Qwen2.5-0.5B ties it to the embeddings): record the ties and restore them afterwards.
+    ties = _shared_parameters(model)
     model.to_empty(device=device)
+    for (owner, pname), (src_owner, src_pname) in ties:
+        setattr(owner, pname, getattr(src_owner, src_pname))
     std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
     loaded = _checkpoint_reader(model_cfg.path) if model_cfg.path else None
     seen: set[int] = set()
@@ -220,6 +225,20 @@ def materialize(model: torch.nn.Module, model_cfg, device: str | torch.device) -
                 for bname, buf in fresh.named_buffers(recurse=False):
                     getattr(module, bname).copy_(buf)
     return model
+
+
+def _shared_parameters(model: torch.nn.Module) -> list[tuple[tuple, tuple]]:
+    """((module, name), (first module, name)) for every parameter that is the same object as one
+    registered earlier, e.g. a tied lm_head."""
+    first: dict[int, tuple] = {}
+    ties = []
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in first:
+                ties.append(((module, pname), first[id(param)]))
+            else:
+                first[id(param)] = (module, pname)
+    return ties
 
 
 def _checkpoint_reader(path: str):
