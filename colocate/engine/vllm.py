@@ -120,11 +120,11 @@ def model_dir_key(cfg, tokenizer) -> str:
 def save_model_dir(path: str, model, tokenizer) -> None:
     """Write an HF directory vLLM can load (weights on every rank: is_main_process, trap 3).
 
-    It must hold the weights the learner holds. `models.materialize` gives every parameter fresh
-    storage (`to_empty`), which unties lm_head from embed_tokens even when the config says tied
-    (Qwen2.5-0.5B): saved as "tied", the file would lose lm_head and vLLM would tie it back to the
-    embeddings, sampling from another model than the learner trains (seen: 0.7 nats apart).
-    So a head that is not actually tied is saved, and declared, untied."""
+    It must hold the weights the learner holds. A model whose config says "tied" but whose lm_head
+    is its own tensor would lose lm_head on save, and vLLM would tie it back to the embeddings,
+    sampling from another model than the learner trains (seen: 0.7 nats apart, before
+    `models.materialize` learned to restore ties). So a head that is not actually tied is saved,
+    and declared, untied."""
     config = model.config
     if getattr(config, "tie_word_embeddings", False) and \
             model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
