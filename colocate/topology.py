@@ -86,3 +86,8 @@ def build_topology(cfg: Config) -> Topology:
     return Topology(rank=rank, world_size=world, local_rank=local_rank, num_inference=num_inference,
                     num_learners=num_learners, device=device, backend=backend, learner_group=learner_group,
                     sync_group=sync_group, transport_group=transport_group)
+
+
+def gpu_index(topo: Topology) -> int | None:
+    """This rank's CUDA device index (for NVML), None on CPU."""
+    return topo.device.index if topo.device.type == "cuda" else None

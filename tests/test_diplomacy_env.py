@@ -108,7 +108,8 @@ def test_train_later_phases_share_key_and_reward(tokenizer):
 
 
 def test_empty_completions_hold_everything_and_stall_stops(tokenizer):
-    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=5, stall_years=1, seed=3, start_states=dg.load_state_cache(CACHE))
+    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=5, stall_years=1, seed=3,
+                       start_states=dg.load_state_cache(CACHE))
     eos = tokenizer.eos_token_id
     samples = run(env, lambda k, r: Completion([eos], [0.0], None, 0), [0])
     metrics = env.metrics()

@@ -40,10 +40,12 @@ def test_adjustment_limits_and_repeats():
 
 
 def garble(rng, text):
-    ops = [lambda t: t.lower(), lambda t: t.replace(" ", ""), lambda t: t.replace("-", rng.choice(["->", "=>", "", "--"])),
+    ops = [lambda t: t.lower(), lambda t: t.replace(" ", ""),
+           lambda t: t.replace("-", rng.choice(["->", "=>", "", "--"])),
            lambda t: t[: rng.randrange(len(t) + 1)], lambda t: t[::-1],
            lambda t: "".join(rng.choice([c, c * 2, "", rng.choice(string.printable)]) for c in t),
-           lambda t: rng.choice(["1. ", "- ", "* ", "\u2022 ", ""]) + t, lambda t: t.replace("\n", rng.choice([";", ",", " "]))]
+           lambda t: rng.choice(["1. ", "- ", "* ", "\u2022 ", ""]) + t,
+           lambda t: t.replace("\n", rng.choice([";", ",", " "]))]
     for _ in range(rng.randrange(4)):
         text = rng.choice(ops)(text)
     return text

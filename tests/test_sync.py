@@ -1,7 +1,6 @@
 """Adapter sync and trajectory transport across real processes (gloo), plus flatten/unflatten."""
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -1,7 +1,6 @@
 """End-to-end CPU runs under torchrun (2 processes, gloo): the trainer learns; model.path loads."""
 import glob
 import json
-import os
 import subprocess
 import sys
 
@@ -48,3 +47,17 @@ def test_local_model_path_loads_and_trains(tmp_path, tiny_cfg, tiny_tokenizer):
     torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=3", f"--model.path={model_dir}",
               f"--metrics.run_dir={tmp_path / 'run'}"])
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+
+
+@pytest.mark.slow
+def test_diplomacy_config_trains_and_logs_game_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = tmp_path / "dip"
+    torchrun(["--config", "configs/cpu-diplomacy-tiny.yaml", "--learner.num_steps=2", f"--metrics.run_dir={run_dir}",
+              f"--model.cache_dir={tmp_path / 'cache'}"])
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    acc = EventAccumulator(str(run_dir / "tb" / "inference"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("rollout/reward", "rollout/invalid_order_rate", "rollout/sc_delta_mean", "rollout/prompt_tokens_mean"):
+        assert tag in tags, tag

@@ -1,21 +1,23 @@
 """`--profile env`: Diplomacy phases per second, our env path against a naive one, same process.
 
-Rates are phases per wall second and per CPU second of this process (the latter is robust to a
-machine shared with other jobs; the load average is recorded). Both paths play the same workload with a uniformly random legal policy: groups of G continuations
+Both paths play the same workload with a uniformly random legal policy: groups of G continuations
 forked from one start state (the opening, or a random mid-game state of the committed cache),
 `horizon_years` years each; every phase builds every power's prompt and constraint, samples,
-decodes and parses the completion, sets the orders and processes the phase.
+decodes and parses the completion, sets the orders and processes the phase. Rates are phases per
+wall second and per CPU second of this process (the latter is robust on a machine shared with
+other jobs; the 1-minute load average is recorded).
 
   ours      DiplomacyEnv: `fork_game`, legal orders once per game phase (and once per group at the
             fork phase), memoized piecewise tokenization, `set_orders(expand=False)` on
             engine-format orders.
   baseline  the straightforward version of the same loop: deepcopy + clear_cache per fork,
-            `get_all_possible_orders()` per power, the HF tokenizer called per prompt and per
-            power's choices, `set_orders` with expansion.
+            `get_all_possible_orders()` per power, the HF tokenizer called per prompt and per unit's
+            choices, `set_orders` with expansion.
 
 The heap left by the imports is frozen first (`gc.freeze()`): otherwise a full GC pass (~0.3 s)
-lands at random in one path. Also times forking one mid-game state into 8 clones (ours, deepcopy + clear_cache, Game() +
-set_state) on a game with 27 phases of history and on a cache-loaded state (no history).
+lands at random in one path. Also times forking one mid-game state into 8 clones (ours, deepcopy +
+clear_cache, Game() + set_state) on a game with 27 phases of history and on a cache-loaded state
+(no history, where deepcopy is cheap: the forks' share of the baseline is small there).
 """
 from __future__ import annotations
 

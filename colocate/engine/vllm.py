@@ -32,7 +32,7 @@ from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
 WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
 TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                       "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
-PROMPT_BOUND = {"arithmetic": 64, "diplomacy": 1024}
+PROMPT_BOUND = {"arithmetic": 64, "diplomacy": 1536}
 """Upper bound of prompt tokens per environment, for max_model_len when the config leaves it 0."""
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -5,7 +5,7 @@ What the package gets wrong for RL, and what this module does instead (measured,
   * `copy.deepcopy(game)` is slow (~0.4 s mid-game: history entries drag the map along) and wrong
     without `clear_cache()` (the unit-owner cache points at the source's powers). `fork_game` copies
     only the per-phase state, shares the immutable map, rules and written history entries, and
-    resets the unit-owner cache: ~0.1 ms mid-game.
+    resets the unit-owner cache: 0.35 ms for 8 clones at S1910M (deepcopy: 3.4 s).
   * `get_all_possible_orders()` is ~1 ms and never cached by the engine: `legal_orders` calls it
     once per phase and game, for all powers, and sorts every list (its order follows the hash seed).
   * A state cache line is exactly `Game.get_state()` (the package's own state format, JSON); it is
