@@ -69,8 +69,9 @@ def build_topology(cfg: Config) -> Topology:
     num_inference, num_learners = resolve_roles(cfg, world)
     backend = resolve_backend(cfg)
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        # More ranks than GPUs (the 1-GPU preset) share GPUs round-robin.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.topology.timeout_s)

@@ -65,3 +65,10 @@ def test_bad_config_exits_2(args, env, message):
 def test_world_of_one_does_not_fit():
     with pytest.raises(ConfigError, match="do not fit world size 1"):
         load_config(None, {}, world_size=1)
+
+
+@pytest.mark.parametrize("name,world", [("cpu-tiny", 2), ("cpu-diplomacy-tiny", 2), ("gpu-1", 2), ("gpu-2", 2),
+                                        ("gpu-4", 4), ("gpu-8", 8), ("gpu-7b-h100x8", 8)])
+def test_shipped_configs_validate(name, world):
+    cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=world)
+    assert cfg.rollout.batch_size == cfg.rollout.groups_per_step * cfg.rollout.group_size
