@@ -164,6 +164,10 @@ def run(args) -> dict:
     for name, (fn, inplace) in impls.items():
         ms, gb = measure(fn, x, pristine, inplace, args.iters)
         (figures if name.startswith("ours") else baseline).update({f"{name}_ms": ms, f"{name}_extra_GB": gb})
+    if config:  # the library default in the same run, for old-vs-new (fwd+bwd through autograd, in place)
+        default = lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"],
+                                             f["ref"], inplace_backward=True, **kw)[0]
+        figures["ours_default_config_inplace_ms"], _ = measure(default, x, pristine, True, args.iters)
     xd = x.detach()
     figures["ours_kernel_only_inplace_ms"] = round(1e3 * median_time(
         lambda: grpo_rows(xd, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], xd,
@@ -203,17 +207,20 @@ def run(args) -> dict:
 
 
 def sweep_configs():
-    """Launch configurations to time: (block_v, num_warps, programs per SM, pass-1 group, pipeline stages).
+    """Launch configurations to time: (block_v, num_warps, programs per SM, pass-1 group, pipeline stages, schedule).
 
-    Mostly one row in flight per SM (its 304 KB must stay in L2 between the passes) with many bytes
-    in flight per SM (pipelined loads into shared memory); a few with two or four rows per SM.
+    One row in flight per SM (its 304 KB must stay in L2 between the passes). `serial`: pass 1 then
+    pass 2 per row (the first default); `stagger`: pass 1 of row r and pass 2 of row r - G in the same
+    loop iteration, one block loop per row; `flat`: the same in one loop over (row, block) for the
+    whole program (stages 0: register prefetch one iteration ahead).
     """
-    rows = [(16384, 8, 2, 0, 0), (16384, 16, 1, 8, 3), (16384, 16, 1, 8, 4), (16384, 16, 1, 16, 4),
-            (16384, 32, 1, 8, 4), (16384, 32, 1, 8, 3), (32768, 32, 1, 8, 3), (16384, 16, 1, 8, 0),
-            (16384, 32, 1, 1, 4), (8192, 8, 2, 8, 3), (8192, 8, 2, 8, 0), (16384, 16, 2, 8, 3),
-            (8192, 16, 1, 8, 4), (8192, 4, 4, 0, 0), (16384, 8, 1, 8, 0), (8192, 8, 3, 8, 0)]
-    return [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st}
-            for b, w, p, g, st in rows]
+    rows = [(16384, 16, 1, 8, 4, "serial"), (32768, 32, 1, 8, 3, "serial"),
+            (16384, 16, 1, 8, 0, "flat"), (8192, 16, 1, 8, 0, "flat"), (16384, 32, 1, 8, 0, "flat"),
+            (32768, 32, 1, 8, 0, "flat"), (8192, 8, 1, 8, 0, "flat"), (16384, 16, 1, 8, 3, "flat"),
+            (8192, 16, 1, 8, 4, "flat"), (16384, 16, 1, 8, 2, "flat"),
+            (16384, 16, 1, 8, 3, "stagger"), (8192, 16, 1, 8, 4, "stagger"), (16384, 16, 1, 8, 0, "stagger")]
+    return [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st, "schedule": sc}
+            for b, w, p, g, st, sc in rows]
 
 
 def sweep(x, pristine, f, kw, iters=10):
@@ -227,7 +234,7 @@ def sweep(x, pristine, f, kw, iters=10):
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}".format(**cfg)
+        name = "sweep_{schedule}_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}".format(**cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,

@@ -18,8 +18,11 @@ the rows in flight (132 x 304 KB at V=152064 bf16) fit in the 60 MB L2 between t
 pipelined into shared memory (`stages`); pass 1 keeps one (max, sum) per 8 contiguous columns
 inside a thread (`group`), so the loop has no cross-warp reduction and one exp2 per element.
 16384 x 152064 bf16: 3.27 ms fwd+bwd in place vs Liger 3.66 ms, 0 bytes extra; a device copy of
-the same bytes takes 2.34 ms. The remaining gap is mostly the per-row pipeline restart (each
-program drains and refills its loads at every row and pass).
+the same bytes takes 2.34 ms. The remaining gap was put down to the per-row pipeline restart (each
+program drains and refills its loads at every row and pass). `config["schedule"]` in
+("stagger", "flat") overlaps pass 2 of one row with pass 1 of the next (_grpo_rows_stagger_kernel)
+to remove those restarts. It is correct, but slower on the H200: 3.36 ms best vs 3.16 ms kernel only,
+same run (profiles/kernel.md). So it is opt-in and the default stays "serial".
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
@@ -634,7 +637,7 @@ def grpo_loss_triton(
     eps_high: float = 0.28,
     beta: float = 0.0,
     inplace_backward: bool = False,
-    config: dict | None = None,        # launch overrides: block_v, num_warps, programs_per_sm, num_programs
+    config: dict | None = None,        # launch overrides: block_v, num_warps, programs_per_sm, num_programs, schedule
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scalar loss, detached stats), differentiable in `logits`; matches `grpo_loss_reference`.
 
