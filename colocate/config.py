@@ -187,6 +187,8 @@ class MetricsConfig:
     """Alert when a role makes no progress (no trajectory produced or consumed) for this long; 0 = off."""
     max_nonfinite_steps: int = 3
     """A NaN/inf loss skips the update; this many in a row stop the run with an error."""
+    peak_tflops: float = 790.0
+    """Per-device dense bf16 peak for learner/mfu (790 = measured H200 matmul peak)."""
 
 
 @dataclass

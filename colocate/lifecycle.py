@@ -7,7 +7,8 @@ A second signal exits at once (the default action), so a wedged rank can still b
 
 `COLOCATE_FAULT` injects failures for the failure tests; it is read once and does nothing unless
 set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `kill_in_checkpoint:step=S` (the
-checkpoint writer SIGKILLs itself halfway through writing step S).
+checkpoint writer SIGKILLs itself halfway through writing step S), `nan:from=S` (the learners'
+advantages are NaN from step S on, so the loss is non-finite).
 """
 from __future__ import annotations
 
@@ -56,3 +57,9 @@ def checkpoint_fault_hook(fault: dict, step: int):
     if fault.get("kind") == "kill_in_checkpoint" and fault.get("step") == step:
         return lambda: os.kill(os.getpid(), signal.SIGKILL)
     return None
+
+
+def maybe_poison(fault: dict, step: int, batch) -> None:
+    """`nan:from=S`: NaN advantages from step S on (the non-finite-loss path, end to end)."""
+    if fault.get("kind") == "nan" and step >= fault.get("from", 0):
+        batch.advantages.fill_(float("nan"))

@@ -89,3 +89,29 @@ def test_flamegraph_script_writes_one_svg_per_rank(tmp_path):
         svg = out / f"rank{rank}.svg"
         assert svg.exists() and svg.stat().st_size > 1000
         assert "<svg" in svg.read_text()[:2000]
+
+
+def _run_with_fault(tmp_path, fault, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "colocate.train",
+           "--config", "configs/cpu-tiny.yaml", f"--metrics.run_dir={tmp_path / 'run'}",
+           f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.nvml_interval_s=0", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLOCATE_FAULT": fault})
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_skips_the_update_then_stops_after_k(tmp_path):
+    # NaN from step 2 on, limit 3: steps 2, 3, 4 are skipped and alerted, then the run stops.
+    proc = _run_with_fault(tmp_path, "nan:from=2", "--learner.num_steps=10", "--metrics.max_nonfinite_steps=3",
+                           "--topology.timeout_s=30")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("ALERT nonfinite_loss") == 3, out[-3000:]
+    assert "3 non-finite losses in a row" in out
+    tags = read_scalar_tags(str(tmp_path / "run" / "tb" / "learner"))
+    assert "alerts/nonfinite_loss" in tags and "learner/mfu" in tags
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "run" / "tb" / "learner"))
+    acc.Reload()
+    skipped = {e.step: e.value for e in acc.Scalars("learner/skipped_update")}
+    assert skipped[0] == skipped[1] == 0.0 and skipped[2] == skipped[3] == 1.0, skipped

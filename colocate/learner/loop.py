@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from colocate.config import Config, to_dict
 from colocate.data import TrajectoryBatch
-from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_raise, parse_fault
+from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_poison, maybe_raise, parse_fault
 from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
 from colocate.models import canonical_name
 from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
@@ -52,6 +52,7 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
     profiler = make_profiler(cfg.metrics, "learner", topo.rank, enabled=topo.role_rank == 0)
     monitors.callback(profiler.stop)
     nonfinite_run, busy_s, dropped = 0, 0.0, 0.0
+    block_params = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
     t_start = time.perf_counter()
     for step in range(start, num_steps):
         maybe_raise(fault, topo.rank, step)
@@ -59,12 +60,18 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
         received = [recv_batch_with_flags(src, topo.transport_group) for src in topo.inference_ranks]
         batch = TrajectoryBatch.concat([b for b, _ in received])
         wait_s = time.perf_counter() - t0
+        maybe_poison(fault, step, batch)
         lags = (learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
         t_train = time.perf_counter()
         with record_function("learner/train_step"):
             stats = learner.train_step(batch)
         busy_s += time.perf_counter() - t_train
         dropped += stats["dropped_stale"]
+        # Model FLOPs utilization of the decoder-block GEMMs (forward + input-gradient: 4 x params x
+        # tokens; frozen base, no weight gradients), over the configured per-device peak. The trainer
+        # benchmark adds attention and the lm_head (profiles/trainer.md).
+        stats["mfu"] = 4 * block_params * stats["model_tokens"] / max(
+            stats["step_s"] * topo.num_learners * cfg.metrics.peak_tflops * 1e12, 1e-9)
         writer.histogram("learner/policy_lag", lags, step)
         watchdog.beat(step)
         if not math.isfinite(stats["loss"]):  # the learner skipped the update; K in a row is fatal
