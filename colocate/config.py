@@ -102,6 +102,9 @@ class RolloutConfig:
     """Samples per learner step = groups_per_step * group_size; checked."""
     seed: int = 0
     """Seed of prompt selection and sampling (offset per inference rank)."""
+    oversample_groups: int = 0
+    """Extra groups kept in play per inference rank; a batch ships as soon as enough groups finish,
+    stragglers join a later batch (0 = every batch plays exactly its own groups)."""
 
 
 @dataclass

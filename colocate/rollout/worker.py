@@ -2,6 +2,13 @@
 
 All requests of all live games go to the engine in one `generate` call per round (continuous
 batching across games), never one call per game. Advantages are normalized per group key.
+
+Stragglers: with `oversample` > 0 the worker keeps `groups_per_batch + oversample` groups in play
+and returns as soon as `groups_per_batch` of them are complete; the slow ones keep playing in the
+next call and join a later batch (their samples keep the adapter version that sampled them, so
+the learner's lag budget still applies). At most `oversample` complete groups wait in a buffer, so
+memory stays bounded. With `oversample` = 0 every call plays exactly its own groups to the end
+(what resume-exactness relies on).
 """
 from __future__ import annotations
 
@@ -11,24 +18,34 @@ from colocate.data import Sample, TrajectoryBatch, build_batch, group_advantages
 from colocate.metrics import percentiles
 
 
+def group_of(sample: Sample):
+    """The env group a sample came from: its group key, or the key's first part (Diplomacy keys
+    are (group, power))."""
+    key = sample.group_key
+    return key[0] if isinstance(key, tuple) else key
+
+
 class RolloutWorker:
-    def __init__(self, env, engine, *, groups_per_batch: int, first_group_id: int = 0):
+    def __init__(self, env, engine, *, groups_per_batch: int, first_group_id: int = 0, oversample: int = 0):
         self.env = env
         self.engine = engine
         self.groups_per_batch = groups_per_batch
+        self.oversample = oversample
         self.next_group = first_group_id
+        self._live: set = set()                    # groups started and not yet complete
+        self._complete: dict = {}                  # group -> its samples, in completion order
 
     def collect(self) -> tuple[TrajectoryBatch, dict[str, float], dict[str, float]]:
-        """Play `groups_per_batch` groups to the end -> (batch, rollout stats, engine stats)."""
+        """Play until `groups_per_batch` groups are complete -> (batch, rollout stats, engine stats)."""
         t0 = time.perf_counter()
-        for _ in range(self.groups_per_batch):
+        while len(self._live) + len(self._complete) < self.groups_per_batch + self.oversample:
             self.env.start_group(self.next_group)
+            self._live.add(self.next_group)
             self.next_group += 1
-        samples: list[Sample] = []
         round_s: list[float] = []     # one engine call = one phase of every live game
         group_s: dict = {}            # group key -> seconds until its samples were complete
         out_tokens, requests = 0, 0
-        while True:
+        while len(self._complete) < self.groups_per_batch:
             keyed = self.env.requests()
             if not keyed:
                 finished = self.env.pop_finished()
@@ -43,9 +60,12 @@ class RolloutWorker:
             now = time.perf_counter() - t0
             for s in finished:
                 group_s.setdefault(s.group_key, now)
-            samples.extend(finished)
-            if not keyed:
-                break
+                self._complete.setdefault(group_of(s), []).append(s)
+                self._live.discard(group_of(s))
+            if not keyed and not finished:
+                raise RuntimeError(f"env has no requests and {len(self._live)} unfinished groups")
+        taken = list(self._complete)[: self.groups_per_batch]
+        samples = [s for g in taken for s in self._complete.pop(g)]
         advantages = group_advantages(samples)
         batch = build_batch(samples, advantages)
         elapsed = time.perf_counter() - t0
@@ -58,6 +78,7 @@ class RolloutWorker:
             "games_per_s": self.groups_per_batch * getattr(self.env, "group_size", 1) / max(elapsed, 1e-9),
             **percentiles(round_s, "phase_latency_s"),
             **percentiles(list(group_s.values()), "group_latency_s"),
+            "groups_carried_over": float(len(self._live) + len(self._complete)),
             **{k: float(v) for k, v in self.env.metrics().items()},
         }
         engine_stats = {
