@@ -207,20 +207,15 @@ def run(args) -> dict:
 
 
 def sweep_configs():
-    """Launch configurations to time: (block_v, num_warps, programs per SM, pass-1 group, pipeline stages, schedule).
+    """Launch configurations to time: (block_v, num_warps, programs per SM, pass-1 group, pipeline stages).
 
-    One row in flight per SM (its 304 KB must stay in L2 between the passes). `serial`: pass 1 then
-    pass 2 per row (the first default); `stagger`: pass 1 of row r and pass 2 of row r - G in the same
-    loop iteration, one block loop per row; `flat`: the same in one loop over (row, block) for the
-    whole program (stages 0: register prefetch one iteration ahead).
+    One row in flight per SM (its 304 KB must stay in L2 between the passes); pass 1 then pass 2 per
+    row. (Staggered and flat schedules were swept too, all slower: profiles/kernel.md.)
     """
-    rows = [(16384, 16, 1, 8, 4, "serial"), (32768, 32, 1, 8, 3, "serial"),
-            (16384, 16, 1, 8, 0, "flat"), (8192, 16, 1, 8, 0, "flat"), (16384, 32, 1, 8, 0, "flat"),
-            (32768, 32, 1, 8, 0, "flat"), (8192, 8, 1, 8, 0, "flat"), (16384, 16, 1, 8, 3, "flat"),
-            (8192, 16, 1, 8, 4, "flat"), (16384, 16, 1, 8, 2, "flat"),
-            (16384, 16, 1, 8, 3, "stagger"), (8192, 16, 1, 8, 4, "stagger"), (16384, 16, 1, 8, 0, "stagger")]
-    return [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st, "schedule": sc}
-            for b, w, p, g, st, sc in rows]
+    rows = [(16384, 16, 1, 8, 4), (32768, 32, 1, 8, 3), (8192, 16, 1, 8, 4), (16384, 32, 1, 8, 3),
+            (16384, 16, 2, 8, 4), (16384, 16, 1, 0, 4)]
+    return [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st}
+            for b, w, p, g, st in rows]
 
 
 def sweep(x, pristine, f, kw, iters=10):
@@ -234,7 +229,7 @@ def sweep(x, pristine, f, kw, iters=10):
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_{schedule}_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}".format(**cfg)
+        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}".format(**cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,

@@ -19,10 +19,10 @@ pipelined into shared memory (`stages`); pass 1 keeps one (max, sum) per 8 conti
 inside a thread (`group`), so the loop has no cross-warp reduction and one exp2 per element.
 16384 x 152064 bf16: 3.27 ms fwd+bwd in place vs Liger 3.66 ms, 0 bytes extra; a device copy of
 the same bytes takes 2.34 ms. The remaining gap was put down to the per-row pipeline restart (each
-program drains and refills its loads at every row and pass). `config["schedule"]` in
-("stagger", "flat") overlaps pass 2 of one row with pass 1 of the next (_grpo_rows_stagger_kernel)
-to remove those restarts. It is correct, but slower on the H200: 3.36 ms best vs 3.16 ms kernel only,
-same run (profiles/kernel.md). So it is opt-in and the default stays "serial".
+program drains and refills its loads at every row and pass). Overlapping pass 2 of one row with
+pass 1 of the next ("stagger" and "flat" schedules) was built and measured correct but slower on
+the H200 (3.36 ms best vs 3.16 ms for this kernel alone, same run; profiles/kernel.md), so it was
+removed again (commit 1a4c6f7 has it).
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
@@ -253,240 +253,12 @@ def _grpo_rows_kernel(
                         tl.store(g_row + offs, zeros, mask=offs < vocab, eviction_policy=EVICT_PASS2)
 
 
-@triton.jit
-def _init_state(BLOCK_V: tl.constexpr, GROUP: tl.constexpr):
-    """Fresh online-softmax state (see _online_update)."""
-    if GROUP >= 2:
-        m = tl.full([BLOCK_V // GROUP], -3.0e38, tl.float32)
-        s = tl.zeros([BLOCK_V // GROUP], tl.float32)
-    elif GROUP == 1:
-        m = tl.full([BLOCK_V], -3.0e38, tl.float32)
-        s = tl.zeros([BLOCK_V], tl.float32)
-    else:
-        m = tl.max(tl.full([BLOCK_V], -3.0e38, tl.float32), 0)
-        s = tl.sum(tl.zeros([BLOCK_V], tl.float32), 0)
-    return m, s
-
-
-@triton.jit
-def _state_lse2(m, s, GROUP: tl.constexpr):
-    if GROUP >= 1:
-        m_row = tl.max(m, 0)
-        lse2 = m_row + tl.log2(tl.sum(s * tl.exp2(m - m_row), 0))
-    else:
-        lse2 = m + tl.log2(s)
-    return lse2
-
-
-@triton.jit
-def _stagger_loads(k, pid, step, num_blocks, num_rows, vocab, logits_ptr, weights_ptr, stride_logits,
-                   BLOCK_V: tl.constexpr, GROUP: tl.constexpr, EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr):
-    """Iteration k of the flat schedule: (block j of row a for pass 1, block j of row b for pass 2), raw
-    dtype. Masks come from k and scalar loads of the weights alone (rows with weight 0 read nothing)."""
-    i = k // num_blocks
-    j = k - i * num_blocks
-    row_a = pid + i * step
-    row_b = row_a - step
-    wk_a = tl.load(weights_ptr + row_a, mask=row_a < num_rows, other=0.0)
-    wk_b = tl.load(weights_ptr + row_b, mask=(row_b >= 0) & (row_b < num_rows), other=0.0)
-    x_a = _load_block(logits_ptr + tl.cast(row_a, tl.int64) * stride_logits, j, tl.where(wk_a > 0, vocab, 0),
-                      float("-inf"), BLOCK_V, GROUP, EVICT_PASS1)
-    offs = j * BLOCK_V + tl.arange(0, BLOCK_V)
-    x_b = tl.load(logits_ptr + tl.cast(row_b, tl.int64) * stride_logits + offs,
-                  mask=(offs >= 0) & (offs < tl.where(wk_b > 0, vocab, 0)), other=0.0, eviction_policy=EVICT_PASS2)
-    return x_a, x_b
-
-
-@triton.jit
-def _grpo_rows_stagger_kernel(
-
-    logits_ptr, grad_ptr, targets_ptr, weights_ptr, behaviour_ptr, advantages_ptr, ref_ptr, row_out_ptr,
-    num_rows,
-    rows_per_program,
-    vocab,
-    stride_logits,
-    stride_grad,
-    log2e_over_t,
-    inv_t,
-    eps_low,
-    eps_high,
-    beta,
-    HAS_KL: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    GROUP: tl.constexpr,
-    STAGES: tl.constexpr,
-    FLAT: tl.constexpr,         # True: one loop over (row step, block); False: a block loop per row step
-    PIPE: tl.constexpr,         # num_stages of the loop: max(STAGES, 1); FLAT with STAGES == 0: register prefetch
-    EVICT_PASS1: tl.constexpr,
-    EVICT_PASS2: tl.constexpr,
-):
-    """Same results as _grpo_rows_kernel (always writing the gradient), with the passes staggered.
-
-    Program p owns rows p, p + G, ... Row step i streams block j of row a = p + i*G (pass 1:
-    online logsumexp) and, in the same loop iteration, block j of row b = a - G (pass 2: read
-    again, from L2, and write d(logits)). So the load stream never waits on a row's logsumexp
-    and the L2 footprint stays one row per program (blocks j.. of row b plus blocks ..j of a).
-    At the end of a step, row a's scalars (loss, stats, gradient coefficient) are computed and
-    handed to the next step as row b; row b's target column gets its one-hot term after a
-    barrier (in place, row a's target logit is read before that barrier, and row a is first
-    written in the next step).
-    FLAT: the whole program is one `tl.range` loop over i * num_blocks + j, with the end-of-step
-    work under a uniform `if`, so the pipelined loads run across row boundaries; load masks then
-    come from per-iteration scalar loads of the weights (L1 hits), not from loop-carried state.
-    """
-    LN2: tl.constexpr = 0.6931471805599453
-    cols = tl.arange(0, BLOCK_V)
-    num_blocks = tl.cdiv(vocab, BLOCK_V)
-    step = tl.num_programs(0)
-    pid = tl.program_id(0)
-    zero_i = tl.program_id(0) * 0  # int32 zero tensor (loop-carried ints keep one type)
-
-    # Scalars of the first row a (later: prefetched one step ahead in the end-of-step block).
-    w_a = tl.load(weights_ptr + pid, mask=pid < num_rows, other=0.0)
-    tgt_a = tl.load(targets_ptr + pid, mask=pid < num_rows, other=0).to(tl.int32)
-    beh_a = tl.load(behaviour_ptr + pid, mask=pid < num_rows, other=0.0)
-    adv_a = tl.load(advantages_ptr + pid, mask=pid < num_rows, other=0.0)
-    ref_a = beh_a
-    if HAS_KL:
-        ref_a = tl.load(ref_ptr + pid, mask=pid < num_rows, other=0.0)
-    # Row b (the previous row) state: none at step 0.
-    lse2_b = w_a * 0.0 + 1.0e30   # inactive rows: exp2(0 - 1e30) * 0 = 0
-    neg_coef_b = w_a * 0.0
-    fix_b = w_a * 0.0
-    tgt_b = zero_i
-    act_b = zero_i                # 1 when row b exists and has weight > 0
-    m, s = _init_state(BLOCK_V, GROUP)
-    num_steps = rows_per_program + 1
-
-    if FLAT:
-        if STAGES == 0:  # register prefetch, one iteration ahead (no reliance on the compiler's pipeliner)
-            x_a_next, x_b_next = _stagger_loads(0, pid, step, num_blocks, num_rows, vocab, logits_ptr, weights_ptr,
-                                                stride_logits, BLOCK_V, GROUP, EVICT_PASS1, EVICT_PASS2)
-        for k in tl.range(0, num_steps * num_blocks, num_stages=PIPE):
-            if STAGES == 0:
-                x_a, x_b = x_a_next, x_b_next
-                x_a_next, x_b_next = _stagger_loads(k + 1, pid, step, num_blocks, num_rows, vocab, logits_ptr,
-                                                    weights_ptr, stride_logits, BLOCK_V, GROUP, EVICT_PASS1,
-                                                    EVICT_PASS2)
-            else:
-                x_a, x_b = _stagger_loads(k, pid, step, num_blocks, num_rows, vocab, logits_ptr, weights_ptr,
-                                          stride_logits, BLOCK_V, GROUP, EVICT_PASS1, EVICT_PASS2)
-            i = k // num_blocks
-            j = k - i * num_blocks
-            row_a = pid + i * step
-            row_b = row_a - step
-            row_a64 = tl.cast(row_a, tl.int64)
-            row_b64 = tl.cast(row_b, tl.int64)
-            valid_b = (row_b >= 0) & (row_b < num_rows)
-            offs = j * BLOCK_V + cols
-            m, s = _online_update(m, s, x_a.to(tl.float32) * log2e_over_t, GROUP)
-            d = tl.exp2(x_b.to(tl.float32) * log2e_over_t - lse2_b) * neg_coef_b
-            tl.store(grad_ptr + row_b64 * stride_grad + offs, d.to(grad_ptr.dtype.element_ty),
-                     mask=offs < tl.where(valid_b, vocab, 0), eviction_policy=EVICT_PASS2)
-            if j == num_blocks - 1:
-                lse2 = _state_lse2(m, s, GROUP)
-                m, s = _init_state(BLOCK_V, GROUP)
-                # z_tgt before the barrier: in place, row a's first write comes after it.
-                z_tgt = tl.load(logits_ptr + row_a64 * stride_logits + tgt_a, mask=w_a > 0,
-                                other=0.0).to(tl.float32) * log2e_over_t
-                row_n = row_a + step
-                has_n = row_n < num_rows
-                w_n = tl.load(weights_ptr + row_n, mask=has_n, other=0.0)
-                tgt_n = tl.load(targets_ptr + row_n, mask=has_n, other=0).to(tl.int32)
-                beh_n = tl.load(behaviour_ptr + row_n, mask=has_n, other=0.0)
-                adv_n = tl.load(advantages_ptr + row_n, mask=has_n, other=0.0)
-                ref_n = beh_n
-                if HAS_KL:
-                    ref_n = tl.load(ref_ptr + row_n, mask=has_n, other=0.0)
-                tl.debug_barrier()  # every block store of row b, every read of row a's target logit
-                tl.store(grad_ptr + row_b64 * stride_grad + tgt_b, fix_b.to(grad_ptr.dtype.element_ty),
-                         mask=act_b > 0)
-                lse2_b, neg_coef_b, fix_b, tgt_b, act_b = _finish_row(
-                    row_out_ptr, row_a64, row_a < num_rows, w_a, tgt_a, beh_a, adv_a, ref_a, z_tgt, lse2,
-                    inv_t, eps_low, eps_high, beta, HAS_KL)
-                w_a, tgt_a, beh_a, adv_a, ref_a = w_n, tgt_n, beh_n, adv_n, ref_n
-    else:
-        for i in range(num_steps):
-            row_a = pid + i * step
-            row_b = row_a - step
-            row_a64 = tl.cast(row_a, tl.int64)
-            row_b64 = tl.cast(row_b, tl.int64)
-            valid_b = (row_b >= 0) & (row_b < num_rows)
-            lim_a = tl.where(w_a > 0, vocab, 0)
-            lim_b = tl.where(act_b > 0, vocab, 0)
-            x_row_a = logits_ptr + row_a64 * stride_logits
-            x_row_b = logits_ptr + row_b64 * stride_logits
-            g_row_b = grad_ptr + row_b64 * stride_grad
-            m, s = _init_state(BLOCK_V, GROUP)
-            for j in tl.range(0, num_blocks, num_stages=PIPE):
-                x_a = _load_block(x_row_a, j, lim_a, float("-inf"), BLOCK_V, GROUP, EVICT_PASS1)
-                offs = j * BLOCK_V + cols
-                x_b = tl.load(x_row_b + offs, mask=(offs >= 0) & (offs < lim_b), other=0.0,
-                              eviction_policy=EVICT_PASS2).to(tl.float32)
-                m, s = _online_update(m, s, x_a.to(tl.float32) * log2e_over_t, GROUP)
-                d = tl.exp2(x_b * log2e_over_t - lse2_b) * neg_coef_b
-                tl.store(g_row_b + offs, d.to(grad_ptr.dtype.element_ty), mask=offs < tl.where(valid_b, vocab, 0),
-                         eviction_policy=EVICT_PASS2)
-            lse2 = _state_lse2(m, s, GROUP)
-            z_tgt = tl.load(x_row_a + tgt_a, mask=w_a > 0, other=0.0).to(tl.float32) * log2e_over_t
-            row_n = row_a + step
-            has_n = row_n < num_rows
-            w_n = tl.load(weights_ptr + row_n, mask=has_n, other=0.0)
-            tgt_n = tl.load(targets_ptr + row_n, mask=has_n, other=0).to(tl.int32)
-            beh_n = tl.load(behaviour_ptr + row_n, mask=has_n, other=0.0)
-            adv_n = tl.load(advantages_ptr + row_n, mask=has_n, other=0.0)
-            ref_n = beh_n
-            if HAS_KL:
-                ref_n = tl.load(ref_ptr + row_n, mask=has_n, other=0.0)
-            tl.debug_barrier()
-            tl.store(g_row_b + tgt_b, fix_b.to(grad_ptr.dtype.element_ty), mask=act_b > 0)
-            lse2_b, neg_coef_b, fix_b, tgt_b, act_b = _finish_row(
-                row_out_ptr, row_a64, row_a < num_rows, w_a, tgt_a, beh_a, adv_a, ref_a, z_tgt, lse2,
-                inv_t, eps_low, eps_high, beta, HAS_KL)
-            w_a, tgt_a, beh_a, adv_a, ref_a = w_n, tgt_n, beh_n, adv_n, ref_n
-
-
-@triton.jit
-def _finish_row(row_out_ptr, row64, valid, w, tgt, behaviour, adv, ref, z_tgt, lse2, inv_t, eps_low, eps_high, beta,
-                HAS_KL: tl.constexpr):
-    """Row a's per-token terms and stats (stored when the row exists), and its pass-2 state:
-    (lse2, -coef, coef * (1 - p_target), target, active); inactive rows give a zero gradient."""
-    LN2: tl.constexpr = 0.6931471805599453
-    active = w > 0
-    logp = (z_tgt - lse2) * LN2
-    ratio = tl.exp(logp - behaviour)
-    clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
-    loss = -tl.minimum(ratio * adv, clipped * adv)
-    is_clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
-    dloss_dlogp = tl.where(is_clipped, 0.0, -ratio * adv)
-    kl = 0.0
-    if HAS_KL:
-        delta = ref - logp
-        exp_delta = tl.exp(delta)
-        kl = exp_delta - delta - 1.0
-        loss += beta * kl
-        dloss_dlogp += beta * (1.0 - exp_delta)
-    out = row_out_ptr + row64 * 5
-    tl.store(out + 0, tl.where(active, w * loss, 0.0), mask=valid)
-    tl.store(out + 1, tl.where(active, ratio, 0.0), mask=valid)
-    tl.store(out + 2, tl.where(active, kl, 0.0), mask=valid)
-    tl.store(out + 3, tl.where(active & is_clipped, 1.0, 0.0), mask=valid)
-    tl.store(out + 4, tl.where(active, 1.0, 0.0), mask=valid)
-    coef = tl.where(active, w * dloss_dlogp * inv_t, 0.0)
-    p_tgt = tl.exp2(z_tgt - lse2)
-    lse2_b = tl.where(active, lse2, 1.0e30)
-    neg_coef_b = tl.where(active, -coef, 0.0)
-    fix_b = tl.where(active, coef * (1.0 - p_tgt), 0.0)
-    act_b = tl.where(active, 1, 0)
-    return lse2_b, neg_coef_b, fix_b, tgt, act_b
-
-
 def default_config(vocab: int, device: torch.device) -> dict:
     """Launch parameters, tuned on an H200 at V=152064 bf16 (`--sweep` of the kernel benchmark):
     configurations with one row per SM and pipelined loads came within 3% of each other."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 16, "programs_per_sm": 1, "group": 8, "stages": 4,
-           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "schedule": "serial"}
+           "evict_pass1": "evict_last", "evict_pass2": "evict_first"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
@@ -533,19 +305,6 @@ def grpo_rows(
     if num_rows == 0:
         return row_out
     num_programs = _num_programs(num_rows, logits.device, cfg)
-    schedule = cfg.get("schedule", "serial")
-    if schedule not in ("serial", "stagger", "flat"):
-        raise ValueError(f"unknown schedule {schedule!r}")
-    if grad is not None and schedule != "serial":
-        _grpo_rows_stagger_kernel[(num_programs,)](
-            logits, grad, targets.contiguous(), weights, behaviour_logprobs, advantages, ref, row_out,
-            num_rows, triton.cdiv(num_rows, num_programs), vocab, logits.stride(0), grad.stride(0),
-            math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
-            HAS_KL=has_kl, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
-            FLAT=schedule == "flat", PIPE=max(cfg["stages"], 1), EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"],
-            num_warps=cfg["num_warps"],
-        )
-        return row_out
     _grpo_rows_kernel[(num_programs,)](
         logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour_logprobs,
         advantages, ref, row_out,
@@ -637,7 +396,7 @@ def grpo_loss_triton(
     eps_high: float = 0.28,
     beta: float = 0.0,
     inplace_backward: bool = False,
-    config: dict | None = None,        # launch overrides: block_v, num_warps, programs_per_sm, num_programs, schedule
+    config: dict | None = None,        # launch overrides: block_v, num_warps, programs_per_sm, num_programs
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scalar loss, detached stats), differentiable in `logits`; matches `grpo_loss_reference`.
 
