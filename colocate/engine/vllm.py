@@ -223,7 +223,8 @@ class VLLMEngine:
         self.grammar_mode = grammar_mode
         self.max_num_seqs = max_num_seqs
         self.version = 0
-        self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0}
+        self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0,
+                         "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0}
         self._reported = dict(self.counters)
         t0 = time.perf_counter()
         with engine_environment(local_rank):
@@ -320,6 +321,9 @@ class VLLMEngine:
         for out, r in zip(outputs, requests):
             completion, counts = completion_from_output(out.outputs[0], r, self.version, self.eos_id)
             completions.append(completion)
+            self.counters["prompt_tokens"] += len(r.prompt_ids)
+            self.counters["cached_prompt_tokens"] += getattr(out, "num_cached_tokens", None) or 0
+            self.counters["out_tokens"] += len(completion.token_ids)
             for k, v in counts.items():
                 self.counters[k] += v
         if self.grammar_mode == "tokens" and self.counters["walk_failures"]:
@@ -332,11 +336,17 @@ class VLLMEngine:
 
     def stats(self) -> dict[str, float]:
         """Since the last call: requests, host time per request around vLLM (grammar, params, replay),
-        completions that ended on an appended EOS, replay failures (0 with token grammars)."""
+        completions that ended on an appended EOS, replay failures (0 with token grammars), prompt and
+        output tokens/s of `LLM.generate`, and the prefix-cache hit rate (cached / prompt tokens, from
+        vLLM's `num_cached_tokens`)."""
         d = {k: self.counters[k] - self._reported[k] for k in self.counters}
         self._reported = dict(self.counters)
+        gen_s = max(d["generate_s"], 1e-9)
         return {"requests": float(d["requests"]), "host_ms_per_request": 1e3 * d["host_s"] / max(d["requests"], 1),
-                "eos_appended": float(d["eos_appended"]), "walk_failures": float(d["walk_failures"])}
+                "eos_appended": float(d["eos_appended"]), "walk_failures": float(d["walk_failures"]),
+                # vLLM interleaves prefill and decode in one step: both rates are over the same time
+                "prefill_tokens_per_s": d["prompt_tokens"] / gen_s, "decode_tokens_per_s": d["out_tokens"] / gen_s,
+                "prefix_cache_hit_rate": d["cached_prompt_tokens"] / max(d["prompt_tokens"], 1)}
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None
