@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         raise
     dist.destroy_process_group()
+    gc.unfreeze()  # let interpreter shutdown release the frozen heap (else nanobind reports leaks)
 
 
 if __name__ == "__main__":
