@@ -11,22 +11,12 @@ Needs 2 GPUs and vllm; `--also sync,parity` adds those to the same session.
 """
 from __future__ import annotations
 
+from colocate.benchmarks.vllm_session import add_session_args, run_profile
+
 
 def add_args(parser) -> None:
-    parser.add_argument("--shape", default="7b", choices=("0.5b", "7b", "tiny"))
-    parser.add_argument("--learner-device", default="cuda:0", help="cpu: dry run against a stand-in vllm")
-    parser.add_argument("--num-seqs", type=int, default=512)
-    parser.add_argument("--also", default="", help="comma list of more parts: sync, parity")
-    parser.add_argument("--iters", type=int, default=10, help="sync iterations (with --also sync)")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="skip later parts past this")
+    add_session_args(parser, others="sync, parity")
 
 
 def run(args) -> dict:
-    from colocate.benchmarks.sync import split
-    from colocate.benchmarks import vllm_session
-    from colocate.benchmarks.vllm_session import run_session
-    vllm_session.LEARNER = args.learner_device
-    shape = "0.5b" if args.quick else args.shape
-    parts = [p for p in args.also.split(",") if p] + ["rollout"]
-    figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters)
-    return split(figures)
+    return run_profile(args, "rollout", first=False)

@@ -506,3 +506,33 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
         write_json_atomic(partial, {"shape": shape, "figures": figures})
     s.engine.shutdown()
     return figures
+
+
+# -- the `sync` and `rollout` profiles share one session and one argument list --------------------
+def add_session_args(parser, *, others: str) -> None:
+    parser.add_argument("--shape", default="7b", choices=("0.5b", "7b", "tiny"))
+    parser.add_argument("--learner-device", default="cuda:0", help="cpu: dry run against a stand-in vllm")
+    parser.add_argument("--iters", type=int, default=10, help="sync iterations")
+    parser.add_argument("--also", default="", help=f"comma list of more parts: {others}")
+    parser.add_argument("--num-seqs", type=int, default=512, help="rollout batch")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="skip later parts past this")
+
+
+def run_profile(args, part: str, *, first: bool) -> dict:
+    """Run `part` plus `--also` parts in one engine session (`part` first or last)."""
+    global LEARNER
+    LEARNER = args.learner_device
+    shape = "0.5b" if args.quick else args.shape
+    also = [p for p in args.also.split(",") if p and p != part]
+    parts = [part] + also if first else also + [part]
+    figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters)
+    return split(figures)
+
+
+def split(figures: dict) -> dict:
+    """figures / baseline / ratios for the benchmark record (baselines: disk, vLLM alone, HF)."""
+    ratios = {k: v for k, v in figures.items() if "speedup" in k or "_vs_" in k}
+    baseline = {k: v for k, v in figures.items() if k not in ratios
+                and any(t in k for t in ("disk_", "vllm_alone", "hf_generate", "vllm_unconstrained"))}
+    rest = {k: v for k, v in figures.items() if k not in baseline and k not in ratios}
+    return {"figures": rest, "baseline": baseline, "ratios": ratios}
