@@ -1,9 +1,12 @@
-"""Shared fixtures: a tiny tokenizer + model built once per session in a temp cache."""
+"""Shared fixtures (a tiny tokenizer + model built once per session in a temp cache) and the
+right-padded reference layout the learner's packed path is checked against."""
 import os
 import socket
 
 import pytest
 import torch
+
+from colocate.data import TrajectoryBatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,3 +36,36 @@ def tiny_tokenizer(tiny_cfg):
 def tiny_policy(tiny_cfg, tiny_tokenizer):
     from colocate.train import build_policy
     return build_policy(tiny_cfg, tiny_tokenizer, torch.device("cpu"))
+
+
+# -- an independent reference layout: right-padded rows, lm_head on gathered completion positions --
+class CompletionView:
+    """Right-padded model inputs of a micro-batch plus its completion-row bookkeeping."""
+
+    def __init__(self, mb: TrajectoryBatch, pad_id: int, device):
+        seq_lens, prompt_lens = mb.seq_lens.tolist(), mb.prompt_lens.tolist()
+        width = max(seq_lens)
+        self.input_ids = torch.full((len(seq_lens), width), pad_id, dtype=torch.long)
+        self.attention_mask = torch.zeros((len(seq_lens), width), dtype=torch.long)
+        rows, cols, seq_ids = [], [], []
+        offset = 0
+        for r, (n, p) in enumerate(zip(seq_lens, prompt_lens)):
+            self.input_ids[r, :n] = mb.tokens[offset:offset + n].long()
+            self.attention_mask[r, :n] = 1
+            # completion token at position t is predicted by the hidden state at t - 1
+            rows += [r] * (n - p)
+            cols += list(range(p - 1, n - 1))
+            seq_ids += [r] * (n - p)
+            offset += n
+        self.input_ids = self.input_ids.to(device)
+        self.attention_mask = self.attention_mask.to(device)
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)          # [N]
+        self.cols = torch.tensor(cols, dtype=torch.long, device=device)          # [N]
+        self.seq_ids = torch.tensor(seq_ids, dtype=torch.long, device=device)    # [N]
+        self.targets = self.input_ids[self.rows, self.cols + 1]                  # [N]
+
+
+def right_padded_logits(causal_lm, view: CompletionView) -> torch.Tensor:
+    """[N, V] logits at completion positions of a right-padded view (unsharded models only)."""
+    hidden = causal_lm.model(input_ids=view.input_ids, attention_mask=view.attention_mask).last_hidden_state
+    return causal_lm.lm_head(hidden[view.rows, view.cols])

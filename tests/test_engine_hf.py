@@ -7,7 +7,7 @@ from colocate.engine.hf import HFEngine
 from colocate.envs import make_env
 from colocate.kernels import restrict_to_allowed
 from colocate.kernels.reference import per_token_logprobs
-from colocate.learner.learner import CompletionView, completion_logits
+from colocate.learner.packing import completion_logits, packed_micro_batch, set_attention
 from colocate.models import lora_state
 
 import pytest
@@ -48,10 +48,11 @@ def test_constrained_samples_are_valid_and_logprobs_match_learner(tiny_cfg, tiny
     env.step({k: c for (k, _), c in zip(keyed, completions)})
     samples = env.pop_finished()
     batch = build_batch(samples, group_advantages(samples))
-    view = CompletionView(batch, tiny_tokenizer.pad_token_id, "cpu")
+    mb = packed_micro_batch(batch, "cpu", "sdpa")  # the learner's own layout (packed rows)
+    set_attention(tiny_policy, "sdpa")
     with torch.no_grad():
-        logits = completion_logits(tiny_policy.get_base_model(), view)
-    sub, targets = restrict_to_allowed(logits, view.targets, batch.allowed_ids)
+        logits = completion_logits(tiny_policy, mb)
+    sub, targets = restrict_to_allowed(logits, mb.targets, batch.allowed_ids)
     learner_logp = per_token_logprobs(sub, targets, tiny_cfg.engine.temperature)
     torch.testing.assert_close(learner_logp, batch.behaviour_logprobs, atol=1e-5, rtol=0)
 

@@ -4,7 +4,7 @@ import torch
 
 from colocate.data import TrajectoryBatch
 from colocate.kernels.reference import per_token_logprobs
-from colocate.learner.learner import CompletionView, completion_logits as right_padded_logits
+from tests.conftest import CompletionView, right_padded_logits
 from colocate.learner.packing import (VARLEN, VARLEN_GROUPED, check_varlen_kernel, completion_logits, pack_by_budget, packed_micro_batch,
                                       padded_micro_batch, register_varlen_attention, set_attention)
 from colocate.models import lora_state
