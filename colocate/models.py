@@ -34,7 +34,7 @@ SHAPES = {
 }
 
 
-def _atomic_dir_write(path: str, write) -> None:
+def atomic_dir_write(path: str, write) -> None:
     """Build into a temp dir and rename, so concurrent ranks never see a half-written cache."""
     if os.path.exists(path):
         return
@@ -77,7 +77,7 @@ def load_tokenizer(model_cfg, corpus_fn, corpus_key: str):
         return tok
     digest = hashlib.sha1(f"{TOKENIZER_VERSION}:{corpus_key}".encode()).hexdigest()[:10]
     path = os.path.join(model_cfg.cache_dir, f"tokenizer-{digest}")
-    _atomic_dir_write(path, lambda d: train_tokenizer(corpus_fn()).save_pretrained(d))
+    atomic_dir_write(path, lambda d: train_tokenizer(corpus_fn()).save_pretrained(d))
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 

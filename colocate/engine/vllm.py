@@ -129,11 +129,12 @@ def save_model_dir(path: str, model, tokenizer) -> None:
     if getattr(config, "tie_word_embeddings", False) and \
             model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         config.tie_word_embeddings = False
-    tmp = f"{path}.tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    model.save_pretrained(tmp, is_main_process=True)
-    tokenizer.save_pretrained(tmp)
-    os.rename(tmp, path)
+    from colocate.models import atomic_dir_write
+
+    def write(tmp: str) -> None:
+        model.save_pretrained(tmp, is_main_process=True)
+        tokenizer.save_pretrained(tmp)
+    atomic_dir_write(path, write)
 
 
 def ensure_model_dir(cfg, tokenizer, device, *, is_writer: bool, timeout_s: float = 1800.0) -> str:
