@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 
 class MetricsWriter:
@@ -67,6 +68,7 @@ def percentiles(values: list[float], prefix: str) -> dict[str, float]:
 
 class SystemSampler(threading.Thread):
     """Samples NVML (GPU util %, SM clock MHz, memory used GiB) and CPU % every `interval_s`."""
+    MAX_TRACE = 100_000
 
     def __init__(self, writer: MetricsWriter, interval_s: float, gpu_index: int | None):
         super().__init__(name="colocate-system-sampler", daemon=True)
@@ -74,6 +76,8 @@ class SystemSampler(threading.Thread):
         self._stop = threading.Event()
         self._t0 = time.time()
         self.samples = 0
+        self.gpu_util: list[list[float]] = []
+        """[[unix time, GPU util %], ...] (the last MAX_TRACE samples): the e2e benchmark's NVML busy %."""
 
     def _nvml_handle(self):
         if self.gpu_index is None:
@@ -100,6 +104,8 @@ class SystemSampler(threading.Thread):
                 values.update(gpu_util_percent=util.gpu, gpu_mem_util_percent=util.memory,
                               sm_clock_mhz=pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                               gpu_mem_used_gib=pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30)
+                self.gpu_util.append([time.time(), float(util.gpu)])
+                del self.gpu_util[:-self.MAX_TRACE]
             self.writer.scalars("system", values, int(time.time() - self._t0))
             self.samples += 1
 
@@ -132,12 +138,24 @@ class StallWatchdog(threading.Thread):
         self._stop.set()
 
 
+@dataclass
+class RoleMonitors:
+    watchdog: StallWatchdog
+    sampler: SystemSampler | None
+
+    def gpu_util(self) -> list[list[float]]:
+        """NVML samples [[unix time, util %], ...] so far (empty without a GPU or a sampler)."""
+        return list(self.sampler.gpu_util) if self.sampler is not None else []
+
+
 @contextlib.contextmanager
 def role_monitors(metrics_cfg, writer: MetricsWriter, *, gpu_index: int | None, what: str):
     """Start the system sampler and stall watchdog for a role loop; stop them on exit."""
     threads: list = []
+    sampler = None
     if writer.enabled and metrics_cfg.nvml_interval_s > 0:
-        threads.append(SystemSampler(writer, metrics_cfg.nvml_interval_s, gpu_index))
+        sampler = SystemSampler(writer, metrics_cfg.nvml_interval_s, gpu_index)
+        threads.append(sampler)
     # With the watchdog off, a never-started one still takes beats.
     watchdog = StallWatchdog(writer, metrics_cfg.stall_timeout_s, what)
     if metrics_cfg.stall_timeout_s > 0:
@@ -145,7 +163,7 @@ def role_monitors(metrics_cfg, writer: MetricsWriter, *, gpu_index: int | None, 
     for t in threads:
         t.start()
     try:
-        yield watchdog
+        yield RoleMonitors(watchdog, sampler)
     finally:
         for t in threads:
             t.stop()

@@ -1,11 +1,19 @@
-"""End-to-end profile: the same training job synchronous (max_policy_lag=0) and asynchronous (lag L),
-back to back in one benchmark run; steps/hour, learner and inference busy fractions, policy lag.
+"""End-to-end profile: the same training job asynchronous (max_policy_lag L) and synchronous
+(max_policy_lag=0), back to back in one benchmark run; seconds per step, steps/hour, learner and
+inference busy fractions, NVML GPU utilization, out tokens/s per inference GPU, policy lag.
 
-Busy fractions: learner = time in `train_step` / wall; inference = time playing games (`collect`) /
-wall (rank 0's `inference-rank0.json`). On GPU machines the NVML utilization is in TensorBoard
-(`system/gpu_util_percent`). Command (CPU smoke):
-    python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
-GPU (4 GPUs, 2 + 2): --config configs/gpu-4.yaml --nproc 4 --steps 12 --warmup 2
+Steady state only: the first `--warmup` steps of each job (engine start-up is before step 0; step 0
+also waits for the first rollout, which no overlap can hide) are left out. From the per-step
+timelines the role loops write (`summary.json`, `inference-rank<r>.json`, unix seconds):
+  window            end of step warmup-1 -> end of the last step (learner rank 0's clock)
+  seconds_per_step  window / (steps - warmup)
+  learner busy      time inside `train_step` in the window / window
+  inference busy    time inside `collect` (playing games) in the window / window, mean over ranks
+  NVML busy         mean `nvmlDeviceGetUtilizationRates().gpu` sampled every `metrics.nvml_interval_s`
+                    in the window, on the first GPU of each role
+CPU smoke: python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
+GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
+    --steps 6 --warmup 2 --partial $OUT/e2e-partial.json
 """
 from __future__ import annotations
 
@@ -14,13 +22,18 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def add_args(parser) -> None:
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=2, help="steps of each job left out of the figures")
     parser.add_argument("--lag", type=int, default=1, help="max_policy_lag of the async run")
+    parser.add_argument("--order", default="async,sync", help="which jobs run, in this order")
+    parser.add_argument("--job-timeout-s", type=float, default=3600.0, help="a job running longer is killed")
+    parser.add_argument("--partial", default="", help="also write the record here after each job")
     parser.add_argument("--set", nargs="*", default=[], help="extra --section.key=value overrides")
 
 
@@ -28,23 +41,82 @@ def run_job(args, lag: int, run_dir: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "colocate.train", "--config", args.config, f"--learner.num_steps={args.steps}",
            f"--learner.max_policy_lag={lag}", f"--metrics.run_dir={run_dir}", *args.set]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    t0 = time.time()
+    log_path = os.path.join(os.path.dirname(run_dir), f"{os.path.basename(run_dir)}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.job_timeout_s)
     if proc.returncode != 0:
-        raise RuntimeError(f"e2e run (lag {lag}) failed:\n{proc.stderr[-3000:]}")
+        with open(log_path) as f:
+            raise RuntimeError(f"e2e run (lag {lag}) failed, log {log_path}:\n{f.read()[-3000:]}")
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)
-    with open(os.path.join(run_dir, "inference-rank0.json")) as f:
-        inference = json.load(f)
-    return {"steps_per_hour": summary["steps_per_hour"], "seconds_per_step": 3600 / summary["steps_per_hour"],
-            "learner_busy_fraction": summary["learner_busy_fraction"],
-            "inference_busy_fraction": inference["busy_fraction"], "dropped_stale": summary["dropped_stale"],
-            "reward_end": summary["reward_end"]}
+    inference = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("inference-rank") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name)) as f:
+                inference.append(json.load(f))
+    return {**steady_state(summary, inference, args.warmup), "job_wall_s": time.time() - t0,
+            "dropped_stale": summary["dropped_stale"], "reward_end": summary["reward_end"]}
+
+
+def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
+    """The module docstring's figures from the role loops' timelines."""
+    rows = summary["timeline"]  # [wait start, train start, train end, step end, policy lag mean]
+    if len(rows) <= warmup:
+        raise ValueError(f"{len(rows)} steps ran; need more than --warmup {warmup}")
+    t0 = rows[warmup - 1][3] if warmup > 0 else rows[0][0]
+    t1 = rows[-1][3]
+    window = max(t1 - t0, 1e-9)
+    measured = rows[warmup:]
+
+    def nvml_mean(samples: list) -> float | None:
+        inside = [u for t, u in samples if t0 <= t <= t1]
+        return sum(inside) / len(inside) / 100 if inside else None
+
+    busy = [sum(overlap(c0, c1, t0, t1) for c0, c1, _ in r["timeline"]) / window for r in inference]
+    tokens = [sum(n * overlap(c0, c1, t0, t1) / max(c1 - c0, 1e-9) for c0, c1, n in r["timeline"]) / window
+              for r in inference]
+    return {
+        "seconds_per_step": window / len(measured),
+        "steps_per_hour": 3600 * len(measured) / window,
+        "measured_steps": len(measured),
+        "learner_busy_fraction": sum(r[2] - r[1] for r in measured) / window,
+        "learner_train_s_mean": sum(r[2] - r[1] for r in measured) / len(measured),
+        "learner_wait_s_mean": sum(r[1] - r[0] for r in measured) / len(measured),
+        "inference_busy_fraction": sum(busy) / max(len(busy), 1),
+        "rollout_out_tokens_per_s_per_gpu": sum(tokens) / max(len(tokens), 1),
+        "learner_nvml_busy": nvml_mean(summary.get("gpu_util", [])),
+        "inference_nvml_busy": next((v for v in (nvml_mean(r.get("gpu_util", [])) for r in inference)
+                                     if v is not None), None),
+        "policy_lag_mean": sum(r[4] for r in measured) / len(measured),
+    }
 
 
 def run(args) -> dict:
     root = tempfile.mkdtemp(prefix="colocate-e2e-")
-    sync = run_job(args, 0, os.path.join(root, "sync"))
-    ours = run_job(args, args.lag, os.path.join(root, "async"))
-    return {"figures": {f"async_{k}": v for k, v in ours.items()},
-            "baseline": {f"sync_{k}": v for k, v in sync.items()},
-            "ratios": {"steps_per_hour_async_over_sync": ours["steps_per_hour"] / sync["steps_per_hour"]}}
+    lags = {"async": args.lag, "sync": 0}
+    jobs = [j.strip() for j in args.order.split(",") if j.strip()]
+    unknown = [j for j in jobs if j not in lags]
+    if unknown:
+        raise SystemExit(f"--order: unknown job(s) {unknown}; choose from async, sync")
+    record: dict = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
+                    "lag": args.lag, "runs": {}}
+    for job in jobs:
+        record["runs"][job] = run_job(args, lags[job], os.path.join(root, job))
+        print(f"[e2e] {job}: " + json.dumps(record["runs"][job]), flush=True)
+        if args.partial:
+            with open(args.partial, "w") as f:
+                json.dump(record, f, indent=1)
+    runs = record["runs"]
+    if "async" in runs:
+        record["figures"] = {f"async_{k}": v for k, v in runs["async"].items()}
+    if "sync" in runs:
+        record["baseline"] = {f"sync_{k}": v for k, v in runs["sync"].items()}
+    if "async" in runs and "sync" in runs:
+        record["ratios"] = {"steps_per_hour_async_over_sync": runs["async"]["steps_per_hour"] /
+                            runs["sync"]["steps_per_hour"]}
+    return record

@@ -47,25 +47,30 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
     num_steps, lag, ckpt = cfg.learner.num_steps, cfg.learner.max_policy_lag, cfg.checkpoint
     # Daemon threads and a profiler window; an exception ends the process, so no try/finally needed.
     monitors = contextlib.ExitStack()
-    watchdog = monitors.enter_context(role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo),
-                                                    what="trajectory consumed"))
+    role = monitors.enter_context(role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo),
+                                                what="trajectory consumed"))
+    watchdog = role.watchdog
     profiler = make_profiler(cfg.metrics, "learner", topo.rank, enabled=topo.role_rank == 0)
     monitors.callback(profiler.stop)
     nonfinite_run, busy_s, dropped = 0, 0.0, 0.0
+    # [[wait start, train start, train end, step end (unix s), policy lag mean], ...] per step: the
+    # e2e benchmark measures steady-state step time and busy fractions from it (after warm-up).
+    timeline: list[list[float]] = []
     block_params = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
     t_start = time.perf_counter()
     for step in range(start, num_steps):
         maybe_raise(fault, topo.rank, step)
-        t0 = time.perf_counter()
+        t0, u0 = time.perf_counter(), time.time()
         received = [recv_batch_with_flags(src, topo.transport_group) for src in topo.inference_ranks]
         batch = TrajectoryBatch.concat([b for b, _ in received])
         wait_s = time.perf_counter() - t0
         maybe_poison(fault, step, batch)
         lags = (learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
-        t_train = time.perf_counter()
+        t_train, u_train = time.perf_counter(), time.time()
         with record_function("learner/train_step"):
             stats = learner.train_step(batch)
         busy_s += time.perf_counter() - t_train
+        u_trained = time.time()
         dropped += stats["dropped_stale"]
         # Model FLOPs utilization of the decoder-block GEMMs (forward + input-gradient: 4 x params x
         # tokens; frozen base, no weight gradients), over the configured per-device peak. The trainer
@@ -114,6 +119,7 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
                          f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
                          f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
                          f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s")
+        timeline.append([u0, u_train, u_trained, time.time(), stats["policy_lag_mean"]])
         if stopping and not last:
             # Batches step+1 .. step+lag were already sampled and sent: receive and drop them, so no
             # inference rank is left blocked in a send.
@@ -123,12 +129,14 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
             writer.print(f"stop requested (signal): checkpoint at step {step + 1}, exiting")
             break
         profiler.step()
+    gpu_util = role.gpu_util()
     monitors.close()
     if topo.role_rank == 0:
         wall = time.perf_counter() - t_start
         write_summary(cfg, topo, history, wall, writer, {
             "learner_busy_fraction": busy_s / max(wall, 1e-9), "dropped_stale": dropped,
-            "steps_per_hour": (len(history["reward"]) - start) / max(wall, 1e-9) * 3600})
+            "steps_per_hour": (len(history["reward"]) - start) / max(wall, 1e-9) * 3600,
+            "timeline": timeline, "gpu_util": gpu_util})
     writer.close()
 
 

@@ -63,17 +63,17 @@ def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | No
             send_json(inference_state(topo.rank, worker, env, engine), topo.sync_src, topo.transport_group)
         stopped = stopped or bool(flags & FLAG_STOP)
 
-    with role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo), what="trajectory produced") as watchdog:
+    with role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo), what="trajectory produced") as role:
         profiler = make_profiler(cfg.metrics, "inference", topo.rank, enabled=topo.role_rank == 0)
         try:
-            rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, start, receive,
+            rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive,
                          is_stopped=lambda: stopped)
         finally:
             profiler.stop()
     writer.close()
 
 
-def rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, start, receive, is_stopped) -> None:
+def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive, is_stopped) -> None:
     """Batches start..S-1 of one inference rank (see the module docstring for the protocol)."""
     num_steps, lag = cfg.learner.num_steps, cfg.learner.max_policy_lag
     # Sends of batch j complete once the learners start step j, which needs version j to have been
@@ -82,16 +82,18 @@ def rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, st
     sender = TrajectorySender(topo.transport_group, first_index=start)
     busy_s, t_start = 0.0, time.perf_counter()
     t_batch = t_start
+    timeline: list[list[float]] = []  # [[collect start, collect end (unix s), out tokens], ...] per batch
     for k in range(start, num_steps):
         while engine.version < k - lag and not is_stopped():
             receive()
         if is_stopped():
             break
         sender.wait_through(k - lag - 1)
-        t_collect = time.perf_counter()
+        t_collect, u_collect = time.perf_counter(), time.time()
         with record_function("rollout/collect"):
             batch, stats, engine_stats = worker.collect()
         busy_s += time.perf_counter() - t_collect
+        timeline.append([u_collect, time.time(), engine_stats.get("out_tokens", 0.0)])
         flags = STOP_REQUESTED if stop.requested else 0  # a signal here reaches the learners in the header
         sender.submit(k, list(zip(shard_batch(batch, topo.num_learners), topo.learner_ranks)), flags)
         stats["idle_fraction"] = 1.0 - (time.perf_counter() - t_collect) / max(time.perf_counter() - t_batch, 1e-9)
@@ -99,14 +101,15 @@ def rollout_loop(cfg, topo, engine, worker, writer, watchdog, profiler, stop, st
         t_batch = time.perf_counter()
         writer.scalars("rollout", stats, k)
         writer.scalars("engine", engine_stats, k)
-        watchdog.beat(k)
+        role.watchdog.beat(k)
         profiler.step()
     while engine.version < num_steps and not is_stopped():
         receive()
     sender.close()  # after a stop the learners drain what is in flight
     wall = time.perf_counter() - t_start
     write_json_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
-                      {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9)})
+                      {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9),
+                       "timeline": timeline, "gpu_util": role.gpu_util()})
 
 
 def inference_state(rank: int, worker: RolloutWorker, env, engine) -> dict:

@@ -82,6 +82,7 @@ class RolloutWorker:
             **{k: float(v) for k, v in self.env.metrics().items()},
         }
         engine_stats = {
+            "out_tokens": float(out_tokens),
             "out_tokens_per_s": out_tokens / max(gen_time, 1e-9),
             "requests_per_call": requests / max(len(round_s), 1),
             "generate_fraction": gen_time / max(elapsed, 1e-9),

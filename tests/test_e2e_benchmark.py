@@ -1,0 +1,37 @@
+"""The e2e profile's steady-state figures, from synthetic role timelines with known answers."""
+import pytest
+
+from colocate.benchmarks.e2e import steady_state
+
+
+def learner_rows(step_s: float, train_s: float, steps: int, lag: float = 1.0):
+    """Steps of `step_s` seconds, each waiting first and training its last `train_s` seconds."""
+    return [[i * step_s, (i + 1) * step_s - train_s, (i + 1) * step_s, (i + 1) * step_s, lag] for i in range(steps)]
+
+
+def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
+    rows = learner_rows(10.0, 9.0, 6)
+    rows[0] = [0.0, 50.0, 59.0, 60.0, 0.0]  # a long first step (engine warm-up): must not count
+    for i in range(1, 6):
+        rows[i] = [x + 50.0 if j < 4 else x for j, x in enumerate(rows[i])]
+    # one inference rank collecting 6 s of every 10 s step after warm-up, 600 tokens a batch
+    inference = [{"timeline": [[60.0 + 10 * i, 66.0 + 10 * i, 600.0] for i in range(5)],
+                  "gpu_util": [[60.0 + t, 50.0] for t in range(40)] + [[0.0, 100.0]]}]
+    summary = {"timeline": rows, "gpu_util": [[70.0 + t, 90.0] for t in range(30)] + [[1.0, 0.0]]}
+    out = steady_state(summary, inference, warmup=2)
+    # window: end of step 1 (70 s) -> end of step 5 (110 s), 4 measured steps
+    assert out["measured_steps"] == 4
+    assert out["seconds_per_step"] == pytest.approx(10.0)
+    assert out["steps_per_hour"] == pytest.approx(360.0)
+    assert out["learner_busy_fraction"] == pytest.approx(0.9)
+    assert out["learner_wait_s_mean"] == pytest.approx(1.0)
+    assert out["inference_busy_fraction"] == pytest.approx(0.6)  # collects 70-76, 80-86, 90-96, 100-106
+    assert out["rollout_out_tokens_per_s_per_gpu"] == pytest.approx(4 * 600 / 40)
+    assert out["learner_nvml_busy"] == pytest.approx(0.9)      # the sample at t=1 is outside the window
+    assert out["inference_nvml_busy"] == pytest.approx(0.5)
+    assert out["policy_lag_mean"] == pytest.approx(1.0)
+
+
+def test_steady_state_needs_more_steps_than_warmup():
+    with pytest.raises(ValueError, match="warmup"):
+        steady_state({"timeline": learner_rows(1.0, 0.5, 2)}, [], warmup=2)
