@@ -34,13 +34,15 @@ def add_args(parser) -> None:
     parser.add_argument("--order", default="async,sync", help="which jobs run, in this order")
     parser.add_argument("--job-timeout-s", type=float, default=3600.0, help="a job running longer is killed")
     parser.add_argument("--partial", default="", help="also write the record here after each job")
-    parser.add_argument("--set", nargs="*", default=[], help="extra --section.key=value overrides")
+    parser.add_argument("--set", nargs="*", default=[],
+                        help="extra config overrides, section.key=value (the leading -- may be left out)")
 
 
 def run_job(args, lag: int, run_dir: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "colocate.train", "--config", args.config, f"--learner.num_steps={args.steps}",
-           f"--learner.max_policy_lag={lag}", f"--metrics.run_dir={run_dir}", *args.set]
+           f"--learner.max_policy_lag={lag}", f"--metrics.run_dir={run_dir}",
+           *("--" + o.removeprefix("--") for o in args.set)]
     t0 = time.time()
     log_path = os.path.join(os.path.dirname(run_dir), f"{os.path.basename(run_dir)}.log")
     with open(log_path, "w") as log:

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# GPU work that outlasts one device command (10 minutes): run it detached, then poll.
+#   bash scripts/gpu_e2e_session.sh start      starts the chain below in a new session (setsid) and returns
+#   bash scripts/gpu_e2e_session.sh wait SECS  polls up to SECS seconds, prints progress, copies results to $OUT
+# Call `wait` again at once (a machine left idle is given back) until it prints "chain done".
+# The chain, on an nvidia-h200-x4 (2 inference + 2 learner ranks; vLLM & co. on PYTHONPATH from the bundle):
+#   1. e2e: configs/gpu-4.yaml (7B shape, Diplomacy, 32 groups x 2, horizon 4), async (lag 1) then sync
+#   2. trainer: 4 learner GPUs, the e2e workload's group size (2): padded baseline, packed, compiled
+#   3. sync: adapter sync at the 7B shape on GPUs 0 and 1
+# Results: /tmp/gs/*.json and logs; `wait` copies them to $OUT.
+set -u
+GS=/tmp/gs
+mode=${1:?usage: gpu_e2e_session.sh start|wait SECS}
+export PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+chain() {
+  cd "$1" || exit 1
+  E2E_STEPS=${E2E_STEPS:-6}
+  echo "== $(date +%T) e2e"
+  timeout -k 20 1500 python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
+    --steps "$E2E_STEPS" --warmup 2 --order async,sync --job-timeout-s 720 --partial $GS/e2e-partial.json \
+    --out $GS/e2e-h200x4.json --set metrics.nvml_interval_s=1 checkpoint.enabled=false metrics.stall_timeout_s=0
+  echo "== $(date +%T) e2e rc=$?"
+  for f in /tmp/colocate-e2e-*/*.log; do cp "$f" "$GS/$(basename "$f" .log)-job.log"; done
+  [ -n "${ONLY_E2E:-}" ] && { echo "chain done"; return; }
+  echo "== $(date +%T) trainer"
+  timeout -k 20 420 python3 scripts/benchmark.py --profile trainer --num-gpus 4 --group-size 2 --budgets 16384 \
+    --sdpa-budget 0 --ac-budget 0 --compile-budget 16384 --time-limit-s 300 --partial $GS/trainer-partial.json \
+    --out $GS/trainer-h200x4-g2.json
+  echo "== $(date +%T) trainer rc=$?"
+  echo "== $(date +%T) sync 7b"
+  CUDA_VISIBLE_DEVICES=0,1 COLOCATE_PARTIAL_JSON=$GS/sync-7b-partial.json timeout -k 20 300 \
+    python3 scripts/benchmark.py --profile sync --shape 7b --budget-s 200 --out $GS/sync-7b.json
+  echo "== $(date +%T) sync rc=$?"
+  echo "chain done"
+}
+
+case $mode in
+  start)
+    rm -rf $GS; mkdir -p $GS
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    repo=$(pwd)
+    export -f chain
+    export GS
+    setsid nohup bash -c "chain $repo" > $GS/chain.log 2>&1 < /dev/null &
+    echo "started chain (pid $!), log $GS/chain.log"
+    ;;
+  wait)
+    secs=${2:-540}
+    t0=$(date +%s)
+    while [ $(( $(date +%s) - t0 )) -lt "$secs" ] && ! grep -q "chain done" $GS/chain.log 2>/dev/null; do
+      sleep 10
+    done
+    echo "---- chain.log"; tail -n 40 $GS/chain.log
+    for f in /tmp/colocate-e2e-*/*.log; do [ -f "$f" ] && { echo "---- $f"; grep -E "step [0-9]+/|summary|Error|error|Traceback" "$f" | tail -n 12; }; done
+    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+    [ -n "${OUT:-}" ] && cp $GS/*.json $GS/*.log "$OUT"/ 2>/dev/null
+    grep -q "chain done" $GS/chain.log && echo "chain done" || echo "chain running"
+    ;;
+esac
