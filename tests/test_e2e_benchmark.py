@@ -16,7 +16,10 @@ def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
         rows[i] = [x + 50.0 if j < 4 else x for j, x in enumerate(rows[i])]
     # one inference rank collecting 6 s of every 10 s step after warm-up, 600 tokens a batch
     inference = [{"timeline": [[60.0 + 10 * i, 66.0 + 10 * i, 600.0] for i in range(5)],
+                  "batches": [{"phases": 10.0 + i, "wait_version_s": 0.5} for i in range(5)],
                   "gpu_util": [[60.0 + t, 50.0] for t in range(40)] + [[0.0, 100.0]]}]
+    for row in rows:
+        row += [0.02, 0.01]  # adapter gather and send seconds
     summary = {"timeline": rows, "gpu_util": [[70.0 + t, 90.0] for t in range(30)] + [[1.0, 0.0]]}
     out = steady_state(summary, inference, warmup=2)
     # window: end of step 1 (70 s) -> end of step 5 (110 s), 4 measured steps
@@ -30,6 +33,10 @@ def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
     assert out["learner_nvml_busy"] == pytest.approx(0.9)      # the sample at t=1 is outside the window
     assert out["inference_nvml_busy"] == pytest.approx(0.5)
     assert out["policy_lag_mean"] == pytest.approx(1.0)
+    assert out["adapter_gather_ms_mean"] == pytest.approx(20.0)
+    assert out["adapter_send_ms_mean"] == pytest.approx(10.0)
+    assert out["rollout_phases"] == pytest.approx((11 + 12 + 13 + 14) / 4)  # batch 0 (60-66 s) is warm-up
+    assert out["rollout_wait_version_s"] == pytest.approx(0.5)
 
 
 def test_steady_state_needs_more_steps_than_warmup():

@@ -10,7 +10,12 @@ timelines the role loops write (`summary.json`, `inference-rank<r>.json`, unix s
   learner busy      time inside `train_step` in the window / window
   inference busy    time inside `collect` (playing games) in the window / window, mean over ranks
   NVML busy         mean `nvmlDeviceGetUtilizationRates().gpu` sampled every `metrics.nvml_interval_s`
-                    in the window, on the first GPU of each role
+                    in the window, on the first GPU of each role (a pending NCCL send spins and
+                    counts as busy: the learner's figure is the timeline's)
+  adapter ms        learner rank 0's gather of the full adapter and its send, per step
+  rollout_*         means over the batches collected inside the window (both inference ranks):
+                    phases, requests per engine call, phase latency, generate fraction, the time
+                    a rank waited for an adapter version (`wait_version_s`) or for its sends
 CPU smoke: python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
 GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
     --steps 6 --warmup 2 --partial $OUT/e2e-partial.json
@@ -67,7 +72,7 @@ def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
 
 def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
     """The module docstring's figures from the role loops' timelines."""
-    rows = summary["timeline"]  # [wait start, train start, train end, step end, policy lag mean]
+    rows = summary["timeline"]  # [wait start, train start, train end, step end, policy lag, gather s, send s]
     if len(rows) <= warmup:
         raise ValueError(f"{len(rows)} steps ran; need more than --warmup {warmup}")
     t0 = rows[warmup - 1][3] if warmup > 0 else rows[0][0]
@@ -95,7 +100,19 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "inference_nvml_busy": next((v for v in (nvml_mean(r.get("gpu_util", [])) for r in inference)
                                      if v is not None), None),
         "policy_lag_mean": sum(r[4] for r in measured) / len(measured),
+        **({"adapter_gather_ms_mean": 1e3 * sum(r[5] for r in measured) / len(measured),
+            "adapter_send_ms_mean": 1e3 * sum(r[6] for r in measured) / len(measured)}
+           if all(len(r) > 6 for r in measured) else {}),
+        **rollout_means(inference, t0, t1),
     }
+
+
+def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:
+    """Means over the inference ranks' batches collected inside the window, `rollout_<stat>`."""
+    picked = [b for r in inference for (c0, c1, _), b in zip(r["timeline"], r.get("batches", []))
+              if c0 >= t0 and c1 <= t1]
+    keys = sorted({k for b in picked for k in b})
+    return {f"rollout_{k}": sum(b.get(k, 0.0) for b in picked) / len(picked) for k in keys}
 
 
 def run(args) -> dict:

@@ -53,7 +53,8 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
     profiler = make_profiler(cfg.metrics, "learner", topo.rank, enabled=topo.role_rank == 0)
     monitors.callback(profiler.stop)
     nonfinite_run, busy_s, dropped = 0, 0.0, 0.0
-    # [[wait start, train start, train end, step end (unix s), policy lag mean], ...] per step: the
+    # [[wait start, train start, train end, step end (unix s), policy lag mean, adapter gather s,
+    #   adapter send s], ...] per step: the
     # e2e benchmark measures steady-state step time and busy fractions from it (after warm-up).
     timeline: list[list[float]] = []
     block_params = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
@@ -119,7 +120,7 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
                          f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
                          f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
                          f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s")
-        timeline.append([u0, u_train, u_trained, time.time(), stats["policy_lag_mean"]])
+        timeline.append([u0, u_train, u_trained, time.time(), stats["policy_lag_mean"], gather_s, sync_s])
         if stopping and not last:
             # Batches step+1 .. step+lag were already sampled and sent: receive and drop them, so no
             # inference rank is left blocked in a send.

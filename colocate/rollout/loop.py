@@ -73,6 +73,11 @@ def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | No
     writer.close()
 
 
+BATCH_STATS = ("phases", "samples", "latency_s", "phase_latency_s_p50", "phase_latency_s_p95", "group_latency_s_p95",
+               "requests_per_call", "generate_fraction", "out_tokens", "out_tokens_per_s", "prefix_cache_hit_rate")
+"""Rollout and engine scalars kept per batch in `inference-rank<r>.json` (TensorBoard has them all)."""
+
+
 def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive, is_stopped) -> None:
     """Batches start..S-1 of one inference rank (see the module docstring for the protocol)."""
     num_steps, lag = cfg.learner.num_steps, cfg.learner.max_policy_lag
@@ -83,17 +88,23 @@ def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start,
     busy_s, t_start = 0.0, time.perf_counter()
     t_batch = t_start
     timeline: list[list[float]] = []  # [[collect start, collect end (unix s), out tokens], ...] per batch
+    batches: list[dict] = []  # per batch: where the rank waited and what the rollout did (e2e profile)
     for k in range(start, num_steps):
+        t_wait = time.perf_counter()
         while engine.version < k - lag and not is_stopped():
             receive()
         if is_stopped():
             break
+        t_version = time.perf_counter()
         sender.wait_through(k - lag - 1)
         t_collect, u_collect = time.perf_counter(), time.time()
         with record_function("rollout/collect"):
             batch, stats, engine_stats = worker.collect()
         busy_s += time.perf_counter() - t_collect
         timeline.append([u_collect, time.time(), engine_stats.get("out_tokens", 0.0)])
+        batches.append({"wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
+                        **{key: float(v) for key, v in {**stats, **engine_stats}.items()
+                           if key in BATCH_STATS}})
         flags = STOP_REQUESTED if stop.requested else 0  # a signal here reaches the learners in the header
         sender.submit(k, list(zip(shard_batch(batch, topo.num_learners), topo.learner_ranks)), flags)
         stats["idle_fraction"] = 1.0 - (time.perf_counter() - t_collect) / max(time.perf_counter() - t_batch, 1e-9)
@@ -109,7 +120,7 @@ def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start,
     wall = time.perf_counter() - t_start
     write_json_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
                       {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9),
-                       "timeline": timeline, "gpu_util": role.gpu_util()})
+                       "timeline": timeline, "batches": batches, "gpu_util": role.gpu_util()})
 
 
 def inference_state(rank: int, worker: RolloutWorker, env, engine) -> dict:
