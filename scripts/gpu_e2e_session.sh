@@ -7,6 +7,7 @@
 #   1. e2e: configs/gpu-4.yaml (7B shape, Diplomacy, 32 groups x 2, horizon 4), async (lag 1) then sync
 #   2. trainer: 4 learner GPUs, the e2e workload's group size (2): padded baseline, packed, compiled
 #   3. sync: adapter sync at the 7B shape on GPUs 0 and 1
+# ONLY_E2E=1 (set for `start`) stops after step 1; E2E_STEPS (default 6) sets the steps per job.
 # Results: /tmp/gs/*.json and logs; `wait` copies them to $OUT.
 set -u
 GS=/tmp/gs
