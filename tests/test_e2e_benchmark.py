@@ -5,21 +5,21 @@ from colocate.benchmarks.e2e import steady_state
 
 
 def learner_rows(step_s: float, train_s: float, steps: int, lag: float = 1.0):
-    """Steps of `step_s` seconds, each waiting first and training its last `train_s` seconds."""
-    return [[i * step_s, (i + 1) * step_s - train_s, (i + 1) * step_s, (i + 1) * step_s, lag] for i in range(steps)]
+    """Steps of `step_s` seconds, each waiting first and training its last `train_s` seconds; the
+    adapter gather takes 20 ms and the send 10 ms."""
+    return [[i * step_s, (i + 1) * step_s - train_s, (i + 1) * step_s, (i + 1) * step_s, lag, 0.02, 0.01]
+            for i in range(steps)]
 
 
 def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
     rows = learner_rows(10.0, 9.0, 6)
-    rows[0] = [0.0, 50.0, 59.0, 60.0, 0.0]  # a long first step (engine warm-up): must not count
+    rows[0] = [0.0, 50.0, 59.0, 60.0, 0.0, 0.02, 0.01]  # a long first step (engine warm-up): must not count
     for i in range(1, 6):
         rows[i] = [x + 50.0 if j < 4 else x for j, x in enumerate(rows[i])]
     # one inference rank collecting 6 s of every 10 s step after warm-up, 600 tokens a batch
-    inference = [{"timeline": [[60.0 + 10 * i, 66.0 + 10 * i, 600.0] for i in range(5)],
-                  "batches": [{"phases": 10.0 + i, "wait_version_s": 0.5} for i in range(5)],
+    inference = [{"batches": [{"collect_start": 60.0 + 10 * i, "collect_end": 66.0 + 10 * i, "out_tokens": 600.0,
+                               "phases": 10.0 + i, "wait_version_s": 0.5} for i in range(5)],
                   "gpu_util": [[60.0 + t, 50.0] for t in range(40)] + [[0.0, 100.0]]}]
-    for row in rows:
-        row += [0.02, 0.01]  # adapter gather and send seconds
     summary = {"timeline": rows, "gpu_util": [[70.0 + t, 90.0] for t in range(30)] + [[1.0, 0.0]]}
     out = steady_state(summary, inference, warmup=2)
     # window: end of step 1 (70 s) -> end of step 5 (110 s), 4 measured steps

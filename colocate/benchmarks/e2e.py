@@ -4,7 +4,8 @@ inference busy fractions, NVML GPU utilization, out tokens/s per inference GPU, 
 
 Steady state only: the first `--warmup` steps of each job (engine start-up is before step 0; step 0
 also waits for the first rollout, which no overlap can hide) are left out. From the per-step
-timelines the role loops write (`summary.json`, `inference-rank<r>.json`, unix seconds):
+timeline of learner rank 0 (`summary.json`) and the per-batch records of each inference rank
+(`inference-rank<r>.json`), in unix seconds:
   window            end of step warmup-1 -> end of the last step (learner rank 0's clock)
   seconds_per_step  window / (steps - warmup)
   learner busy      time inside `train_step` in the window / window
@@ -84,9 +85,12 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         inside = [u for t, u in samples if t0 <= t <= t1]
         return sum(inside) / len(inside) / 100 if inside else None
 
-    busy = [sum(overlap(c0, c1, t0, t1) for c0, c1, _ in r["timeline"]) / window for r in inference]
-    tokens = [sum(n * overlap(c0, c1, t0, t1) / max(c1 - c0, 1e-9) for c0, c1, n in r["timeline"]) / window
-              for r in inference]
+    def inside(b: dict) -> float:
+        return overlap(b["collect_start"], b["collect_end"], t0, t1)
+
+    busy = [sum(inside(b) for b in r["batches"]) / window for r in inference]
+    tokens = [sum(b["out_tokens"] * inside(b) / max(b["collect_end"] - b["collect_start"], 1e-9)
+                  for b in r["batches"]) / window for r in inference]
     return {
         "seconds_per_step": window / len(measured),
         "steps_per_hour": 3600 * len(measured) / window,
@@ -100,18 +104,16 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "inference_nvml_busy": next((v for v in (nvml_mean(r.get("gpu_util", [])) for r in inference)
                                      if v is not None), None),
         "policy_lag_mean": sum(r[4] for r in measured) / len(measured),
-        **({"adapter_gather_ms_mean": 1e3 * sum(r[5] for r in measured) / len(measured),
-            "adapter_send_ms_mean": 1e3 * sum(r[6] for r in measured) / len(measured)}
-           if all(len(r) > 6 for r in measured) else {}),
+        "adapter_gather_ms_mean": 1e3 * sum(r[5] for r in measured) / len(measured),
+        "adapter_send_ms_mean": 1e3 * sum(r[6] for r in measured) / len(measured),
         **rollout_means(inference, t0, t1),
     }
 
 
 def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:
     """Means over the inference ranks' batches collected inside the window, `rollout_<stat>`."""
-    picked = [b for r in inference for (c0, c1, _), b in zip(r["timeline"], r.get("batches", []))
-              if c0 >= t0 and c1 <= t1]
-    keys = sorted({k for b in picked for k in b})
+    picked = [b for r in inference for b in r["batches"] if b["collect_start"] >= t0 and b["collect_end"] <= t1]
+    keys = sorted({k for b in picked for k in b} - {"collect_start", "collect_end"})
     return {f"rollout_{k}": sum(b.get(k, 0.0) for b in picked) / len(picked) for k in keys}
 
 

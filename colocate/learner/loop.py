@@ -53,9 +53,8 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
     profiler = make_profiler(cfg.metrics, "learner", topo.rank, enabled=topo.role_rank == 0)
     monitors.callback(profiler.stop)
     nonfinite_run, busy_s, dropped = 0, 0.0, 0.0
-    # [[wait start, train start, train end, step end (unix s), policy lag mean, adapter gather s,
-    #   adapter send s], ...] per step: the
-    # e2e benchmark measures steady-state step time and busy fractions from it (after warm-up).
+    # Per step: [wait start, train start, train end, step end (unix s), policy lag mean, adapter
+    # gather s, adapter send s]; the e2e benchmark takes steady-state figures from it.
     timeline: list[list[float]] = []
     block_params = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
     t_start = time.perf_counter()

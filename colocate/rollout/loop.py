@@ -87,8 +87,8 @@ def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start,
     sender = TrajectorySender(topo.transport_group, first_index=start)
     busy_s, t_start = 0.0, time.perf_counter()
     t_batch = t_start
-    timeline: list[list[float]] = []  # [[collect start, collect end (unix s), out tokens], ...] per batch
-    batches: list[dict] = []  # per batch: where the rank waited and what the rollout did (e2e profile)
+    # Per batch (e2e profile): collect start/end (unix s), where the rank waited, what the rollout did.
+    batches: list[dict] = []
     for k in range(start, num_steps):
         t_wait = time.perf_counter()
         while engine.version < k - lag and not is_stopped():
@@ -101,8 +101,8 @@ def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start,
         with record_function("rollout/collect"):
             batch, stats, engine_stats = worker.collect()
         busy_s += time.perf_counter() - t_collect
-        timeline.append([u_collect, time.time(), engine_stats.get("out_tokens", 0.0)])
-        batches.append({"wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
+        batches.append({"collect_start": u_collect, "collect_end": time.time(),
+                        "wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
                         **{key: float(v) for key, v in {**stats, **engine_stats}.items()
                            if key in BATCH_STATS}})
         flags = STOP_REQUESTED if stop.requested else 0  # a signal here reaches the learners in the header
@@ -120,7 +120,7 @@ def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start,
     wall = time.perf_counter() - t_start
     write_json_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
                       {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9),
-                       "timeline": timeline, "batches": batches, "gpu_util": role.gpu_util()})
+                       "batches": batches, "gpu_util": role.gpu_util()})
 
 
 def inference_state(rank: int, worker: RolloutWorker, env, engine) -> dict:
