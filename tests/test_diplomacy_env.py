@@ -67,6 +67,24 @@ def test_groups_anchor_keys_and_rewards(tokenizer):
     assert env.metrics()["completions"] == 0  # counters reset
 
 
+def test_without_unit_labels_the_same_choices_play_the_same_games(tokenizer):
+    """The format changes the tokens, not the game: the same pick per slot gives the same orders."""
+    runs = {}
+    for unit_labels in (True, False):
+        env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=2, unit_labels=unit_labels, seed=3,
+                           start_states=dg.load_state_cache(CACHE))
+        samples = run(env, random_policy(seed=5), [0, 1])
+        metrics = env.metrics()
+        assert metrics["garbled_lines_per_completion"] == 0 and metrics["invalid_order_rate"] < 0.02
+        runs[unit_labels] = (samples, metrics)
+    (full, m_full), (short, m_short) = runs[True], runs[False]
+    assert [(s.group_key, s.reward, s.info["sc_delta"]) for s in full] == \
+        [(s.group_key, s.reward, s.info["sc_delta"]) for s in short]
+    assert m_full["phases_processed"] == m_short["phases_processed"]
+    tokens = {k: sum(len(s.completion.token_ids) for s in v[0]) for k, v in runs.items()}
+    assert tokens[False] < 0.8 * tokens[True]
+
+
 def test_requests_come_per_phase_for_powers_that_can_order(tokenizer):
     env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=2, seed=1)
     env.start_group(7)

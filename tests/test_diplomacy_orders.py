@@ -22,6 +22,20 @@ def test_lenient_free_text():
     assert normalize_line("  f bre  move to  mao ") == "F BRE - MAO"
 
 
+def test_without_unit_labels_the_line_position_names_the_unit():
+    orders = opening()  # FRANCE: F BRE, A MAR, A PAR
+    parsed = parse_orders("- MAO\nH\n- BUR\n", orders, unit_labels=False)
+    assert parsed.orders == ["F BRE - MAO", "A MAR H", "A PAR - BUR"] and parsed.num_invalid == 0
+    # a garbled line still takes its position; a line naming its unit is read as such
+    parsed = parse_orders("- XYZ\nA PAR - PIC\n- GAS\n", orders, unit_labels=False)
+    assert parsed.orders == ["A PAR - PIC"] and parsed.num_garbled == 2 and parsed.num_invalid == 2
+    # more lines than units: the extra ones are garbled, never another unit's order
+    parsed = parse_orders("H\nH\nH\nH\n", orders, unit_labels=False)
+    assert parsed.orders == ["F BRE H", "A MAR H", "A PAR H"] and parsed.num_garbled == 1
+    builds = PowerOrders("FRANCE", BUILD, ["build"] * 2, [["A MAR B", "A PAR B", "F MAR B", "WAIVE"]] * 2)
+    assert parse_orders("A MAR B\nWAIVE\n", builds, unit_labels=False).orders == ["A MAR B", "WAIVE"]
+
+
 def test_missing_coast_and_duplicates():
     game = dg.new_game()
     russia = power_orders(game, dg.legal_orders(game))["RUSSIA"]
@@ -72,7 +86,7 @@ def test_fuzz_10000_completions_never_raise_and_are_accounted_for():
         else:
             text = "\n".join(rng.choice([legal_text, garble(rng, legal_text), "ORDERS:", "", "x" * 500])
                              for _ in range(rng.randrange(1, 5)))
-        parsed = parse_orders(text, orders)
+        parsed = parse_orders(text, orders, unit_labels=i % 2 == 0)
         allowed = set(o for c in orders.choices for o in c)
         assert all(o in allowed for o in parsed.orders)
         assert len(parsed.orders) + parsed.num_invalid == orders.num_slots

@@ -8,8 +8,8 @@ from colocate.envs.diplomacy import corpus
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import parse_orders
 from colocate.envs.diplomacy.prompt import (BUILD, DISBAND, INSTRUCTION, TokenCache, board_lines, compact_options,
-                                            completion_text, expand_options, max_completion_tokens, opening_texts,
-                                            own_lines, power_orders)
+                                            completion_text, expand_options, instruction, max_completion_tokens,
+                                            opening_texts, own_lines, power_orders)
 from colocate.models import train_tokenizer
 
 
@@ -78,14 +78,16 @@ def test_fallback_when_piecewise_tokenization_would_differ(tokenizer):
     assert not cache.is_piecewise and cache.encode("A PAR - BUR\n") == [12]
 
 
-def test_constraint_completions_decode_to_the_orders_they_encode(tokenizer):
-    cache = TokenCache(tokenizer, opening_texts())
+@pytest.mark.parametrize("unit_labels", [True, False])
+def test_constraint_completions_decode_to_the_orders_they_encode(tokenizer, unit_labels):
+    cache = TokenCache(tokenizer, opening_texts(), instruction=instruction(unit_labels))
+    assert cache.is_piecewise
     rng = random.Random(1)
     kinds = set()
     for game, legal in phases():
         for power, orders in power_orders(game, legal).items():
             kinds.add(orders.kind)
-            constraint = cache.constraint(orders, tokenizer.eos_token_id)
+            constraint = cache.constraint(orders, tokenizer.eos_token_id, unit_labels)
             assert len(constraint.slots) == orders.num_slots
             picks = [rng.randrange(len(slot)) for slot in constraint.slots]
             ids = [t for slot, k in zip(constraint.slots, picks) for t in slot[k]] + [tokenizer.eos_token_id]
@@ -97,8 +99,11 @@ def test_constraint_completions_decode_to_the_orders_they_encode(tokenizer):
             assert state.done
             chosen = [orders.choices[i][k] for i, k in enumerate(picks)]
             text = tokenizer.decode(ids[:-1])
-            assert text == completion_text(chosen)
-            parsed = parse_orders(text, orders)
+            movement = orders.kind not in (BUILD, DISBAND)
+            assert text == completion_text(chosen, None if unit_labels or not movement else orders.labels)
+            if not unit_labels and movement:  # no line names its unit: the position does
+                assert all(not line.startswith(label) for line, label in zip(text.splitlines(), orders.labels))
+            parsed = parse_orders(text, orders, unit_labels)
             if orders.kind in (BUILD, DISBAND):  # a repeated site is the one way to be invalid here
                 sites = [o.split()[1][:3] for o in chosen if o != "WAIVE"]
                 assert parsed.num_invalid == len(sites) - len(set(sites))
@@ -120,3 +125,19 @@ def test_adjustment_slots_follow_the_counts():
             else:
                 assert orders.kind == DISBAND and orders.num_slots == -surplus
                 assert all(o.endswith(" D") for o in orders.choices[0])
+
+
+def test_without_unit_labels_a_third_fewer_completion_tokens(tokenizer):
+    """The unit tokens are forced by the slot; leaving them out shortens every completion."""
+    rng = random.Random(2)
+    full, short = TokenCache(tokenizer, opening_texts()), TokenCache(tokenizer, opening_texts(),
+                                                                      instruction=instruction(False))
+    n_full = n_short = 0
+    for game, legal in list(phases(num_games=2))[::2]:
+        for orders in power_orders(game, legal).values():
+            a = full.constraint(orders, tokenizer.eos_token_id)
+            b = short.constraint(orders, tokenizer.eos_token_id, unit_labels=False)
+            picks = [rng.randrange(len(slot)) for slot in a.slots]
+            n_full += sum(len(slot[k]) for slot, k in zip(a.slots, picks))
+            n_short += sum(len(slot[k]) for slot, k in zip(b.slots, picks))
+    assert n_short < 0.8 * n_full

@@ -5,7 +5,8 @@ random line of the state cache (`env.state_cache`). In every phase of every cont
 power with something to order gets one prompt; `requests()` returns all of them across all games,
 so the worker makes one engine call per phase. `step()` parses each completion into legal orders
 (`orders.py`; the rest hold and are counted), and once all powers of a continuation have answered
-the phase is processed. A continuation ends `horizon_years` years after the fork phase (S1903M
+the phase is processed (`unit_labels=False`: each line leaves out its unit, named by the line's
+position; prompt.py says why). A continuation ends `horizon_years` years after the fork phase (S1903M
 forked with horizon 2 ends on reaching S1905M), when the game is over, or early when no supply
 centre changed owner for `stall_years` years.
 
@@ -35,8 +36,8 @@ from typing import Hashable
 from colocate.data import Completion, Request, Sample
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import parse_orders
-from colocate.envs.diplomacy.prompt import (PowerOrders, TokenCache, board_lines, max_completion_tokens,
-                                            opening_texts, own_lines, power_orders)
+from colocate.envs.diplomacy.prompt import (PowerOrders, TokenCache, board_lines, instruction,
+                                            max_completion_tokens, opening_texts, own_lines, power_orders)
 
 CENTRE_SCALE = 3.0
 SURVIVAL_BONUS = 0.5
@@ -85,8 +86,9 @@ class Group:
 
 class DiplomacyEnv:
     def __init__(self, tokenizer, *, group_size: int, horizon_years: int = 1, stall_years: int = 2,
-                 train_later_phases: bool = False, use_constraint: bool = True, max_new_tokens: int = 256,
-                 temperature: float = 1.0, seed: int = 0, start_states: list[dict] | None = None):
+                 train_later_phases: bool = False, use_constraint: bool = True, unit_labels: bool = True,
+                 max_new_tokens: int = 256, temperature: float = 1.0, seed: int = 0,
+                 start_states: list[dict] | None = None):
         if horizon_years < 1:
             raise ValueError(f"horizon_years={horizon_years} must be >= 1")
         self.tokenizer = tokenizer
@@ -95,12 +97,13 @@ class DiplomacyEnv:
         self.stall_years = stall_years
         self.train_later_phases = train_later_phases
         self.use_constraint = use_constraint
+        self.unit_labels = unit_labels
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.start_states = start_states
         self.rng = random.Random(seed)
         self.eos_id = tokenizer.eos_token_id
-        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts())
+        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts(), instruction=instruction(unit_labels))
         self._engine_orders: dict[str, str] = {}
         self._groups: dict[int, Group] = {}
         self._reset_counters()
@@ -114,6 +117,7 @@ class DiplomacyEnv:
                    stall_years=getattr(env_cfg, "stall_years", 2),
                    train_later_phases=getattr(env_cfg, "train_later_phases", False),
                    use_constraint=getattr(env_cfg, "use_constraint", True),
+                   unit_labels=getattr(env_cfg, "unit_labels", True),
                    max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
                    start_states=dg.load_state_cache(path) if path else None)
 
@@ -162,7 +166,7 @@ class DiplomacyEnv:
                 raise KeyError(f"completion for {key} was not requested")
             orders = cont.view.orders[power]
             ids = [t for t in completion.token_ids if t != self.eos_id]
-            parsed = parse_orders(self.tokenizer.decode(ids), orders)
+            parsed = parse_orders(self.tokenizer.decode(ids), orders, self.unit_labels)
             cont.answers[power] = parsed.orders
             self._count["completions"] += 1
             self._count["slots"] += orders.num_slots
@@ -240,7 +244,7 @@ class DiplomacyEnv:
             prompt_ids = self.tokens.prompt_ids(board_ids, own_lines(orders))
             constraint, max_new = None, self.max_new_tokens
             if self.use_constraint:
-                constraint = self.tokens.constraint(orders, self.eos_id)
+                constraint = self.tokens.constraint(orders, self.eos_id, self.unit_labels)
                 needed = max_completion_tokens(constraint)
                 max_new = min(max_new, needed)
                 self._count["orders_tokens_max"] = max(self._count["orders_tokens_max"], needed)

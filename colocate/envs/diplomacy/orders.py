@@ -70,18 +70,31 @@ def match_order(line: str, orders: PowerOrders) -> str | None:
     return None
 
 
-def parse_orders(text: str, orders: PowerOrders) -> ParsedOrders:
-    """Completion text -> at most one legal order per slot, plus counts of what was dropped."""
+def parse_orders(text: str, orders: PowerOrders, unit_labels: bool = True) -> ParsedOrders:
+    """Completion text -> at most one legal order per slot, plus counts of what was dropped.
+
+    With `unit_labels=False` (movement and retreat phases) the k-th non-empty line is read as the
+    order of slot k without its unit ("- BUR" in the slot of A PAR); a line that names its unit
+    anyway is still accepted."""
     adjustment = orders.kind in (BUILD, DISBAND)
+    positional = not unit_labels and not adjustment
     by_slot: dict[int, str] = {}
     accepted: list[str] = []
     used_sites: set[str] = set()
     garbled = 0
+    position = 0
     for raw in _SPLIT.split(text[:MAX_CHARS])[:MAX_LINES]:
         line = normalize_line(raw)
         if not line:
             continue
-        order = match_order(line, orders)
+        order = None
+        if positional and position < orders.num_slots:
+            order = match_order(f"{orders.labels[position]} {line}", orders)
+            if order is not None and orders.slot_of[order] != position:
+                order = None   # the unit label made it another unit's order (cannot happen; be safe)
+        position += 1
+        if order is None:
+            order = match_order(line, orders)
         if order is None:
             garbled += 1
             continue
