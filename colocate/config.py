@@ -70,6 +70,11 @@ class EngineConfig:
     """vLLM: disable CUDA graphs (debugging only)."""
     enable_prefix_caching: bool = True
     """vLLM: share KV blocks of common prompt prefixes."""
+    lora_mode: str = "slot"
+    """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
+    LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
+    update (no LoRA kernels; keeps a copy of the adapted base weights, ~13 GiB at 7B; bf16 rounds
+    away updates below half an ulp of W0, see engine/vllm_worker.py)."""
 
 
 @dataclass
@@ -229,6 +234,7 @@ _CHOICES = {
     ("model", "shape"): ("tiny", "qwen2.5-0.5b", "qwen2.5-7b"),
     ("model", "dtype"): ("float32", "bfloat16"),
     ("engine", "kind"): ("auto", "hf", "vllm"),
+    ("engine", "lora_mode"): ("slot", "merged"),
     ("env", "name"): ("arithmetic", "diplomacy"),
     ("loss", "norm"): ("grpo", "dapo", "dr_grpo"),
     ("loss", "impl"): ("auto", "triton", "torch"),

@@ -7,7 +7,8 @@
 #   1. e2e: configs/gpu-4.yaml (7B shape, Diplomacy, 32 groups x 2, horizon 4), async (lag 1) then sync
 #   2. trainer: 4 learner GPUs, the e2e workload's group size (2): padded baseline, packed, compiled
 #   3. sync: adapter sync at the 7B shape on GPUs 0 and 1
-# ONLY_E2E=1 (set for `start`) stops after step 1; E2E_STEPS (default 6) sets the steps per job.
+# ONLY_E2E=1 (set for `start`) stops after step 1; E2E_STEPS (default 6) sets the steps per job;
+# E2E_SET adds settings to the e2e jobs (e.g. "engine.lora_mode=merged").
 # Results: /tmp/gs/*.json and logs; `wait` copies them to $OUT.
 set -u
 GS=/tmp/gs
@@ -22,7 +23,8 @@ chain() {
   echo "== $(date +%T) e2e"
   timeout -k 20 1500 python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
     --steps "$E2E_STEPS" --warmup 2 --order async,sync --job-timeout-s 720 --partial $GS/e2e-partial.json \
-    --out $GS/e2e-h200x4.json --set metrics.nvml_interval_s=1 checkpoint.enabled=false metrics.stall_timeout_s=0
+    --out $GS/e2e-h200x4.json --set metrics.nvml_interval_s=1 checkpoint.enabled=false metrics.stall_timeout_s=0 \
+    ${E2E_SET:-}
   echo "== $(date +%T) e2e rc=$?"
   for f in /tmp/colocate-e2e-*/*.log; do cp "$f" "$GS/$(basename "$f" .log)-job.log"; done
   [ -n "${ONLY_E2E:-}" ] && { echo "chain done"; return; }

@@ -2,9 +2,10 @@
 
 Each test runs in a subprocess (a vLLM engine core is a child process that re-imports the main
 module; pytest's stays out of it) and checks what that run wrote:
-  * torchrun train: 1 inference rank with VLLMEngine + 1 learner, Qwen2.5-0.5B shape, arithmetic;
-    every adapter version arrives over the stateless NCCL group with a checksum and a slot
-    read-back (the engine raises on any mismatch), and the run finishes all its steps;
+  * torchrun train: 1 inference rank with VLLMEngine + 1 learner, Qwen2.5-0.5B shape, arithmetic,
+    in both LoRA modes; every adapter version arrives over the stateless NCCL group with a checksum
+    and a read-back of the slot or of the merged weights (the engine raises on any mismatch), and
+    the run finishes all its steps;
   * session: one engine, the learner's adapter pushed in place -> checksum, slot == received bytes,
     engine bytes == learner bytes; sync faster than the disk path; vLLM's log-probs of constrained
     completions equal the learner's over `allowed_ids` within 0.02 nats, with no replay failure.
@@ -44,11 +45,15 @@ def tb_scalars(logdir):
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_train_with_vllm_engine_over_torchrun(tmp_path):
+@pytest.mark.parametrize("lora_mode", ["slot", "merged"])
+def test_train_with_vllm_engine_over_torchrun(tmp_path, lora_mode):
+    """merged: the worker checks after every update that each adapted weight is bit for bit the
+    merge of the received adapter into W0 (the engine raises otherwise)."""
     steps = 3
     run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "colocate.train",
          "--config", "configs/cpu-tiny.yaml", "--model.shape=qwen2.5-0.5b", "--model.dtype=bfloat16",
          f"--model.cache_dir={tmp_path / 'cache'}", "--engine.kind=vllm", "--engine.gpu_memory_utilization=0.5",
+         f"--engine.lora_mode={lora_mode}",
          f"--learner.num_steps={steps}", "--learner.attention=sdpa", "--sync.check_checksum=true",
          f"--metrics.run_dir={tmp_path / 'run'}"], timeout=420)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

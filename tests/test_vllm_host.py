@@ -14,7 +14,8 @@ from colocate.engine.vllm import (REPO_ROOT, capture_sizes, completion_from_outp
                                   engine_settings, lora_spec_for, sampled_logprobs, sampling_kwargs, visible_device)
 from colocate.engine.vllm_grammar import (completion_is_forced_eos, constraint_grammar, replay_allowed)
 from colocate.engine.vllm_sync import chunked_checksum
-from colocate.engine.vllm_worker import AdapterSlot, lora_module_name, slot_plan, slot_views
+from colocate.engine.vllm_worker import (AdapterSlot, MergedAdapter, lora_module_name, merge_plan, slot_plan,
+                                         slot_views)
 from colocate.sync import LoraSpec, checksum, flatten_lora
 
 EOS = 1
@@ -256,6 +257,69 @@ def test_adapter_slot_applies_cast_and_scaled_copy_without_touching_received_byt
     assert not qkv.lora_a_stacked[0].any() and not qkv.lora_a_stacked[1][0].any()  # other slices / slots untouched
     with pytest.raises(ValueError):
         slot_views(modules["model.layers.0.self_attn.o_proj"], 0, slot, True, (rank + 8, hidden))
+
+
+VLLM_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def fused_base_weights(model) -> dict[str, torch.Tensor]:
+    """The base weights of a peft-wrapped HF model laid out as vLLM's Qwen2 holds them (fused q/k/v, gate/up)."""
+    out = {}
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for i, layer in enumerate(inner.model.layers):
+        attn, mlp, p = layer.self_attn, layer.mlp, f"model.layers.{i}"
+        base = lambda m: getattr(m, "base_layer", m).weight.detach().clone()  # noqa: E731
+        out[f"{p}.self_attn.qkv_proj"] = torch.cat([base(attn.q_proj), base(attn.k_proj), base(attn.v_proj)])
+        out[f"{p}.self_attn.o_proj"] = base(attn.o_proj)
+        out[f"{p}.mlp.gate_up_proj"] = torch.cat([base(mlp.gate_proj), base(mlp.up_proj)])
+        out[f"{p}.mlp.down_proj"] = base(mlp.down_proj)
+    return out
+
+
+def test_merged_adapter_equals_peft_merge_in_vllm_layout(tiny_cfg, tiny_policy):
+    from colocate.models import lora_state
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in tiny_policy.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)  # B is zero at init: give every update something to merge
+    adapter = lora_state(tiny_policy)
+    spec = LoraSpec.of(adapter)
+    weights = fused_base_weights(tiny_policy)
+    w0 = {k: v.clone() for k, v in weights.items()}
+    plan = merge_plan(spec.names, spec.shapes, set(weights), VLLM_PACKED)
+    assert {p[0] for p in plan} == set(weights)                    # every adapted weight is found
+    merged = MergedAdapter(spec, plan, weights, scaling=tiny_cfg.lora.alpha / tiny_cfg.lora.rank)
+    merged.flat.copy_(flatten_lora(adapter, spec))
+    for _ in range(2):                                              # merging is from W0: idempotent
+        merged.apply()
+    assert merged.matches()
+    reference = fused_base_weights(tiny_policy.merge_and_unload())  # peft's own merge, per projection
+    for name, w in weights.items():
+        torch.testing.assert_close(w, reference[name], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(w, w0[name])
+    merged.flat.zero_()                                             # a zero adapter gives back W0 exactly
+    merged.apply()
+    assert all(torch.equal(weights[k], w0[k]) for k in weights)
+    weights["model.layers.0.self_attn.o_proj"][0, 0] += 1.0
+    assert not merged.matches()                                     # the check sees a changed weight
+
+
+def test_merge_plan_rows_and_errors():
+    names, shapes = [], []
+    for proj, out in (("q_proj", 8), ("k_proj", 4), ("v_proj", 4), ("o_proj", 8)):
+        for ab, shape in (("A", (2, 8)), ("B", (out, 2))):
+            names.append(f"base_model.model.model.layers.0.self_attn.{proj}.lora_{ab}.default.weight")
+            shapes.append(shape)
+    linear = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"}
+    plan = merge_plan(names, shapes, linear, VLLM_PACKED)
+    assert [(m.rsplit(".", 1)[1], r0, r1) for m, r0, r1, _, _ in plan] == [
+        ("qkv_proj", 8, 12), ("o_proj", 0, 8), ("qkv_proj", 0, 8), ("qkv_proj", 12, 16)]
+    with pytest.raises(KeyError, match="not adapted"):             # v's rows depend on k's size
+        merge_plan([n for n in names if "k_proj" not in n], [s for n, s in zip(names, shapes) if "k_proj" not in n],
+                   linear, VLLM_PACKED)
+    with pytest.raises(KeyError, match="lora_B"):
+        merge_plan(names[:1], shapes[:1], linear, VLLM_PACKED)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1 << 20])

@@ -7,10 +7,12 @@ What it does beyond `LLM.generate`:
     `Completion.allowed_ids` (the learner restricts its softmax to them) and checks the walk;
   * log-probs are `logprobs_mode="processed_logprobs"`: after temperature and the grammar mask, i.e.
     what the learner computes over `allowed_ids`;
-  * the adapter sits in one pinned LoRA slot and is overwritten in place, from an NCCL broadcast of
-    learner rank 0 (`vllm_sync.py`) or from tensors (`load_lora`); no files (`vllm_worker.py`).
-    Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache blocks by that name, so
-    blocks computed with an older adapter are never reused and no cache reset is needed;
+  * `lora_mode="slot"`: the adapter sits in one pinned LoRA slot and is overwritten in place, from
+    an NCCL broadcast of learner rank 0 (`vllm_sync.py`) or from tensors (`load_lora`); no files
+    (`vllm_worker.py`). Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache
+    blocks by that name, so blocks computed with an older adapter are never reused;
+  * `lora_mode="merged"`: the engine runs without LoRA and each update is merged into its base
+    weights in place (`vllm_worker.MergedAdapter`); the prefix cache is reset after each update;
   * start-up inside torchrun follows notes/vllm-in-torchrun.md: the child sees only this rank's
     GPU and none of torchrun's variables (`engine_environment`); `train.py` keeps its entry guarded.
 
@@ -30,6 +32,7 @@ from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
 
 WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
+LORA_MODES = ("slot", "merged")
 TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                       "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
 PROMPT_BOUND = {"arithmetic": 64, "diplomacy": 1536}
@@ -63,7 +66,7 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
     return dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
-                lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha)
+                lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode)
 
 
 # ---------------------------------------------------------------------------------- start-up
@@ -217,9 +220,12 @@ class VLLMEngine:
                  max_model_len: int = 1024, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
-                 dtype: str = "bfloat16"):
+                 dtype: str = "bfloat16", lora_mode: str = "slot"):
         from vllm import LLM
+        if lora_mode not in LORA_MODES:
+            raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
         self.spec = spec
+        self.lora_mode = lora_mode
         self.eos_id = eos_id
         self.grammar_mode = grammar_mode
         self.max_num_seqs = max_num_seqs
@@ -228,10 +234,11 @@ class VLLMEngine:
                          "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0}
         self._reported = dict(self.counters)
         t0 = time.perf_counter()
+        lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
+            if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
             self.llm = LLM(
-                model=model_dir, tokenizer=model_dir, dtype=dtype, seed=seed,
-                enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras,
+                model=model_dir, tokenizer=model_dir, dtype=dtype, seed=seed, **lora_args,
                 enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 gpu_memory_utilization=gpu_memory_utilization,
@@ -240,10 +247,13 @@ class VLLMEngine:
                 compilation_config={"cudagraph_capture_sizes": capture_sizes(max_num_seqs)},
                 worker_extension_cls=WORKER_EXTENSION)
         self.startup_s = time.perf_counter() - t0
-        self.slot_info = self.llm.collective_rpc(
-            "colocate_init_adapter",
-            args=(list(spec.names), [list(s) for s in spec.shapes], str(spec.dtype).removeprefix("torch."),
-                  lora_rank, lora_alpha / lora_rank))[0]
+        names, shapes, dtype_name = list(spec.names), [list(s) for s in spec.shapes], str(spec.dtype).removeprefix("torch.")
+        if lora_mode == "slot":
+            self.slot_info = self.llm.collective_rpc(
+                "colocate_init_adapter", args=(names, shapes, dtype_name, lora_rank, lora_alpha / lora_rank))[0]
+        else:
+            self.slot_info = self.llm.collective_rpc(
+                "colocate_init_merged", args=(names, shapes, dtype_name, lora_alpha / lora_rank))[0]
         self._lora_request = self._make_lora_request()
 
     @classmethod
@@ -259,6 +269,8 @@ class VLLMEngine:
         return engine
 
     def _make_lora_request(self):
+        if self.lora_mode == "merged":
+            return None  # the adapter is in the base weights
         from vllm.lora.request import LoRARequest
         return LoRARequest(lora_name=f"colocate-v{self.version}", lora_int_id=SLOT_ID, lora_path=IN_MEMORY_PATH)
 
@@ -297,7 +309,9 @@ class VLLMEngine:
 
     def _set_version(self, version: int) -> None:
         self.version = version
-        self._lora_request = self._make_lora_request()  # new name: new prefix-cache key
+        self._lora_request = self._make_lora_request()  # slot: a new name is a new prefix-cache key
+        if self.lora_mode == "merged" and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
 
     # -- sampling --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:

@@ -16,7 +16,18 @@ tensors" API (it loads adapters from a directory), so instead of going through i
 The slot buffers are the tensors the CUDA graphs read, so nothing is re-captured. What the slot
 holds is, bit for bit, what vLLM's own loader would put there for the same adapter.
 
-`slot_plan` and `AdapterSlot` are plain functions of tensors and names (tested on CPU).
+Merged mode (`engine.lora_mode=merged`, the engine built without LoRA): vLLM's LoRA kernels cost
+decode steps (measured in `profiles/e2e.md`), so each update is instead merged into the base
+weights, W = W0 + (alpha / r) * B @ A, as TRL and OpenRLHF do before loading weights into vLLM.
+`MergedAdapter` keeps W0 (a copy of every adapted weight, ~13 GB at 7B) and writes each fused
+row block (q/k/v of `qkv_proj`, gate/up of `gate_up_proj`) with one bf16 `addmm` per projection:
+one rounding of W0 + s * B @ A, computed in fp32. Being bf16, W cannot hold an update smaller than
+half a unit in the last place of W0: early in training the sampler's policy lags the learner's by
+that much, and the behaviour log-probs (which come from the sampler) carry the difference into
+the importance ratio. The prefix cache is reset after every update (`VLLMEngine`).
+
+`slot_plan`, `merge_plan`, `AdapterSlot` and `MergedAdapter` are plain functions of tensors and
+names (tested on CPU).
 """
 from __future__ import annotations
 
@@ -114,6 +125,75 @@ class AdapterSlot:
         return all(torch.equal(d, s) for d, s in zip(self.dst, self.src))
 
 
+def merge_plan(names: list[str] | tuple[str, ...], shapes: list[tuple[int, ...]], linear_names: set[str],
+               packed: dict[str, list[str]]) -> list[tuple[str, str, int, int, str]]:
+    """Where each adapted projection lives in vLLM's base model: [(A name, B name) -> module, rows].
+
+    -> [(vLLM module, first row, last row + 1, A name, B name)]. `packed` maps a fused module's
+    short name to its parts ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}, vLLM's
+    `packed_modules_mapping`); a part's rows follow the parts before it, whose sizes are their B
+    rows, so every part of a fused module must be adapted.
+    """
+    pairs: dict[str, dict[bool, tuple[str, tuple[int, ...]]]] = {}
+    for name, shape in zip(names, shapes):
+        module, is_a = lora_module_name(name)
+        pairs.setdefault(module, {})[is_a] = (name, tuple(shape))
+    part_of = {sub: (fused, i) for fused, subs in packed.items() for i, sub in enumerate(subs)}
+    plan = []
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {True, False}:
+            raise KeyError(f"LoRA module {module!r} has no {'lora_B' if True in ab else 'lora_A'} tensor")
+        (a_name, _), (b_name, b_shape) = ab[True], ab[False]
+        if module in linear_names:
+            plan.append((module, 0, b_shape[0], a_name, b_name))
+            continue
+        parent, _, short = module.rpartition(".")
+        if short not in part_of or f"{parent}.{part_of[short][0]}" not in linear_names:
+            raise KeyError(f"adapter tensor {a_name!r}: vLLM has no module {module!r} nor a fused one holding it")
+        fused, index = part_of[short]
+        offset = 0
+        for sibling in packed[fused][:index]:
+            sib = pairs.get(f"{parent}.{sibling}")
+            if sib is None or False not in sib:
+                raise KeyError(f"{parent}.{fused}: part {sibling!r} is not adapted, so the rows of {short!r} "
+                               "are unknown (adapt every part of a fused projection)")
+            offset += sib[False][1][0]
+        plan.append((f"{parent}.{fused}", offset, offset + b_shape[0], a_name, b_name))
+    return plan
+
+
+class MergedAdapter:
+    """Receive buffer -> W[rows] = W0[rows] + scaling * B @ A in the engine's base weights.
+
+    Same interface as `AdapterSlot` (`flat`, `apply`, `matches`); `weights` maps a module name to
+    its weight tensor [out, in] (vLLM's, on the device)."""
+
+    def __init__(self, spec: LoraSpec, plan: list[tuple[str, str, int, int, str]] | list,
+                 weights: dict[str, torch.Tensor], scaling: float):
+        first = next(iter(weights.values()))
+        self.spec = spec
+        self.scaling = float(scaling)
+        self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=first.device)
+        self.staged = torch.zeros(spec.numel, dtype=first.dtype, device=first.device)
+        views = unflatten_lora(self.staged, spec)
+        used = sorted({module for module, *_ in plan})
+        self.base = {m: weights[m].detach().clone() for m in used}    # W0, never written again
+        self.ops = [(weights[m][r0:r1], self.base[m][r0:r1], views[b], views[a])
+                    for m, r0, r1, a, b in plan]
+        self.base_bytes = sum(t.numel() * t.element_size() for t in self.base.values())
+
+    @torch.inference_mode()
+    def apply(self) -> None:
+        self.staged.copy_(self.flat)                                  # to the engine dtype (bf16)
+        for out, w0, b, a in self.ops:
+            torch.addmm(w0, b, a, alpha=self.scaling, out=out)       # one rounding of W0 + s B A
+
+    @torch.inference_mode()
+    def matches(self) -> bool:
+        """The live weights are exactly the merge of the staged adapter into W0."""
+        return all(torch.equal(out, torch.addmm(w0, b, a, alpha=self.scaling)) for out, w0, b, a in self.ops)
+
+
 class ColocateWorkerExtension:
     """Methods injected into vLLM's GPU worker (`self` is the worker: `model_runner`, `device`)."""
 
@@ -134,6 +214,25 @@ class ColocateWorkerExtension:
         self.colocate_group = None
         return {"slot": slot, "numel": spec.numel, "lora_dtype": str(dst[0].dtype),
                 "modules": len({p[1] for p in plan})}
+
+    def colocate_init_merged(self, names: list[str], shapes: list[list[int]], dtype: str, scaling: float) -> dict:
+        """Merged mode: keep W0 of every adapted weight; updates are merged into the live weights."""
+        model = self.model_runner.get_model()  # unwrapped from vLLM's CUDA-graph wrapper
+        linear = {n: m.weight for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+                  and m.weight.dim() == 2}
+        packed = {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
+        spec = LoraSpec(tuple(names), tuple(tuple(s) for s in shapes), getattr(torch, dtype))
+        plan = merge_plan(spec.names, spec.shapes, set(linear), packed)
+        need = sum(linear[m].numel() * linear[m].element_size() for m in {p[0] for p in plan})
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need + (1 << 30) > free:
+            raise RuntimeError(f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} "
+                               f"GiB) but only {free / 2**30:.1f} GiB are free on {self.device}: lower "
+                               "engine.gpu_memory_utilization")
+        self.colocate_slot = MergedAdapter(spec, plan, linear, scaling)
+        self.colocate_group = None
+        return {"slot": None, "numel": spec.numel, "lora_dtype": str(self.colocate_slot.staged.dtype),
+                "modules": len({p[0] for p in plan}), "base_copy_gib": need / 2**30}
 
     def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int) -> str:
         from colocate.engine.vllm_sync import StatelessGroup
