@@ -125,7 +125,7 @@ class Session:
 
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
-                 cache_dir: str = "") -> Session:
+                 cache_dir: str = "", lora_mode: str = "slot") -> Session:
     from colocate.config import load_config
     from colocate.engine.vllm import VLLMEngine, ensure_model_dir, lora_spec_for
     from colocate.engine.vllm_sync import HOST, AdapterSender, StatelessGroup, listen_socket
@@ -150,7 +150,8 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     log(f"{shape}: policy on {LEARNER}, model dir {model_dir} ({figures['setup/policy_and_model_dir_s']:.0f}s)")
     engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1)
+                        lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1,
+                        lora_mode=lora_mode)
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
     # Both ends of the stateless group live in this process: the learner's end joins from a thread.
@@ -477,12 +478,15 @@ def measure_text_grammar(s: Session, n: int = 128) -> dict:
 # ---------------------------------------------------------------------------------- entry
 
 def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_seqs: int = 512,
-                sync_iters: int = 10) -> dict:
+                sync_iters: int = 10, lora_mode: str = "slot") -> dict:
     """Open one engine for `shape`, run `parts` (sync, parity, rollout) in that order of priority."""
     deadline = time.time() + budget_s
     partial = os.environ.get("COLOCATE_PARTIAL_JSON", "")  # figures so far, rewritten after each part
-    s = open_session(shape, max_num_seqs=max(num_seqs, 64))
+    # merged keeps a copy of the adapted base weights on the engine's GPU: leave room for it
+    s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode,
+                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75)
     figures = dict(s.figures)
+    figures["engine/lora_mode"] = lora_mode
     for part in parts:
         if partial:
             write_json_atomic(partial, {"shape": shape, "figures": figures})
@@ -516,6 +520,8 @@ def add_session_args(parser, *, others: str) -> None:
     parser.add_argument("--also", default="", help=f"comma list of more parts: {others}")
     parser.add_argument("--num-seqs", type=int, default=512, help="rollout batch")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip later parts past this")
+    parser.add_argument("--lora-mode", default="slot", choices=("slot", "merged"),
+                        help="engine.lora_mode (merged: no disk path to compare the sync with)")
 
 
 def run_profile(args, part: str, *, first: bool) -> dict:
@@ -525,7 +531,8 @@ def run_profile(args, part: str, *, first: bool) -> dict:
     shape = "0.5b" if args.quick else args.shape
     also = [p for p in args.also.split(",") if p and p != part]
     parts = [part] + also if first else also + [part]
-    figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters)
+    figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters,
+                          lora_mode=args.lora_mode)
     return split(figures)
 
 
