@@ -371,9 +371,9 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
             raise ConfigError(
                 f"topology: {num_inference} inference + {num_learners} learner ranks do not fit world size "
                 f"{world_size} (need at least 1 of each, summing to the world size)")
-        if r.groups_per_step % num_inference != 0:
-            raise ConfigError(f"rollout.groups_per_step={r.groups_per_step} is not divisible by "
-                              f"{num_inference} inference ranks")
+        if r.groups_per_step < num_inference:  # uneven shares are fine (Topology.share); empty ones are not
+            raise ConfigError(f"rollout.groups_per_step={r.groups_per_step} leaves some of the {num_inference} "
+                              "inference ranks without a group")
         if r.batch_size % num_learners != 0:
             raise ConfigError(f"rollout.batch_size={r.batch_size} is not divisible by {num_learners} learner ranks")
 

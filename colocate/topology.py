@@ -49,6 +49,12 @@ class Topology:
         """Index within the role (0 = the role's logging rank)."""
         return self.rank if self.role == "inference" else self.rank - self.num_inference
 
+    def share(self, total: int) -> int:
+        """This inference rank's part of `total` (groups per step) split as evenly as possible: the
+        first `total % num_inference` ranks take one more (32 groups on 6 ranks: 6, 6, 5, 5, 5, 5)."""
+        base, extra = divmod(total, self.num_inference)
+        return base + (self.role_rank < extra)
+
     @property
     def sync_src(self) -> int:
         """Global rank that broadcasts adapters: learner rank 0."""

@@ -19,6 +19,35 @@ def test_resolve_roles(world, overrides, expected):
     assert resolve_roles(cfg, world) == expected
 
 
+def test_groups_split_as_evenly_as_possible_over_inference_ranks():
+    from colocate.topology import Topology
+    shares = [Topology(rank=r, world_size=8, local_rank=r, num_inference=6, num_learners=2,
+                       device=None, backend="gloo").share(32) for r in range(6)]
+    assert shares == [6, 6, 5, 5, 5, 5]
+    # the old workload (32 groups) on 6 + 2 is a valid config; fewer groups than ranks is not
+    cfg = load_config(f"{REPO}/configs/gpu-8.yaml", {"topology": {"num_inference": 6, "num_learners": 2}},
+                      world_size=8)
+    assert resolve_roles(cfg, 8) == (6, 2)
+    with pytest.raises(ConfigError, match="without a group"):
+        load_config(None, {"topology": {"num_inference": 6}, "rollout": {"groups_per_step": 4, "batch_size": 32}},
+                    world_size=8)
+
+
+def test_uneven_group_shares_train_on_cpu(tmp_path):
+    """2 inference ranks share 3 groups (2 + 1); the learner trains on all 3 every step."""
+    run = tmp_path / "run3"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "-m", "colocate.train",
+           "--config", "configs/cpu-tiny.yaml", "--topology.num_inference=2", "--rollout.groups_per_step=3",
+           "--rollout.batch_size=24", "--learner.num_steps=2", f"--metrics.run_dir={run}",
+           f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.nvml_interval_s=0", "--sync.check_checksum=true"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["num_inference"], summary["num_learners"], summary["steps"]) == (2, 1, 2)
+    batches = [json.loads((run / f"inference-rank{r}.json").read_text())["batches"] for r in (0, 1)]
+    assert [b["samples"] for b in batches[0]] == [16.0, 16.0] and [b["samples"] for b in batches[1]] == [8.0, 8.0]
+
+
 def test_roles_must_fill_the_world():
     with pytest.raises(ConfigError, match="do not fit world size 8"):
         load_config(None, {"topology": {"num_inference": 4, "num_learners": 3}}, world_size=8)

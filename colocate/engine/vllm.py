@@ -55,7 +55,8 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 def requests_per_round(cfg, num_inference: int) -> int:
     """Prompts one inference rank sends to `generate` at once (every live game's every power)."""
     per_game = 7 if cfg.env.name == "diplomacy" else 1
-    return max(1, cfg.rollout.groups_per_step // num_inference) * cfg.rollout.group_size * per_game
+    most_groups = -(-cfg.rollout.groups_per_step // num_inference)  # the first ranks may take one more
+    return max(1, most_groups) * cfg.rollout.group_size * per_game
 
 
 def engine_settings(cfg, num_inference: int, seed: int) -> dict:

@@ -27,7 +27,7 @@ from colocate.topology import Topology, gpu_index
 
 def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | None, stop: StopSignal) -> None:
     """The inference role: play batches, send them to the learners, take adapters as they come."""
-    worker = RolloutWorker(env, engine, groups_per_batch=cfg.rollout.groups_per_step // topo.num_inference,
+    worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
                            first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups)
     spec = getattr(engine, "spec", None) or LoraSpec.of(engine.lora_state())
     writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
