@@ -208,6 +208,34 @@ def load_checkpoint(path: str) -> dict:
     return out
 
 
+TASK_FIELDS = (("env", "name"), ("env", "unit_labels"), ("env", "use_constraint"))
+"""Config fields that define what the policy reads and writes; a resumed run must keep them."""
+
+
+def check_same_task(cfg, path: str) -> None:
+    """Refuse to resume with another env or completion format than the checkpoint's run had (the
+    presets changed `env.unit_labels`; a silent switch would change the policy's task mid-run).
+    Fields the saved config lacks (older checkpoints) count as their defaults."""
+    import yaml
+    file = os.path.join(path, "config.yaml")
+    if not os.path.exists(file):
+        return
+    try:
+        with open(file) as f:
+            saved = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{file}: unreadable YAML ({e.__class__.__name__})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{file}: expected a mapping of config sections")
+    for section, key in TASK_FIELDS:
+        now = getattr(getattr(cfg, section), key)
+        then = (saved.get(section) or {}).get(key, getattr(type(getattr(cfg, section))(), key))
+        if then != now:
+            flag = str(then).lower() if isinstance(then, bool) else then
+            raise CheckpointError(f"{file}: the checkpoint's run had {section}.{key}={then!r}, this run has {now!r}; "
+                                  f"resume with --{section}.{key}={flag} or start a new metrics.run_dir")
+
+
 def check_adapter_matches(adapter: dict[str, torch.Tensor], live: dict[str, torch.Tensor], path: str) -> None:
     """The checkpoint's adapter must have exactly the live model's names and shapes."""
     where = os.path.join(path, "adapter_model.safetensors")

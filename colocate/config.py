@@ -73,7 +73,7 @@ class EngineConfig:
     lora_mode: str = "slot"
     """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
-    update (no LoRA kernels; keeps a copy of the adapted base weights, ~13 GiB at 7B; bf16 rounds
+    update (no LoRA kernels; keeps a copy of the adapted base weights, ~12 GiB at 7B; bf16 rounds
     away updates below half an ulp of W0, see engine/vllm_worker.py)."""
 
 
@@ -94,7 +94,8 @@ class EnvConfig:
     unit_labels: bool = True
     """diplomacy: each order line starts with its unit (A PAR - BUR). false: the line leaves the unit
     out (- BUR) and its position names it; under the constraint those tokens are forced, so this
-    saves about a third of the decode steps (envs/diplomacy/prompt.py)."""
+    saves about a third of the decode steps (envs/diplomacy/prompt.py). Meant for constrained
+    sampling: in free text one stray line shifts the positions of all later ones."""
     state_cache: str = ""
     """diplomacy: JSON-lines file of mid-game states to fork from; empty starts from the opening."""
     reward_target: float = 0.9

@@ -52,6 +52,8 @@ class Topology:
     def share(self, total: int) -> int:
         """This inference rank's part of `total` (groups per step) split as evenly as possible: the
         first `total % num_inference` ranks take one more (32 groups on 6 ranks: 6, 6, 5, 5, 5, 5)."""
+        if self.role != "inference":
+            raise ValueError(f"rank {self.rank} is a {self.role} rank: only inference ranks take a share of groups")
         base, extra = divmod(total, self.num_inference)
         return base + (self.role_rank < extra)
 

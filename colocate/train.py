@@ -76,12 +76,13 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer):
 
 def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
     """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto."""
-    from colocate.checkpoint import load_checkpoint, resolve_resume
+    from colocate.checkpoint import check_same_task, load_checkpoint, resolve_resume
     path = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
                           cfg.metrics.run_dir)
     if path is None:
         return None
     state = load_checkpoint(path)
+    check_same_task(cfg, path)
     state["path"] = path
     return state
 

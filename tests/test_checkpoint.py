@@ -46,6 +46,21 @@ def test_checkpoint_roundtrip_is_peft_loadable(tmp_path, tiny_cfg, tiny_tokenize
     assert all(k.startswith("state.") for k in state["optimizer_tensors"])
 
 
+def test_resume_keeps_the_task_format(tmp_path):
+    from colocate.checkpoint import check_same_task
+    from colocate.config import load_config, save_config
+    cfg = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"))         # env.unit_labels: false
+    save_config(cfg, str(tmp_path / "config.yaml"))
+    check_same_task(cfg, str(tmp_path))                                     # same format: fine
+    other = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"), {"env": {"unit_labels": True}})
+    with pytest.raises(CheckpointError, match="env.unit_labels=False.*--env.unit_labels=false"):
+        check_same_task(other, str(tmp_path))
+    (tmp_path / "config.yaml").write_text("env:\n  name: diplomacy\n")     # an older checkpoint: defaults
+    check_same_task(other, str(tmp_path))
+    with pytest.raises(CheckpointError, match="unit_labels=True"):
+        check_same_task(cfg, str(tmp_path))
+
+
 def test_keep_last_k_and_temp_dirs_ignored(tmp_path, tiny_policy):
     for step in (1, 2, 3):
         _save(str(tmp_path), step, tiny_policy, keep=2)

@@ -4,7 +4,7 @@ import string
 
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import normalize_line, parse_orders
-from colocate.envs.diplomacy.prompt import BUILD, PowerOrders, power_orders
+from colocate.envs.diplomacy.prompt import BUILD, PowerOrders, completion_text, power_orders
 
 
 def opening(power="FRANCE"):
@@ -77,7 +77,9 @@ def test_fuzz_10000_completions_never_raise_and_are_accounted_for():
     alphabet = string.printable + "\u00e9\u2192\u2013\u4e2d\x00"
     for i in range(10_000):
         orders = rng.choice(cases)
-        legal_text = "".join(f"{rng.choice(c)}\n" for c in orders.choices)
+        unit_labels = i % 2 == 0
+        picks = [rng.choice(c) for c in orders.choices]
+        legal_text = completion_text(picks, None if unit_labels or orders.kind not in ("M", "R") else orders.labels)
         kind = i % 3
         if kind == 0:
             text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(200)))
@@ -86,7 +88,7 @@ def test_fuzz_10000_completions_never_raise_and_are_accounted_for():
         else:
             text = "\n".join(rng.choice([legal_text, garble(rng, legal_text), "ORDERS:", "", "x" * 500])
                              for _ in range(rng.randrange(1, 5)))
-        parsed = parse_orders(text, orders, unit_labels=i % 2 == 0)
+        parsed = parse_orders(text, orders, unit_labels=unit_labels)
         allowed = set(o for c in orders.choices for o in c)
         assert all(o in allowed for o in parsed.orders)
         assert len(parsed.orders) + parsed.num_invalid == orders.num_slots

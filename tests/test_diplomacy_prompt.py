@@ -80,7 +80,7 @@ def test_fallback_when_piecewise_tokenization_would_differ(tokenizer):
 
 @pytest.mark.parametrize("unit_labels", [True, False])
 def test_constraint_completions_decode_to_the_orders_they_encode(tokenizer, unit_labels):
-    cache = TokenCache(tokenizer, opening_texts(), instruction=instruction(unit_labels))
+    cache = TokenCache(tokenizer, opening_texts(unit_labels), instruction_text=instruction(unit_labels))
     assert cache.is_piecewise
     rng = random.Random(1)
     kinds = set()
@@ -131,7 +131,7 @@ def test_without_unit_labels_a_third_fewer_completion_tokens(tokenizer):
     """The unit tokens are forced by the slot; leaving them out shortens every completion."""
     rng = random.Random(2)
     full, short = TokenCache(tokenizer, opening_texts()), TokenCache(tokenizer, opening_texts(),
-                                                                      instruction=instruction(False))
+                                                                      instruction_text=instruction(False))
     n_full = n_short = 0
     for game, legal in list(phases(num_games=2))[::2]:
         for orders in power_orders(game, legal).values():

@@ -276,7 +276,9 @@ def fused_base_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_merged_adapter_equals_peft_merge_in_vllm_layout(tiny_cfg, tiny_policy):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_adapter_equals_peft_merge_in_vllm_layout(tiny_cfg, tiny_policy, dtype):
+    """fp32: equal to peft's merge; bf16 (the engine's dtype): within one bf16 rounding of it."""
     from colocate.models import lora_state
     torch.manual_seed(0)
     with torch.no_grad():
@@ -285,7 +287,7 @@ def test_merged_adapter_equals_peft_merge_in_vllm_layout(tiny_cfg, tiny_policy):
                 p.normal_(0, 0.05)  # B is zero at init: give every update something to merge
     adapter = lora_state(tiny_policy)
     spec = LoraSpec.of(adapter)
-    weights = fused_base_weights(tiny_policy)
+    weights = {k: v.to(dtype) for k, v in fused_base_weights(tiny_policy).items()}
     w0 = {k: v.clone() for k, v in weights.items()}
     plan = merge_plan(spec.names, spec.shapes, set(weights), VLLM_PACKED)
     assert {p[0] for p in plan} == set(weights)                    # every adapted weight is found
@@ -295,8 +297,10 @@ def test_merged_adapter_equals_peft_merge_in_vllm_layout(tiny_cfg, tiny_policy):
         merged.apply()
     assert merged.matches()
     reference = fused_base_weights(tiny_policy.merge_and_unload())  # peft's own merge, per projection
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
     for name, w in weights.items():
-        torch.testing.assert_close(w, reference[name], rtol=1e-5, atol=1e-6)
+        assert w.dtype == dtype
+        torch.testing.assert_close(w.float(), reference[name], **tol)
         assert not torch.equal(w, w0[name])
     merged.flat.zero_()                                             # a zero adapter gives back W0 exactly
     merged.apply()
@@ -339,7 +343,9 @@ def test_capture_sizes_cover_the_batch():
 def test_engine_settings_from_config(tiny_cfg):
     s = engine_settings(tiny_cfg, num_inference=2, seed=5)
     assert s["max_num_seqs"] == (16 // 2) * 8 and s["max_model_len"] == 128
-    assert s["lora_rank"] == tiny_cfg.lora.rank and s["seed"] == 5
+    assert s["lora_rank"] == tiny_cfg.lora.rank and s["seed"] == 5 and s["lora_mode"] == "slot"
+    # 16 groups on 3 ranks: 6, 5, 5; the engine is sized for the largest share
+    assert engine_settings(tiny_cfg, num_inference=3, seed=0)["max_num_seqs"] == 6 * 8
 
 
 def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):

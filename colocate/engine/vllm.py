@@ -248,7 +248,8 @@ class VLLMEngine:
                 compilation_config={"cudagraph_capture_sizes": capture_sizes(max_num_seqs)},
                 worker_extension_cls=WORKER_EXTENSION)
         self.startup_s = time.perf_counter() - t0
-        names, shapes, dtype_name = list(spec.names), [list(s) for s in spec.shapes], str(spec.dtype).removeprefix("torch.")
+        names, shapes = list(spec.names), [list(s) for s in spec.shapes]
+        dtype_name = str(spec.dtype).removeprefix("torch.")
         if lora_mode == "slot":
             self.slot_info = self.llm.collective_rpc(
                 "colocate_init_adapter", args=(names, shapes, dtype_name, lora_rank, lora_alpha / lora_rank))[0]

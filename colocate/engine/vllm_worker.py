@@ -1,4 +1,5 @@
-"""vLLM worker extension: the adapter lives in one pinned LoRA slot and is overwritten in place.
+"""vLLM worker extension: the adapter lives in one pinned LoRA slot (or is merged into the base
+weights, below) and is overwritten in place.
 
 Loaded by vLLM inside its GPU worker (`LLM(worker_extension_cls=...)`); the methods below become
 worker methods that `VLLMEngine` calls with `llm.collective_rpc`. vLLM has no public "LoRA from
@@ -19,9 +20,10 @@ holds is, bit for bit, what vLLM's own loader would put there for the same adapt
 Merged mode (`engine.lora_mode=merged`, the engine built without LoRA): vLLM's LoRA kernels cost
 decode steps (measured in `profiles/e2e.md`), so each update is instead merged into the base
 weights, W = W0 + (alpha / r) * B @ A, as TRL and OpenRLHF do before loading weights into vLLM.
-`MergedAdapter` keeps W0 (a copy of every adapted weight, ~13 GB at 7B) and writes each fused
-row block (q/k/v of `qkv_proj`, gate/up of `gate_up_proj`) with one bf16 `addmm` per projection:
-one rounding of W0 + s * B @ A, computed in fp32. Being bf16, W cannot hold an update smaller than
+`MergedAdapter` keeps W0 (a copy of every adapted weight, 12.2 GiB at 7B) and writes each fused
+row block (q/k/v of `qkv_proj`, gate/up of `gate_up_proj`) with one `addmm` per projection in the
+engine dtype: A and B cast to bf16, products accumulated in fp32, one final rounding of
+W0 + s * B @ A. Being bf16, W cannot hold an update smaller than
 half a unit in the last place of W0: early in training the sampler's policy lags the learner's by
 that much, and the behaviour log-probs (which come from the sampler) carry the difference into
 the importance ratio. The prefix cache is reset after every update (`VLLMEngine`).
@@ -126,7 +128,7 @@ class AdapterSlot:
 
 
 def merge_plan(names: list[str] | tuple[str, ...], shapes: list[tuple[int, ...]], linear_names: set[str],
-               packed: dict[str, list[str]]) -> list[tuple[str, str, int, int, str]]:
+               packed: dict[str, list[str]]) -> list[tuple[str, int, int, str, str]]:
     """Where each adapted projection lives in vLLM's base model: [(A name, B name) -> module, rows].
 
     -> [(vLLM module, first row, last row + 1, A name, B name)]. `packed` maps a fused module's
@@ -168,9 +170,9 @@ class MergedAdapter:
     Same interface as `AdapterSlot` (`flat`, `apply`, `matches`); `weights` maps a module name to
     its weight tensor [out, in] (vLLM's, on the device)."""
 
-    def __init__(self, spec: LoraSpec, plan: list[tuple[str, str, int, int, str]] | list,
+    def __init__(self, spec: LoraSpec, plan: list[tuple[str, int, int, str, str]],
                  weights: dict[str, torch.Tensor], scaling: float):
-        first = next(iter(weights.values()))
+        first = weights[plan[0][0]]  # an adapted weight: the engine's device and dtype
         self.spec = spec
         self.scaling = float(scaling)
         self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=first.device)
@@ -186,7 +188,7 @@ class MergedAdapter:
     def apply(self) -> None:
         self.staged.copy_(self.flat)                                  # to the engine dtype (bf16)
         for out, w0, b, a in self.ops:
-            torch.addmm(w0, b, a, alpha=self.scaling, out=out)       # one rounding of W0 + s B A
+            torch.addmm(w0, b, a, alpha=self.scaling, out=out)       # fp32 accumulate, one final rounding
 
     @torch.inference_mode()
     def matches(self) -> bool:

@@ -103,7 +103,8 @@ class DiplomacyEnv:
         self.start_states = start_states
         self.rng = random.Random(seed)
         self.eos_id = tokenizer.eos_token_id
-        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts(), instruction=instruction(unit_labels))
+        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts(unit_labels),
+                                 instruction_text=instruction(unit_labels))
         self._engine_orders: dict[str, str] = {}
         self._groups: dict[int, Group] = {}
         self._reset_counters()

@@ -1,7 +1,9 @@
 """Completion text -> legal orders, leniently and without ever raising.
 
-Under the constraint a completion is exactly "order\\n" per slot; without it the text is free, so
-each line (also split at ';' and ',') is normalized (case, bullets, arrows, words such as HOLD or
+Under the constraint a completion is exactly one line per slot, the order in full or, with
+`unit_labels=False`, without its unit (the slot's unit is then put in front of the k-th non-empty
+line before matching); without the constraint the text is free, so each line (also split at ';'
+and ',') is normalized (case, bullets, arrows, words such as HOLD or
 SUPPORTS) and matched against the power's legal orders: exactly, then without coasts, then with
 the unit type added. Every accepted order is legal; everything else is counted:
   * invalid slots: units (or build/disband opportunities) left without a legal order; the engine
@@ -75,7 +77,9 @@ def parse_orders(text: str, orders: PowerOrders, unit_labels: bool = True) -> Pa
 
     With `unit_labels=False` (movement and retreat phases) the k-th non-empty line is read as the
     order of slot k without its unit ("- BUR" in the slot of A PAR); a line that names its unit
-    anyway is still accepted."""
+    anyway is still accepted. Positions make free text fragile: one stray line ("ORDERS:", a
+    preamble) shifts every later bare line onto the wrong unit, and those count as garbled. Under
+    the constraint that cannot happen."""
     adjustment = orders.kind in (BUILD, DISBAND)
     positional = not unit_labels and not adjustment
     by_slot: dict[int, str] = {}

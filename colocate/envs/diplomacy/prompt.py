@@ -23,9 +23,9 @@ slot allows only that unit's orders), so writing them costs a decode step each a
 about 2.3 of 7.1 tokens a unit with the embedded tokenizer, a third of every phase's decode steps.
 Adjustment lines ('A PAR B', 'WAIVE') are always written in full.
 
-Constraint: one slot per line of the own part; each choice is the token ids of one full legal
-order plus "\n", tokenized alone (`Constraint.texts` keeps the strings for grammar engines).
-Byte-level BPE decodes a concatenation of id sequences to the concatenation of their texts, so the
+Constraint: one slot per line of the own part; each choice is the token ids of one legal order's
+line (in full, or without the unit: `order_line`) plus "\n", tokenized alone (`Constraint.texts`
+keeps the strings for grammar engines). Byte-level BPE decodes a concatenation of id sequences to the concatenation of their texts, so the
 decoded completion is exactly the lines `orders.py` parses.
 
 Adjustment phases: a power with builds gets `count` slots (count = min(free home centres, centres -
@@ -61,6 +61,7 @@ INSTRUCTION_NO_UNITS = (
 def instruction(unit_labels: bool = True) -> str:
     """The static instruction for the completion format (see the module docstring)."""
     return INSTRUCTION if unit_labels else INSTRUCTION_NO_UNITS
+
 
 MOVE, RETREAT, BUILD, DISBAND = "M", "R", "B", "D"
 _COAST = re.compile(r"/[NESW]C")
@@ -223,18 +224,18 @@ class TokenCache:
     hand is checked on sample prompts at construction; if not, texts are encoded whole."""
 
     def __init__(self, tokenizer, sample_texts: list[str] = (), max_entries: int = 200_000,
-                 instruction: str = INSTRUCTION):
+                 instruction_text: str = INSTRUCTION):
         self.tokenizer = tokenizer
         self.max_entries = max_entries
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._pieces: dict[str, list[int]] = {}
         self._choices: dict[str, list[int]] = {}
         self.is_piecewise = True
-        samples = [instruction, *sample_texts]
+        samples = [instruction_text, *sample_texts]
         self.is_piecewise = all(self.encode(t) == self._encode_whole(t) for t in samples)
         if not self.is_piecewise:
             self._pieces.clear()
-        self.instruction_ids = self.encode(instruction)
+        self.instruction_ids = self.encode(instruction_text)
 
     def _encode_whole(self, text: str) -> list[int]:
         if self._backend is not None:  # the Rust tokenizer directly: far less overhead per call
@@ -273,15 +274,18 @@ class TokenCache:
         return Constraint(slots=slots, eos_id=eos_id, texts=texts)
 
 
-def opening_texts() -> list[str]:
-    """Board, own parts and first orders of the opening: samples to check a tokenizer against."""
+def opening_texts(unit_labels: bool = True) -> list[str]:
+    """Board, own parts and first orders of the opening, in the given completion format: samples
+    to check a tokenizer against."""
     from colocate.envs.diplomacy.game import legal_orders, new_game
     game = new_game()
     board = "".join(board_lines(game))
     texts = [board]
     for orders in power_orders(game, legal_orders(game)).values():
         own = "".join(own_lines(orders))
-        texts += [own, INSTRUCTION + board + own, completion_text([c[-1] for c in orders.choices])]
+        chosen = [c[-1] for c in orders.choices]
+        texts += [own, instruction(unit_labels) + board + own,
+                  completion_text(chosen, None if unit_labels else orders.labels)]
     return texts
 
 
