@@ -18,15 +18,15 @@ The slot buffers are the tensors the CUDA graphs read, so nothing is re-captured
 holds is, bit for bit, what vLLM's own loader would put there for the same adapter.
 
 Merged mode (`engine.lora_mode=merged`, the engine built without LoRA): vLLM's LoRA kernels cost
-decode steps (measured in `profiles/e2e.md`), so each update is instead merged into the base
+decode steps (measured in `profiles/vllm.md` and `e2e.md`), so each update is instead merged into the base
 weights, W = W0 + (alpha / r) * B @ A, as TRL and OpenRLHF do before loading weights into vLLM.
 `MergedAdapter` keeps W0 (a copy of every adapted weight, 12.2 GiB at 7B) and writes each fused
 row block (q/k/v of `qkv_proj`, gate/up of `gate_up_proj`) with one `addmm` per projection in the
 engine dtype: A and B cast to bf16, products accumulated in fp32, one final rounding of
-W0 + s * B @ A. Being bf16, W cannot hold an update smaller than
-half a unit in the last place of W0: early in training the sampler's policy lags the learner's by
-that much, and the behaviour log-probs (which come from the sampler) carry the difference into
-the importance ratio. The prefix cache is reset after every update (`VLLMEngine`).
+W0 + s * B @ A. Being bf16, W cannot hold an update smaller than half a unit in the last place of
+W0: early in training the sampler's policy lags the learner's by that much, and the behaviour
+log-probs (which come from the sampler) carry the difference into the importance ratio. The
+prefix cache is reset after every update (`VLLMEngine`).
 
 `slot_plan`, `merge_plan`, `AdapterSlot` and `MergedAdapter` are plain functions of tensors and
 names (tested on CPU).
@@ -182,7 +182,6 @@ class MergedAdapter:
         self.base = {m: weights[m].detach().clone() for m in used}    # W0, never written again
         self.ops = [(weights[m][r0:r1], self.base[m][r0:r1], views[b], views[a])
                     for m, r0, r1, a, b in plan]
-        self.base_bytes = sum(t.numel() * t.element_size() for t in self.base.values())
 
     @torch.inference_mode()
     def apply(self) -> None:
