@@ -33,19 +33,24 @@ def test_groups_split_as_evenly_as_possible_over_inference_ranks():
                     world_size=8)
 
 
-def test_uneven_group_shares_train_on_cpu(tmp_path):
-    """2 inference ranks share 3 groups (2 + 1); the learner trains on all 3 every step."""
+@pytest.mark.parametrize("roles,group_size,per_rank", [
+    ((2, 1), 8, [16.0, 8.0]),   # 3 groups over 2 inference ranks: 2 + 1
+    ((1, 2), 5, [15.0]),        # 15 samples over 2 learners: shards of 8 and 7
+])
+def test_uneven_shares_train_on_cpu(tmp_path, roles, group_size, per_rank):
     run = tmp_path / "run3"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "-m", "colocate.train",
-           "--config", "configs/cpu-tiny.yaml", "--topology.num_inference=2", "--rollout.groups_per_step=3",
-           "--rollout.batch_size=24", "--learner.num_steps=2", f"--metrics.run_dir={run}",
-           f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.nvml_interval_s=0", "--sync.check_checksum=true"]
+           "--config", "configs/cpu-tiny.yaml", f"--topology.num_inference={roles[0]}", "--rollout.groups_per_step=3",
+           f"--rollout.group_size={group_size}", f"--rollout.batch_size={3 * group_size}", "--learner.num_steps=2",
+           f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.nvml_interval_s=0",
+           "--sync.check_checksum=true"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["num_inference"], summary["num_learners"], summary["steps"]) == (2, 1, 2)
-    batches = [json.loads((run / f"inference-rank{r}.json").read_text())["batches"] for r in (0, 1)]
-    assert [b["samples"] for b in batches[0]] == [16.0, 16.0] and [b["samples"] for b in batches[1]] == [8.0, 8.0]
+    assert (summary["num_inference"], summary["num_learners"], summary["steps"]) == (*roles, 2)
+    for r, samples in enumerate(per_rank):
+        batches = json.loads((run / f"inference-rank{r}.json").read_text())["batches"]
+        assert [b["samples"] for b in batches] == [samples, samples]
 
 
 def test_roles_must_fill_the_world():
