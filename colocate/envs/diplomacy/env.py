@@ -6,9 +6,9 @@ power with something to order gets one prompt; `requests()` returns all of them 
 so the worker makes one engine call per phase. `step()` parses each completion into legal orders
 (`orders.py`; the rest hold and are counted), and once all powers of a continuation have answered
 the phase is processed (`unit_labels=False`: each line leaves out its unit, named by the line's
-position; prompt.py says why). A continuation ends `horizon_years` years after the fork phase (S1903M
-forked with horizon 2 ends on reaching S1905M), when the game is over, or early when no supply
-centre changed owner for `stall_years` years.
+position; prompt.py says why). A continuation ends `horizon_years` years after the fork phase
+(S1903M forked with horizon 2 ends on reaching S1905M), when the game is over, or early when no
+supply centre changed owner for `stall_years` years.
 
 Reward of power p in a continuation (computed when it ends):
 

@@ -3,9 +3,8 @@
 Under the constraint a completion is exactly one line per slot, the order in full or, with
 `unit_labels=False`, without its unit (the slot's unit is then put in front of the k-th non-empty
 line before matching); without the constraint the text is free, so each line (also split at ';'
-and ',') is normalized (case, bullets, arrows, words such as HOLD or
-SUPPORTS) and matched against the power's legal orders: exactly, then without coasts, then with
-the unit type added. Every accepted order is legal; everything else is counted:
+and ',') is normalized (case, bullets, arrows, words such as HOLD or SUPPORTS) and matched against
+the power's legal orders: exactly, then without coasts, then with the unit type added. Every accepted order is legal; everything else is counted:
   * invalid slots: units (or build/disband opportunities) left without a legal order; the engine
     holds those units (or builds nothing / disbands by its civil-disorder rule);
   * garbled lines: non-empty lines that were not accepted (unparsable, illegal, a second order for
@@ -92,10 +91,8 @@ def parse_orders(text: str, orders: PowerOrders, unit_labels: bool = True) -> Pa
         if not line:
             continue
         order = None
-        if positional and position < orders.num_slots:
+        if positional and position < orders.num_slots:  # the slot's unit in front: only its orders match
             order = match_order(f"{orders.labels[position]} {line}", orders)
-            if order is not None and orders.slot_of[order] != position:
-                order = None   # the unit label made it another unit's order (cannot happen; be safe)
         position += 1
         if order is None:
             order = match_order(line, orders)

@@ -25,8 +25,8 @@ Adjustment lines ('A PAR B', 'WAIVE') are always written in full.
 
 Constraint: one slot per line of the own part; each choice is the token ids of one legal order's
 line (in full, or without the unit: `order_line`) plus "\n", tokenized alone (`Constraint.texts`
-keeps the strings for grammar engines). Byte-level BPE decodes a concatenation of id sequences to the concatenation of their texts, so the
-decoded completion is exactly the lines `orders.py` parses.
+keeps the strings for grammar engines). Byte-level BPE decodes a concatenation of id sequences to
+the concatenation of their texts, so the decoded completion is exactly the lines `orders.py` parses.
 
 Adjustment phases: a power with builds gets `count` slots (count = min(free home centres, centres -
 units), as the engine counts), each offering every build order of every free home centre plus
