@@ -50,6 +50,9 @@ class LoraConfig:
     target_modules: list = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Linear layers that get an adapter."""
+    fused_epilogue: bool = True
+    """Add the LoRA term inside the up-projection GEMM (`addmm`, beta=1, alpha=scaling) instead of
+    peft's separate `* scaling` and `+` over [tokens, out] (`models.fuse_lora_epilogues`)."""
 
 
 @dataclass

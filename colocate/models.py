@@ -120,7 +120,48 @@ def add_lora(model, lora_cfg):
     from peft import LoraConfig, get_peft_model
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, pcfg)
+    model = get_peft_model(model, pcfg)
+    set_fused_lora(model, getattr(lora_cfg, "fused_epilogue", False))
+    return model
+
+
+def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """peft `lora.Linear.forward` for one plain adapter, with the LoRA term added by the GEMM:
+
+        peft:  y = base(x) + B(A(x)) * s      mm [T, r] x [r, out], then * s and + : two passes over [T, out]
+        here:  y = addmm(base(x), A(x), B^T, alpha=s)   the same sum in the GEMM's epilogue (beta = 1)
+
+    Backward is addmm's: d(base(x)) is the incoming gradient itself and s folds into the two small
+    GEMMs, so the [T, out] multiply of peft's backward goes too. Anything else (adapters disabled
+    for the reference pass, merged, several or variant adapters, per-sample adapter names) takes
+    peft's own path."""
+    names = self.active_adapters
+    if self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None or len(names) != 1 \
+            or names[0] not in self.lora_A or names[0] in self.lora_variant:
+        return type(self).forward(self, x, *args, **kwargs)
+    name = names[0]
+    result = self.base_layer(x, *args, **kwargs)                                     # [..., out]
+    lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+    h = lora_a(self.lora_dropout[name](self._cast_input_dtype(x, lora_a.weight.dtype)))  # [..., r]
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]).to(result.dtype),
+                      lora_b.weight.t().to(result.dtype), alpha=self.scaling[name])
+    return out.view(result.shape)
+
+
+def set_fused_lora(model, fused: bool) -> int:
+    """Route every peft `lora.Linear` of `model` through `_fused_lora_forward` (or back to peft's
+    own forward); returns how many modules. The trainer benchmark's baseline switches it off."""
+    import types
+    from peft.tuners.lora import Linear as LoraLinear
+    count = 0
+    for module in model.modules():
+        if type(module) is LoraLinear:  # subclasses (quantized, DoRA hosts) keep peft's forward
+            if fused:
+                module.forward = types.MethodType(_fused_lora_forward, module)
+            else:
+                vars(module).pop("forward", None)
+            count += 1
+    return count
 
 
 def lora_state(model) -> dict[str, torch.Tensor]:

@@ -42,8 +42,15 @@ class LoraSpec:
         return sum(int(torch.Size(s).numel()) for s in self.shapes)
 
 
-def flatten_lora(tensors: dict[str, torch.Tensor], spec: LoraSpec, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Adapter tensors -> [numel] buffer in spec order (written into `out` when given)."""
+def flatten_lora(tensors: dict[str, torch.Tensor] | torch.Tensor, spec: LoraSpec,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Adapter tensors -> [numel] buffer in spec order (written into `out` when given). A tensor is
+    taken as already flat (`LoraGather`'s output) and returned as is."""
+    if isinstance(tensors, torch.Tensor):
+        if tensors.shape != (spec.numel,) or tensors.dtype != spec.dtype:
+            raise ValueError(f"flat adapter {tuple(tensors.shape)} {tensors.dtype} is not the spec's "
+                             f"({spec.numel},) {spec.dtype}")
+        return tensors
     if out is None:
         out = torch.empty(spec.numel, dtype=spec.dtype, device=next(iter(tensors.values())).device)
     offset = 0
@@ -71,9 +78,9 @@ def checksum(flat: torch.Tensor) -> int:
     return int((words * weights).sum())
 
 
-def broadcast_lora(tensors: dict[str, torch.Tensor], spec: LoraSpec, version: int, *, src: int, group,
+def broadcast_lora(tensors: dict[str, torch.Tensor] | torch.Tensor, spec: LoraSpec, version: int, *, src: int, group,
                    with_checksum: bool = False, buffer: torch.Tensor | None = None, flags: int = 0) -> float:
-    """Learner rank 0: send `tensors` as `version`. Returns seconds spent."""
+    """Learner rank 0: send `tensors` (by name, or already flat) as `version`. Returns seconds spent."""
     import time
     t0 = time.perf_counter()
     flat = flatten_lora(tensors, spec, buffer)

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             run_inference(cfg, topo, engine, env, resume=resume, stop=stop)
         else:
             learner = Learner(cfg, topo, model, tokenizer)
-            spec = LoraSpec.of(learner.lora_state())  # a gather over the learner group: every learner calls it
+            spec = learner.lora_spec  # global shapes; no collective
             sender = None  # vLLM engines receive in their worker, over a stateless NCCL group (waits for them)
             if topo.rank == topo.sync_src and engine_kind(cfg, topo) == "vllm":
                 from colocate.engine.vllm_sync import open_sender

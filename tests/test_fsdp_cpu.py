@@ -17,7 +17,9 @@ from tests.test_packing import random_batch
 
 SHAPES = [(9, 3), (14, 1), (5, 6), (11, 4), (7, 2), (12, 5), (6, 3), (10, 2)]
 RANK_SEQUENCES = [[0, 1, 2, 3, 4], [5, 6, 7]]
-OVERRIDES = {"learner": {"lr": 1e-3, "micro_batch_tokens": 32, "max_grad_norm": 1.0},
+# LoRA rank 3: lora_A's 3 rows shard unevenly (2 + 1), as FSDP2's chunking does for real shapes
+OVERRIDES = {"lora": {"rank": 3, "alpha": 6.0},
+             "learner": {"lr": 1e-3, "micro_batch_tokens": 32, "max_grad_norm": 1.0},
              "loss": {"beta": 0.04, "norm": "grpo", "impl": "torch"}}
 NUM_STEPS = 2
 
@@ -43,7 +45,8 @@ def _train(cfg, tok, topo, batch):
         batch.versions[:] = learner.version
         stats = learner.train_step(batch)
         losses.append((stats["loss"], stats["grad_norm"]))
-    return initial, learner.lora_state(), losses
+    final = {n: t.clone() for n, t in learner.lora_state().items()}  # LoraGather: the sync's fast path
+    return initial, final, losses, learner
 
 
 def _worker(rank, port, cache_dir, result_path, variants):
@@ -57,7 +60,12 @@ def _worker(rank, port, cache_dir, result_path, variants):
         topo = Topology(rank=rank, world_size=2, local_rank=rank, num_inference=0, num_learners=2,
                         device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0, 1]))
         batch = random_batch(len(tok), SHAPES).select(RANK_SEQUENCES[rank])
-        initial, final, losses = _train(cfg, tok, topo, batch)
+        initial, final, losses, learner = _train(cfg, tok, topo, batch)
+        from colocate.learner.fsdp import gather_full_lora
+        reference = gather_full_lora(learner.model)  # one full_tensor() per tensor
+        assert list(reference) == list(final)
+        for name in final:
+            assert torch.equal(final[name], reference[name]), name
         results.append({"initial": initial, "final": final, "losses": torch.tensor(losses)})
     if rank == 0:
         torch.save(results, result_path)
@@ -69,7 +77,7 @@ def _single_rank(cache_dir: str, extra: dict):
     cfg, tok = _setup(cache_dir, {**extra, "fsdp": False})
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
-    return _train(cfg, tok, topo, random_batch(len(tok), SHAPES))
+    return _train(cfg, tok, topo, random_batch(len(tok), SHAPES))[:3]
 
 
 def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):

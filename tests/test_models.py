@@ -27,3 +27,62 @@ def test_materialize_is_deterministic_per_seed():
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+
+
+def _lora_pair(dtype):
+    """The same small peft model twice: peft's own LoRA forward, and the fused epilogue."""
+    from colocate.config import LoraConfig
+    from colocate.models import add_lora
+    models = []
+    for fused in (False, True):
+        base = materialize(_meta_model(tie=False), ModelConfig(seed=5), "cpu").to(dtype)
+        model = add_lora(base, LoraConfig(rank=4, alpha=8.0, fused_epilogue=fused))
+        with torch.no_grad():  # same A in both (peft draws it), B != 0 or the LoRA term would vanish
+            g = torch.Generator().manual_seed(0)
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        models.append(model)
+    return models
+
+
+def _logits_and_grads(model, ids):
+    from colocate.models import lora_state
+    logits = model(input_ids=ids).logits.float()
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.double() for n, p in lora_state(model).items()}
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_fused_lora_epilogue_matches_peft_values_and_gradients():
+    ids = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(1))
+    plain, fused = _lora_pair(torch.float32)
+    (lp, gp), (lf, gf) = _logits_and_grads(plain, ids), _logits_and_grads(fused, ids)
+    assert _rel(lf, lp) <= 1e-5
+    assert gp.keys() == gf.keys() and len(gp) == 2 * 7
+    for n in gp:
+        assert gp[n].norm() > 0 and _rel(gf[n], gp[n]) <= 1e-5, n
+    # the reference pass (adapter disabled) is peft's own path in both
+    with plain.disable_adapter(), fused.disable_adapter(), torch.no_grad():
+        base = fused(input_ids=ids).logits
+        assert torch.equal(plain(input_ids=ids).logits, base)
+    assert _rel(lf, base) > 1e-3  # the adapter does change the output
+    # bf16: another rounding order, so judged against the fp32 result: no further from it than peft
+    bf_plain, bf_fused = _lora_pair(torch.bfloat16)
+    (bp, bgp), (bfl, bgf) = _logits_and_grads(bf_plain, ids), _logits_and_grads(bf_fused, ids)
+    assert _rel(bfl, lp) <= 1.5 * _rel(bp, lp) + 1e-3
+    for n in gp:
+        assert _rel(bgf[n], gp[n]) <= 1.5 * _rel(bgp[n], gp[n]) + 1e-3, n
+
+
+def test_fused_lora_epilogue_switches_every_adapter_forward():
+    from peft.tuners.lora import Linear as LoraLinear
+    from colocate.models import set_fused_lora
+    plain, fused = _lora_pair(torch.float32)
+    layers = [m for m in fused.modules() if isinstance(m, LoraLinear)]
+    assert len(layers) == 7 and all("forward" in vars(m) for m in layers)
+    assert not any("forward" in vars(m) for m in plain.modules() if isinstance(m, LoraLinear))
+    assert set_fused_lora(fused, False) == 7 and not any("forward" in vars(m) for m in layers)

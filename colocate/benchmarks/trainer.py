@@ -9,7 +9,8 @@ processes (gloo) as a smoke test. Every worker is a learner rank: same model, sa
 Variants, measured in this order (the model is built once without and once with activation
 checkpointing):
   padded    the old setting: micro-batches of `--padded-batch` sequences left-padded to the
-            longest, SDPA with a padding mask (the baseline)
+            longest, SDPA with a padding mask, peft's own LoRA forward (the baseline;
+            `--baseline-fused` gives it our fused LoRA epilogue too)
   packed-B  token-budget packing to B tokens, varlen flash attention (`--budgets`)
   sdpa-B    packed, but SDPA with a dense block-diagonal mask (`--sdpa-budget`; 0 skips)
   ac-B      packed with activation checkpointing (`--ac-budget`; 0 skips)
@@ -54,6 +55,8 @@ def add_args(parser) -> None:
     parser.add_argument("--seqs-per-rank", type=int, default=48, help="sequences per learner rank per step")
     parser.add_argument("--group-size", type=int, default=4, help="samples sharing one prompt")
     parser.add_argument("--padded-batch", type=int, default=4, help="sequences per padded micro-batch (baseline)")
+    parser.add_argument("--baseline-fused", action="store_true",
+                        help="the baseline uses our fused LoRA epilogue too (default: peft's forward, as the old setting)")
     parser.add_argument("--budgets", default="", help="packed token budgets, comma separated (default 8192,12288)")
     parser.add_argument("--sdpa-budget", type=int, default=-1, help="dense-mask SDPA variant budget (0 skips)")
     parser.add_argument("--ac-budget", type=int, default=-1, help="activation-checkpointing variant budget (0 skips)")
@@ -221,7 +224,9 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
     record = {"figures": {}, "baseline": {}, "ratios": {}, "variants": [], "skipped": [],
               "setup": {"shape": shape, "num_ranks": world, "lora_rank": args["lora_rank"], "loss_impl": loss_impl,
                         "batch_per_rank": {k: v for k, v in stats.items()}, "peak_flops": PEAK_FLOPS,
-                        "torch": torch.__version__, "varlen_probe": probe, "packed_attention": packed_attention}}
+                        "torch": torch.__version__, "varlen_probe": probe, "packed_attention": packed_attention,
+                        "lora_epilogue": {"baseline": "fused" if args["baseline_fused"] else "peft",
+                                          "ours": "fused" if config(False, 1).lora.fused_epilogue else "peft"}}}
 
     def save_partial():
         if rank == 0 and args["partial"]:
@@ -334,6 +339,8 @@ def _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, de
     cuda = device.type == "cuda"
     # Select the layout on this learner (instance attributes shadow the class's packing).
     learner.__dict__.pop("micro_batches", None)
+    from colocate.models import set_fused_lora
+    set_fused_lora(learner.model, learner.cfg.lora.fused_epilogue and (kind != "padded" or args["baseline_fused"]))
     if kind == "padded":
         learner.micro_batches = _padded_micro_batches(learner, args["padded_batch"])
         learner.attention = "sdpa"

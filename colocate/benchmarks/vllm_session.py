@@ -102,6 +102,7 @@ class Session:
     model_dir: str
     figures: dict = field(default_factory=dict)
     version: int = 0
+    gather: object = None     # the learner's LoraGather over `policy` (what train.py's learner sends)
 
     def lora(self) -> dict[str, torch.Tensor]:
         from colocate.models import lora_state
@@ -117,7 +118,7 @@ class Session:
 
     def push(self, *, with_checksum: bool = False, verify: bool = False) -> dict:
         """Learner -> engine over NCCL, as train.py does (the send is enqueued, the worker completes it)."""
-        self.sender.send(self.lora(), self.version, with_checksum=with_checksum, wait=False)
+        self.sender.send(self.gather(), self.version, with_checksum=with_checksum, wait=False)
         got = self.engine.receive_lora(verify=verify)
         sync_learner()
         return got
@@ -125,7 +126,7 @@ class Session:
 
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
-                 cache_dir: str = "", lora_mode: str = "slot") -> Session:
+                 cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None) -> Session:
     from colocate.config import load_config
     from colocate.engine.vllm import VLLMEngine, ensure_model_dir, lora_spec_for
     from colocate.engine.vllm_sync import HOST, AdapterSender, StatelessGroup, listen_socket
@@ -151,7 +152,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1,
-                        lora_mode=lora_mode)
+                        lora_mode=lora_mode, async_scheduling=async_scheduling)
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
     # Both ends of the stateless group live in this process: the learner's end joins from a thread.
@@ -161,8 +162,11 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     thread.start()
     engine.join_sync(HOST, port, world_size=2, rank=1)
     thread.join()
+    from colocate.learner.fsdp import LoraGather
     session = Session(shape, cfg, tokenizer, policy, spec, engine, AdapterSender(box["group"], spec), model_dir,
-                      figures)
+                      figures, gather=LoraGather(policy))
+    if session.gather.spec != spec:
+        raise RuntimeError("the policy's adapter layout differs from the engine's LoraSpec")
     session.push()  # version 0 = the learner's initial adapter (non-zero B)
     return session
 
@@ -195,7 +199,7 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
         s.step_adapter()
         sync_learner()
         t0 = time.perf_counter()                                   # learner step end
-        s.sender.send(s.lora(), s.version, wait=False)
+        s.sender.send(s.gather(), s.version, wait=False)           # gather (one multi-tensor copy) + send
         t1 = time.perf_counter()
         got = s.engine.receive_lora()
         t2 = time.perf_counter()
@@ -481,15 +485,16 @@ def measure_text_grammar(s: Session, n: int = 128) -> dict:
 # ---------------------------------------------------------------------------------- entry
 
 def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_seqs: int = 512,
-                sync_iters: int = 10, lora_mode: str = "slot") -> dict:
+                sync_iters: int = 10, lora_mode: str = "slot", async_scheduling: bool | None = None) -> dict:
     """Open one engine for `shape`, run `parts` (sync, parity, rollout) in that order of priority."""
     deadline = time.time() + budget_s
     partial = os.environ.get("COLOCATE_PARTIAL_JSON", "")  # figures so far, rewritten after each part
     # merged keeps a copy of the adapted base weights on the engine's GPU: leave room for it
     s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode,
-                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75)
+                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75, async_scheduling=async_scheduling)
     figures = dict(s.figures)
     figures["engine/lora_mode"] = lora_mode
+    figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
     for part in parts:
         if partial:
             write_json_atomic(partial, {"shape": shape, "figures": figures})
@@ -525,6 +530,8 @@ def add_session_args(parser, *, others: str) -> None:
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip later parts past this")
     parser.add_argument("--lora-mode", default="slot", choices=("slot", "merged"),
                         help="engine.lora_mode (merged: the sync part skips its disk baseline)")
+    parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                        help="vLLM's async scheduling (auto: vLLM's default, on in 0.25)")
 
 
 def run_profile(args, part: str, *, first: bool) -> dict:
@@ -535,7 +542,8 @@ def run_profile(args, part: str, *, first: bool) -> dict:
     also = [p for p in args.also.split(",") if p and p != part]
     parts = [part] + also if first else also + [part]
     figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters,
-                          lora_mode=args.lora_mode)
+                          lora_mode=args.lora_mode,
+                          async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     return split(figures)
 
 

@@ -221,7 +221,7 @@ class VLLMEngine:
                  max_model_len: int = 1024, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
-                 dtype: str = "bfloat16", lora_mode: str = "slot"):
+                 dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None):
         from vllm import LLM
         if lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
@@ -235,6 +235,7 @@ class VLLMEngine:
                          "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0}
         self._reported = dict(self.counters)
         t0 = time.perf_counter()
+        extra = {} if async_scheduling is None else {"async_scheduling": async_scheduling}  # None: vLLM's default
         lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
             if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
@@ -246,7 +247,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 structured_outputs_config={"backend": "guidance"},
                 compilation_config={"cudagraph_capture_sizes": capture_sizes(max_num_seqs)},
-                worker_extension_cls=WORKER_EXTENSION)
+                worker_extension_cls=WORKER_EXTENSION, **extra)
         self.startup_s = time.perf_counter() - t0
         names, shapes = list(spec.names), [list(s) for s in spec.shapes]
         dtype_name = str(spec.dtype).removeprefix("torch.")

@@ -36,6 +36,7 @@ from colocate.learner.packing import (MicroBatch, dummy_micro_batch, pack_by_bud
                                       resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
+from colocate.sync import unflatten_lora
 
 
 class Learner:
@@ -66,6 +67,7 @@ class Learner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lc.lr, weight_decay=lc.weight_decay)
         self.version = 0  # adapter version == optimizer steps taken
+        self._gather = None  # fsdp.LoraGather, built on first use
 
     # ---- collectives over the learner group -------------------------------------------------------
 
@@ -74,9 +76,22 @@ class Learner:
             dist.all_reduce(t, op=op, group=self.topology.learner_group)
         return t
 
+    def lora_flat(self) -> torch.Tensor:
+        """[numel] full adapter in `lora_spec` order, in a buffer the next call overwrites. With FSDP a
+        collective: every learner calls it."""
+        if self._gather is None:
+            self._gather = fsdp.LoraGather(self.model)
+        return self._gather()
+
+    @property
+    def lora_spec(self):
+        if self._gather is None:
+            self._gather = fsdp.LoraGather(self.model)
+        return self._gather.spec
+
     def lora_state(self) -> dict[str, torch.Tensor]:
-        """Full adapter tensors (copies) by canonical name. With FSDP a collective: every learner calls it."""
-        return fsdp.gather_full_lora(self.model)
+        """Full adapter tensors by canonical name: views of `lora_flat()` (valid until the next call)."""
+        return unflatten_lora(self.lora_flat(), self.lora_spec)
 
     # ---- micro-batches ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_
 from colocate.models import canonical_name
 from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
 from colocate.rollout.transport import recv_batch, recv_batch_with_flags, recv_json
-from colocate.sync import FLAG_CHECKPOINT, FLAG_STOP, LoraSpec, broadcast_lora
+from colocate.sync import FLAG_CHECKPOINT, FLAG_STOP, LoraSpec, broadcast_lora, unflatten_lora
 from colocate.topology import Topology, gpu_index
 
 
@@ -98,14 +98,15 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
         checkpointing = ckpt.enabled and (stopping or last or (ckpt.every > 0 and (step + 1) % ckpt.every == 0))
         flags = (FLAG_CHECKPOINT if checkpointing else 0) | (FLAG_STOP if stopping and not last else 0)
         t_gather = time.perf_counter()
-        adapter = learner.lora_state()  # full tensors from the shards: all learners join the gather
+        flat = learner.lora_flat()  # [numel] full adapter from the shards: all learners join the gather
         gather_s, sync_s = time.perf_counter() - t_gather, 0.0
         if sender is not None:
-            sync_s = sender.send(adapter, learner.version, with_checksum=cfg.sync.check_checksum, flags=flags,
+            sync_s = sender.send(flat, learner.version, with_checksum=cfg.sync.check_checksum, flags=flags,
                                  wait=False)  # like dist.broadcast: later kernels on this stream wait for it
         elif is_source:
-            sync_s = broadcast_lora(adapter, spec, learner.version, src=topo.sync_src,
+            sync_s = broadcast_lora(flat, spec, learner.version, src=topo.sync_src,
                                     group=topo.sync_group, with_checksum=cfg.sync.check_checksum, flags=flags)
+        adapter = unflatten_lora(flat, spec)  # views, for the checkpoint
         history["reward"].append(stats["reward"])
         history["loss"].append(stats["loss"])
         if checkpointing:
