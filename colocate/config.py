@@ -73,6 +73,10 @@ class EngineConfig:
     """vLLM: disable CUDA graphs (debugging only)."""
     enable_prefix_caching: bool = True
     """vLLM: share KV blocks of common prompt prefixes."""
+    max_num_batched_tokens: int = 0
+    """vLLM: most tokens (prefill chunks + one per decoding sequence) in one engine step; 0 keeps
+    vLLM's default (16384 on an H200). Streaming rollouts want it small, so that prefills of new
+    phases do not slow every other game's decode steps."""
     lora_mode: str = "slot"
     """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
@@ -118,6 +122,10 @@ class RolloutConfig:
     oversample_groups: int = 0
     """Extra groups kept in play per inference rank; a batch ships as soon as enough groups finish,
     stragglers join a later batch (0 = every batch plays exactly its own groups)."""
+    stream: bool = False
+    """Each game sends its next phase to the engine as soon as its current one is answered, instead
+    of every game waiting for the round's slowest completion (a phase barrier). Needs an engine
+    that streams (vLLM); the HF engine answers all pending requests at once either way."""
 
 
 @dataclass

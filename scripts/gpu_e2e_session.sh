@@ -9,7 +9,8 @@
 #   3. sync: adapter sync at the 7B shape on GPUs 0 and 1
 # ONLY_E2E=1 (set for `start`) stops after step 1; E2E_STEPS (default 6) sets the steps per job;
 # E2E_SET adds settings to the e2e jobs (e.g. "engine.lora_mode=merged"); E2E_CONFIG, E2E_NPROC and
-# E2E_ORDER (defaults configs/gpu-4.yaml, 4, async,sync) pick another preset, e.g. the 8-GPU run:
+# E2E_ORDER (defaults configs/gpu-4.yaml, 4, async,sync) pick another preset (E2E_ORDER also takes
+# async-stream, async-barrier, ...; E2E_STREAM_SET: settings of the -stream jobs only), e.g. the 8-GPU run:
 #   ONLY_E2E=1 E2E_CONFIG=configs/gpu-8.yaml E2E_NPROC=8 E2E_STEPS=12 E2E_ORDER=async \
 #     E2E_SET="topology.num_inference=6 topology.num_learners=2" bash scripts/gpu_e2e_session.sh start
 # Results: /tmp/gs/*.json and logs; `wait` copies them to $OUT.
@@ -27,7 +28,7 @@ chain() {
   timeout -k 20 1500 python3 scripts/benchmark.py --profile e2e --config "${E2E_CONFIG:-configs/gpu-4.yaml}" \
     --nproc "${E2E_NPROC:-4}" --steps "$E2E_STEPS" --warmup 2 --order "${E2E_ORDER:-async,sync}" --job-timeout-s 720 \
     --partial $GS/e2e-partial.json --out $GS/e2e-h200x"${E2E_NPROC:-4}".json --set metrics.nvml_interval_s=1 checkpoint.enabled=false metrics.stall_timeout_s=0 \
-    ${E2E_SET:-}
+    ${E2E_SET:-} ${E2E_STREAM_SET:+--stream-set $E2E_STREAM_SET}
   echo "== $(date +%T) e2e rc=$?"
   for f in /tmp/colocate-e2e-*/*.log; do cp "$f" "$GS/$(basename "$f" .log)-job.log"; done
   [ -n "${ONLY_E2E:-}" ] && { echo "chain done"; return; }

@@ -114,12 +114,6 @@ CASES += [
      {**MATRIX, "neg_inf": True, "group": 1, "stages": 0}),
     ("fp32-inplace-beta0.04-T0.7-blockwise-prefetch", "fp32", True, 0.04, 0.7, {**MATRIX, "group": 0, "stages": 0}),
     ("bf16-copy-beta0.04-T0.7-group16-prefetch", "bf16", False, 0.04, 0.7, {"block_v": 128, "group": 16, "stages": 0}),
-    # "split" schedule: each row's pass 1 in 3 or 4 chunks on different programs, pass 2 by the last
-    ("fp32-inplace-beta0.04-T0.7-split3", "fp32", True, 0.04, 0.7,
-     {"block_v": 128, "schedule": "split", "split": 3, "num_programs": 7}),
-    ("bf16-inplace-beta0.0-T1.0-split4-neginf", "bf16", True, 0.0, 1.0,
-     {"block_v": 256, "schedule": "split", "split": 4, "num_programs": 5, "neg_inf": True}),
-    ("bf16-copy-beta0.04-T1.3-split2", "bf16", False, 0.04, 1.3, {"block_v": 256, "schedule": "split", "split": 2}),
 ]
 
 
@@ -280,16 +274,11 @@ def cuda_batch(num_rows, vocab, beta, temperature, seed):
                 advantages=torch.randn(num_rows, device="cuda", generator=g), ref=ref)
 
 
-SPLIT_GPU = {"schedule": "split", "split": 3, "programs_per_sm": 3, "block_v": 8192, "num_warps": 8}
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("num_rows,inplace,config", [
-    (4096, False, None), (4096, True, None), (14200, True, None),
-    (4096, True, SPLIT_GPU), (4096, False, SPLIT_GPU), (14200, True, SPLIT_GPU)],
-    ids=["4096-copy", "4096-inplace", "14200-inplace-over-2^31-elements",
-         "split-4096-inplace", "split-4096-copy", "split-14200-inplace"])
+    (4096, False, None), (4096, True, None), (14200, True, None)],
+    ids=["4096-copy", "4096-inplace", "14200-inplace-over-2^31-elements"])
 def test_cuda_real_vocab(num_rows, inplace, config):
     from colocate.kernels.triton_grpo import grpo_loss_triton
 

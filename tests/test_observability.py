@@ -32,7 +32,7 @@ def test_profiled_cpu_run_writes_every_namespace_and_a_trace_per_role(tmp_path):
     tags = read_scalar_tags(str(run / "tb" / "inference")) | read_scalar_tags(str(run / "tb" / "learner"))
     for namespace in ("rollout", "engine", "learner", "sync", "system"):
         assert any(t.startswith(namespace + "/") for t in tags), (namespace, sorted(tags))
-    for tag in ("rollout/phase_latency_s_p95", "rollout/group_latency_s_p50", "rollout/games_per_s",
+    for tag in ("rollout/poll_latency_s_p95", "rollout/group_latency_s_p50", "rollout/games_per_s",
                 "rollout/invalid_rate", "engine/decode_tokens_per_s", "engine/prefill_tokens_per_s",
                 "engine/batch_size", "learner/loss", "learner/kl", "learner/clip_fraction", "learner/grad_norm",
                 "learner/tokens_per_s", "sync/broadcast_ms", "sync/apply_ms", "system/cpu_percent_host"):

@@ -1,5 +1,12 @@
-"""Rollout worker: one engine call per round across all games; stragglers do not hold a batch back."""
+"""Rollout worker: one engine call per round across all games; stragglers do not hold a batch back;
+streaming plays the same games as the phase barrier."""
+import hashlib
+import random
+
+import pytest
+
 from colocate.data import Completion, Request, Sample
+from colocate.engine.base import GenerateStream
 from colocate.rollout.worker import RolloutWorker
 
 
@@ -34,7 +41,7 @@ class SlowGroupEnv:
         return {}
 
 
-class CountingEngine:
+class CountingEngine(GenerateStream):
     version = 0
 
     def __init__(self):
@@ -74,3 +81,95 @@ def test_oversampling_ships_when_enough_groups_finish_and_carries_stragglers():
         seen |= set(batch.rewards.tolist())
     assert 3.0 in seen  # the straggler arrived in a later batch
     assert len(worker._live) + len(worker._complete) <= 2 + 4  # bounded
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+def legal_choice(request: Request) -> Completion:
+    """A deterministic legal policy: the choice depends only on the prompt (so the order in which an
+    engine answers cannot change what is played)."""
+    from colocate.envs.diplomacy import random_legal_completion
+    seed = int(hashlib.sha1(repr(request.prompt_ids).encode()).hexdigest()[:12], 16)
+    return random_legal_completion(request, random.Random(seed))
+
+
+class BarrierEngine(GenerateStream):
+    version = 0
+
+    def generate(self, requests):
+        return [legal_choice(r) for r in requests]
+
+
+class ShuffledStreamEngine:
+    """Streams like vLLM: each poll hands back a random non-empty subset of what is pending, in a
+    random order; checks that no request is submitted twice and that updates find it idle."""
+    version = 0
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.pending: dict[int, Request] = {}
+        self.next = 0
+        self.polls, self.partial_polls, self.max_pending = 0, 0, 0
+
+    def submit(self, requests):
+        tickets = list(range(self.next, self.next + len(requests)))
+        self.next += len(requests)
+        self.pending.update(zip(tickets, requests))
+        self.max_pending = max(self.max_pending, len(self.pending))
+        return tickets
+
+    def poll(self, wait_all=False):
+        if not self.pending:
+            return []
+        tickets = list(self.pending)
+        self.rng.shuffle(tickets)
+        take = tickets if wait_all else tickets[:self.rng.randint(1, min(len(tickets), 9))]
+        self.polls += 1
+        self.partial_polls += len(take) < len(tickets)
+        return [(t, legal_choice(self.pending.pop(t))) for t in take]
+
+
+@pytest.fixture(scope="module")
+def dip_tokenizer():
+    from colocate.envs.diplomacy import corpus
+    from colocate.models import train_tokenizer
+    return train_tokenizer(corpus(num_games=2, last_year=1903))
+
+
+def _samples(batch):
+    """Order-free content of a batch: (prompt, completion, reward, advantage) per sequence."""
+    rows, offset = [], 0
+    for i, n in enumerate(batch.seq_lens.tolist()):
+        p = int(batch.prompt_lens[i])
+        tokens = batch.tokens[offset:offset + n].tolist()
+        rows.append((tuple(tokens[:p]), tuple(tokens[p:]), round(float(batch.rewards[i]), 6)))
+        offset += n
+    return sorted(rows)
+
+
+def test_streaming_plays_the_same_games_as_the_phase_barrier(dip_tokenizer):
+    from colocate.envs.diplomacy import DiplomacyEnv
+
+    def play(engine, stream):
+        env = DiplomacyEnv(dip_tokenizer, group_size=2, horizon_years=1, unit_labels=False, seed=11)
+        worker = RolloutWorker(env, engine, groups_per_batch=3, stream=stream)
+        return [worker.collect() for _ in range(2)]  # two batches: nothing may leak between them
+
+    barrier = play(BarrierEngine(), stream=False)
+    engine = ShuffledStreamEngine(seed=5)
+    streamed = play(engine, stream=True)
+    assert engine.partial_polls > 10 and not engine.pending  # it did stream, and drained each batch
+    for (b1, s1, _), (b2, s2, _) in zip(barrier, streamed):
+        assert b1.num_sequences == b2.num_sequences == 3 * 2 * 7
+        assert _samples(b1) == _samples(b2)
+        assert s1["polls"] < s2["polls"]  # a barrier poll answers a whole round, a streamed one a few
+
+
+def test_streaming_with_oversampling_drains_before_returning(dip_tokenizer):
+    from colocate.envs.diplomacy import DiplomacyEnv
+    env = DiplomacyEnv(dip_tokenizer, group_size=2, horizon_years=1, seed=12)
+    engine = ShuffledStreamEngine(seed=6)
+    worker = RolloutWorker(env, engine, groups_per_batch=2, oversample=2, stream=True)
+    for _ in range(3):
+        batch, stats, _ = worker.collect()
+        assert batch.num_sequences == 2 * 2 * 7 and not engine.pending  # idle: an update may come now

@@ -411,3 +411,75 @@ def test_adapter_sender_flattens_in_spec_order():
     header, flat = sent
     assert header.tolist() == [7, spec.numel, checksum(flat), 2]
     assert torch.equal(flat, flatten_lora(tensors, spec))
+
+
+# ------------------------------------------------------------------------------- streaming
+
+class FakeLLM:
+    """`LLM.enqueue` + `llm_engine.step()` as vLLM 0.25 behaves: enqueue returns internal ids
+    "<n>-<random>", outputs carry "<n>"; each step finishes a random subset (FINAL_ONLY outputs)."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.counter = 100
+        self.running: dict[str, list[int]] = {}
+        self.llm_engine = SimpleNamespace(step=self._step)
+
+    def enqueue(self, prompts, params, lora_request=None, use_tqdm=True):
+        ids = []
+        for p in prompts:
+            self.running[str(self.counter)] = p["prompt_token_ids"]
+            ids.append(f"{self.counter}-{self.rng.getrandbits(32):08x}")
+            self.counter += 1
+        return ids
+
+    def _step(self):
+        names = list(self.running)
+        self.rng.shuffle(names)
+        out = []
+        for name in names[:self.rng.randint(0, 3)]:
+            prompt = self.running.pop(name)
+            tok = prompt[-1] + 1  # the "sampled" token names the prompt it answers
+            result = SimpleNamespace(token_ids=[tok, EOS], logprobs=SimpleNamespace(logprobs=[-0.5, -0.1]),
+                                     finish_reason="stop")
+            out.append(SimpleNamespace(request_id=name, finished=True, outputs=[result], num_cached_tokens=1))
+        return out
+
+
+def _streaming_engine(monkeypatch, seed=0):
+    from colocate.engine.vllm import VLLMEngine
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the host side only
+    engine.llm, engine.version, engine.eos_id, engine.grammar_mode = FakeLLM(seed), 3, EOS, "tokens"
+    engine.lora_mode, engine._lora_request = "slot", None
+    engine._pending, engine._next_ticket = {}, 0
+    engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "host_s", "generate_s",
+                                     "prompt_tokens", "cached_prompt_tokens", "out_tokens"), 0)
+    monkeypatch.setattr(engine, "_params", lambda requests: ([{"prompt_token_ids": r.prompt_ids} for r in requests],
+                                                             [None] * len(requests)))
+    return engine
+
+
+def test_vllm_submit_poll_maps_outputs_to_tickets(monkeypatch):
+    engine = _streaming_engine(monkeypatch)
+    requests = [Request(prompt_ids=[7, 10 * i], max_new_tokens=2) for i in range(12)]
+    tickets = engine.submit(requests[:5]) + engine.submit(requests[5:])
+    assert tickets == list(range(12))
+    got = {}
+    while len(got) < 12:
+        done = engine.poll()
+        assert done  # a poll returns at least one completion while any is pending
+        got.update(done)
+    assert engine.poll() == [] and not engine._pending
+    for t, r in zip(tickets, requests):
+        assert got[t].token_ids == [r.prompt_ids[-1] + 1, EOS] and got[t].version == 3
+    assert engine.counters["requests"] == 12 and engine.counters["out_tokens"] == 24
+
+
+def test_vllm_poll_wait_all_and_no_update_while_streaming(monkeypatch):
+    engine = _streaming_engine(monkeypatch, seed=1)
+    engine.submit([Request(prompt_ids=[1, i], max_new_tokens=2) for i in range(8)])
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine._set_version(4)  # weights must not change under running requests
+    with pytest.raises(RuntimeError, match="pending"):
+        engine.generate([Request(prompt_ids=[1], max_new_tokens=1)])
+    assert len(engine.poll(wait_all=True)) == 8 and not engine._pending

@@ -15,7 +15,7 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
                     counts as busy: the learner's figure is the timeline's)
   adapter ms        learner rank 0's gather of the full adapter and its send, per step
   rollout_*         means over the batches collected inside the window (both inference ranks):
-                    phases, requests per engine call, phase latency, generate fraction, the time
+                    engine polls, requests per poll, poll and request latency, generate fraction, the time
                     a rank waited for an adapter version (`wait_version_s`) or for its sends
 CPU smoke: python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
 GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
@@ -37,18 +37,31 @@ def add_args(parser) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2, help="steps of each job left out of the figures")
     parser.add_argument("--lag", type=int, default=1, help="max_policy_lag of the async run")
-    parser.add_argument("--order", default="async,sync", help="which jobs run, in this order")
+    parser.add_argument("--order", default="async,sync",
+                        help="which jobs run, in this order: async, sync, each optionally -stream or -barrier "
+                             "(rollout.stream on / off; plain: the config's)")
     parser.add_argument("--job-timeout-s", type=float, default=3600.0, help="a job running longer is killed")
     parser.add_argument("--partial", default="", help="also write the record here after each job")
     parser.add_argument("--set", nargs="*", default=[],
                         help="extra config overrides, section.key=value (the leading -- may be left out)")
+    parser.add_argument("--stream-set", nargs="*", default=[],
+                        help="overrides for the -stream jobs only (e.g. engine.max_num_batched_tokens=1024)")
 
 
-def run_job(args, lag: int, run_dir: str) -> dict:
+def job_settings(job: str, async_lag: int, stream_set: list[str] = ()) -> tuple[int, list[str]]:
+    """'async' | 'sync', optionally '-stream' / '-barrier' -> (max_policy_lag, extra settings)."""
+    base, _, variant = job.partition("-")
+    if base not in ("async", "sync") or variant not in ("", "stream", "barrier"):
+        raise SystemExit(f"--order: unknown job {job!r}; choose from async, sync, each optionally -stream or -barrier")
+    extra = {"": [], "stream": ["rollout.stream=true", *stream_set], "barrier": ["rollout.stream=false"]}[variant]
+    return (async_lag if base == "async" else 0), extra
+
+
+def run_job(args, lag: int, run_dir: str, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "colocate.train", "--config", args.config, f"--learner.num_steps={args.steps}",
            f"--learner.max_policy_lag={lag}", f"--metrics.run_dir={run_dir}",
-           *("--" + o.removeprefix("--") for o in args.set)]
+           *("--" + o.removeprefix("--") for o in [*args.set, *extra])]
     t0 = time.time()
     log_path = os.path.join(os.path.dirname(run_dir), f"{os.path.basename(run_dir)}.log")
     with open(log_path, "w") as log:
@@ -119,15 +132,13 @@ def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:
 
 def run(args) -> dict:
     root = tempfile.mkdtemp(prefix="colocate-e2e-")
-    lags = {"async": args.lag, "sync": 0}
     jobs = [j.strip() for j in args.order.split(",") if j.strip()]
-    unknown = [j for j in jobs if j not in lags]
-    if unknown:
-        raise SystemExit(f"--order: unknown job(s) {unknown}; choose from async, sync")
+    settings = {job: job_settings(job, args.lag, args.stream_set) for job in jobs}
     record: dict = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
                     "lag": args.lag, "runs": {}}
     for job in jobs:
-        record["runs"][job] = run_job(args, lags[job], os.path.join(root, job))
+        lag, extra = settings[job]
+        record["runs"][job] = run_job(args, lag, os.path.join(root, job), extra)
         print(f"[e2e] {job}: " + json.dumps(record["runs"][job]), flush=True)
         if args.partial:
             with open(args.partial, "w") as f:
@@ -137,7 +148,11 @@ def run(args) -> dict:
         record["figures"] = {f"async_{k}": v for k, v in runs["async"].items()}
     if "sync" in runs:
         record["baseline"] = {f"sync_{k}": v for k, v in runs["sync"].items()}
-    if "async" in runs and "sync" in runs:
-        record["ratios"] = {"steps_per_hour_async_over_sync": runs["async"]["steps_per_hour"] /
-                            runs["sync"]["steps_per_hour"]}
+    ratios = {}
+    for fast, slow in (("async", "sync"), ("async-stream", "sync-stream"), ("async-stream", "async-barrier"),
+                       ("async-stream", "async"), ("sync-stream", "sync-barrier"), ("sync-stream", "sync")):
+        if fast in runs and slow in runs:
+            ratios[f"steps_per_hour_{fast}_over_{slow}"] = runs[fast]["steps_per_hour"] / runs[slow]["steps_per_hour"]
+    if ratios:
+        record["ratios"] = ratios
     return record

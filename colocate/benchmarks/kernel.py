@@ -213,18 +213,13 @@ def copy_time_ms(pristine: torch.Tensor, iters: int) -> float:
 def sweep_configs():
     """Launch configurations to time: (block_v, num_warps, programs per SM, pass-1 group, pipeline stages).
 
-    About one row in flight per SM (its 304 KB must stay in L2 between the passes); pass 1 then
-    pass 2 per row. (Staggered and flat schedules were swept too, all slower: profiles/kernel.md.)
+    One row in flight per SM (its 304 KB must stay in L2 between the passes); pass 1 then pass 2 per
+    row. (Staggered and flat schedules were swept too, all slower: profiles/kernel.md.)
     """
-    rows = [(16384, 16, 1, 8, 4), (32768, 32, 1, 8, 3)]
-    # "split": each row's pass 1 in `split` chunks on as many programs, several programs per SM;
-    # rows in flight = SMs x programs_per_sm / split
-    split = [(8192, 8, 3, 8, 4, 3), (8192, 8, 4, 8, 3, 4), (16384, 16, 2, 8, 4, 2), (4096, 4, 4, 8, 4, 4),
-             (8192, 8, 3, 8, 4, 6), (8192, 8, 2, 8, 4, 2), (4096, 4, 6, 8, 4, 6), (8192, 8, 4, 8, 3, 2)]
+    rows = [(16384, 16, 1, 8, 4), (32768, 32, 1, 8, 3), (8192, 16, 1, 8, 4), (16384, 32, 1, 8, 3),
+            (16384, 16, 2, 8, 4), (16384, 16, 1, 0, 4)]
     return [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st}
-            for b, w, p, g, st in rows] + \
-        [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st, "schedule": "split",
-          "split": k} for b, w, p, g, st, k in split]
+            for b, w, p, g, st in rows]
 
 
 def sweep(x, pristine, f, kw, iters=10):
@@ -238,8 +233,7 @@ def sweep(x, pristine, f, kw, iters=10):
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}".format(**cfg) + \
-            (f"_split{cfg['split']}" if cfg.get("schedule") == "split" else "")
+        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}".format(**cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,

@@ -65,6 +65,7 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
     max_model_len = cfg.engine.max_model_len or \
         -(-(PROMPT_BOUND.get(cfg.env.name, 1024) + cfg.engine.max_new_tokens) // 64) * 64
     return dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode)
@@ -221,7 +222,8 @@ class VLLMEngine:
                  max_model_len: int = 1024, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
-                 dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None):
+                 dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
+                 max_num_batched_tokens: int = 0):
         from vllm import LLM
         if lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
@@ -234,8 +236,12 @@ class VLLMEngine:
         self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0,
                          "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0}
         self._reported = dict(self.counters)
+        self._pending: dict[str, tuple[int, Request]] = {}  # streaming: vLLM request id -> (ticket, request)
+        self._next_ticket = 0
         t0 = time.perf_counter()
         extra = {} if async_scheduling is None else {"async_scheduling": async_scheduling}  # None: vLLM's default
+        if max_num_batched_tokens > 0:
+            extra["max_num_batched_tokens"] = max_num_batched_tokens
         lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
             if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
@@ -311,6 +317,9 @@ class VLLMEngine:
         return bool(self.llm.collective_rpc("colocate_slot_matches")[0])
 
     def _set_version(self, version: int) -> None:
+        if self._pending:
+            raise RuntimeError(f"adapter version {version} arrived with {len(self._pending)} streamed requests "
+                               "in flight: the rollout worker must drain before an update")
         self.version = version
         self._lora_request = self._make_lora_request()  # slot: a new name is a new prefix-cache key
         if self.lora_mode == "merged" and not self.llm.reset_prefix_cache():
@@ -318,10 +327,25 @@ class VLLMEngine:
 
     # -- sampling --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
+        if self._pending:
+            raise RuntimeError("generate() while streamed requests are pending: poll them first")
+        t0 = time.perf_counter()
+        prompts, params = self._params(requests)
+        t1 = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        t2 = time.perf_counter()
+        completions = [self._completion(out, r) for out, r in zip(outputs, requests)]
+        self.counters["requests"] += len(requests)
+        self.counters["host_s"] += (t1 - t0) + (time.perf_counter() - t2)
+        self.counters["generate_s"] += t2 - t1
+        return completions
+
+    # -- streaming (the rollout worker with rollout.stream) -----------------------------------------
+    def _params(self, requests: list[Request]) -> tuple[list[dict], list]:
+        """Prompts and SamplingParams for `requests` (one grammar string per distinct Constraint)."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
-        t0 = time.perf_counter()
-        grammars: dict[int, str] = {}  # many requests share one Constraint object
+        grammars: dict[int, str] = {}
         prompts, params = [], []
         for r in requests:
             structured = None
@@ -332,25 +356,50 @@ class VLLMEngine:
                 structured = StructuredOutputsParams(grammar=grammars[key])
             prompts.append({"prompt_token_ids": r.prompt_ids})
             params.append(SamplingParams(**sampling_kwargs(r, self.eos_id), structured_outputs=structured))
-        t1 = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
-        t2 = time.perf_counter()
-        completions = []
-        for out, r in zip(outputs, requests):
-            completion, counts = completion_from_output(out.outputs[0], r, self.version, self.eos_id)
-            completions.append(completion)
-            self.counters["prompt_tokens"] += len(r.prompt_ids)
-            self.counters["cached_prompt_tokens"] += getattr(out, "num_cached_tokens", None) or 0
-            self.counters["out_tokens"] += len(completion.token_ids)
-            for k, v in counts.items():
-                self.counters[k] += v
-        if self.grammar_mode == "tokens" and self.counters["walk_failures"]:
+        return prompts, params
+
+    def submit(self, requests: list[Request]) -> list[int]:
+        """Queue `requests` in the engine (`LLM.enqueue`); the engine core starts on them at once."""
+        if not requests:
+            return []
+        t0 = time.perf_counter()
+        prompts, params = self._params(requests)
+        ids = self.llm.enqueue(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        tickets = list(range(self._next_ticket, self._next_ticket + len(requests)))
+        self._next_ticket += len(requests)
+        for rid, ticket, r in zip(ids, tickets, requests):
+            # outputs carry the id the LLM numbered the request with; vLLM appends "-<random>" inside
+            self._pending[rid.split("-", 1)[0]] = (ticket, r)
+        self.counters["host_s"] += time.perf_counter() - t0
+        return tickets
+
+    def poll(self, wait_all: bool = False) -> list[tuple[int, Completion]]:
+        """Step the engine until a request finishes (all of them with `wait_all`)."""
+        out = []
+        engine = self.llm.llm_engine
+        while self._pending and (wait_all or not out):
+            t0 = time.perf_counter()
+            finished = [o for o in engine.step() if o.finished]
+            t1 = time.perf_counter()
+            for o in finished:
+                ticket, r = self._pending.pop(o.request_id)
+                out.append((ticket, self._completion(o, r)))
+            self.counters["generate_s"] += t1 - t0
+            self.counters["host_s"] += time.perf_counter() - t1
+            self.counters["requests"] += len(finished)
+        return out
+
+    def _completion(self, out, request: Request) -> Completion:
+        completion, counts = completion_from_output(out.outputs[0], request, self.version, self.eos_id)
+        self.counters["prompt_tokens"] += len(request.prompt_ids)
+        self.counters["cached_prompt_tokens"] += getattr(out, "num_cached_tokens", None) or 0
+        self.counters["out_tokens"] += len(completion.token_ids)
+        for k, v in counts.items():
+            self.counters[k] += v
+        if self.grammar_mode == "tokens" and counts["walk_failures"]:
             raise RuntimeError("vLLM sampled a token the constraint does not allow (token grammar): "
                                "the grammar and the Constraint disagree")
-        self.counters["requests"] += len(requests)
-        self.counters["host_s"] += (t1 - t0) + (time.perf_counter() - t2)
-        self.counters["generate_s"] += t2 - t1
-        return completions
+        return completion
 
     def stats(self) -> dict[str, float]:
         """Since the last call: requests, host time per request around vLLM (grammar, params, replay),

@@ -22,7 +22,10 @@ the same bytes takes 2.34 ms. The remaining gap was put down to the per-row pipe
 program drains and refills its loads at every row and pass). Overlapping pass 2 of one row with
 pass 1 of the next ("stagger" and "flat" schedules) was built and measured correct but slower on
 the H200 (3.36 ms best vs 3.16 ms for this kernel alone, same run; profiles/kernel.md), so it was
-removed again (commit 1a4c6f7 has it).
+removed again (commit 1a4c6f7 has it). So was a "split" schedule: each row's pass 1 in 2-6 column
+chunks on as many programs, 2-6 programs per SM, the program finishing a row's last chunk (an
+atomic counter) running pass 2. Pass 1 was no faster (1.44-1.59 ms vs 1.55), the fused kernel
+4.0-7.0 ms (commit 5af7642 has it). So one stream per SM does not limit pass 1 either.
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
@@ -253,106 +256,6 @@ def _grpo_rows_kernel(
                         tl.store(g_row + offs, zeros, mask=offs < vocab, eviction_policy=EVICT_PASS2)
 
 
-@triton.jit
-def _grpo_split_kernel(
-    logits_ptr, grad_ptr, targets_ptr, weights_ptr, behaviour_ptr, advantages_ptr, ref_ptr, row_out_ptr,
-    part_ptr,        # [N, SPLIT] fp32: log2-sum-exp2 of each chunk of the row (pass 1)
-    count_ptr,       # [N] int32, zeroed: chunks of the row through pass 1
-    num_rows,
-    tasks_per_program,
-    vocab,
-    chunk,           # columns per chunk (a multiple of 64: aligned loads)
-    stride_logits,
-    stride_grad,
-    log2e_over_t,
-    inv_t,
-    eps_low,
-    eps_high,
-    beta,
-    HAS_KL: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-    SPLIT: tl.constexpr,        # chunks per row
-    SPLIT_P2: tl.constexpr,     # next power of two >= SPLIT
-    BLOCK_V: tl.constexpr,
-    GROUP: tl.constexpr,
-    STAGES: tl.constexpr,
-    EVICT_PASS1: tl.constexpr,
-    EVICT_PASS2: tl.constexpr,
-):
-    """The "split" schedule: pass 1 of a row is SPLIT tasks (one chunk of columns each) spread over
-    programs; the task that finishes a row's pass 1 last (an atomic counter says which) combines the
-    partial sums and runs pass 2 over the whole row while it is in L2. Several programs per SM then
-    stream pass 1 concurrently (more loads in flight than one row per SM gives), while the rows in
-    flight stay about one per SM. Nobody waits on another program, so it cannot deadlock and runs
-    under the interpreter too."""
-    LN2: tl.constexpr = 0.6931471805599453
-    cols = tl.arange(0, BLOCK_V)
-    step = tl.num_programs(0)
-    for i in range(tasks_per_program):
-        task = tl.program_id(0) + i * step
-        row = task // SPLIT
-        part = task % SPLIT
-        if row < num_rows:
-            row64 = tl.cast(row, tl.int64)
-            x_row = logits_ptr + row64 * stride_logits
-            g_row = grad_ptr + row64 * stride_grad
-            out = row_out_ptr + row64 * 5
-            start = part * chunk
-            length = tl.minimum(chunk, vocab - start)
-            w = tl.load(weights_ptr + row)
-            if w > 0:
-                lse2_part = _row_logsumexp2(x_row + start, length, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
-                tl.store(part_ptr + row64 * SPLIT + part, lse2_part)
-                tl.debug_barrier()  # the partial is stored before this program's arrival is counted
-                arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
-                tl.debug_barrier()
-                if arrived == SPLIT - 1:  # the row's last chunk: every partial is in memory
-                    k = tl.arange(0, SPLIT_P2)
-                    parts = tl.load(part_ptr + row64 * SPLIT + k, mask=k < SPLIT, other=float("-inf"), volatile=True)
-                    m = tl.max(parts, 0)
-                    lse2 = m + tl.log2(tl.sum(tl.exp2(parts - m), 0))
-                    tgt = tl.load(targets_ptr + row).to(tl.int32)
-                    behaviour = tl.load(behaviour_ptr + row)
-                    adv = tl.load(advantages_ptr + row)
-                    z_tgt = tl.load(x_row + tgt).to(tl.float32) * log2e_over_t
-                    logp = (z_tgt - lse2) * LN2
-                    ratio = tl.exp(logp - behaviour)
-                    clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
-                    loss = -tl.minimum(ratio * adv, clipped * adv)
-                    is_clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
-                    dloss_dlogp = tl.where(is_clipped, 0.0, -ratio * adv)
-                    kl = 0.0
-                    if HAS_KL:
-                        ref = tl.load(ref_ptr + row)
-                        delta = ref - logp
-                        exp_delta = tl.exp(delta)
-                        kl = exp_delta - delta - 1.0
-                        loss += beta * kl
-                        dloss_dlogp += beta * (1.0 - exp_delta)
-                    tl.store(out + 0, w * loss)
-                    tl.store(out + 1, ratio)
-                    tl.store(out + 2, kl)
-                    tl.store(out + 3, is_clipped.to(tl.float32))
-                    tl.store(out + 4, 1.0)
-                    if WRITE_GRAD:
-                        coef = w * dloss_dlogp * inv_t
-                        tl.debug_barrier()  # the target logit is read before the in-place writes
-                        _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
-                                        BLOCK_V, STAGES, EVICT_PASS2)
-            else:
-                if part == 0:
-                    tl.store(out + 0, 0.0)
-                    tl.store(out + 1, 0.0)
-                    tl.store(out + 2, 0.0)
-                    tl.store(out + 3, 0.0)
-                    tl.store(out + 4, 0.0)
-                if WRITE_GRAD:  # masked rows: each task zeroes its own chunk, no read
-                    zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
-                    for j in range(tl.cdiv(length, BLOCK_V)):
-                        offs = j * BLOCK_V + cols
-                        tl.store(g_row + start + offs, zeros, mask=offs < length, eviction_policy=EVICT_PASS2)
-
-
 def default_config(vocab: int, device: torch.device) -> dict:
     """Launch parameters, tuned on an H200 at V=152064 bf16 (`--sweep` of the kernel benchmark):
     configurations with one row per SM and pipelined loads came within 3% of each other."""
@@ -404,9 +307,6 @@ def grpo_rows(
     row_out = torch.empty(num_rows, _NUM_ROW_OUTPUTS, device=logits.device, **f32)
     if num_rows == 0:
         return row_out
-    if cfg.get("schedule", "rows") == "split":
-        return _launch_split(logits, grad, targets, weights, behaviour_logprobs, advantages, ref, row_out, cfg,
-                             has_kl, temperature, eps_low, eps_high, beta)
     num_programs = _num_programs(num_rows, logits.device, cfg)
     _grpo_rows_kernel[(num_programs,)](
         logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour_logprobs,
@@ -415,37 +315,6 @@ def grpo_rows(
         grad.stride(0) if grad is not None else 0,
         math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
         HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
-        EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], num_warps=cfg["num_warps"],
-    )
-    return row_out
-
-
-def _launch_split(logits, grad, targets, weights, behaviour, advantages, ref, row_out, cfg, has_kl,
-                  temperature, eps_low, eps_high, beta) -> torch.Tensor:
-    """The "split" schedule (`_grpo_split_kernel`): `split` chunks per row, `programs_per_sm`
-    programs per SM (all rows' tasks when that is 0, as under the interpreter)."""
-    num_rows, vocab = logits.shape
-    split = max(1, int(cfg.get("split", 2)))
-    chunk = -(-(-(-vocab // split)) // 64) * 64
-    split = -(-vocab // chunk)  # tiny vocabularies: fewer, full chunks
-    tasks = num_rows * split
-    if cfg.get("num_programs"):
-        num_programs = max(1, min(tasks, cfg["num_programs"]))
-    elif logits.device.type != "cuda" or cfg["programs_per_sm"] <= 0:
-        num_programs = tasks
-    else:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        num_programs = max(1, min(tasks, sms * cfg["programs_per_sm"]))
-    parts = torch.empty(num_rows, split, device=logits.device, dtype=torch.float32)
-    counts = torch.zeros(num_rows, device=logits.device, dtype=torch.int32)
-    _grpo_split_kernel[(num_programs,)](
-        logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour, advantages, ref,
-        row_out, parts, counts,
-        num_rows, triton.cdiv(tasks, num_programs), vocab, chunk, logits.stride(0),
-        grad.stride(0) if grad is not None else 0,
-        math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
-        HAS_KL=has_kl, WRITE_GRAD=grad is not None, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split),
-        BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
         EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], num_warps=cfg["num_warps"],
     )
     return row_out

@@ -28,7 +28,8 @@ from colocate.topology import Topology, gpu_index
 def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | None, stop: StopSignal) -> None:
     """The inference role: play batches, send them to the learners, take adapters as they come."""
     worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
-                           first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups)
+                           first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
+                           stream=cfg.rollout.stream)
     spec = getattr(engine, "spec", None) or LoraSpec.of(engine.lora_state())
     writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
                            tensorboard=cfg.metrics.tensorboard)
@@ -73,7 +74,8 @@ def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | No
     writer.close()
 
 
-BATCH_STATS = ("phases", "samples", "latency_s", "phase_latency_s_p50", "phase_latency_s_p95", "group_latency_s_p95",
+BATCH_STATS = ("polls", "samples", "latency_s", "poll_latency_s_p50", "poll_latency_s_p95", "request_latency_s_p50",
+               "request_latency_s_p95", "group_latency_s_p95",
                "requests_per_call", "generate_fraction", "out_tokens", "out_tokens_per_s", "prefix_cache_hit_rate")
 """Rollout and engine scalars kept per batch in `inference-rank<r>.json` (TensorBoard has them all)."""
 
