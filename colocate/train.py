@@ -32,7 +32,6 @@ from colocate.learner.loop import run_learner
 from colocate.lifecycle import StopSignal
 from colocate.models import add_lora, build_model, load_tokenizer, materialize
 from colocate.rollout.loop import run_inference
-from colocate.sync import LoraSpec
 from colocate.topology import Topology, build_topology
 
 
