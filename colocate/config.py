@@ -52,7 +52,7 @@ class LoraConfig:
     """Linear layers that get an adapter."""
     fused_epilogue: bool = True
     """Add the LoRA term inside the up-projection GEMM (`addmm`, beta=1, alpha=scaling) instead of
-    peft's separate `* scaling` and `+` over [tokens, out] (`models.fuse_lora_epilogues`)."""
+    peft's separate `* scaling` and `+` over [tokens, out] (`models.set_fused_lora`)."""
 
 
 @dataclass
@@ -125,7 +125,9 @@ class RolloutConfig:
     stream: bool = False
     """Each game sends its next phase to the engine as soon as its current one is answered, instead
     of every game waiting for the round's slowest completion (a phase barrier). Needs an engine
-    that streams (vLLM); the HF engine answers all pending requests at once either way."""
+    that streams (vLLM); the HF engine answers all pending requests at once either way. With
+    oversample_groups > 0 the batch takes the groups that finish first in wall-clock time, which
+    leans toward games with short completions."""
 
 
 @dataclass

@@ -133,18 +133,20 @@ def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
     Backward is addmm's: d(base(x)) is the incoming gradient itself and s folds into the two small
     GEMMs, so the [T, out] multiply of peft's backward goes too. Anything else (adapters disabled
-    for the reference pass, merged, several or variant adapters, per-sample adapter names) takes
-    peft's own path."""
+    for the reference pass, merged, several or variant adapters, a lora_B bias, extra arguments,
+    an adapter in another dtype than the activations, as fp32 adapters without FSDP's mixed
+    precision) takes peft's own path."""
     names = self.active_adapters
-    if self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None or len(names) != 1 \
-            or names[0] not in self.lora_A or names[0] in self.lora_variant:
+    name = names[0] if len(names) == 1 else None
+    if args or kwargs or self.disable_adapters or self.merged or name not in self.lora_A \
+            or name in self.lora_variant or self.lora_B[name].bias is not None \
+            or self.lora_A[name].weight.dtype != x.dtype:  # e.g. fp32 adapter on bf16 activations: peft's upcast
         return type(self).forward(self, x, *args, **kwargs)
-    name = names[0]
-    result = self.base_layer(x, *args, **kwargs)                                     # [..., out]
     lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-    h = lora_a(self.lora_dropout[name](self._cast_input_dtype(x, lora_a.weight.dtype)))  # [..., r]
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]).to(result.dtype),
-                      lora_b.weight.t().to(result.dtype), alpha=self.scaling[name])
+    result = self.base_layer(x)                                                      # [..., out]
+    h = lora_a(self.lora_dropout[name](x))                                           # [..., r]
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]), lora_b.weight.t(),
+                      alpha=self.scaling[name])
     return out.view(result.shape)
 
 

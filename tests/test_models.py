@@ -36,7 +36,8 @@ def _lora_pair(dtype):
     models = []
     for fused in (False, True):
         base = materialize(_meta_model(tie=False), ModelConfig(seed=5), "cpu").to(dtype)
-        model = add_lora(base, LoraConfig(rank=4, alpha=8.0, fused_epilogue=fused))
+        # all in `dtype`, as under FSDP2's mixed precision (peft alone would keep the adapter in fp32)
+        model = add_lora(base, LoraConfig(rank=4, alpha=8.0, fused_epilogue=fused)).to(dtype)
         with torch.no_grad():  # same A in both (peft draws it), B != 0 or the LoRA term would vanish
             g = torch.Generator().manual_seed(0)
             for n, p in model.named_parameters():
@@ -86,3 +87,22 @@ def test_fused_lora_epilogue_switches_every_adapter_forward():
     assert len(layers) == 7 and all("forward" in vars(m) for m in layers)
     assert not any("forward" in vars(m) for m in plain.modules() if isinstance(m, LoraLinear))
     assert set_fused_lora(fused, False) == 7 and not any("forward" in vars(m) for m in layers)
+
+
+def test_fused_lora_epilogue_leaves_fp32_adapters_on_bf16_to_peft():
+    """peft computes an fp32 adapter's term in fp32 on bf16 activations; the fused path would round
+    it to bf16, so it steps aside (exactly peft's result)."""
+    from colocate.config import LoraConfig
+    from colocate.models import add_lora
+    outs = []
+    for fused in (False, True):
+        base = materialize(_meta_model(tie=False), ModelConfig(seed=5), "cpu").to(torch.bfloat16)
+        model = add_lora(base, LoraConfig(rank=4, alpha=8.0, fused_epilogue=fused))
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    assert p.dtype == torch.float32  # peft's autocast of adapters
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            outs.append(model(input_ids=torch.arange(10)[None]).logits)
+    assert torch.equal(outs[0], outs[1])

@@ -423,7 +423,7 @@ class FakeLLM:
         self.rng = random.Random(seed)
         self.counter = 100
         self.running: dict[str, list[int]] = {}
-        self.llm_engine = SimpleNamespace(step=self._step)
+        self.llm_engine = SimpleNamespace(step=self._step, has_unfinished_requests=lambda: bool(self.running))
 
     def enqueue(self, prompts, params, lora_request=None, use_tqdm=True):
         ids = []
@@ -451,7 +451,7 @@ def _streaming_engine(monkeypatch, seed=0):
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the host side only
     engine.llm, engine.version, engine.eos_id, engine.grammar_mode = FakeLLM(seed), 3, EOS, "tokens"
     engine.lora_mode, engine._lora_request = "slot", None
-    engine._pending, engine._next_ticket = {}, 0
+    engine._pending, engine._next_ticket, engine._busy_since = {}, 0, 0.0
     engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "host_s", "generate_s",
                                      "prompt_tokens", "cached_prompt_tokens", "out_tokens"), 0)
     monkeypatch.setattr(engine, "_params", lambda requests: ([{"prompt_token_ids": r.prompt_ids} for r in requests],
@@ -478,8 +478,17 @@ def test_vllm_submit_poll_maps_outputs_to_tickets(monkeypatch):
 def test_vllm_poll_wait_all_and_no_update_while_streaming(monkeypatch):
     engine = _streaming_engine(monkeypatch, seed=1)
     engine.submit([Request(prompt_ids=[1, i], max_new_tokens=2) for i in range(8)])
-    with pytest.raises(RuntimeError, match="in flight"):
-        engine._set_version(4)  # weights must not change under running requests
-    with pytest.raises(RuntimeError, match="pending"):
-        engine.generate([Request(prompt_ids=[1], max_new_tokens=1)])
+    for update in (lambda: engine._set_version(4), lambda: engine.receive_lora(),
+                   lambda: engine.generate([Request(prompt_ids=[1], max_new_tokens=1)])):
+        with pytest.raises(RuntimeError, match="in flight"):
+            update()  # weights must not change under running requests (checked before any RPC)
     assert len(engine.poll(wait_all=True)) == 8 and not engine._pending
+    assert engine.counters["generate_s"] > 0  # first submit -> last answer
+
+
+def test_vllm_poll_refuses_requests_vllm_does_not_know(monkeypatch):
+    engine = _streaming_engine(monkeypatch, seed=2)
+    engine.submit([Request(prompt_ids=[1, 2], max_new_tokens=2)])
+    engine.llm.running.clear()  # lost inside vLLM: step() would block forever
+    with pytest.raises(RuntimeError, match="unknown to vLLM"):
+        engine.poll()

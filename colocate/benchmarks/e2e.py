@@ -53,7 +53,9 @@ def job_settings(job: str, async_lag: int, stream_set: list[str] = ()) -> tuple[
     base, _, variant = job.partition("-")
     if base not in ("async", "sync") or variant not in ("", "stream", "barrier"):
         raise SystemExit(f"--order: unknown job {job!r}; choose from async, sync, each optionally -stream or -barrier")
-    extra = {"": [], "stream": ["rollout.stream=true", *stream_set], "barrier": ["rollout.stream=false"]}[variant]
+    # a barrier job gets vLLM's default prefill chunk: the presets' small one is tuned for streaming
+    extra = {"": [], "stream": ["rollout.stream=true", *stream_set],
+             "barrier": ["rollout.stream=false", "engine.max_num_batched_tokens=0"]}[variant]
     return (async_lag if base == "async" else 0), extra
 
 
@@ -144,13 +146,15 @@ def run(args) -> dict:
             with open(args.partial, "w") as f:
                 json.dump(record, f, indent=1)
     runs = record["runs"]
-    if "async" in runs:
-        record["figures"] = {f"async_{k}": v for k, v in runs["async"].items()}
-    if "sync" in runs:
-        record["baseline"] = {f"sync_{k}": v for k, v in runs["sync"].items()}
+    first_async = next((j for j in jobs if j.startswith("async")), None)  # figures: ours
+    first_sync = next((j for j in jobs if j.startswith("sync")), None)    # baseline
+    if first_async:
+        record["figures"] = {f"{first_async}_{k}": v for k, v in runs[first_async].items()}
+    if first_sync:
+        record["baseline"] = {f"{first_sync}_{k}": v for k, v in runs[first_sync].items()}
     ratios = {}
-    for fast, slow in (("async", "sync"), ("async-stream", "sync-stream"), ("async-stream", "async-barrier"),
-                       ("async-stream", "async"), ("sync-stream", "sync-barrier"), ("sync-stream", "sync")):
+    for fast, slow in (("async", "sync"), ("async-stream", "sync-stream"), ("async-barrier", "sync-barrier"),
+                       ("async-stream", "async-barrier"), ("sync-stream", "sync-barrier")):
         if fast in runs and slow in runs:
             ratios[f"steps_per_hour_{fast}_over_{slow}"] = runs[fast]["steps_per_hour"] / runs[slow]["steps_per_hour"]
     if ratios:

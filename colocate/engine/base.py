@@ -57,6 +57,6 @@ class GenerateStream:
         pending = getattr(self, "_stream_pending", [])
         if not pending:
             return []
-        self._stream_pending = []
         completions = self.generate([r for _, r in pending])
+        self._stream_pending = []  # only once answered: a failing generate keeps the queue
         return [(t, c) for (t, _), c in zip(pending, completions)]

@@ -238,6 +238,7 @@ class VLLMEngine:
         self._reported = dict(self.counters)
         self._pending: dict[str, tuple[int, Request]] = {}  # streaming: vLLM request id -> (ticket, request)
         self._next_ticket = 0
+        self._busy_since = 0.0
         t0 = time.perf_counter()
         extra = {} if async_scheduling is None else {"async_scheduling": async_scheduling}  # None: vLLM's default
         if max_num_batched_tokens > 0:
@@ -288,8 +289,15 @@ class VLLMEngine:
         """Join learner rank 0's stateless NCCL group from the worker (blocks until all joined)."""
         return self.llm.collective_rpc("colocate_init_sync", args=(host, port, world_size, rank))[0]
 
+    def _require_idle(self, what: str) -> None:
+        """Weights change only between batches: a streamed request in flight would mix versions."""
+        if self._pending:
+            raise RuntimeError(f"{what} with {len(self._pending)} streamed requests in flight: the rollout "
+                               "worker must drain before an update")
+
     def receive_lora(self, verify: bool = False) -> dict:
         """Take the next broadcast of learner rank 0 into the slot; later samples carry its version."""
+        self._require_idle("adapter update")
         version, sent, checksum_ok, slot_ok, flags, apply_ms = self.llm.collective_rpc(
             "colocate_receive_adapter", args=(verify,))[0]
         if checksum_ok is False:
@@ -301,6 +309,7 @@ class VLLMEngine:
                 "flags": flags, "apply_ms": apply_ms}
 
     def load_lora(self, version: int, tensors: dict[str, torch.Tensor], verify: bool = False) -> None:
+        self._require_idle("adapter update")
         flat = flatten_lora({n: t.detach().cpu() for n, t in tensors.items()}, self.spec)
         (slot_ok,) = self.llm.collective_rpc(
             "colocate_load_adapter_bytes", args=(flat.view(torch.uint8).numpy().tobytes(), verify))[0]
@@ -317,9 +326,7 @@ class VLLMEngine:
         return bool(self.llm.collective_rpc("colocate_slot_matches")[0])
 
     def _set_version(self, version: int) -> None:
-        if self._pending:
-            raise RuntimeError(f"adapter version {version} arrived with {len(self._pending)} streamed requests "
-                               "in flight: the rollout worker must drain before an update")
+        self._require_idle(f"adapter version {version}")
         self.version = version
         self._lora_request = self._make_lora_request()  # slot: a new name is a new prefix-cache key
         if self.lora_mode == "merged" and not self.llm.reset_prefix_cache():
@@ -327,8 +334,7 @@ class VLLMEngine:
 
     # -- sampling --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
-        if self._pending:
-            raise RuntimeError("generate() while streamed requests are pending: poll them first")
+        self._require_idle("generate()")
         t0 = time.perf_counter()
         prompts, params = self._params(requests)
         t1 = time.perf_counter()
@@ -367,6 +373,8 @@ class VLLMEngine:
         ids = self.llm.enqueue(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         tickets = list(range(self._next_ticket, self._next_ticket + len(requests)))
         self._next_ticket += len(requests)
+        if not self._pending:
+            self._busy_since = t0  # the engine works from the first submit until the last answer
         for rid, ticket, r in zip(ids, tickets, requests):
             # outputs carry the id the LLM numbered the request with; vLLM appends "-<random>" inside
             self._pending[rid.split("-", 1)[0]] = (ticket, r)
@@ -378,15 +386,18 @@ class VLLMEngine:
         out = []
         engine = self.llm.llm_engine
         while self._pending and (wait_all or not out):
-            t0 = time.perf_counter()
+            if not engine.has_unfinished_requests():  # step() would wait for outputs that never come
+                raise RuntimeError(f"{len(self._pending)} streamed requests are unknown to vLLM "
+                                   f"(e.g. {next(iter(self._pending))})")
             finished = [o for o in engine.step() if o.finished]
             t1 = time.perf_counter()
             for o in finished:
                 ticket, r = self._pending.pop(o.request_id)
                 out.append((ticket, self._completion(o, r)))
-            self.counters["generate_s"] += t1 - t0
             self.counters["host_s"] += time.perf_counter() - t1
             self.counters["requests"] += len(finished)
+            if not self._pending:
+                self.counters["generate_s"] += time.perf_counter() - self._busy_since
         return out
 
     def _completion(self, out, request: Request) -> Completion:
@@ -404,8 +415,8 @@ class VLLMEngine:
     def stats(self) -> dict[str, float]:
         """Since the last call: requests, host time per request around vLLM (grammar, params, replay),
         completions that ended on an appended EOS, replay failures (0 with token grammars), prompt and
-        output tokens/s of `LLM.generate`, and the prefix-cache hit rate (cached / prompt tokens, from
-        vLLM's `num_cached_tokens`)."""
+        output tokens/s while the engine had work (`LLM.generate`; streamed: first submit to last
+        answer), and the prefix-cache hit rate (cached / prompt tokens, from vLLM's `num_cached_tokens`)."""
         d = {k: self.counters[k] - self._reported[k] for k in self.counters}
         self._reported = dict(self.counters)
         gen_s = max(d["generate_s"], 1e-9)

@@ -126,15 +126,15 @@ class LoraGather:
         mesh = sharded[0][1].device_mesh
         world, self.group = mesh.size(), mesh.get_group()
         rows_of = {n: -(-p.shape[0] // world) for n, p in sharded}
-        per_rank = sum(rows_of[n] * p[0].numel() for n, p in sharded)  # padded shard elements per rank
+        inner_of = {n: int(torch.Size(p.shape[1:]).numel()) for n, p in sharded}  # shapes only: indexing a DTensor is a collective
+        per_rank = sum(rows_of[n] * inner_of[n] for n, _ in sharded)  # padded shard elements per rank
         self.send = torch.zeros(per_rank, dtype=self.spec.dtype, device=self.flat.device)
         self.recv = torch.empty(world, per_rank, dtype=self.spec.dtype, device=self.flat.device)
         offset = 0
         for n, p in sharded:
             if len(p.placements) != 1 or p.placements[0] != Shard(0):
                 raise ValueError(f"{n}: LoraGather handles FSDP2's Shard(0) on a 1-D mesh, got {p.placements}")
-            rows, tail = rows_of[n], tuple(p.shape[1:])
-            inner = int(torch.Size(tail).numel())
+            rows, tail, inner = rows_of[n], tuple(p.shape[1:]), inner_of[n]
             mine = p.to_local().shape[0]
             if mine:
                 self._sharded.append(p)

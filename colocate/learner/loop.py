@@ -35,6 +35,8 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
 
     `sender` (learner rank 0 only, optional) replaces the torch.distributed broadcast, e.g. the
     stateless NCCL group into vLLM workers; it is built by the composition root."""
+    if learner.lora_spec != spec:  # the flat buffer goes out unlabelled: its layout must be the spec's
+        raise ValueError("the learner's adapter layout differs from the sync spec (names, shapes or dtype)")
     is_source = topo.rank == topo.sync_src
     writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0,
                            tensorboard=cfg.metrics.tensorboard)

@@ -107,10 +107,12 @@ class RolloutWorker:
             "groups_carried_over": float(len(self._live) + len(self._complete)),
             **{k: float(v) for k, v in self.env.metrics().items()},
         }
+        # Streamed, the engine (its own process) keeps working while this thread steps the env: its
+        # tokens/s are over the whole collect, and generate_fraction is the share spent blocked in poll.
         engine_stats = {
             "out_tokens": float(out_tokens),
-            "out_tokens_per_s": out_tokens / max(gen_time, 1e-9),
-            "requests_per_call": requests / max(len(poll_s), 1),
+            "out_tokens_per_s": out_tokens / max(elapsed if self.stream else gen_time, 1e-9),
+            "requests_per_call": requests / max(len(poll_s), 1),  # streamed: submissions per poll
             "generate_fraction": gen_time / max(elapsed, 1e-9),
             **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
         }
