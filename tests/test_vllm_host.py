@@ -380,7 +380,7 @@ def test_model_dir_holds_the_learners_weights_even_for_a_tied_shape(tmp_path, mo
     """What vLLM loads must be the learner's model, for a tied shape too (Qwen2.5-0.5B ties lm_head)."""
     from transformers import AutoModelForCausalLM
     from colocate import models
-    from colocate.engine.vllm import save_model_dir
+    from colocate.engine.model_dir import save_model_dir
     monkeypatch.setitem(models.SHAPES, "tiny", {**models.SHAPES["tiny"], "tie_word_embeddings": True})
     model = models.build_model(tiny_cfg.model, tiny_tokenizer, "cpu").eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight  # materialize keeps the tie

@@ -128,7 +128,8 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
                  cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None) -> Session:
     from colocate.config import load_config
-    from colocate.engine.vllm import VLLMEngine, ensure_model_dir, lora_spec_for
+    from colocate.engine.model_dir import ensure_model_dir
+    from colocate.engine.vllm import VLLMEngine, lora_spec_for
     from colocate.engine.vllm_sync import HOST, AdapterSender, StatelessGroup, listen_socket
     from colocate.train import build_policy
     if torch.device(LEARNER).type == "cuda" and torch.cuda.device_count() < 2:
