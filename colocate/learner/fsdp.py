@@ -117,7 +117,8 @@ class LoraGather:
         local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
         self.flat = torch.empty(self.spec.numel, dtype=self.spec.dtype, device=local[0].device)
         full = unflatten_lora(self.flat, self.spec)
-        self._plain = [(p, full[n]) for n, p in named if not isinstance(p, DTensor)]
+        plain = [(n, p) for n, p in named if not isinstance(p, DTensor)]
+        self._plain_src, self._plain_dst = [p for _, p in plain], [full[n] for n, _ in plain]
         sharded = [(n, p) for n, p in named if isinstance(p, DTensor)]
         self._sharded, self._send_dst, self._out_src, self._out_dst = [], [], [], []
         self.group = None
@@ -125,8 +126,9 @@ class LoraGather:
             return
         mesh = sharded[0][1].device_mesh
         world, self.group = mesh.size(), mesh.get_group()
+        # sizes from shapes only: indexing a DTensor (p[0]) would be an all-gather
         rows_of = {n: -(-p.shape[0] // world) for n, p in sharded}
-        inner_of = {n: int(torch.Size(p.shape[1:]).numel()) for n, p in sharded}  # shapes only: indexing a DTensor is a collective
+        inner_of = {n: int(torch.Size(p.shape[1:]).numel()) for n, p in sharded}
         per_rank = sum(rows_of[n] * inner_of[n] for n, _ in sharded)  # padded shard elements per rank
         self.send = torch.zeros(per_rank, dtype=self.spec.dtype, device=self.flat.device)
         self.recv = torch.empty(world, per_rank, dtype=self.spec.dtype, device=self.flat.device)
@@ -149,8 +151,8 @@ class LoraGather:
     @torch.no_grad()
     def __call__(self) -> torch.Tensor:
         """-> [numel] full adapter in spec order (a collective when sharded)."""
-        if self._plain:
-            torch._foreach_copy_([d for _, d in self._plain], [p for p, _ in self._plain])
+        if self._plain_src:
+            torch._foreach_copy_(self._plain_dst, self._plain_src)
         if self.group is not None:
             # to_local() under no_grad is the live local tensor (FSDP2 may swap it at lazy init)
             if self._sharded:
