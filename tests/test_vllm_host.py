@@ -401,16 +401,19 @@ def test_model_dir_holds_the_learners_weights_even_for_a_tied_shape(tmp_path, mo
         assert torch.equal(untied(ids).logits, loaded(ids).logits)
 
 
-def test_adapter_sender_flattens_in_spec_order():
+def test_adapter_sender_sends_header_then_the_flat_buffer():
     from colocate.engine.vllm_sync import AdapterSender
     sent = []
     group = SimpleNamespace(device=torch.device("cpu"), broadcast=lambda t: sent.append(t.clone()))
     tensors = {"b.lora_A.weight": torch.randn(2, 3), "a.lora_B.weight": torch.randn(4, 2)}
     spec = LoraSpec.of(tensors)
-    AdapterSender(group, spec).send(tensors, 7, with_checksum=True, flags=2)
+    sender = AdapterSender(group, spec)
+    sender.send(flatten_lora(tensors, spec), 7, with_checksum=True, flags=2)
     header, flat = sent
     assert header.tolist() == [7, spec.numel, checksum(flat), 2]
     assert torch.equal(flat, flatten_lora(tensors, spec))
+    with pytest.raises(ValueError, match="not the spec"):  # a buffer of another layout is refused
+        sender.send(torch.zeros(spec.numel + 1), 8)
 
 
 # ------------------------------------------------------------------------------- streaming

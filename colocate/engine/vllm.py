@@ -239,8 +239,8 @@ class VLLMEngine:
     def _require_idle(self, what: str) -> None:
         """Weights change only between batches: a streamed request in flight would mix versions."""
         if self._pending:
-            raise RuntimeError(f"{what} with {len(self._pending)} streamed requests in flight: the rollout "
-                               "worker must drain before an update")
+            raise RuntimeError(f"{what} with {len(self._pending)} streamed requests in flight: poll them "
+                               "until none is pending first")
 
     def receive_lora(self, verify: bool = False) -> dict:
         """Take the next broadcast of learner rank 0 into the slot; later samples carry its version."""

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from colocate.engine.vllm_worker import synchronize
-from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
+from colocate.sync import LoraSpec, flatten_lora
 
 HOST = "127.0.0.1"  # one node: learner rank 0 and the vLLM workers share it
 HEADER_NUMEL = 4    # int64 [version, numel, checksum, flags], as colocate.sync
@@ -81,29 +81,21 @@ class StatelessGroup:
 
 
 class AdapterSender:
-    """Learner rank 0's end: flatten the adapter into one persistent buffer and broadcast it."""
+    """Learner rank 0's end: broadcast the flat adapter (the learner's `LoraGather` buffer)."""
 
     def __init__(self, group: StatelessGroup, spec: LoraSpec):
         self.group = group
         self.spec = spec
-        self.flat = torch.empty(spec.numel, dtype=spec.dtype, device=group.device)
-        views = unflatten_lora(self.flat, spec)
-        self.views = [views[n] for n in spec.names]
         self.header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=group.device)
 
-    def send(self, tensors: dict[str, torch.Tensor] | torch.Tensor, version: int, *, with_checksum: bool = False,
-             flags: int = 0, wait: bool = True) -> float:
-        """Broadcast `tensors` as `version`; seconds spent. A flat tensor in spec order (the learner's
-        `LoraGather` buffer) goes out as is; a dict is first copied into this sender's buffer.
-        `wait=False` returns once enqueued (the receivers complete it), which lets one process drive
-        both ends in benchmarks. The buffer must not change before the broadcast ran: the learner's
-        next gather is later on the same stream."""
+    def send(self, flat: torch.Tensor, version: int, *, with_checksum: bool = False, flags: int = 0,
+             wait: bool = True) -> float:
+        """Broadcast `flat` ([numel] in spec order) as `version`; seconds spent. `wait=False` returns
+        once enqueued (the receivers complete it), which lets one process drive both ends in
+        benchmarks. The buffer must not change before the broadcast ran: the learner's next gather
+        is later on the same stream."""
         t0 = time.perf_counter()
-        if isinstance(tensors, torch.Tensor):
-            flat = flatten_lora(tensors, self.spec)  # checks shape and dtype, no copy
-        else:  # one multi-tensor copy: a copy per tensor is 392 launches at 7B, ~5 ms of host time
-            torch._foreach_copy_(self.views, [tensors[n].detach() for n in self.spec.names])
-            flat = self.flat
+        flat = flatten_lora(flat, self.spec)  # checks shape and dtype, no copy
         sent_sum = chunked_checksum(flat) if with_checksum else 0
         self.header.copy_(torch.tensor([version, self.spec.numel, sent_sum, flags], dtype=torch.int64))
         self.group.broadcast(self.header)

@@ -76,18 +76,19 @@ class Learner:
             dist.all_reduce(t, op=op, group=self.topology.learner_group)
         return t
 
+    def _lora_gather(self) -> fsdp.LoraGather:
+        if self._gather is None:
+            self._gather = fsdp.LoraGather(self.model)
+        return self._gather
+
     def lora_flat(self) -> torch.Tensor:
         """[numel] full adapter in `lora_spec` order, in a buffer the next call overwrites. With FSDP a
         collective: every learner calls it."""
-        if self._gather is None:
-            self._gather = fsdp.LoraGather(self.model)
-        return self._gather()
+        return self._lora_gather()()
 
     @property
     def lora_spec(self):
-        if self._gather is None:
-            self._gather = fsdp.LoraGather(self.model)
-        return self._gather.spec
+        return self._lora_gather().spec
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         """Full adapter tensors by canonical name: views of `lora_flat()` (valid until the next call)."""
