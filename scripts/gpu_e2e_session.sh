@@ -7,10 +7,12 @@
 #   1. e2e: configs/gpu-4.yaml (7B shape, Diplomacy, 32 groups x 2, horizon 4), async (lag 1) then sync
 #   2. trainer: 4 learner GPUs, the e2e workload's group size (2): padded baseline, packed, compiled
 #   3. sync: adapter sync at the 7B shape on GPUs 0 and 1
-# ONLY_E2E=1 (set for `start`) stops after step 1; E2E_STEPS (default 6) sets the steps per job;
+# ONLY_E2E=1 (set for `start`) stops after step 1; TRAINER_COMPILE_BUDGET (default 16384) is step 2's
+# token budget of the compiled variant; E2E_STEPS (default 6) sets the steps per job;
 # E2E_SET adds settings to the e2e jobs (e.g. "engine.lora_mode=merged"); E2E_CONFIG, E2E_NPROC and
 # E2E_ORDER (defaults configs/gpu-4.yaml, 4, async,sync) pick another preset (E2E_ORDER also takes
-# async-stream, async-barrier, ...; E2E_STREAM_SET: settings of the -stream jobs only), e.g. the 8-GPU run:
+# async-stream, async-barrier, ..., and +NAME for a variant; E2E_STREAM_SET: settings of the -stream jobs only;
+# E2E_VARIANTS: "NAME:k=v,k=v ..." for the +NAME jobs), e.g. the 8-GPU run:
 #   ONLY_E2E=1 E2E_CONFIG=configs/gpu-8.yaml E2E_NPROC=8 E2E_STEPS=12 E2E_ORDER=async \
 #     E2E_SET="topology.num_inference=6 topology.num_learners=2" bash scripts/gpu_e2e_session.sh start
 # Results: /tmp/gs/*.json and logs; `wait` copies them to $OUT.
@@ -28,13 +30,13 @@ chain() {
   timeout -k 20 1500 python3 scripts/benchmark.py --profile e2e --config "${E2E_CONFIG:-configs/gpu-4.yaml}" \
     --nproc "${E2E_NPROC:-4}" --steps "$E2E_STEPS" --warmup 2 --order "${E2E_ORDER:-async,sync}" --job-timeout-s 720 \
     --partial $GS/e2e-partial.json --out $GS/e2e-h200x"${E2E_NPROC:-4}".json --set metrics.nvml_interval_s=1 checkpoint.enabled=false metrics.stall_timeout_s=0 \
-    ${E2E_SET:-} ${E2E_STREAM_SET:+--stream-set $E2E_STREAM_SET}
+    ${E2E_SET:-} ${E2E_STREAM_SET:+--stream-set $E2E_STREAM_SET} ${E2E_VARIANTS:+--variant $E2E_VARIANTS}
   echo "== $(date +%T) e2e rc=$?"
   for f in /tmp/colocate-e2e-*/*.log; do cp "$f" "$GS/$(basename "$f" .log)-job.log"; done
   [ -n "${ONLY_E2E:-}" ] && { echo "chain done"; return; }
   echo "== $(date +%T) trainer"
   timeout -k 20 420 python3 scripts/benchmark.py --profile trainer --num-gpus 4 --group-size 2 --budgets 16384 \
-    --sdpa-budget 0 --ac-budget 0 --compile-budget 16384 --time-limit-s 300 --partial $GS/trainer-partial.json \
+    --sdpa-budget 0 --ac-budget 0 --compile-budget "${TRAINER_COMPILE_BUDGET:-16384}" --time-limit-s 300 --partial $GS/trainer-partial.json \
     --out $GS/trainer-h200x4-g2.json
   echo "== $(date +%T) trainer rc=$?"
   echo "== $(date +%T) sync 7b"

@@ -42,3 +42,23 @@ def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
 def test_steady_state_needs_more_steps_than_warmup():
     with pytest.raises(ValueError, match="warmup"):
         steady_state({"timeline": learner_rows(1.0, 0.5, 2)}, [], warmup=2)
+
+
+def test_job_settings_with_variants():
+    from colocate.benchmarks.e2e import job_settings, parse_variants
+    variants = parse_variants(["nocheck:engine.validate_grammars=false",
+                               "os4:rollout.oversample_groups=4, learner.max_policy_lag=2"])
+    assert variants == {"nocheck": ["engine.validate_grammars=false"],
+                        "os4": ["rollout.oversample_groups=4", "learner.max_policy_lag=2"]}
+    assert job_settings("sync", 1) == (0, [])
+    lag, extra = job_settings("async-stream+nocheck+os4", 1, ["engine.max_num_batched_tokens=1024"], variants)
+    # the variant's settings come after the stream settings, so they win on the command line
+    assert lag == 1 and extra == ["rollout.stream=true", "engine.max_num_batched_tokens=1024",
+                                  "engine.validate_grammars=false", "rollout.oversample_groups=4",
+                                  "learner.max_policy_lag=2"]
+    for bad_job in ("async-stream+missing", "fast", "async-fast"):
+        with pytest.raises(SystemExit):
+            job_settings(bad_job, 1, [], variants)
+    for bad_spec in ("nocolon", "name:", "name:novalue"):
+        with pytest.raises(SystemExit):
+            parse_variants([bad_spec])

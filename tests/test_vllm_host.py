@@ -344,8 +344,32 @@ def test_engine_settings_from_config(tiny_cfg):
     s = engine_settings(tiny_cfg, num_inference=2, seed=5)
     assert s["max_num_seqs"] == (16 // 2) * 8 and s["max_model_len"] == 128
     assert s["lora_rank"] == tiny_cfg.lora.rank and s["seed"] == 5 and s["lora_mode"] == "slot"
+    assert s["validate_grammars"] is True  # vLLM's own check stays on unless the config turns it off
     # 16 groups on 3 ranks: 6, 5, 5; the engine is sized for the largest share
     assert engine_settings(tiny_cfg, num_inference=3, seed=0)["max_num_seqs"] == 6 * 8
+
+
+def test_skip_client_grammar_validation_replaces_vllms_check(monkeypatch):
+    import sys
+    import types
+    from colocate.engine.vllm import skip_client_grammar_validation
+    guidance = types.ModuleType("vllm.v1.structured_output.backend_guidance")
+
+    def strict(sampling_params, tokenizer=None):
+        raise ValueError("Grammar error: checked")
+    guidance.validate_guidance_grammar = strict
+    for name in ("vllm", "vllm.v1", "vllm.v1.structured_output"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, guidance.__name__, guidance)
+    monkeypatch.setattr(sys.modules["vllm.v1.structured_output"], "backend_guidance", guidance, raising=False)
+
+    def verify(params):  # what SamplingParams._validate_structured_outputs does on every request
+        from vllm.v1.structured_output.backend_guidance import validate_guidance_grammar
+        return validate_guidance_grammar(params, tokenizer=None)
+    with pytest.raises(ValueError, match="checked"):
+        verify(object())
+    skip_client_grammar_validation()
+    assert verify(object()) is None and guidance.validate_guidance_grammar is not strict
 
 
 def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):

@@ -39,23 +39,47 @@ def add_args(parser) -> None:
     parser.add_argument("--lag", type=int, default=1, help="max_policy_lag of the async run")
     parser.add_argument("--order", default="async,sync",
                         help="which jobs run, in this order: async, sync, each optionally -stream or -barrier "
-                             "(rollout.stream on / off; plain: the config's)")
+                             "(rollout.stream on / off; plain: the config's), then any +VARIANT (see --variant), "
+                             "e.g. async-stream,async-stream+nocheck")
     parser.add_argument("--job-timeout-s", type=float, default=3600.0, help="a job running longer is killed")
     parser.add_argument("--partial", default="", help="also write the record here after each job")
     parser.add_argument("--set", nargs="*", default=[],
                         help="extra config overrides, section.key=value (the leading -- may be left out)")
     parser.add_argument("--stream-set", nargs="*", default=[],
                         help="overrides for the -stream jobs only (e.g. engine.max_num_batched_tokens=1024)")
+    parser.add_argument("--variant", nargs="*", default=[],
+                        help="named overrides for jobs ending in +NAME: NAME:section.key=value[,section.key=value], "
+                             "e.g. nocheck:engine.validate_grammars=false")
 
 
-def job_settings(job: str, async_lag: int, stream_set: list[str] = ()) -> tuple[int, list[str]]:
-    """'async' | 'sync', optionally '-stream' / '-barrier' -> (max_policy_lag, extra settings)."""
-    base, _, variant = job.partition("-")
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """['name:a.b=1,c.d=2', ...] -> {'name': ['a.b=1', 'c.d=2']}."""
+    out = {}
+    for spec in specs:
+        name, sep, settings = spec.partition(":")
+        items = [s.strip() for s in settings.split(",") if s.strip()]
+        if not sep or not name or not items or not all("=" in s for s in items):
+            raise SystemExit(f"--variant: {spec!r} is not NAME:section.key=value[,section.key=value]")
+        out[name] = items
+    return out
+
+
+def job_settings(job: str, async_lag: int, stream_set: list[str] = (),
+                 variants: dict[str, list[str]] | None = None) -> tuple[int, list[str]]:
+    """'async' | 'sync', optionally '-stream' / '-barrier', then '+NAME'... -> (max_policy_lag, extra
+    settings). A variant's settings come last, so they may override the lag too."""
+    head, *names = job.split("+")
+    base, _, variant = head.partition("-")
     if base not in ("async", "sync") or variant not in ("", "stream", "barrier"):
         raise SystemExit(f"--order: unknown job {job!r}; choose from async, sync, each optionally -stream or -barrier")
+    unknown = [n for n in names if n not in (variants or {})]
+    if unknown:
+        raise SystemExit(f"--order: job {job!r} names variant(s) {unknown} that no --variant defines")
     # a barrier job gets vLLM's default prefill chunk: the presets' small one is tuned for streaming
     extra = {"": [], "stream": ["rollout.stream=true", *stream_set],
              "barrier": ["rollout.stream=false", "engine.max_num_batched_tokens=0"]}[variant]
+    for n in names:
+        extra = [*extra, *variants[n]]
     return (async_lag if base == "async" else 0), extra
 
 
@@ -135,12 +159,14 @@ def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:
 def run(args) -> dict:
     root = tempfile.mkdtemp(prefix="colocate-e2e-")
     jobs = [j.strip() for j in args.order.split(",") if j.strip()]
-    settings = {job: job_settings(job, args.lag, args.stream_set) for job in jobs}
+    variants = parse_variants(args.variant)
+    settings = {job: job_settings(job, args.lag, args.stream_set, variants) for job in jobs}
     record: dict = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
                     "lag": args.lag, "runs": {}}
     for job in jobs:
         lag, extra = settings[job]
-        record["runs"][job] = run_job(args, lag, os.path.join(root, job), extra)
+        run_dir = os.path.join(root, job.replace("+", "_"))
+        record["runs"][job] = {**run_job(args, lag, run_dir, extra), "settings": extra}
         print(f"[e2e] {job}: " + json.dumps(record["runs"][job]), flush=True)
         if args.partial:
             with open(args.partial, "w") as f:
@@ -157,6 +183,10 @@ def run(args) -> dict:
                        ("async-stream", "async-barrier"), ("sync-stream", "sync-barrier")):
         if fast in runs and slow in runs:
             ratios[f"steps_per_hour_{fast}_over_{slow}"] = runs[fast]["steps_per_hour"] / runs[slow]["steps_per_hour"]
+    for job in jobs:  # each variant against the same job without it
+        plain = job.split("+")[0]
+        if "+" in job and plain in runs:
+            ratios[f"steps_per_hour_{job}_over_{plain}"] = runs[job]["steps_per_hour"] / runs[plain]["steps_per_hour"]
     if ratios:
         record["ratios"] = ratios
     return record

@@ -222,6 +222,7 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
         s.engine.generate(probe)
         times.append((time.perf_counter() - t) * 1e3)
     out["sync/first_token_no_update_ms"] = statistics.median(times)
+    out.update(first_token_breakdown(s, probe, iters))
     if s.engine.lora_mode == "merged":  # built without LoRA: vLLM's loader, the disk path, is not there
         out["sync/disk_skipped"] = "lora_mode=merged"
         return out
@@ -248,6 +249,42 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     for k, v in disk.items():
         out[f"sync/disk_{k}"] = statistics.median(v)
     out["sync/speedup_vs_disk"] = out["sync/disk_total_ms"] / out["sync/ours_total_ms"]
+    return out
+
+
+def first_token_breakdown(s: Session, probe: list[Request], iters: int) -> dict:
+    """Where the one-token generate after an update goes, each part timed on its own (medians):
+      rpc_roundtrip_ms       one `collective_rpc` that does nothing (client -> engine core -> worker -> back)
+      first_token_stream_ms  the probe through `submit` + `poll` (`LLM.enqueue` + `llm_engine.step()`,
+                             what streamed rollouts use) instead of `LLM.generate`
+      first_token_16_ms      a 16-token prompt instead of 64 (how much is prefill)
+      two_tokens_ms          max_tokens=2: minus first_token_no_update_ms, one decode step
+      first_token_base_ms    no LoRA request at all (slot mode: the LoRA kernels' share)"""
+    from vllm import SamplingParams
+
+    def median_ms(fn) -> float:
+        fn()  # warm
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    vocab, eos = len(s.tokenizer), s.tokenizer.eos_token_id
+    short = synthetic_requests(1, vocab, eos, seed=8, prompt_len=16, shared=0, max_new_tokens=1, constrained=False)
+    two = synthetic_requests(1, vocab, eos, seed=7, prompt_len=64, shared=0, max_new_tokens=2, constrained=False)
+    prompt = [{"prompt_token_ids": probe[0].prompt_ids}]
+    out = {
+        "sync/rpc_roundtrip_ms": median_ms(lambda: s.engine.llm.collective_rpc("colocate_ping")),
+        "sync/first_token_stream_ms": median_ms(lambda: (s.engine.submit(probe), s.engine.poll(wait_all=True))),
+        "sync/first_token_16_ms": median_ms(lambda: s.engine.generate(short)),
+        "sync/two_tokens_ms": median_ms(lambda: s.engine.generate(two)),
+    }
+    if s.engine.lora_mode == "slot":
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        out["sync/first_token_base_ms"] = median_ms(
+            lambda: s.engine.llm.generate(prompt, params, use_tqdm=False))
     return out
 
 

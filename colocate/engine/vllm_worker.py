@@ -274,5 +274,9 @@ class ColocateWorkerExtension:
         """The adapter last received, in the learner's dtype and layout (for checksums)."""
         return self.colocate_slot.flat.cpu().view(torch.uint8).numpy().tobytes()
 
+    def colocate_ping(self) -> int:
+        """Nothing: the round trip of one `collective_rpc` (the sync benchmark's breakdown)."""
+        return 0
+
     def colocate_slot_matches(self) -> bool:
         return self.colocate_slot.matches()
