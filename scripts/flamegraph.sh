@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# py-spy flame graphs of every rank of a torchrun job: one SVG per rank.
+# py-spy flame graphs of every rank of a torchrun job: one SVG per rank, and one per vLLM engine core.
 #
-#   scripts/flamegraph.sh [--duration S] [--native] [--rate HZ] [--out DIR] --pid PID
+#   scripts/flamegraph.sh [--duration S] [--delay S] [--native] [--rate HZ] [--format F[,F]] [--out DIR] --pid PID
 #       record the ranks of a running job; PID is the torchrun launcher (or any ancestor of the ranks)
-#   scripts/flamegraph.sh [--duration S] [--native] [--rate HZ] [--out DIR] -- COMMAND...
+#   scripts/flamegraph.sh [options] -- COMMAND...
 #       start COMMAND (e.g. torchrun --nproc-per-node 2 -m colocate.train ...), record its ranks
 #
 # Ranks are found as descendants of PID whose environment has RANK=<n>; each is recorded in
-# parallel with `py-spy record` into DIR/rank<n>.svg (default DIR: profiles/flamegraphs).
+# parallel with `py-spy record` into DIR/rank<n>.svg (default DIR: profiles/flamegraphs). An
+# inference rank's vLLM engine core (its child process "EngineCore", which does the scheduling,
+# the grammar masks and the GPU launches) goes to DIR/rank<n>-enginecore.svg. --delay waits
+# before recording (past engine start-up); --format flamegraph (default), raw (collapsed stacks,
+# .txt, for scripts) or speedscope (.json), several comma-separated.
 # --native adds C/C++ frames (slower, needs symbols). py-spy needs ptrace: in a container, run with
 # CAP_SYS_PTRACE or as root with kernel.yama.ptrace_scope <= 1.
 set -euo pipefail
 
-duration=20 native="" rate=100 out="profiles/flamegraphs" pid="" cmd=()
+duration=20 delay=0 native="" rate=100 formats="flamegraph" out="profiles/flamegraphs" pid="" cmd=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
+    --delay) delay=$2; shift 2 ;;
+    --format) formats=$2; shift 2 ;;
     --native) native="--native"; shift ;;
     --rate) rate=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --pid) pid=$2; shift 2 ;;
     --) shift; cmd=("$@"); break ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "flamegraph.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -40,7 +46,7 @@ descendants() {  # all descendant pids of $1
   for child in $(pgrep -P "$1" 2>/dev/null); do echo "$child"; descendants "$child"; done
 }
 rank_of() {  # RANK=<n> from a process environment, empty if none
-  tr '\0' '\n' < "/proc/$1/environ" 2>/dev/null | sed -n 's/^RANK=//p' | head -n1
+  { tr '\0' '\n' < "/proc/$1/environ"; } 2>/dev/null | sed -n 's/^RANK=//p' | head -n1 || true  # may have exited
 }
 
 # Wait (up to 120 s) until the ranks exist and have imported Python.
@@ -56,17 +62,33 @@ for _ in $(seq 1 240); do
 done
 [ ${#ranks[@]} -gt 0 ] || { echo "flamegraph.sh: no ranks (RANK=...) under pid $pid" >&2; exit 1; }
 sleep 2  # let them get past start-up
+sleep "$delay"
+
+# name -> pid: rank<n>, and rank<n>-enginecore for a vLLM engine core under rank n
+declare -A targets
+for r in "${!ranks[@]}"; do
+  targets[rank$r]=${ranks[$r]}
+  for p in $(descendants "${ranks[$r]}"); do
+    if { tr '\0' ' ' < "/proc/$p/cmdline"; } 2>/dev/null | grep -q EngineCore; then targets[rank$r-enginecore]=$p; break; fi
+  done
+done
 
 recorders=()
-for r in "${!ranks[@]}"; do
-  py-spy record --pid "${ranks[$r]}" --duration "$duration" --rate "$rate" $native --nonblocking \
-    --format flamegraph --output "$out/rank$r.svg" >"$out/rank$r.log" 2>&1 &
-  recorders+=($!)
+for name in "${!targets[@]}"; do
+  for fmt in ${formats//,/ }; do
+    case $fmt in flamegraph) ext=svg ;; raw) ext=txt ;; speedscope) ext=json ;;
+      *) echo "flamegraph.sh: unknown format $fmt" >&2; exit 2 ;; esac
+    py-spy record --pid "${targets[$name]}" --duration "$duration" --rate "$rate" $native --nonblocking \
+      --format "$fmt" --output "$out/$name.$ext" >"$out/$name.$fmt.log" 2>&1 &
+    recorders+=($!)
+  done
 done
 status=0
 for p in "${recorders[@]}"; do wait "$p" || status=1; done
 if [ -n "$started" ]; then wait "$pid" || true; fi
-for r in "${!ranks[@]}"; do
-  if [ -s "$out/rank$r.svg" ]; then echo "rank $r: $out/rank$r.svg"; else echo "rank $r: no samples (see $out/rank$r.log)" >&2; status=1; fi
+for name in "${!targets[@]}"; do
+  for f in "$out/$name".*; do
+    case $f in *.log) ;; *) [ -s "$f" ] && echo "$name: $f" ;; esac
+  done
 done
 exit $status

@@ -8,7 +8,7 @@
 #   2. trainer: 4 learner GPUs, the e2e workload's group size (2): padded baseline, packed, compiled
 #   3. sync: adapter sync at the 7B shape on GPUs 0 and 1
 # ONLY_E2E=1 (set for `start`) stops after step 1; TRAINER_COMPILE_BUDGET (default 16384) is step 2's
-# token budget of the compiled variant; E2E_STEPS (default 6) sets the steps per job;
+# token budget of the compiled variant; CHAIN_SYNC=0 leaves out step 3; E2E_STEPS (default 6) sets the steps per job;
 # E2E_SET adds settings to the e2e jobs (e.g. "engine.lora_mode=merged"); E2E_CONFIG, E2E_NPROC and
 # E2E_ORDER (defaults configs/gpu-4.yaml, 4, async,sync) pick another preset (E2E_ORDER also takes
 # async-stream, async-barrier, ..., and +NAME for a variant; E2E_STREAM_SET: settings of the -stream jobs only;
@@ -39,6 +39,7 @@ chain() {
     --sdpa-budget 0 --ac-budget 0 --compile-budget "${TRAINER_COMPILE_BUDGET:-16384}" --time-limit-s 300 --partial $GS/trainer-partial.json \
     --out $GS/trainer-h200x4-g2.json
   echo "== $(date +%T) trainer rc=$?"
+  [ "${CHAIN_SYNC:-1}" = 0 ] && { echo "chain done"; return; }
   echo "== $(date +%T) sync 7b"
   CUDA_VISIBLE_DEVICES=0,1 COLOCATE_PARTIAL_JSON=$GS/sync-7b-partial.json timeout -k 20 300 \
     python3 scripts/benchmark.py --profile sync --shape 7b --budget-s 200 --out $GS/sync-7b.json
