@@ -184,6 +184,13 @@ class SyncConfig:
     """auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
     check_checksum: bool = False
     """Broadcast a checksum with every adapter and verify it on the receivers."""
+    fanout: str = "broadcast"
+    """vLLM engines: how each adapter version reaches them. broadcast: one NCCL group of learner
+    rank 0 and every engine, so every engine takes a version at the same moment (one that finished
+    its batch first waits at the broadcast for the others). per_engine: one group per engine, each
+    send on its own CUDA stream, so each engine takes a version when it is ready; the learner's
+    later kernels still wait until every engine has it. The HF engine always takes the broadcast
+    on the torch sync group."""
 
 
 @dataclass
@@ -261,6 +268,7 @@ _CHOICES = {
     ("loss", "impl"): ("auto", "triton", "torch"),
     ("learner", "attention"): ("auto", "varlen", "sdpa"),
     ("sync", "backend"): ("auto", "nccl", "gloo"),
+    ("sync", "fanout"): ("broadcast", "per_engine"),
 }
 
 

@@ -5,7 +5,7 @@ module; pytest's stays out of it) and checks what that run wrote:
   * torchrun train: 1 inference rank with VLLMEngine + 1 learner, Qwen2.5-0.5B shape, arithmetic,
     in both LoRA modes; every adapter version arrives over the stateless NCCL group with a checksum
     and a read-back of the slot or of the merged weights (the engine raises on any mismatch), and
-    the run finishes all its steps;
+    the run finishes all its steps; with 3 GPUs, 2 engines + 1 learner in both `sync.fanout` modes;
   * session: one engine, the learner's adapter pushed in place -> checksum, slot == received bytes,
     engine bytes == learner bytes; sync faster than the disk path; vLLM's log-probs of constrained
     completions equal the learner's over `allowed_ids` within 0.02 nats, with no replay failure.
@@ -62,6 +62,25 @@ def test_train_with_vllm_engine_over_torchrun(tmp_path, lora_mode):
     assert sync["sync/version"] == [float(v) for v in range(1, steps + 1)]
     assert sync["sync/checksum_ok"] == [1.0] * steps
     assert all(v > 0 for v in sync["engine/out_tokens_per_s"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs (2 engines + 1 learner)")
+@pytest.mark.parametrize("fanout", ["broadcast", "per_engine"])
+def test_two_engines_take_every_version_with_either_fanout(tmp_path, fanout):
+    """per_engine: one NCCL group per engine, each send on its own stream; every version reaches
+    both engines bit for bit (checksums) and the run ends."""
+    steps = 3
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "-m", "colocate.train",
+         "--config", "configs/cpu-tiny.yaml", "--model.shape=qwen2.5-0.5b", "--model.dtype=bfloat16",
+         f"--model.cache_dir={tmp_path / 'cache'}", "--engine.kind=vllm", "--engine.gpu_memory_utilization=0.5",
+         "--topology.num_inference=2", "--topology.num_learners=1", f"--sync.fanout={fanout}",
+         "--learner.max_policy_lag=1", f"--learner.num_steps={steps}", "--learner.attention=sdpa",
+         "--sync.check_checksum=true", f"--metrics.run_dir={tmp_path / 'run'}"], timeout=480)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == steps
+    sync = tb_scalars(str(tmp_path / "run" / "tb" / "inference"))  # inference rank 0's scalars
+    assert sync["sync/version"] == [float(v) for v in range(1, steps + 1)]
+    assert sync["sync/checksum_ok"] == [1.0] * steps
 
 
 def test_session_sync_checksum_and_logprob_parity(tmp_path):

@@ -440,6 +440,49 @@ def test_adapter_sender_sends_header_then_the_flat_buffer():
         sender.send(torch.zeros(spec.numel + 1), 8)
 
 
+def test_adapter_sender_sends_the_same_version_to_every_engine_group():
+    from colocate.engine.vllm_sync import AdapterSender
+    sent = {0: [], 1: [], 2: []}
+    groups = [SimpleNamespace(device=torch.device("cpu"), broadcast=lambda t, i=i: sent[i].append(t.clone()))
+              for i in sent]
+    tensors = {"b.lora_A.weight": torch.randn(2, 3), "a.lora_B.weight": torch.randn(4, 2)}
+    spec = LoraSpec.of(tensors)
+    flat = flatten_lora(tensors, spec)
+    AdapterSender(groups, spec).send(flat, 5, flags=1)
+    for i in sent:  # each engine's group gets its own header, then the buffer
+        header, body = sent[i]
+        assert header.tolist() == [5, spec.numel, 0, 1] and torch.equal(body, flat)
+
+
+def test_group_membership_per_fanout():
+    from colocate.engine.vllm_sync import group_membership, num_groups
+    # broadcast: one group, learner rank 0 + every engine; per_engine: a pair per engine
+    assert [group_membership("broadcast", 3, e) for e in range(3)] == [(0, 4, 1), (0, 4, 2), (0, 4, 3)]
+    assert [group_membership("per_engine", 3, e) for e in range(3)] == [(0, 2, 1), (1, 2, 1), (2, 2, 1)]
+    assert num_groups("broadcast", 3) == 1 and num_groups("per_engine", 3) == 3
+    with pytest.raises(ValueError, match="fanout"):
+        num_groups("ring", 2)
+    with pytest.raises(ValueError):
+        group_membership("per_engine", 2, 2)
+
+
+def _ports_worker(rank: int, port: int, result):
+    import torch.distributed as dist
+    from colocate.engine.vllm_sync import exchange_ports
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    topo = SimpleNamespace(num_inference=2, device=torch.device("cpu"), sync_src=2, sync_group=None)
+    result[rank] = exchange_ports(topo, [41001, 41002] if rank == 2 else None)
+    dist.destroy_process_group()
+
+
+def test_exchange_ports_reaches_every_inference_rank():
+    import torch.multiprocessing as mp
+    from tests.conftest import free_port
+    result = mp.Manager().dict()
+    mp.spawn(_ports_worker, args=(free_port(), result), nprocs=3, join=True)
+    assert dict(result) == {0: [41001, 41002], 1: [41001, 41002], 2: [41001, 41002]}
+
+
 # ------------------------------------------------------------------------------- streaming
 
 class FakeLLM:

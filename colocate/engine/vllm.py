@@ -238,13 +238,14 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, cfg, topo, tokenizer) -> "VLLMEngine":
         """Inference rank of a torchrun job: port from learner rank 0, model dir, engine, sync group."""
-        from colocate.engine.vllm_sync import HOST, exchange_port
+        from colocate.engine.vllm_sync import HOST, exchange_ports, group_membership
         spec = lora_spec_for(cfg, tokenizer)
-        port = exchange_port(topo)  # matches learner rank 0's `open_sender`
+        ports = exchange_ports(topo)  # matches learner rank 0's `open_sender`
+        _, world, rank = group_membership(cfg.sync.fanout, topo.num_inference, topo.role_rank)
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
         engine = cls(model_dir, spec, tokenizer.eos_token_id, local_rank=topo.local_rank,
                      **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank))
-        engine.join_sync(HOST, port, world_size=1 + topo.num_inference, rank=1 + topo.rank)
+        engine.join_sync(HOST, ports[topo.role_rank], world_size=world, rank=rank)
         return engine
 
     def _make_lora_request(self):
@@ -255,7 +256,8 @@ class VLLMEngine:
 
     # -- weights ---------------------------------------------------------------------------------
     def join_sync(self, host: str, port: int, *, world_size: int, rank: int) -> str:
-        """Join learner rank 0's stateless NCCL group from the worker (blocks until all joined)."""
+        """Join one of learner rank 0's stateless NCCL groups from the worker (blocks until all of
+        its members joined)."""
         return self.llm.collective_rpc("colocate_init_sync", args=(host, port, world_size, rank))[0]
 
     def _require_idle(self, what: str) -> None:
