@@ -150,6 +150,14 @@ class AdapterSender:
             synchronize(self.device)
         return time.perf_counter() - t0
 
+    def wait_sent(self) -> float:
+        """Block until every engine has received the last version; seconds spent. Until then the
+        learner's next kernels would queue behind the sends, and its step would seem to train
+        while it waits for an engine that asks for the version late (lag budget > 1)."""
+        t0 = time.perf_counter()
+        synchronize(self.device)  # the current stream already waits for the side streams
+        return time.perf_counter() - t0
+
 
 def open_sender(topo, spec: LoraSpec, fanout: str = "broadcast", timeout_s: float = 900.0) -> AdapterSender:
     """Learner rank 0 (train.py): publish the ports, then wait for every inference rank's worker

@@ -65,6 +65,8 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
         t0, u0 = time.perf_counter(), time.time()
         received = [recv_batch_with_flags(src, topo.transport_group) for src in topo.inference_ranks]
         batch = TrajectoryBatch.concat([b for b, _ in received])
+        # the last adapter's sends to vLLM engines (wait=False below) count as waiting, not training
+        send_wait_s = sender.wait_sent() if sender is not None else 0.0
         wait_s = time.perf_counter() - t0
         maybe_poison(fault, step, batch)
         lags = (learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
@@ -116,7 +118,8 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
         writer.scalars("learner", {**stats, "wait_s": wait_s,
                                    "idle_fraction": wait_s / max(time.perf_counter() - t0, 1e-9)}, step)
         writer.scalars("rollout", {"reward": stats["reward"], "policy_lag": stats["policy_lag_mean"]}, step)
-        writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3}, step)
+        writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3,
+                                "send_wait_ms": send_wait_s * 1e3}, step)
         if step % cfg.metrics.log_every == 0 or last:
             writer.print(f"step {step + 1}/{num_steps} reward {stats['reward']:.3f} "
                          f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
