@@ -68,13 +68,14 @@ def test_train_with_vllm_engine_over_torchrun(tmp_path, lora_mode):
 @pytest.mark.parametrize("fanout", ["broadcast", "per_engine"])
 def test_two_engines_take_every_version_with_either_fanout(tmp_path, fanout):
     """per_engine: one NCCL group per engine, each send on its own stream; every version reaches
-    both engines bit for bit (checksums) and the run ends."""
-    steps = 3
+    both engines bit for bit (checksums) and the run ends. Lag 2: the engines take each version a
+    batch late, so the learner waits for its own sends (`wait_sent`) every step."""
+    steps = 4
     run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "-m", "colocate.train",
          "--config", "configs/cpu-tiny.yaml", "--model.shape=qwen2.5-0.5b", "--model.dtype=bfloat16",
          f"--model.cache_dir={tmp_path / 'cache'}", "--engine.kind=vllm", "--engine.gpu_memory_utilization=0.5",
          "--topology.num_inference=2", "--topology.num_learners=1", f"--sync.fanout={fanout}",
-         "--learner.max_policy_lag=1", f"--learner.num_steps={steps}", "--learner.attention=sdpa",
+         "--learner.max_policy_lag=2", f"--learner.num_steps={steps}", "--learner.attention=sdpa",
          "--sync.check_checksum=true", f"--metrics.run_dir={tmp_path / 'run'}"], timeout=480)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == steps

@@ -245,7 +245,8 @@ class VLLMEngine:
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
         engine = cls(model_dir, spec, tokenizer.eos_token_id, local_rank=topo.local_rank,
                      **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank))
-        engine.join_sync(HOST, ports[topo.role_rank], world_size=world, rank=rank)
+        engine.join_sync(HOST, ports[topo.role_rank], world_size=world, rank=rank,
+                         timeout_s=max(900.0, cfg.topology.timeout_s))  # as learner rank 0's `open_sender`
         return engine
 
     def _make_lora_request(self):
@@ -255,10 +256,10 @@ class VLLMEngine:
         return LoRARequest(lora_name=f"colocate-v{self.version}", lora_int_id=SLOT_ID, lora_path=IN_MEMORY_PATH)
 
     # -- weights ---------------------------------------------------------------------------------
-    def join_sync(self, host: str, port: int, *, world_size: int, rank: int) -> str:
+    def join_sync(self, host: str, port: int, *, world_size: int, rank: int, timeout_s: float = 900.0) -> str:
         """Join one of learner rank 0's stateless NCCL groups from the worker (blocks until all of
-        its members joined)."""
-        return self.llm.collective_rpc("colocate_init_sync", args=(host, port, world_size, rank))[0]
+        its members joined, at most `timeout_s`)."""
+        return self.llm.collective_rpc("colocate_init_sync", args=(host, port, world_size, rank, timeout_s))[0]
 
     def _require_idle(self, what: str) -> None:
         """Weights change only between batches: a streamed request in flight would mix versions."""

@@ -115,7 +115,7 @@ class AdapterSender:
     and the buffer is not overwritten before the slowest engine has it."""
 
     def __init__(self, groups: "StatelessGroup | list[StatelessGroup]", spec: LoraSpec):
-        self.groups = groups if isinstance(groups, list) else [groups]
+        self.groups = list(groups) if isinstance(groups, (list, tuple)) else [groups]
         self.spec = spec
         self.device = self.groups[0].device
         self.headers = [torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device) for _ in self.groups]

@@ -235,9 +235,9 @@ class ColocateWorkerExtension:
         return {"slot": None, "numel": spec.numel, "lora_dtype": str(self.colocate_slot.staged.dtype),
                 "modules": len({p[0] for p in plan}), "base_copy_gib": need / 2**30}
 
-    def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int) -> str:
+    def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 900.0) -> str:
         from colocate.engine.vllm_sync import StatelessGroup
-        self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device)
+        self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device, timeout_s=timeout_s)
         return str(self.device)
 
     def colocate_receive_adapter(self, verify: bool = False) -> list:

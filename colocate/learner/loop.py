@@ -135,6 +135,8 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
             writer.print(f"stop requested (signal): checkpoint at step {step + 1}, exiting")
             break
         profiler.step()
+    if sender is not None:  # every engine asks for the last version; exiting first would strand it
+        sender.wait_sent()
     gpu_util = role.gpu_util()
     monitors.close()
     if topo.role_rank == 0:
