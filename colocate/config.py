@@ -82,6 +82,11 @@ class EngineConfig:
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
     update (no LoRA kernels; keeps a copy of the adapted base weights, ~12 GiB at 7B; bf16 rounds
     away updates below half an ulp of W0, see engine/vllm_worker.py)."""
+    jump_forward: int = 0
+    """vLLM: most grammar-forced tokens taken in one engine step (0 = off). Each constrained
+    request's next forced tokens go to vLLM as a speculative draft, which the rejection sampler
+    always accepts, so the distribution and log-probs stay exact (engine/vllm_ff.py). Needs
+    vLLM's synchronous scheduling and V1 model runner, which it selects; not yet measured on GPUs."""
     validate_grammars: bool = True
     """vLLM: let vLLM's client check every request's grammar with llguidance before it queues the
     request (~1 ms of the inference rank's host time per request at a 152k vocabulary). Our

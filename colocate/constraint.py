@@ -85,3 +85,18 @@ class ConstraintState:
         if not nxt:
             raise ValueError(f"token {token} is not allowed by the constraint")
         self._positions = nxt
+
+
+def forced_positions(constraint: Constraint, token_ids: list[int]) -> list[bool]:
+    """[n] for each token of a completion the constraint allows: was it the only token allowed?
+
+    A forced token is decided by the constraint alone, yet a sampler spends one decode step on it;
+    the share of them is what jump-forward decoding would save (profiles/e2e.md)."""
+    state, out = ConstraintState(constraint), []
+    for tok in token_ids:
+        out.append(len(state.allowed()) == 1)
+        state.advance(tok)
+        if state.done:
+            break
+    return out
+

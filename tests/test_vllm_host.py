@@ -84,6 +84,17 @@ def test_replay_reports_first_disallowed_token_and_tokens_after_eos():
     assert not after.is_valid and after.is_done and len(after.allowed_ids) == 4
 
 
+def test_forced_positions_mark_tokens_the_constraint_alone_decides():
+    from colocate.constraint import forced_positions
+    c = prefix_constraint()  # slot 0: [5] | [5, 6] | [7, 8, 9]; slot 1: [10, 11] | [10, 12]
+    # 7 (choice), 8, 9 forced; 10 forced (both slot-1 choices start with it), 11 choice, EOS forced
+    assert forced_positions(c, [7, 8, 9, 10, 11, EOS]) == [False, True, True, True, False, True]
+    # after [5] both 6 and 10 may follow: not forced
+    assert forced_positions(c, [5, 10, 12, EOS]) == [False, False, False, True]
+    with pytest.raises(ValueError):
+        forced_positions(c, [8])
+
+
 def test_forced_eos_detection():
     c = prefix_constraint()
     assert completion_is_forced_eos(c, [7, 8, 9, 10, 11])
@@ -562,3 +573,83 @@ def test_vllm_poll_refuses_requests_vllm_does_not_know(monkeypatch):
     engine.llm.running.clear()  # lost inside vLLM: step() would block forever
     with pytest.raises(RuntimeError, match="unknown to vLLM"):
         engine.poll()
+
+
+# ------------------------------------------------------------------------------- jump-forward
+
+def test_jump_forward_settings_name_real_classes():
+    import ast
+    from colocate.engine import vllm_ff
+    from colocate.engine.vllm import jump_forward_settings
+    s = jump_forward_settings(6, 224, 1024)
+    assert s["speculative_config"]["method"] == "custom_class" and s["speculative_config"]["num_speculative_tokens"] == 6
+    assert s["async_scheduling"] is False
+    assert s["cudagraph_capture_sizes"][-1] == 1024          # by tokens, capped at the step budget
+    assert jump_forward_settings(2, 100, 0)["cudagraph_capture_sizes"][-1] == 300
+    with pytest.raises(ValueError):
+        jump_forward_settings(0, 8, 0)
+    # the dotted paths vLLM resolves in the engine core name classes this module defines
+    defined = {n.name for n in ast.parse(open(vllm_ff.__file__).read()).body if isinstance(n, ast.ClassDef)}
+    for path in (s["speculative_config"]["model"], s["scheduler_cls"]):
+        module, name = path.rsplit(".", 1)
+        assert module == vllm_ff.__name__ and name in defined
+
+
+class _FakeMatcher:
+    def __init__(self, forced, stopped=False):
+        self.forced, self.stopped = forced, stopped
+
+    def is_stopped(self):
+        return self.stopped
+
+    def is_error(self):
+        return False
+
+    def compute_ff_tokens(self):
+        return list(self.forced)
+
+
+def _fake_request(forced, *, structured=True, prefill=False, max_tokens=100, out=0, stopped=False):
+    grammar = SimpleNamespace(ll_matcher=_FakeMatcher(forced, stopped), validate_tokens=lambda t: [x for x in t if x != 99])
+    return SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=prefill, structured=structured,
+                           structured_output_request=SimpleNamespace(grammar=grammar),
+                           max_tokens=max_tokens, num_output_tokens=out, spec_token_ids=[7])
+
+
+def test_forced_draft_scheduler_sets_each_requests_forced_chain():
+    from colocate.engine.vllm_ff import ForcedDraftScheduler, NoDraft
+    requests = {"a": _fake_request([4, 5, 6, 8]),              # capped at num_spec_tokens
+                "b": _fake_request([4, 5], max_tokens=10, out=8),  # room for 1 draft + the sampled token
+                "c": _fake_request([4], structured=False),      # unconstrained: no draft
+                "d": _fake_request([4], prefill=True),          # mid-prefill: no draft
+                "e": _fake_request([4], stopped=True),          # grammar done
+                "f": _fake_request([3, 99])}                    # the grammar's own check trims
+    sched = SimpleNamespace(requests=requests, num_spec_tokens=3,
+                            structured_output_manager=SimpleNamespace(should_advance=lambda r: r.structured))
+    assert NoDraft(None).propose([[1], [2]]) == [[], []]
+    ForcedDraftScheduler.update_draft_token_ids(sched, SimpleNamespace(req_ids=[*requests, "gone"]))
+    assert {k: r.spec_token_ids for k, r in requests.items()} == {
+        "a": [4, 5, 6], "b": [4], "c": [], "d": [], "e": [], "f": [3]}
+
+
+def test_llguidance_forced_chain_is_the_constraints_forced_run(tiny_tokenizer):
+    """llguidance's compute_ff_tokens on our token grammar = the tokens `forced_positions` marks."""
+    llguidance = pytest.importorskip("llguidance")
+    import llguidance.hf
+    from colocate.constraint import forced_positions
+    from colocate.engine.vllm_ff import forced_chain
+    c = Constraint(slots=[[[5], [5, 6], [7, 8, 9]], [[10, 11], [10, 12]]], eos_id=tiny_tokenizer.eos_token_id)
+    lt = llguidance.hf.from_tokenizer(tiny_tokenizer, len(tiny_tokenizer))
+    for ids in ([7, 8, 9, 10, 11], [5, 6, 10, 12], [5, 10, 11]):
+        matcher = llguidance.LLMatcher(lt, llguidance.grammar_from("grammar", constraint_grammar(c)), log_level=0)
+        grammar = SimpleNamespace(ll_matcher=matcher,
+                                  validate_tokens=lambda t, m=matcher: t[:m.validate_tokens(t)])
+        marks = forced_positions(c, ids + [c.eos_id])
+        for i, tok in enumerate(ids):
+            expected = []
+            j = i
+            while j < len(ids) and marks[j]:  # the run of forced tokens from here (EOS excluded)
+                expected.append(ids[j])
+                j += 1
+            assert forced_chain(grammar, 8) == expected, (ids, i)
+            assert matcher.consume_tokens([tok])

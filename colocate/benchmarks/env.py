@@ -14,6 +14,12 @@ other jobs; the 1-minute load average is recorded).
             `get_all_possible_orders()` per power, the HF tokenizer called per prompt and per unit's
             choices, `set_orders` with expansion.
 
+Forced tokens: over one phase of every power in `--groups` mid-game groups (order lines without
+units, as the GPU presets), with the random legal policy, the share of sampled tokens the
+constraint alone decides (`constraint.forced_positions`), and per game phase the longest
+completion (the answer a streamed game waits for) in all tokens and in choice tokens only: the
+decode steps jump-forward decoding would leave on that critical path.
+
 The heap left by the imports is frozen first (`gc.freeze()`): otherwise a full GC pass (~0.3 s)
 lands at random in one path. Also times forking one mid-game state into 8 clones (ours, deepcopy +
 clear_cache, Game() + set_state) on a game with 27 phases of history and on a cache-loaded state
@@ -136,6 +142,28 @@ def fork_timings(states, quick: bool) -> tuple[dict, dict]:
     return ours, base
 
 
+def forced_token_stats(tokenizer, starts, group_size: int, seed: int) -> dict:
+    """Forced-token share and the per-phase longest completion (all / choice tokens); see above."""
+    from colocate.constraint import forced_positions
+    from colocate.envs.diplomacy import DiplomacyEnv, random_legal_completion
+    env = DiplomacyEnv(tokenizer, group_size=group_size, horizon_years=1, unit_labels=False, seed=seed)
+    for group_id, state in enumerate(starts):
+        env.start_states = [state]
+        env.start_group(group_id)
+    rng = random.Random(seed)
+    total = forced = 0
+    longest: dict = {}  # (group, continuation) -> [all tokens, choice tokens] of its longest answer
+    for key, request in env.requests():
+        ids = random_legal_completion(request, rng).token_ids
+        marks = forced_positions(request.constraint, ids)
+        total, forced = total + len(marks), forced + sum(marks)
+        best = longest.setdefault(key[:2], [0, 0])
+        best[0], best[1] = max(best[0], len(marks)), max(best[1], len(marks) - sum(marks))
+    return {"forced_token_share": forced / max(total, 1),
+            "phase_longest_tokens": statistics.mean(b[0] for b in longest.values()),
+            "phase_longest_choice_tokens": statistics.mean(b[1] for b in longest.values())}
+
+
 def run(args) -> dict:
     from colocate.envs.diplomacy import game as dg
     tokenizer = load_embedded_tokenizer()
@@ -173,6 +201,8 @@ def run(args) -> dict:
             figures[f"{name}_{key}"] = last[key]
         figures[f"{name}_phases_per_round"] = last["phases_processed"]
     figures["load_average_1min_end"] = os.getloadavg()[0]
+    figures.update({f"midgame_{k}": v for k, v in
+                    forced_token_stats(tokenizer, workloads["midgame"], args.group_size, seed=0).items()})
     fork_ours, fork_base = fork_timings(states, args.quick)
     figures.update(fork_ours)
     baseline.update(fork_base)

@@ -70,10 +70,27 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
-                validate_grammars=cfg.engine.validate_grammars)
+                validate_grammars=cfg.engine.validate_grammars, jump_forward=cfg.engine.jump_forward)
 
 
 # ---------------------------------------------------------------------------------- start-up
+
+def jump_forward_settings(max_forced: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+    """`LLM` arguments for `engine.jump_forward` (engine/vllm_ff.py): drafts of up to `max_forced`
+    grammar-forced tokens per request and step, through vLLM's custom-class speculative decoding,
+    which runs only with synchronous scheduling. A step now carries up to 1 + max_forced tokens per
+    sequence, so the CUDA graphs are captured by tokens, up to the step's token budget."""
+    if max_forced < 1:
+        raise ValueError(f"engine.jump_forward={max_forced} must be >= 1 to turn it on")
+    tokens = max_num_seqs * (1 + max_forced)
+    if max_num_batched_tokens > 0:
+        tokens = min(tokens, max_num_batched_tokens)
+    return {"speculative_config": {"method": "custom_class", "model": "colocate.engine.vllm_ff.NoDraft",
+                                   "num_speculative_tokens": max_forced},
+            "scheduler_cls": "colocate.engine.vllm_ff.ForcedDraftScheduler",
+            "async_scheduling": False,
+            "cudagraph_capture_sizes": capture_sizes(tokens)}
+
 
 def skip_client_grammar_validation() -> None:
     """Stop vLLM's client from checking each request's llguidance grammar (`engine.validate_grammars`).
@@ -190,7 +207,7 @@ class VLLMEngine:
                  enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
                  dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 max_num_batched_tokens: int = 0, validate_grammars: bool = True):
+                 max_num_batched_tokens: int = 0, validate_grammars: bool = True, jump_forward: int = 0):
         from vllm import LLM
         if lora_mode not in LORA_MODES:
             raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
@@ -212,6 +229,12 @@ class VLLMEngine:
         extra = {} if async_scheduling is None else {"async_scheduling": async_scheduling}  # None: vLLM's default
         if max_num_batched_tokens > 0:
             extra["max_num_batched_tokens"] = max_num_batched_tokens
+        capture = capture_sizes(max_num_seqs)
+        if jump_forward > 0:
+            if async_scheduling:
+                raise ValueError("engine.jump_forward needs vLLM's synchronous scheduling (async_scheduling off)")
+            extra.update(jump_forward_settings(jump_forward, max_num_seqs, max_num_batched_tokens))
+            capture = extra.pop("cudagraph_capture_sizes")
         lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
             if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
@@ -222,7 +245,7 @@ class VLLMEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 logprobs_mode="processed_logprobs",
                 structured_outputs_config={"backend": "guidance"},
-                compilation_config={"cudagraph_capture_sizes": capture_sizes(max_num_seqs)},
+                compilation_config={"cudagraph_capture_sizes": capture},
                 worker_extension_cls=WORKER_EXTENSION, **extra)
         self.startup_s = time.perf_counter() - t0
         names, shapes = list(spec.names), [list(s) for s in spec.shapes]
