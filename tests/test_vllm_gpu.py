@@ -6,6 +6,8 @@ module; pytest's stays out of it) and checks what that run wrote:
     in both LoRA modes; every adapter version arrives over the stateless NCCL group with a checksum
     and a read-back of the slot or of the merged weights (the engine raises on any mismatch), and
     the run finishes all its steps; with 3 GPUs, 2 engines + 1 learner in both `sync.fanout` modes;
+  * jump-forward: the same session with `engine.jump_forward` (forced tokens as speculative drafts)
+    keeps the log-prob parity;
   * session: one engine, the learner's adapter pushed in place -> checksum, slot == received bytes,
     engine bytes == learner bytes; sync faster than the disk path; vLLM's log-probs of constrained
     completions equal the learner's over `allowed_ids` within 0.02 nats, with no replay failure.
@@ -96,3 +98,19 @@ def test_session_sync_checksum_and_logprob_parity(tmp_path):
     assert f["parity/mean_abs_diff"] <= 0.02
     assert f["parity/free_mean_abs_diff"] <= 0.02 and f["parity_diplomacy/free_mean_abs_diff"] <= 0.02
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # a token that was the only choice has log-prob 0
+
+
+def test_jump_forward_keeps_logprob_parity(tmp_path):
+    """engine.jump_forward: grammar-forced tokens go to vLLM as speculative drafts (always accepted);
+    the sampled completions still replay under the Constraint and their log-probs match the
+    learner's as without it."""
+    out = tmp_path / "jf.json"
+    run([sys.executable, "scripts/benchmark.py", "--profile", "sync", "--shape", "0.5b", "--iters", "3",
+         "--also", "parity", "--jump-forward", "6", "--budget-s", "300", "--out", str(out)], timeout=420)
+    rec = json.loads(out.read_text())
+    f = {**rec["figures"], **rec["baseline"], **rec["ratios"]}
+    assert f["engine/jump_forward"] == 6 and f["sync/checksum_ok"]
+    assert f["parity/walk_failures"] == 0
+    assert f["parity/mean_abs_diff"] <= 0.02 and f["parity_diplomacy/free_mean_abs_diff"] <= 0.02
+    assert f["parity/forced_max_abs_logprob"] < 1e-4  # forced tokens (now drafts) still log-prob 0
+

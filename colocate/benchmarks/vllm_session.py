@@ -126,7 +126,8 @@ class Session:
 
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
-                 cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None) -> Session:
+                 cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None,
+                 jump_forward: int = 0) -> Session:
     from colocate.config import load_config
     from colocate.engine.model_dir import ensure_model_dir
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
@@ -153,7 +154,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1,
-                        lora_mode=lora_mode, async_scheduling=async_scheduling)
+                        lora_mode=lora_mode, async_scheduling=async_scheduling, jump_forward=jump_forward)
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
     # Both ends of the stateless group live in this process: the learner's end joins from a thread.
@@ -523,14 +524,17 @@ def measure_text_grammar(s: Session, n: int = 128) -> dict:
 # ---------------------------------------------------------------------------------- entry
 
 def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_seqs: int = 512,
-                sync_iters: int = 10, lora_mode: str = "slot", async_scheduling: bool | None = None) -> dict:
+                sync_iters: int = 10, lora_mode: str = "slot", async_scheduling: bool | None = None,
+                jump_forward: int = 0) -> dict:
     """Open one engine for `shape`, run `parts` (sync, parity, rollout) in that order of priority."""
     deadline = time.time() + budget_s
     partial = os.environ.get("COLOCATE_PARTIAL_JSON", "")  # figures so far, rewritten after each part
     # merged keeps a copy of the adapted base weights on the engine's GPU: leave room for it
     s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode,
-                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75, async_scheduling=async_scheduling)
+                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75, async_scheduling=async_scheduling,
+                     jump_forward=jump_forward)
     figures = dict(s.figures)
+    figures["engine/jump_forward"] = jump_forward
     figures["engine/lora_mode"] = lora_mode
     figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
     for part in parts:
@@ -570,6 +574,9 @@ def add_session_args(parser, *, others: str) -> None:
                         help="engine.lora_mode (merged: the sync part skips its disk baseline)")
     parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                         help="vLLM's async scheduling (auto: vLLM's default, on in 0.25)")
+    parser.add_argument("--jump-forward", type=int, default=0,
+                        help="engine.jump_forward: grammar-forced tokens per step as exact speculative drafts "
+                             "(0 = off; needs synchronous scheduling, which it selects)")
 
 
 def run_profile(args, part: str, *, first: bool) -> dict:
@@ -581,7 +588,8 @@ def run_profile(args, part: str, *, first: bool) -> dict:
     parts = [part] + also if first else also + [part]
     figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters,
                           lora_mode=args.lora_mode,
-                          async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
+                          async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+                          jump_forward=args.jump_forward)
     return split(figures)
 
 
