@@ -84,9 +84,11 @@ class EngineConfig:
     away updates below half an ulp of W0, see engine/vllm_worker.py)."""
     jump_forward: int = 0
     """vLLM: most grammar-forced tokens taken in one engine step (0 = off). Each constrained
-    request's next forced tokens go to vLLM as a speculative draft, which the rejection sampler
-    always accepts, so the distribution and log-probs stay exact (engine/vllm_ff.py). Needs
-    vLLM's synchronous scheduling and V1 model runner, which it selects; not yet measured on GPUs."""
+    request's next forced tokens go to vLLM as a speculative draft; with token grammars (the
+    default) the rejection sampler always accepts them, and sampling stays exact for any draft
+    (engine/vllm_ff.py). Needs vLLM's synchronous scheduling and V1 model runner, which it selects;
+    with lora_mode=slot, max_num_batched_tokens >= max_num_seqs * (1 + jump_forward). Not yet
+    measured on GPUs."""
     validate_grammars: bool = True
     """vLLM: let vLLM's client check every request's grammar with llguidance before it queues the
     request (~1 ms of the inference rank's host time per request at a 152k vocabulary). Our
@@ -393,6 +395,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError("learner.num_steps must be >= 1")
     if cfg.loss.eps_low < 0 or cfg.loss.eps_high < 0 or cfg.loss.beta < 0:
         raise ConfigError("loss.eps_low, loss.eps_high and loss.beta must be >= 0")
+    if cfg.engine.jump_forward < 0:
+        raise ConfigError(f"engine.jump_forward={cfg.engine.jump_forward} must be >= 0 (0 = off)")
     if cfg.engine.temperature <= 0:
         raise ConfigError(f"engine.temperature={cfg.engine.temperature} must be > 0")
     if cfg.model.path and not os.path.isdir(cfg.model.path):

@@ -62,6 +62,13 @@ def test_bad_config_exits_2(args, env, message):
     assert time.time() - t0 < 30
 
 
+def test_choice_and_range_fields_are_checked():
+    with pytest.raises(ConfigError, match=r"sync.fanout='ring' is not one of broadcast, per_engine"):
+        load_config(None, {"sync": {"fanout": "ring"}})
+    with pytest.raises(ConfigError, match=r"engine.jump_forward=-1 must be >= 0"):
+        load_config(None, {"engine": {"jump_forward": -1}})
+
+
 def test_world_of_one_does_not_fit():
     with pytest.raises(ConfigError, match="do not fit world size 1"):
         load_config(None, {}, world_size=1)

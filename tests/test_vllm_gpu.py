@@ -113,4 +113,6 @@ def test_jump_forward_keeps_logprob_parity(tmp_path):
     assert f["parity/walk_failures"] == 0
     assert f["parity/mean_abs_diff"] <= 0.02 and f["parity_diplomacy/free_mean_abs_diff"] <= 0.02
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # forced tokens (now drafts) still log-prob 0
+    # the drafts were taken: one answer needed fewer engine steps than it has tokens
+    assert f["parity_diplomacy/one_answer_engine_steps"] < f["parity_diplomacy/one_answer_tokens"]
 

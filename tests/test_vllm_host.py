@@ -534,7 +534,7 @@ def _streaming_engine(monkeypatch, seed=0):
     engine.lora_mode, engine._lora_request = "slot", None
     engine._pending, engine._next_ticket, engine._busy_since = {}, 0, 0.0
     engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "host_s", "generate_s",
-                                     "prompt_tokens", "cached_prompt_tokens", "out_tokens"), 0)
+                                     "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps"), 0)
     monkeypatch.setattr(engine, "_params", lambda requests: ([{"prompt_token_ids": r.prompt_ids} for r in requests],
                                                              [None] * len(requests)))
     return engine
@@ -554,6 +554,7 @@ def test_vllm_submit_poll_maps_outputs_to_tickets(monkeypatch):
     for t, r in zip(tickets, requests):
         assert got[t].token_ids == [r.prompt_ids[-1] + 1, EOS] and got[t].version == 3
     assert engine.counters["requests"] == 12 and engine.counters["out_tokens"] == 24
+    assert engine.counters["steps"] >= 4  # at most 3 finish per fake step
 
 
 def test_vllm_poll_wait_all_and_no_update_while_streaming(monkeypatch):
@@ -583,9 +584,10 @@ def test_jump_forward_settings_name_real_classes():
     from colocate.engine.vllm import jump_forward_settings
     s = jump_forward_settings(6, 224, 1024)
     assert s["speculative_config"]["method"] == "custom_class" and s["speculative_config"]["num_speculative_tokens"] == 6
-    assert s["async_scheduling"] is False
-    assert s["cudagraph_capture_sizes"][-1] == 1024          # by tokens, capped at the step budget
-    assert jump_forward_settings(2, 100, 0)["cudagraph_capture_sizes"][-1] == 300
+    assert s["async_scheduling"] is False and s["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
+    assert s["compilation_config"]["cudagraph_capture_sizes"][-1] == 1024   # by tokens, capped at the budget
+    assert jump_forward_settings(2, 100, 0)["compilation_config"]["cudagraph_capture_sizes"][-1] == 300
+    assert jump_forward_settings(6, 512, 0)["compilation_config"]["cudagraph_capture_sizes"][-1] == 2048
     with pytest.raises(ValueError):
         jump_forward_settings(0, 8, 0)
     # the dotted paths vLLM resolves in the engine core name classes this module defines
@@ -593,6 +595,18 @@ def test_jump_forward_settings_name_real_classes():
     for path in (s["speculative_config"]["model"], s["scheduler_cls"]):
         module, name = path.rsplit(".", 1)
         assert module == vllm_ff.__name__ and name in defined
+
+
+def test_engine_args_refused_before_vllm_starts():
+    from colocate.engine.vllm import check_engine_args
+    check_engine_args("merged", 6, None, 224, 1024)  # merged: drafts may exceed the budget (vLLM trims)
+    check_engine_args("slot", 6, None, 100, 1024)
+    for bad, match in ((("slot", 6, None, 224, 1024), "max_num_batched_tokens"),
+                       (("merged", 2, True, 8, 0), "synchronous"),
+                       (("merged", -1, None, 8, 0), ">= 0"),
+                       (("lora", 0, None, 8, 0), "lora_mode")):
+        with pytest.raises(ValueError, match=match):
+            check_engine_args(*bad)
 
 
 class _FakeMatcher:

@@ -366,6 +366,14 @@ def measure_parity(s: Session, n: int = 64) -> dict:
             env.start_group(g)
         dreqs = [r for _, r in env.requests()][:n]
         out.update(parity_stats("parity_diplomacy", s, dreqs, s.engine.generate(dreqs)))
+        # Engine steps for one answer alone: one per token in plain decoding; with jump-forward the
+        # grammar-forced tokens ride along as drafts, so fewer steps than tokens.
+        longest = max(dreqs, key=lambda r: sum(max(len(c) for c in slot) for slot in r.constraint.slots))
+        steps = s.engine.counters["steps"]
+        s.engine.submit([longest])
+        ((_, answer),) = s.engine.poll(wait_all=True)
+        out["parity_diplomacy/one_answer_tokens"] = len(answer.token_ids)
+        out["parity_diplomacy/one_answer_engine_steps"] = s.engine.counters["steps"] - steps
     except Exception as exc:
         out["parity_diplomacy/error"] = f"{type(exc).__name__}: {exc}"[:300]
     ureqs = synthetic_requests(n // 2, vocab, eos, seed=12, max_new_tokens=16, constrained=False)

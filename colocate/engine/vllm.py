@@ -75,6 +75,22 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
 
 # ---------------------------------------------------------------------------------- start-up
 
+def check_engine_args(lora_mode: str, jump_forward: int, async_scheduling: bool | None, max_num_seqs: int,
+                      max_num_batched_tokens: int) -> None:
+    """Refuse combinations vLLM would reject later (after minutes of start-up) or run wrongly."""
+    if lora_mode not in LORA_MODES:
+        raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
+    if jump_forward < 0:
+        raise ValueError(f"engine.jump_forward={jump_forward} must be >= 0 (0 = off)")
+    if jump_forward and async_scheduling:
+        raise ValueError("engine.jump_forward needs vLLM's synchronous scheduling (async_scheduling off)")
+    if jump_forward and lora_mode == "slot" and 0 < max_num_batched_tokens < max_num_seqs * (1 + jump_forward):
+        # vLLM refuses LoRA with speculative decoding when a step of full drafts cannot fit the budget
+        raise ValueError(f"engine.jump_forward={jump_forward} with lora_mode=slot needs "
+                         f"engine.max_num_batched_tokens >= max_num_seqs * (1 + jump_forward) = "
+                         f"{max_num_seqs * (1 + jump_forward)} (or lora_mode=merged)")
+
+
 def jump_forward_settings(max_forced: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
     """`LLM` arguments for `engine.jump_forward` (engine/vllm_ff.py): drafts of up to `max_forced`
     grammar-forced tokens per request and step, through vLLM's custom-class speculative decoding,
@@ -82,14 +98,14 @@ def jump_forward_settings(max_forced: int, max_num_seqs: int, max_num_batched_to
     sequence, so the CUDA graphs are captured by tokens, up to the step's token budget."""
     if max_forced < 1:
         raise ValueError(f"engine.jump_forward={max_forced} must be >= 1 to turn it on")
-    tokens = max_num_seqs * (1 + max_forced)
-    if max_num_batched_tokens > 0:
-        tokens = min(tokens, max_num_batched_tokens)
+    # Drafts vary in length per request, so vLLM's full decode graphs (all requests K drafts) would
+    # never replay: capture piecewise graphs only, by tokens, up to the step's token budget.
+    tokens = min(max_num_seqs * (1 + max_forced), max_num_batched_tokens if max_num_batched_tokens > 0 else 2048)
     return {"speculative_config": {"method": "custom_class", "model": "colocate.engine.vllm_ff.NoDraft",
                                    "num_speculative_tokens": max_forced},
             "scheduler_cls": "colocate.engine.vllm_ff.ForcedDraftScheduler",
             "async_scheduling": False,
-            "cudagraph_capture_sizes": capture_sizes(tokens)}
+            "compilation_config": {"cudagraph_capture_sizes": capture_sizes(tokens), "cudagraph_mode": "PIECEWISE"}}
 
 
 def skip_client_grammar_validation() -> None:
@@ -208,9 +224,8 @@ class VLLMEngine:
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
                  dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
                  max_num_batched_tokens: int = 0, validate_grammars: bool = True, jump_forward: int = 0):
+        check_engine_args(lora_mode, jump_forward, async_scheduling, max_num_seqs, max_num_batched_tokens)
         from vllm import LLM
-        if lora_mode not in LORA_MODES:
-            raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
         if not validate_grammars:
             skip_client_grammar_validation()
         self.spec = spec
@@ -220,7 +235,7 @@ class VLLMEngine:
         self.max_num_seqs = max_num_seqs
         self.version = 0
         self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0,
-                         "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0}
+                         "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0, "steps": 0}
         self._reported = dict(self.counters)
         self._pending: dict[str, tuple[int, Request]] = {}  # streaming: vLLM request id -> (ticket, request)
         self._next_ticket = 0
@@ -230,11 +245,11 @@ class VLLMEngine:
         if max_num_batched_tokens > 0:
             extra["max_num_batched_tokens"] = max_num_batched_tokens
         capture = capture_sizes(max_num_seqs)
+        compilation = {}
         if jump_forward > 0:
-            if async_scheduling:
-                raise ValueError("engine.jump_forward needs vLLM's synchronous scheduling (async_scheduling off)")
             extra.update(jump_forward_settings(jump_forward, max_num_seqs, max_num_batched_tokens))
-            capture = extra.pop("cudagraph_capture_sizes")
+            compilation = extra.pop("compilation_config")
+            capture = compilation.pop("cudagraph_capture_sizes")
         lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
             if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
@@ -245,7 +260,7 @@ class VLLMEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 logprobs_mode="processed_logprobs",
                 structured_outputs_config={"backend": "guidance"},
-                compilation_config={"cudagraph_capture_sizes": capture},
+                compilation_config={"cudagraph_capture_sizes": capture, **compilation},
                 worker_extension_cls=WORKER_EXTENSION, **extra)
         self.startup_s = time.perf_counter() - t0
         names, shapes = list(spec.names), [list(s) for s in spec.shapes]
@@ -385,6 +400,7 @@ class VLLMEngine:
                 raise RuntimeError(f"{len(self._pending)} streamed requests are unknown to vLLM "
                                    f"(e.g. {next(iter(self._pending))})")
             finished = [o for o in engine.step() if o.finished]
+            self.counters["steps"] += 1  # streamed engine steps (one per decoded token without drafts)
             t1 = time.perf_counter()
             for o in finished:
                 ticket, r = self._pending.pop(o.request_id)

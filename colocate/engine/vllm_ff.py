@@ -14,9 +14,12 @@ work when the draft is the forced chain:
   * `NoDraft` is the proposer vLLM calls in the worker; it proposes nothing (the worker has no
     grammar state);
   * the rejection sampler accepts a draft token with probability p_target(draft) (drafts carry no
-    probabilities). Under the grammar mask a forced token has probability 1, so it is always
-    accepted and its processed log-prob is exactly 0, as in plain decoding and in the learner.
-    Any draft keeps the sampled distribution exact; a forced one only makes acceptance certain.
+    probabilities). Under a token grammar (`grammar_mode="tokens"`, the default) a forced token has
+    probability 1 after the mask, so it is always accepted and its processed log-prob is exactly
+    0, as in plain decoding and in the learner. Any draft keeps the sampled distribution exact; a
+    forced one only makes acceptance certain. (Under a text grammar the forced bytes' usual
+    tokenization may compete with shorter tokens, so drafts can be rejected: still exact.)
+    Drafts draw extra random numbers, so runs are not token-for-token those without it.
 
 Costs, to be weighed by measurement (profiles/e2e.md): vLLM runs these proposers only with
 synchronous scheduling and its V1 model runner (the presets use async scheduling and V2 now),
@@ -30,7 +33,9 @@ from __future__ import annotations
 
 try:
     from vllm.v1.core.sched.scheduler import Scheduler
-except ImportError:  # no vLLM here: only the CPU tests import this module then
+except ModuleNotFoundError as e:  # no vLLM here: only the CPU tests import this module then
+    if e.name != "vllm" and not (e.name or "").startswith("vllm."):
+        raise
     Scheduler = object
 
 
