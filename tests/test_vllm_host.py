@@ -363,7 +363,7 @@ def test_engine_settings_from_config(tiny_cfg):
 def test_skip_client_grammar_validation_replaces_vllms_check(monkeypatch):
     import sys
     import types
-    from colocate.engine.vllm import skip_client_grammar_validation
+    from colocate.engine.vllm_grammar import skip_client_grammar_validation
     guidance = types.ModuleType("vllm.v1.structured_output.backend_guidance")
 
     def strict(sampling_params, tokenizer=None):

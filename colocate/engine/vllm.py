@@ -28,7 +28,8 @@ import torch
 
 from colocate.data import Completion, Request
 from colocate.engine.model_dir import ensure_model_dir
-from colocate.engine.vllm_grammar import completion_is_forced_eos, constraint_grammar, replay_allowed
+from colocate.engine.vllm_grammar import (completion_is_forced_eos, constraint_grammar, replay_allowed,
+                                          skip_client_grammar_validation)
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
 
@@ -106,25 +107,6 @@ def jump_forward_settings(max_forced: int, max_num_seqs: int, max_num_batched_to
             "scheduler_cls": "colocate.engine.vllm_ff.ForcedDraftScheduler",
             "async_scheduling": False,
             "compilation_config": {"cudagraph_capture_sizes": capture_sizes(tokens), "cudagraph_mode": "PIECEWISE"}}
-
-
-def skip_client_grammar_validation() -> None:
-    """Stop vLLM's client from checking each request's llguidance grammar (`engine.validate_grammars`).
-
-    `SamplingParams.verify` calls `backend_guidance.validate_guidance_grammar` for every request
-    (1.1 ms median for a Diplomacy order grammar on one CPU core, ~0.8 s of host time per rollout
-    batch of an inference rank). It imports the function from its module at each call, so
-    replacing the module attribute is enough. The engine core (a child process, not patched)
-    still compiles every grammar; one it cannot compile only logs a warning there, and the
-    completion's replay then disagrees with the Constraint, which `_completion` raises on. Affects
-    this process only, i.e. the inference rank that owns the engine.
-    """
-    from vllm.v1.structured_output import backend_guidance
-    backend_guidance.validate_guidance_grammar = _no_grammar_validation
-
-
-def _no_grammar_validation(sampling_params, tokenizer=None) -> None:
-    return None
 
 
 def visible_device(local_rank: int) -> str:
@@ -244,12 +226,11 @@ class VLLMEngine:
         extra = {} if async_scheduling is None else {"async_scheduling": async_scheduling}  # None: vLLM's default
         if max_num_batched_tokens > 0:
             extra["max_num_batched_tokens"] = max_num_batched_tokens
-        capture = capture_sizes(max_num_seqs)
-        compilation = {}
+        compilation = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
         if jump_forward > 0:
-            extra.update(jump_forward_settings(jump_forward, max_num_seqs, max_num_batched_tokens))
-            compilation = extra.pop("compilation_config")
-            capture = compilation.pop("cudagraph_capture_sizes")
+            settings = jump_forward_settings(jump_forward, max_num_seqs, max_num_batched_tokens)
+            compilation = settings.pop("compilation_config")
+            extra.update(settings)
         lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
             if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
@@ -260,7 +241,7 @@ class VLLMEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 logprobs_mode="processed_logprobs",
                 structured_outputs_config={"backend": "guidance"},
-                compilation_config={"cudagraph_capture_sizes": capture, **compilation},
+                compilation_config=compilation,
                 worker_extension_cls=WORKER_EXTENSION, **extra)
         self.startup_s = time.perf_counter() - t0
         names, shapes = list(spec.names), [list(s) for s in spec.shapes]
