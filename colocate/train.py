@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             spec = learner.lora_spec  # global shapes; no collective
             sender = None  # vLLM engines receive in their worker, over a stateless NCCL group (waits for them)
             if topo.rank == topo.sync_src and engine_kind(cfg, topo) == "vllm":
-                from colocate.engine.vllm_sync import open_sender
-                sender = open_sender(topo, spec, cfg.sync.fanout, timeout_s=max(900.0, cfg.topology.timeout_s))
+                from colocate.engine.vllm_sync import join_timeout_s, open_sender
+                sender = open_sender(topo, spec, cfg.sync.fanout, timeout_s=join_timeout_s(cfg))
             run_learner(cfg, topo, learner, spec, sender=sender, resume=resume, stop=stop)
     except BaseException as e:
         # One line that names the rank; torchrun then stops the other ranks (their collectives

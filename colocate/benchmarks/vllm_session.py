@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from colocate.benchmarks.common import median_time
 from colocate.constraint import Constraint
 from colocate.data import Request
 from colocate.metrics import write_json_atomic
@@ -217,12 +218,7 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     for k, v in parts.items():
         out[f"sync/ours_{k}"] = statistics.median(v)
     # The same first token without any update (what sampling costs anyway).
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        s.engine.generate(probe)
-        times.append((time.perf_counter() - t) * 1e3)
-    out["sync/first_token_no_update_ms"] = statistics.median(times)
+    out["sync/first_token_no_update_ms"] = 1e3 * median_time(lambda: s.engine.generate(probe), warmup=0, iters=iters)
     out.update(first_token_breakdown(s, probe, iters))
     if s.engine.lora_mode == "merged":  # built without LoRA: vLLM's loader, the disk path, is not there
         out["sync/disk_skipped"] = "lora_mode=merged"
@@ -264,13 +260,7 @@ def first_token_breakdown(s: Session, probe: list[Request], iters: int) -> dict:
     from vllm import SamplingParams
 
     def median_ms(fn) -> float:
-        fn()  # warm
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
+        return 1e3 * median_time(fn, warmup=1, iters=iters)
 
     vocab, eos = len(s.tokenizer), s.tokenizer.eos_token_id
     short = synthetic_requests(1, vocab, eos, seed=8, prompt_len=16, shared=0, max_new_tokens=1, constrained=False)

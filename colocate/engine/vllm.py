@@ -257,15 +257,14 @@ class VLLMEngine:
     @classmethod
     def from_config(cls, cfg, topo, tokenizer) -> "VLLMEngine":
         """Inference rank of a torchrun job: port from learner rank 0, model dir, engine, sync group."""
-        from colocate.engine.vllm_sync import HOST, exchange_ports, group_membership
+        from colocate.engine.vllm_sync import HOST, exchange_ports, group_membership, join_timeout_s
         spec = lora_spec_for(cfg, tokenizer)
         ports = exchange_ports(topo)  # matches learner rank 0's `open_sender`
         _, world, rank = group_membership(cfg.sync.fanout, topo.num_inference, topo.role_rank)
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
         engine = cls(model_dir, spec, tokenizer.eos_token_id, local_rank=topo.local_rank,
                      **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank))
-        engine.join_sync(HOST, ports[topo.role_rank], world_size=world, rank=rank,
-                         timeout_s=max(900.0, cfg.topology.timeout_s))  # as learner rank 0's `open_sender`
+        engine.join_sync(HOST, ports[topo.role_rank], world_size=world, rank=rank, timeout_s=join_timeout_s(cfg))
         return engine
 
     def _make_lora_request(self):

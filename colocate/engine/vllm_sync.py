@@ -39,6 +39,11 @@ HEADER_NUMEL = 4    # int64 [version, numel, checksum, flags], as colocate.sync
 FANOUTS = ("broadcast", "per_engine")
 
 
+def join_timeout_s(cfg) -> float:
+    """How long either end waits for the other to join a group (engine start-up included)."""
+    return max(900.0, cfg.topology.timeout_s)
+
+
 def chunked_checksum(flat: torch.Tensor, chunk_bytes: int = 1 << 26) -> int:
     """`colocate.sync.checksum` computed in chunks: the same integer, bounded temporary memory.
 
@@ -131,23 +136,18 @@ class AdapterSender:
         flat = flatten_lora(flat, self.spec)  # checks shape and dtype, no copy
         sent_sum = chunked_checksum(flat) if with_checksum else 0
         values = torch.tensor([version, self.spec.numel, sent_sum, flags], dtype=torch.int64)
-        if self.streams is None:
-            for group, header in zip(self.groups, self.headers):
+        current = torch.cuda.current_stream(self.device) if self.streams else None
+        for group, header, stream in zip(self.groups, self.headers, self.streams or [None] * len(self.groups)):
+            if stream is not None:
+                stream.wait_stream(current)  # the buffer is complete before any engine gets it
+            with torch.cuda.stream(stream):  # None: the current stream
                 header.copy_(values)
                 group.broadcast(header)
                 group.broadcast(flat)
-        else:
-            current = torch.cuda.current_stream(self.device)
-            for group, header, stream in zip(self.groups, self.headers, self.streams):
-                stream.wait_stream(current)  # the buffer is complete before any engine gets it
-                with torch.cuda.stream(stream):
-                    header.copy_(values)
-                    group.broadcast(header)
-                    group.broadcast(flat)
-            for stream in self.streams:
-                current.wait_stream(stream)
+        for stream in self.streams or []:
+            current.wait_stream(stream)
         if wait:
-            synchronize(self.device)
+            self.wait_sent()
         return time.perf_counter() - t0
 
     def wait_sent(self) -> float:
