@@ -24,7 +24,8 @@ setup(
     ],
     extras_require={
         "vllm": ["vllm==0.25.0"],
-        "test": ["pytest", "pytest-timeout", "triton"],
+        "test": ["pytest", "pytest-timeout", "triton",
+                 "llguidance==1.7.6"],  # vLLM 0.25's grammar engine: the grammar and jump-forward tests
         "profile": ["py-spy", "torch-tb-profiler"],
     },
 )

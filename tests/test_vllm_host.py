@@ -622,6 +622,9 @@ class _FakeMatcher:
     def compute_ff_tokens(self):
         return list(self.forced)
 
+    def deep_copy(self):
+        return _FakeMatcher(self.forced, self.stopped)
+
 
 def _fake_request(forced, *, structured=True, prefill=False, max_tokens=100, out=0, stopped=False):
     grammar = SimpleNamespace(ll_matcher=_FakeMatcher(forced, stopped), validate_tokens=lambda t: [x for x in t if x != 99])
@@ -667,3 +670,87 @@ def test_llguidance_forced_chain_is_the_constraints_forced_run(tiny_tokenizer):
                 j += 1
             assert forced_chain(grammar, 8) == expected, (ids, i)
             assert matcher.consume_tokens([tok])
+
+
+class _Grammar:
+    """vLLM 0.25's GuidanceGrammar, the parts its draft-mask pass and update_from_output use."""
+
+    def __init__(self, matcher):
+        self.ll_matcher, self.terminated, self.rollback_lag = matcher, False, 0
+
+    def validate_tokens(self, tokens):
+        return tokens[:self.ll_matcher.validate_tokens(tokens)] if tokens else []
+
+
+def _vllm_draft_masks(grammar, drafts, bitmask, vocab):
+    """vLLM's StructuredOutputManager.grammar_bitmask for one request: the mask of each draft
+    position, consuming the drafts, then the bonus position's mask; then it rolls the drafts back."""
+    rows = []
+    for d in drafts:
+        rows.append(llg_allowed(grammar.ll_matcher, bitmask, vocab))
+        assert grammar.ll_matcher.consume_tokens([d])
+    rows.append(llg_allowed(grammar.ll_matcher, bitmask, vocab))
+    if drafts:
+        grammar.ll_matcher.rollback(len(drafts))
+    return rows
+
+
+def _play_with_drafts(constraint, tok, rng, swap: bool) -> tuple[bool, int, int]:
+    """One answer decoded as vLLM does with forced drafts: (every step accepted, tokens, steps)."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+    from colocate.engine.vllm_ff import forced_chain, matchers_swapped_for_copies
+    lt = llguidance.hf.from_tokenizer(tok, len(tok))
+    grammar = _Grammar(llguidance.LLMatcher(lt, llguidance.grammar_from("grammar", constraint_grammar(constraint)),
+                                            log_level=0))
+    bitmask = llguidance.torch.allocate_token_bitmask(1, lt.vocab_size)
+    state, tokens, steps = ConstraintState(constraint), 0, 0
+    request = SimpleNamespace(structured_output_request=SimpleNamespace(grammar=grammar))
+    drafts: list[int] = []
+    while not state.done:
+        if swap:
+            with matchers_swapped_for_copies({"r": request}, {"r": drafts}):
+                rows = _vllm_draft_masks(grammar, drafts, bitmask, len(tok))
+        else:
+            rows = _vllm_draft_masks(grammar, drafts, bitmask, len(tok))
+        new = [d for d, row in zip(drafts, rows) if row == [d]]  # forced: the only allowed token
+        assert new == drafts  # every draft is a forced token, so always accepted
+        new.append(rng.choice(rows[len(drafts)]))                # the token sampled after them
+        steps += 1
+        for t in new:
+            assert t in state.allowed()  # the masks are the Constraint's
+            state.advance(t)
+        tokens += len(new)
+        if not grammar.ll_matcher.consume_tokens([t for t in new if t != tok.eos_token_id]):
+            return False, tokens, steps
+        drafts = forced_chain(grammar, 6) if not state.done else []
+    return True, tokens, steps
+
+
+def test_forced_drafts_survive_vllms_mask_pass_on_diplomacy_grammars():
+    """The jump-forward path end to end on llguidance with real order grammars: drafts are the
+    forced chain, every one is accepted, the answer needs fewer engine steps than it has tokens,
+    and the request's matcher accepts every step, because vLLM's mask pass (consume drafts, mask,
+    roll back) runs on a copy. Without the copy llguidance 1.7.6 refuses tokens it had allowed
+    (the e2e failure of session 6); that half is pinned only while this llguidance has the bug."""
+    pytest.importorskip("llguidance")
+    from colocate.envs.diplomacy import DiplomacyEnv, corpus
+    from colocate.envs.diplomacy import game as dg
+    from colocate.models import train_tokenizer
+    tok = train_tokenizer(corpus(num_games=2, last_year=1904))
+    env = DiplomacyEnv(tok, group_size=1, horizon_years=1, unit_labels=False, seed=0)
+    env.start_states = dg.load_state_cache(dg.__file__.replace("game.py", "states.jsonl"))[:1]
+    env.start_group(0)
+    rng = random.Random(0)
+    requests = [r for _, r in env.requests()]
+    assert len(requests) == 7  # every power orders in the first phase
+    tokens = steps = 0
+    for request in requests:
+        ok, n, k = _play_with_drafts(request.constraint, tok, rng, swap=True)
+        assert ok
+        tokens, steps = tokens + n, steps + k
+    assert steps < 0.8 * tokens
+    broken = [not _play_with_drafts(r.constraint, tok, rng, swap=False)[0] for r in requests]
+    if any(broken):  # the llguidance bug the copy avoids is still there: it must be what breaks
+        assert sum(broken) >= len(requests) // 2

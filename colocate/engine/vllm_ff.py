@@ -31,6 +31,8 @@ draft logic can be tested on stand-ins.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 try:
     from vllm.v1.core.sched.scheduler import Scheduler
 except ModuleNotFoundError as e:  # no vLLM here: only the CPU tests import this module then
@@ -44,8 +46,35 @@ def forced_chain(grammar, limit: int) -> list[int]:
     matcher = grammar.ll_matcher
     if limit <= 0 or matcher.is_stopped() or matcher.is_error():
         return []
-    chain = list(matcher.compute_ff_tokens())[:limit]
+    # On a copy (~1 us), so nothing here touches the state the request's tokens advance (see
+    # `matchers_swapped_for_copies`).
+    chain = list(matcher.deep_copy().compute_ff_tokens())[:limit]
     return grammar.validate_tokens(chain) if chain else []
+
+
+@contextmanager
+def matchers_swapped_for_copies(requests: dict, scheduled_spec_decode_tokens: dict):
+    """While active, every request with drafts has a copy of its llguidance matcher.
+
+    vLLM fills the mask of each draft position by consuming the drafts into the request's
+    matcher, then rolls them back. On llguidance 1.7.6 that round trip corrupts the matcher: after
+    a mask was computed at state S, a token consumed and rolled back to S is refused when it is
+    consumed again (tests/test_vllm_host.py pins this). In the e2e run every request died within
+    its first drafts ("grammar rejected tokens", session 6). The masks are the same on a copy;
+    the request's own matcher then only ever moves forward, as in plain decoding.
+    """
+    swapped = []
+    for req_id, drafts in scheduled_spec_decode_tokens.items():
+        request = requests.get(req_id)
+        if drafts and request is not None and request.structured_output_request is not None:
+            grammar = request.structured_output_request.grammar
+            swapped.append((grammar, grammar.ll_matcher, grammar.terminated, grammar.rollback_lag))
+            grammar.ll_matcher = grammar.ll_matcher.deep_copy()
+    try:
+        yield
+    finally:
+        for grammar, matcher, terminated, rollback_lag in swapped:
+            grammar.ll_matcher, grammar.terminated, grammar.rollback_lag = matcher, terminated, rollback_lag
 
 
 class NoDraft:
@@ -61,6 +90,10 @@ class NoDraft:
 
 class ForcedDraftScheduler(Scheduler):
     """vLLM's scheduler whose drafts are each constrained request's grammar-forced chain."""
+
+    def get_grammar_bitmask(self, scheduler_output):
+        with matchers_swapped_for_copies(self.requests, scheduler_output.scheduled_spec_decode_tokens):
+            return super().get_grammar_bitmask(scheduler_output)
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         for req_id in draft_token_ids.req_ids:
