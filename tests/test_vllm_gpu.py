@@ -111,6 +111,7 @@ def test_jump_forward_keeps_logprob_parity(tmp_path):
     f = {**rec["figures"], **rec["baseline"], **rec["ratios"]}
     assert f["engine/jump_forward"] == 6 and f["sync/checksum_ok"]
     assert f["parity/walk_failures"] == 0
+    assert f["parity/engine_errors"] == 0  # no answer cut short by a grammar refusal (session 6's bug)
     assert f["parity/mean_abs_diff"] <= 0.02 and f["parity_diplomacy/free_mean_abs_diff"] <= 0.02
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # forced tokens (now drafts) still log-prob 0
     # the drafts were taken: one answer needed fewer engine steps than it has tokens

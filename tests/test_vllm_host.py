@@ -178,7 +178,7 @@ def test_completion_keeps_sampled_eos_and_replays_allowed():
     comp, counts = completion_from_output(fake_output([7, 8, 9, 10, 12, EOS], [-1.1, 0, 0, 0, -0.7, 0]), req, 4, EOS)
     assert comp.token_ids[-1] == EOS and comp.version == 4 and comp.finish_reason == "stop"
     assert comp.allowed_ids == [[5, 7], [8], [9], [10], [11, 12], [EOS]]
-    assert counts == {"walk_failures": 0, "eos_appended": 0}
+    assert counts == {"walk_failures": 0, "eos_appended": 0, "engine_errors": 0}
 
 
 def test_completion_appends_forced_eos_when_vllm_omits_it():
@@ -196,6 +196,9 @@ def test_completion_length_and_walk_failure_and_unconstrained():
     assert comp.finish_reason == "length" and len(comp.allowed_ids) == 2 and counts["walk_failures"] == 0
     comp, counts = completion_from_output(fake_output([7, 3, 9], [-1, -2, -3]), req, 0, EOS)
     assert counts["walk_failures"] == 1 and comp.allowed_ids == [[5, 7], [3], [9]]
+    # vLLM cut the answer short (e.g. its grammar refused a token): counted, kept as a valid prefix
+    comp, counts = completion_from_output(fake_output([7, 8], [-1, 0], reason="error"), req, 0, EOS)
+    assert counts == {"walk_failures": 0, "eos_appended": 0, "engine_errors": 1} and comp.token_ids == [7, 8]
     free = Request(prompt_ids=[2], max_new_tokens=3)
     comp, _ = completion_from_output(fake_output([4, 4, EOS], [-1, -1, -1]), free, 2, EOS)
     assert comp.allowed_ids is None and comp.token_ids == [4, 4, EOS]
@@ -533,7 +536,7 @@ def _streaming_engine(monkeypatch, seed=0):
     engine.llm, engine.version, engine.eos_id, engine.grammar_mode = FakeLLM(seed), 3, EOS, "tokens"
     engine.lora_mode, engine._lora_request = "slot", None
     engine._pending, engine._next_ticket, engine._busy_since = {}, 0, 0.0
-    engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "host_s", "generate_s",
+    engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "engine_errors", "host_s", "generate_s",
                                      "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps"), 0)
     monkeypatch.setattr(engine, "_params", lambda requests: ([{"prompt_token_ids": r.prompt_ids} for r in requests],
                                                              [None] * len(requests)))

@@ -369,7 +369,8 @@ def measure_parity(s: Session, n: int = 64) -> dict:
     ureqs = synthetic_requests(n // 2, vocab, eos, seed=12, max_new_tokens=16, constrained=False)
     out.update(parity_stats("parity_unconstrained", s, ureqs, s.engine.generate(ureqs)))
     out.update({"parity/walk_failures": s.engine.counters["walk_failures"],
-                "parity/eos_appended": s.engine.counters["eos_appended"]})
+                "parity/eos_appended": s.engine.counters["eos_appended"],
+                "parity/engine_errors": s.engine.counters["engine_errors"]})
     return out
 
 

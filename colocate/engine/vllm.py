@@ -175,7 +175,9 @@ def completion_from_output(output, request: Request, version: int, eos_id: int) 
     ids = list(output.token_ids)
     logprobs = sampled_logprobs(output)
     reason = "length" if output.finish_reason == "length" else "stop"
-    counts = {"walk_failures": 0, "eos_appended": 0}
+    # vLLM ends a request with "error" (or "abort") on its own failures, e.g. a token its grammar
+    # refused: the answer is cut short. Counted, and the env treats it as any incomplete answer.
+    counts = {"walk_failures": 0, "eos_appended": 0, "engine_errors": int(output.finish_reason not in ("stop", "length"))}
     allowed = None
     c = request.constraint
     if c is not None:
@@ -216,7 +218,7 @@ class VLLMEngine:
         self.grammar_mode = grammar_mode
         self.max_num_seqs = max_num_seqs
         self.version = 0
-        self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "host_s": 0.0, "generate_s": 0.0,
+        self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "engine_errors": 0, "host_s": 0.0, "generate_s": 0.0,
                          "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0, "steps": 0}
         self._reported = dict(self.counters)
         self._pending: dict[str, tuple[int, Request]] = {}  # streaming: vLLM request id -> (ticket, request)
@@ -405,7 +407,8 @@ class VLLMEngine:
 
     def stats(self) -> dict[str, float]:
         """Since the last call: requests, host time per request around vLLM (grammar, params, replay),
-        completions that ended on an appended EOS, replay failures (0 with token grammars), prompt and
+        completions that ended on an appended EOS, replay failures (0 with token grammars), answers vLLM
+        ended with an error (cut short), prompt and
         output tokens/s while the engine had work (`LLM.generate`; streamed: first submit to last
         answer), and the prefix-cache hit rate (cached / prompt tokens, from vLLM's `num_cached_tokens`)."""
         d = {k: self.counters[k] - self._reported[k] for k in self.counters}
@@ -413,6 +416,7 @@ class VLLMEngine:
         gen_s = max(d["generate_s"], 1e-9)
         return {"requests": float(d["requests"]), "host_ms_per_request": 1e3 * d["host_s"] / max(d["requests"], 1),
                 "eos_appended": float(d["eos_appended"]), "walk_failures": float(d["walk_failures"]),
+                "engine_errors": float(d["engine_errors"]),
                 # vLLM interleaves prefill and decode in one step: both rates are over the same time
                 "prefill_tokens_per_s": d["prompt_tokens"] / gen_s, "decode_tokens_per_s": d["out_tokens"] / gen_s,
                 "prefix_cache_hit_rate": d["cached_prompt_tokens"] / max(d["prompt_tokens"], 1)}
