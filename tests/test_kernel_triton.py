@@ -77,12 +77,14 @@ def stats_error(stats, ref_stats):
 
 # ----------------------------------------------------------------------------- random inputs
 
-def make_batch(num_rows, vocab, dtype, *, temperature, beta, seed, device, neg_inf=False):
+def make_batch(num_rows, vocab, dtype, *, temperature, beta, seed, device, neg_inf=False, outlier=False):
     """Fresh random inputs: 20% masked rows, ratios spread around 1 so that some tokens clip."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(num_rows, vocab, generator=g) * 3).to(dtype)
     if neg_inf:  # a restricted vocabulary pads with -inf (never at the target)
         logits[:, : vocab // 3] = float("-inf")
+    if outlier:  # every third row: one logit far above the first block's (pass 1 overflows, falls back)
+        logits[::3, -7] = 150.0
     targets = torch.randint(vocab // 3 if neg_inf else 0, vocab, (num_rows,), generator=g)
     mask = (torch.rand(num_rows, generator=g) > 0.2).float()
     weights = mask / mask.sum().clamp(min=1)
@@ -114,6 +116,11 @@ CASES += [
      {**MATRIX, "neg_inf": True, "group": 1, "stages": 0}),
     ("fp32-inplace-beta0.04-T0.7-blockwise-prefetch", "fp32", True, 0.04, 0.7, {**MATRIX, "group": 0, "stages": 0}),
     ("bf16-copy-beta0.04-T0.7-group16-prefetch", "bf16", False, 0.04, 0.7, {"block_v": 128, "group": 16, "stages": 0}),
+    ("bf16-inplace-beta0.04-T0.7-outlier", "bf16", True, 0.04, 0.7, {**MATRIX, "outlier": True}),
+    ("fp32-copy-beta0.04-T1.0-outlier-prefetch", "fp32", False, 0.04, 1.0, {**MATRIX, "outlier": True, "stages": 0}),
+    ("bf16-inplace-beta0.04-T0.7-online-mul", "bf16", True, 0.04, 0.7, {**MATRIX, "pass1": "online", "pass2": "mul"}),
+    ("fp32-copy-beta0.04-T1.3-neginf-online-mul", "fp32", False, 0.04, 1.3,
+     {**MATRIX, "neg_inf": True, "pass1": "online", "pass2": "mul"}),
 ]
 
 
@@ -122,9 +129,9 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     extra = dict(extra)
-    neg_inf = extra.pop("neg_inf", False)
+    neg_inf, outlier = extra.pop("neg_inf", False), extra.pop("outlier", False)
     b = make_batch(num_rows, vocab, DTYPES[dt], temperature=temperature, beta=beta, seed=seed, device=device,
-                   neg_inf=neg_inf)
+                   neg_inf=neg_inf, outlier=outlier)
     kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
     ref_loss, ref_grad, scale, ref_stats = float64_grpo(b["logits"], b["targets"], b["weights"], b["behaviour"],
                                                         b["advantages"], b["ref"], **kw)

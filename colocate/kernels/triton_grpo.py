@@ -123,9 +123,97 @@ def _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, GROUP: tl
 
 
 @triton.jit
+def _row_logsumexp2_refmax(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
+                           EVICT: tl.constexpr):
+    """log2(sum_v 2^z_v) of one row against a fixed reference: the first block's max.
+
+    fp32 holds 2^127, so terms need no running max: with r = max of block 0 (an actual value of
+    the row, so the sum is >= 1), each element costs one FFMA, one ex2 and one FADD into a
+    per-lane sum (the online update also needs a max and a rescale per element: 11 SASS
+    instructions per element against ~4 here). A later logit more than ~110 (base 2) above r
+    overflows the sum to inf; the caller then redoes the row with the online update. Full blocks
+    load unmasked; only the last, partial block is masked.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    num_full = vocab // BLOCK_V
+    x0 = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+    ref = tl.maximum(tl.max(x0, 0) * log2e_over_t, -3.0e38)  # all -inf (restricted ids): inf later -> fallback
+    acc = tl.exp2(x0 * log2e_over_t - ref)                    # [BLOCK_V] per-lane partial sums
+    if STAGES > 0:
+        for b in tl.range(1, num_full, num_stages=STAGES):
+            x = tl.load(x_row + b * BLOCK_V + cols, eviction_policy=EVICT).to(tl.float32)
+            acc += tl.exp2(x * log2e_over_t - ref)
+    else:
+        for b in range(1, num_full):
+            x = tl.load(x_row + b * BLOCK_V + cols, eviction_policy=EVICT).to(tl.float32)
+            acc += tl.exp2(x * log2e_over_t - ref)
+    if num_full >= 1 and num_full * BLOCK_V < vocab:  # the partial last block (block 0 was masked already)
+        offs = num_full * BLOCK_V + cols
+        x = tl.load(x_row + offs, mask=offs < vocab, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
+        acc += tl.exp2(x * log2e_over_t - ref)
+    return ref + tl.log2(tl.sum(acc, 0))
+
+
+@triton.jit
+def _grad_block(x_row, g_row, offs, mask, shift, log2e_over_t, NEGATE: tl.constexpr, MASKED: tl.constexpr,
+                EVICT: tl.constexpr):
+    """g = ±2^(x * log2(e)/T + shift) for one block, shift = log2|coef| - lse2 (|coef| rides in the
+    exponent: no multiply per element; coef == 0 gives 2^-inf = 0)."""
+    if MASKED:
+        x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    else:
+        x = tl.load(x_row + offs, eviction_policy=EVICT).to(tl.float32)
+    d = tl.exp2(x * log2e_over_t + shift)
+    if NEGATE:
+        d = -d
+    if MASKED:
+        tl.store(g_row + offs, d.to(g_row.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+    else:
+        tl.store(g_row + offs, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
+
+
+@triton.jit
+def _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, NEGATE: tl.constexpr, BLOCK_V: tl.constexpr,
+                           STAGES: tl.constexpr, EVICT: tl.constexpr):
+    """Pass 2 over a row, last block first: the partial tail (masked), then full blocks downwards."""
+    cols = tl.arange(0, BLOCK_V)
+    num_full = vocab // BLOCK_V
+    if num_full * BLOCK_V < vocab:
+        offs = num_full * BLOCK_V + cols
+        _grad_block(x_row, g_row, offs, offs < vocab, shift, log2e_over_t, NEGATE, True, EVICT)
+    if STAGES > 0:
+        for j in tl.range(0, num_full, num_stages=STAGES):
+            offs = (num_full - 1 - j) * BLOCK_V + cols
+            _grad_block(x_row, g_row, offs, None, shift, log2e_over_t, NEGATE, False, EVICT)
+    else:
+        for j in range(num_full):
+            offs = (num_full - 1 - j) * BLOCK_V + cols
+            _grad_block(x_row, g_row, offs, None, shift, log2e_over_t, NEGATE, False, EVICT)
+
+
+@triton.jit
 def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, BLOCK_V: tl.constexpr,
                     STAGES: tl.constexpr, EVICT: tl.constexpr):
     """g_row = coef * (onehot(tgt) - 2^(x * log2(e)/T - lse2)).
+
+    Last block first: those were read most recently, so they are the likeliest still in L2.
+    Every column gets -coef * p; the target's coef * (1 - p_tgt) is stored after a barrier, so
+    it lands after the block store that covers it (cheaper than a compare per element). The sign
+    of -coef is uniform over the row: one of two compiled loops, each without a multiply.
+    """
+    shift = tl.log2(tl.abs(coef)) - lse2
+    if coef > 0:
+        _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, True, BLOCK_V, STAGES, EVICT)
+    else:
+        _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, False, BLOCK_V, STAGES, EVICT)
+    tl.debug_barrier()
+    tl.store(g_row + tgt, (coef * (1.0 - p_tgt)).to(g_row.dtype.element_ty))
+
+
+@triton.jit
+def _write_row_grad_mul(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, BLOCK_V: tl.constexpr,
+                    STAGES: tl.constexpr, EVICT: tl.constexpr):
+    """The previous pass 2 (kept to compare, `pass2: "mul"`): the same values, a multiply per element.
 
     Last block first: those were read most recently, so they are the likeliest still in L2.
     Every column gets -coef * p; the target's coef * (1 - p_tgt) is stored after a barrier, so
@@ -179,6 +267,8 @@ def _grpo_rows_kernel(
     STAGES: tl.constexpr,       # > 0: software-pipelined loads, STAGES - 1 blocks in flight; 0: register prefetch
     EVICT_PASS1: tl.constexpr,  # L2 hints: keep pass-1 reads for pass 2, then let them and the writes go
     EVICT_PASS2: tl.constexpr,
+    PASS1_REFMAX: tl.constexpr,  # pass 1 against the first block's max (fallback: online), else online
+    PASS2_FOLD: tl.constexpr,    # pass 2 with |coef| in the exponent, else a multiply per element
 ):
     LN2: tl.constexpr = 0.6931471805599453
     cols = tl.arange(0, BLOCK_V)
@@ -214,7 +304,12 @@ def _grpo_rows_kernel(
             if w > 0:
                 # Target logit first: in place, pass 2 (after a barrier) overwrites it.
                 z_tgt = tl.load(x_row + tgt).to(tl.float32) * log2e_over_t
-                lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
+                if PASS1_REFMAX:
+                    lse2 = _row_logsumexp2_refmax(x_row, vocab, log2e_over_t, BLOCK_V, STAGES, EVICT_PASS1)
+                    if not (lse2 < 3.0e38):  # the sum overflowed (a logit far above block 0's max)
+                        lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
+                else:
+                    lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
                 logp = (z_tgt - lse2) * LN2
 
                 # Per-token GRPO terms, as in reference.grpo_token_terms.
@@ -241,8 +336,12 @@ def _grpo_rows_kernel(
                     # d loss / d x_v = w * dloss_dlogp * (onehot_v - p_v) / T
                     coef = w * dloss_dlogp * inv_t
                     tl.debug_barrier()  # every thread's read of the target logit precedes in-place writes
-                    _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
-                                    BLOCK_V, STAGES, EVICT_PASS2)
+                    if PASS2_FOLD:
+                        _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
+                                        BLOCK_V, STAGES, EVICT_PASS2)
+                    else:
+                        _write_row_grad_mul(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2,
+                                            log2e_over_t, BLOCK_V, STAGES, EVICT_PASS2)
             else:
                 tl.store(out + 0, 0.0)
                 tl.store(out + 1, 0.0)
@@ -261,7 +360,7 @@ def default_config(vocab: int, device: torch.device) -> dict:
     configurations with one row per SM and pipelined loads came within 3% of each other."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 16, "programs_per_sm": 1, "group": 8, "stages": 4,
-           "evict_pass1": "evict_last", "evict_pass2": "evict_first"}
+           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax", "pass2": "fold"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
@@ -315,7 +414,8 @@ def grpo_rows(
         grad.stride(0) if grad is not None else 0,
         math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
         HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
-        EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], num_warps=cfg["num_warps"],
+        EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], PASS1_REFMAX=cfg["pass1"] == "refmax",
+        PASS2_FOLD=cfg["pass2"] == "fold", num_warps=cfg["num_warps"],
     )
     return row_out
 
