@@ -118,9 +118,11 @@ CASES += [
     ("bf16-copy-beta0.04-T0.7-group16-prefetch", "bf16", False, 0.04, 0.7, {"block_v": 128, "group": 16, "stages": 0}),
     ("bf16-inplace-beta0.04-T0.7-outlier", "bf16", True, 0.04, 0.7, {**MATRIX, "outlier": True}),
     ("fp32-copy-beta0.04-T1.0-outlier-prefetch", "fp32", False, 0.04, 1.0, {**MATRIX, "outlier": True, "stages": 0}),
-    ("bf16-inplace-beta0.04-T0.7-online-mul", "bf16", True, 0.04, 0.7, {**MATRIX, "pass1": "online", "pass2": "mul"}),
-    ("fp32-copy-beta0.04-T1.3-neginf-online-mul", "fp32", False, 0.04, 1.3,
-     {**MATRIX, "neg_inf": True, "pass1": "online", "pass2": "mul"}),
+    ("bf16-inplace-beta0.04-T0.7-online", "bf16", True, 0.04, 0.7, {**MATRIX, "pass1": "online"}),
+    ("bf16-inplace-beta0.04-T0.7-prefetch-pass1", "bf16", True, 0.04, 0.7, {**MATRIX, "stages": 0, "stages_pass2": 3}),
+    ("fp32-copy-beta0.0-T1.0-prefetch-pass2", "fp32", False, 0.0, 1.0, {**MATRIX, "stages": 3, "stages_pass2": 0}),
+    ("bf16-copy-beta0.04-T1.0-prefetch-small-vocab", "bf16", False, 0.04, 1.0, {"block_v": 2048, "stages": 0}),
+    ("fp32-copy-beta0.04-T1.3-neginf-online", "fp32", False, 0.04, 1.3, {**MATRIX, "neg_inf": True, "pass1": "online"}),
 ]
 
 

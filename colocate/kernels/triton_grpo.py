@@ -5,7 +5,8 @@ stats); `colocate.kernels.grpo_loss` dispatches here on CUDA.
 
 Why one kernel: the per-token gradient dL/dlogp_t depends only on scalars the forward already has
 (logp_t, behaviour_t, A_t, ref_t, w_t). So each program, for its row,
-  pass 1  streams the row: online (max, sum 2^z) in fp32 -> logsumexp, logp, loss, g_t;
+  pass 1  streams the row: sum 2^(z - r) in fp32 against r = the first block's max (a running
+          max only if that sum overflows) -> logsumexp, logp, loss, g_t;
   pass 2  streams the row again, last block first, while it is still in L2, and writes
           d(logits) = g_t * (onehot(target) - softmax) / T   in the logits dtype.
 HBM traffic is ~4·N·V bytes (read once, write once) when pass 2 hits L2, instead of the 6·N·V of
@@ -26,6 +27,14 @@ removed again (commit 1a4c6f7 has it). So was a "split" schedule: each row's pas
 chunks on as many programs, 2-6 programs per SM, the program finishing a row's last chunk (an
 atomic counter) running pass 2. Pass 1 was no faster (1.44-1.59 ms vs 1.55), the fused kernel
 4.0-7.0 ms (commit 5af7642 has it). So one stream per SM does not limit pass 1 either.
+
+Session 6 (Nsight Compute on the H200, profiles/kernel.md): the fused kernel moves 11.3 GB of
+DRAM traffic, not 9.4: 46 % of pass-2 re-reads miss L2, because pipelined loads (stages > 0) are
+async copies whose L2 hints Triton 3.6 drops (no evict_last lookups at all). Pass 1 issued 13
+instructions per element; the reference-max sum and |coef| in pass 2's exponent cut the SASS to ~6
+per element in each pass (pass 1 alone, same run: 1.58-1.70 -> 1.34-1.46 ms), but the fused kernel did not move
+(3.16-3.26 ms): it is DRAM-bound at 3.7 TB/s including those misses. `stages: 0` (plain loads into
+registers, one block ahead, hints kept) is built and tested for the next GPU sweep.
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
@@ -143,10 +152,13 @@ def _row_logsumexp2_refmax(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, ST
         for b in tl.range(1, num_full, num_stages=STAGES):
             x = tl.load(x_row + b * BLOCK_V + cols, eviction_policy=EVICT).to(tl.float32)
             acc += tl.exp2(x * log2e_over_t - ref)
-    else:
-        for b in range(1, num_full):
-            x = tl.load(x_row + b * BLOCK_V + cols, eviction_policy=EVICT).to(tl.float32)
-            acc += tl.exp2(x * log2e_over_t - ref)
+    else:  # plain loads (their L2 hint applies), prefetched one block ahead in registers
+        x_next = tl.load(x_row + tl.maximum(tl.minimum(1, num_full - 1), 0) * BLOCK_V + cols, mask=cols < vocab,
+                         eviction_policy=EVICT)
+        for b in tl.range(1, num_full, num_stages=1):
+            x = x_next
+            x_next = tl.load(x_row + tl.minimum(b + 1, num_full - 1) * BLOCK_V + cols, eviction_policy=EVICT)
+            acc += tl.exp2(x.to(tl.float32) * log2e_over_t - ref)
     if num_full >= 1 and num_full * BLOCK_V < vocab:  # the partial last block (block 0 was masked already)
         offs = num_full * BLOCK_V + cols
         x = tl.load(x_row + offs, mask=offs < vocab, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
@@ -185,10 +197,16 @@ def _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, NEGATE: tl.
         for j in tl.range(0, num_full, num_stages=STAGES):
             offs = (num_full - 1 - j) * BLOCK_V + cols
             _grad_block(x_row, g_row, offs, None, shift, log2e_over_t, NEGATE, False, EVICT)
-    else:
-        for j in range(num_full):
-            offs = (num_full - 1 - j) * BLOCK_V + cols
-            _grad_block(x_row, g_row, offs, None, shift, log2e_over_t, NEGATE, False, EVICT)
+    else:  # plain loads (their L2 hint applies), prefetched one block ahead in registers
+        x_next = tl.load(x_row + tl.maximum(num_full - 1, 0) * BLOCK_V + cols, mask=cols < vocab, eviction_policy=EVICT)
+        for j in tl.range(0, num_full, num_stages=1):
+            blk = num_full - 1 - j
+            x = x_next
+            x_next = tl.load(x_row + tl.maximum(blk - 1, 0) * BLOCK_V + cols, eviction_policy=EVICT)
+            d = tl.exp2(x.to(tl.float32) * log2e_over_t + shift)
+            if NEGATE:
+                d = -d
+            tl.store(g_row + blk * BLOCK_V + cols, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
 
 
 @triton.jit
@@ -206,36 +224,6 @@ def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, B
         _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, True, BLOCK_V, STAGES, EVICT)
     else:
         _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, False, BLOCK_V, STAGES, EVICT)
-    tl.debug_barrier()
-    tl.store(g_row + tgt, (coef * (1.0 - p_tgt)).to(g_row.dtype.element_ty))
-
-
-@triton.jit
-def _write_row_grad_mul(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, BLOCK_V: tl.constexpr,
-                    STAGES: tl.constexpr, EVICT: tl.constexpr):
-    """The previous pass 2 (kept to compare, `pass2: "mul"`): the same values, a multiply per element.
-
-    Last block first: those were read most recently, so they are the likeliest still in L2.
-    Every column gets -coef * p; the target's coef * (1 - p_tgt) is stored after a barrier, so
-    it lands after the block store that covers it (cheaper than a compare per element).
-    """
-    cols = tl.arange(0, BLOCK_V)
-    num_blocks = tl.cdiv(vocab, BLOCK_V)
-    neg_coef = -coef
-    if STAGES > 0:
-        for j in tl.range(0, num_blocks, num_stages=STAGES):
-            offs = (num_blocks - 1 - j) * BLOCK_V + cols
-            x = tl.load(x_row + offs, mask=offs < vocab, other=0.0, eviction_policy=EVICT).to(tl.float32)
-            d = tl.exp2(x * log2e_over_t - lse2) * neg_coef
-            tl.store(g_row + offs, d.to(g_row.dtype.element_ty), mask=offs < vocab, eviction_policy=EVICT)
-    else:
-        x_next = _load_block(x_row, num_blocks - 1, vocab, 0.0, BLOCK_V, 0, EVICT)
-        for j in range(num_blocks):
-            offs = (num_blocks - 1 - j) * BLOCK_V + cols
-            x = x_next.to(tl.float32)
-            x_next = _load_block(x_row, num_blocks - 2 - j, vocab, 0.0, BLOCK_V, 0, EVICT)
-            d = tl.exp2(x * log2e_over_t - lse2) * neg_coef
-            tl.store(g_row + offs, d.to(g_row.dtype.element_ty), mask=offs < vocab, eviction_policy=EVICT)
     tl.debug_barrier()
     tl.store(g_row + tgt, (coef * (1.0 - p_tgt)).to(g_row.dtype.element_ty))
 
@@ -264,11 +252,11 @@ def _grpo_rows_kernel(
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     GROUP: tl.constexpr,        # pass-1 reduction: 0 block-wide, 1 per lane, >= 2 per group of columns
-    STAGES: tl.constexpr,       # > 0: software-pipelined loads, STAGES - 1 blocks in flight; 0: register prefetch
+    STAGES: tl.constexpr,       # pass 1: > 0 software-pipelined loads (STAGES - 1 blocks in flight); 0 register prefetch
+    STAGES2: tl.constexpr,      # the same for pass 2
     EVICT_PASS1: tl.constexpr,  # L2 hints: keep pass-1 reads for pass 2, then let them and the writes go
     EVICT_PASS2: tl.constexpr,
     PASS1_REFMAX: tl.constexpr,  # pass 1 against the first block's max (fallback: online), else online
-    PASS2_FOLD: tl.constexpr,    # pass 2 with |coef| in the exponent, else a multiply per element
 ):
     LN2: tl.constexpr = 0.6931471805599453
     cols = tl.arange(0, BLOCK_V)
@@ -336,12 +324,8 @@ def _grpo_rows_kernel(
                     # d loss / d x_v = w * dloss_dlogp * (onehot_v - p_v) / T
                     coef = w * dloss_dlogp * inv_t
                     tl.debug_barrier()  # every thread's read of the target logit precedes in-place writes
-                    if PASS2_FOLD:
-                        _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
-                                        BLOCK_V, STAGES, EVICT_PASS2)
-                    else:
-                        _write_row_grad_mul(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2,
-                                            log2e_over_t, BLOCK_V, STAGES, EVICT_PASS2)
+                    _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
+                                    BLOCK_V, STAGES2, EVICT_PASS2)
             else:
                 tl.store(out + 0, 0.0)
                 tl.store(out + 1, 0.0)
@@ -357,10 +341,12 @@ def _grpo_rows_kernel(
 
 def default_config(vocab: int, device: torch.device) -> dict:
     """Launch parameters, tuned on an H200 at V=152064 bf16 (`--sweep` of the kernel benchmark):
-    configurations with one row per SM and pipelined loads came within 3% of each other."""
+    configurations with one row per SM and pipelined loads came within 3% of each other.
+    `stages` is pass 1's pipeline depth (0: register prefetch); `stages_pass2` pass 2's (None:
+    the same); `pass1` "refmax" (default) or "online" (the running max, also refmax's fallback)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 16, "programs_per_sm": 1, "group": 8, "stages": 4,
-           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax", "pass2": "fold"}
+           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
@@ -414,8 +400,9 @@ def grpo_rows(
         grad.stride(0) if grad is not None else 0,
         math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
         HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
+        STAGES2=cfg["stages"] if cfg.get("stages_pass2") is None else cfg["stages_pass2"],
         EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], PASS1_REFMAX=cfg["pass1"] == "refmax",
-        PASS2_FOLD=cfg["pass2"] == "fold", num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
     )
     return row_out
 
