@@ -208,7 +208,7 @@ def load_checkpoint(path: str) -> dict:
     return out
 
 
-TASK_FIELDS = (("env", "name"), ("env", "unit_labels"), ("env", "use_constraint"))
+TASK_FIELDS = (("env", "name"), ("env", "unit_labels"), ("env", "list_supports"), ("env", "use_constraint"))
 """Config fields that define what the policy reads and writes; a resumed run must keep them."""
 
 

@@ -85,6 +85,29 @@ def test_without_unit_labels_the_same_choices_play_the_same_games(tokenizer):
     assert tokens[False] < 0.8 * tokens[True]
 
 
+def test_unlisted_supports_shorten_prompts_not_the_game(tokenizer):
+    """list_supports=False: the same constraint per request (every legal order, supports included),
+    so the same picks play the same games; only the prompts shrink."""
+    runs = {}
+    for list_supports in (True, False):
+        env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=1, unit_labels=False, list_supports=list_supports,
+                           seed=3, start_states=dg.load_state_cache(CACHE))
+        rng, prompts, slots, samples = random.Random(5), [], [], []
+        env.start_group(0)
+        while True:
+            keyed = env.requests()
+            if not keyed:
+                break
+            prompts += [len(r.prompt_ids) for _, r in keyed]
+            slots += [r.constraint.slots for _, r in keyed]
+            env.step({k: random_legal_completion(r, rng) for k, r in keyed})
+            samples += env.pop_finished()
+        runs[list_supports] = (prompts, slots, [(s.group_key, s.reward) for s in samples])
+    (p_full, s_full, r_full), (p_short, s_short, r_short) = runs[True], runs[False]
+    assert s_full == s_short and r_full == r_short and len(p_full) == len(p_short)
+    assert sum(p_short) < 0.8 * sum(p_full)
+
+
 def test_requests_come_per_phase_for_powers_that_can_order(tokenizer):
     env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=2, seed=1)
     env.start_group(7)

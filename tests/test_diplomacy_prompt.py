@@ -58,6 +58,16 @@ def test_own_part_lists_units_in_slot_order_with_their_orders():
     assert "NEUTRAL: centres BEL BUL" in "".join(board_lines(game))
 
 
+def test_own_part_without_supports_lists_moves_and_holds_only():
+    game = dg.new_game()
+    orders = power_orders(game, dg.legal_orders(game))["FRANCE"]
+    lines = own_lines(orders, list_supports=False)
+    assert lines[1] == "F BRE: - ENG GAS MAO PIC; H\n"
+    assert lines[3] == "A PAR: - BRE BUR GAS PIC; H\n"
+    assert "Supports and convoys are not listed" in instruction(False, list_supports=False)
+    assert "not listed" not in instruction(False)
+
+
 def test_compact_options_round_trip():
     count = 0
     for game, legal in phases(num_games=4):

@@ -419,7 +419,9 @@ class VLLMEngine:
                 "engine_errors": float(d["engine_errors"]),
                 # vLLM interleaves prefill and decode in one step: both rates are over the same time
                 "prefill_tokens_per_s": d["prompt_tokens"] / gen_s, "decode_tokens_per_s": d["out_tokens"] / gen_s,
-                "prefix_cache_hit_rate": d["cached_prompt_tokens"] / max(d["prompt_tokens"], 1)}
+                "prefix_cache_hit_rate": d["cached_prompt_tokens"] / max(d["prompt_tokens"], 1),
+                # what the engine computed for prompts: the rollout's main cost on the Diplomacy workload
+                "prefill_tokens": float(d["prompt_tokens"] - d["cached_prompt_tokens"])}
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None

@@ -87,6 +87,7 @@ class Group:
 class DiplomacyEnv:
     def __init__(self, tokenizer, *, group_size: int, horizon_years: int = 1, stall_years: int = 2,
                  train_later_phases: bool = False, use_constraint: bool = True, unit_labels: bool = True,
+                 list_supports: bool = True,
                  max_new_tokens: int = 256, temperature: float = 1.0, seed: int = 0,
                  start_states: list[dict] | None = None):
         if horizon_years < 1:
@@ -98,13 +99,14 @@ class DiplomacyEnv:
         self.train_later_phases = train_later_phases
         self.use_constraint = use_constraint
         self.unit_labels = unit_labels
+        self.list_supports = list_supports
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.start_states = start_states
         self.rng = random.Random(seed)
         self.eos_id = tokenizer.eos_token_id
-        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts(unit_labels),
-                                 instruction_text=instruction(unit_labels))
+        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts(unit_labels, list_supports),
+                                 instruction_text=instruction(unit_labels, list_supports))
         self._engine_orders: dict[str, str] = {}
         self._groups: dict[int, Group] = {}
         self._reset_counters()
@@ -119,6 +121,7 @@ class DiplomacyEnv:
                    train_later_phases=getattr(env_cfg, "train_later_phases", False),
                    use_constraint=getattr(env_cfg, "use_constraint", True),
                    unit_labels=getattr(env_cfg, "unit_labels", True),
+                   list_supports=getattr(env_cfg, "list_supports", True),
                    max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
                    start_states=dg.load_state_cache(path) if path else None)
 
@@ -242,7 +245,7 @@ class DiplomacyEnv:
         board_ids = self.tokens.encode("".join(board_lines(game)))
         requests = {}
         for power, orders in all_orders.items():
-            prompt_ids = self.tokens.prompt_ids(board_ids, own_lines(orders))
+            prompt_ids = self.tokens.prompt_ids(board_ids, own_lines(orders, self.list_supports))
             constraint, max_new = None, self.max_new_tokens
             if self.use_constraint:
                 constraint = self.tokens.constraint(orders, self.eos_id, self.unit_labels)
