@@ -11,7 +11,13 @@ Needs 2 GPUs and vllm; `--also sync,parity` adds those to the same session.
 """
 from __future__ import annotations
 
-from colocate.benchmarks.vllm_session import add_session_args, run_profile
+import statistics
+import time
+
+import torch
+
+from colocate.benchmarks import vllm_session as vs
+from colocate.benchmarks.vllm_session import Session, add_session_args, log, run_profile, sync_learner, synthetic_requests
 
 
 def add_args(parser) -> None:
@@ -20,3 +26,147 @@ def add_args(parser) -> None:
 
 def run(args) -> dict:
     return run_profile(args, "rollout", first=False)
+
+
+def _vllm_inputs(engine, requests, constrained: bool = True):
+    """Prompts + SamplingParams exactly as VLLMEngine builds them, built before the clock starts."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+    from colocate.engine.vllm import sampling_kwargs
+    from colocate.engine.vllm_grammar import constraint_grammar
+    grammars = {}
+    params = []
+    for r in requests:
+        so = None
+        if constrained and r.constraint is not None:
+            g = grammars.setdefault(id(r.constraint), constraint_grammar(r.constraint, engine.grammar_mode))
+            so = StructuredOutputsParams(grammar=g)
+        kw = sampling_kwargs(r, engine.eos_id)
+        if not constrained:
+            kw.update(min_tokens=r.max_new_tokens, ignore_eos=True)
+        params.append(SamplingParams(**kw, structured_outputs=so))
+    return [{"prompt_token_ids": r.prompt_ids} for r in requests], params
+
+
+def _timed_vllm_alone(engine, prompts, params) -> tuple[float, int]:
+    engine.llm.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = engine.llm.generate(prompts, params, lora_request=engine._lora_request, use_tqdm=False)
+    return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _timed_ours(engine, tokenizer, requests) -> tuple[float, int]:
+    engine.llm.reset_prefix_cache()
+    t = time.perf_counter()
+    comps = engine.generate(requests)
+    for c in comps:  # what an env does with a completion: decode it to text for its parser
+        tokenizer.decode(c.token_ids[:-1] if c.token_ids and c.token_ids[-1] == engine.eos_id else c.token_ids)
+    return time.perf_counter() - t, sum(len(c.token_ids) for c in comps)
+
+
+@torch.no_grad()
+def hf_generate_tok_s(policy, requests, new_tokens: int = 32) -> float:
+    ids = torch.tensor([r.prompt_ids for r in requests], device=vs.LEARNER)
+    policy.generate(input_ids=ids[:4], attention_mask=torch.ones_like(ids[:4]), max_new_tokens=4, do_sample=True)
+    sync_learner()
+    t = time.perf_counter()
+    policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=True, temperature=1.0)
+    sync_learner()
+    return len(requests) * new_tokens / (time.perf_counter() - t)
+
+
+def measure_rollout(s: Session, num_seqs: int = 512, rounds: int = 2, hf_seqs: int = 64,
+                    deadline: float = float("inf")) -> dict:
+    e, tok = s.engine, s.tokenizer
+    vocab, eos = len(tok), tok.eos_token_id
+    out = {}
+    warm = synthetic_requests(32, vocab, eos, seed=99)
+    e.generate(warm)
+    alone, ours = [], []
+    for r in range(rounds):  # fresh prompts each run (same shapes); the order alternates per round
+        def run_alone():
+            prompts, params = _vllm_inputs(e, synthetic_requests(num_seqs, vocab, eos, seed=1000 + r))
+            dt, n = _timed_vllm_alone(e, prompts, params)
+            alone.append(n / dt)
+
+        def run_ours():
+            dt, n = _timed_ours(e, tok, synthetic_requests(num_seqs, vocab, eos, seed=2000 + r))
+            ours.append(n / dt)
+        for run in ((run_alone, run_ours) if r % 2 == 0 else (run_ours, run_alone)):
+            run()
+    out["rollout/num_seqs"] = num_seqs
+    out["rollout/vllm_alone_out_tok_s"] = statistics.mean(alone)
+    out["rollout/ours_out_tok_s"] = statistics.mean(ours)
+    out["rollout/ours_vs_vllm_alone"] = out["rollout/ours_out_tok_s"] / out["rollout/vllm_alone_out_tok_s"]
+    out["rollout/ours_host_s_per_seq_ms"] = 1e3 * e.counters["host_s"] / max(e.counters["requests"], 1)
+    log(f"{s.shape}: rollout alone {out['rollout/vllm_alone_out_tok_s']:.0f} ours {out['rollout/ours_out_tok_s']:.0f} tok/s")
+    reqs = synthetic_requests(num_seqs, vocab, eos, seed=3000, constrained=False)
+    prompts, params = _vllm_inputs(e, reqs, constrained=False)
+    dt, n = _timed_vllm_alone(e, prompts, params)
+    out["rollout/vllm_unconstrained_out_tok_s"] = n / dt
+    out["rollout/hf_generate_seqs"] = hf_seqs
+    out["rollout/hf_generate_out_tok_s"] = hf_generate_tok_s(s.policy, synthetic_requests(hf_seqs, vocab, eos, seed=4000))
+    out["rollout/ours_vs_hf"] = out["rollout/ours_out_tok_s"] / out["rollout/hf_generate_out_tok_s"]
+    log(f"{s.shape}: hf generate {out['rollout/hf_generate_out_tok_s']:.0f} tok/s")
+    if time.time() < deadline:
+        out.update(measure_diplomacy(s))
+    if time.time() < deadline:
+        out.update(measure_text_grammar(s))
+    return out
+
+
+def measure_diplomacy(s: Session, groups: int = 9, group_size: int = 8) -> dict:
+    """One fork phase of Diplomacy (every power of every continuation): vLLM alone vs our path with
+    the env's own prompt building and order parsing (`requests` + `generate` + `step`)."""
+    from colocate.envs.diplomacy import DiplomacyEnv
+    out = {}
+    try:
+        def fresh():
+            env = DiplomacyEnv(s.tokenizer, group_size=group_size, horizon_years=1, seed=5)
+            for g in range(groups):
+                env.start_group(g)
+            return env
+        env_a = fresh()
+        reqs = [r for _, r in env_a.requests()]
+        prompts, params = _vllm_inputs(s.engine, reqs)
+        dt_a, n_a = _timed_vllm_alone(s.engine, prompts, params)
+        env_b = fresh()
+        s.engine.llm.reset_prefix_cache()
+        t = time.perf_counter()
+        keyed = env_b.requests()
+        comps = s.engine.generate([r for _, r in keyed])
+        env_b.step({k: c for (k, _), c in zip(keyed, comps)})
+        dt_b = time.perf_counter() - t
+        n_b = sum(len(c.token_ids) for c in comps)
+        metrics = env_b.metrics()
+        out.update({"diplomacy/requests": len(reqs), "diplomacy/mean_prompt_tokens": statistics.mean(len(r.prompt_ids) for r in reqs),
+                    "diplomacy/mean_out_tokens": n_b / len(comps),
+                    "diplomacy/vllm_alone_out_tok_s": n_a / dt_a, "diplomacy/ours_out_tok_s": n_b / dt_b,
+                    "diplomacy/ours_vs_vllm_alone": (n_b / dt_b) / (n_a / dt_a),
+                    **{f"diplomacy/env_{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}})
+    except Exception as exc:  # the env is someone else's and optional here
+        out["diplomacy/error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def measure_text_grammar(s: Session, n: int = 128) -> dict:
+    """How often a text grammar (choices as strings) samples ids outside the Constraint's trie."""
+    from colocate.envs.diplomacy import DiplomacyEnv
+    e = s.engine
+    before = dict(e.counters)
+    e.grammar_mode = "text"
+    try:
+        env = DiplomacyEnv(s.tokenizer, group_size=8, horizon_years=1, seed=6)
+        for g in range(3):
+            env.start_group(g)
+        reqs = [r for _, r in env.requests()][:n]
+        comps = e.generate(reqs)
+    except Exception as exc:
+        return {"text_grammar/error": f"{type(exc).__name__}: {exc}"[:300]}
+    finally:
+        e.grammar_mode = "tokens"
+    failures = e.counters["walk_failures"] - before["walk_failures"]
+    e.counters["walk_failures"] = before["walk_failures"]
+    return {"text_grammar/completions": len(comps), "text_grammar/walk_failures": failures,
+            "text_grammar/failure_rate": failures / max(len(comps), 1)}

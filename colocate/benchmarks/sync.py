@@ -10,7 +10,16 @@ same session (one engine start, ~1 minute, serves them all). See `vllm_session.p
 """
 from __future__ import annotations
 
-from colocate.benchmarks.vllm_session import add_session_args, run_profile
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from colocate.benchmarks.common import median_time
+from colocate.benchmarks.vllm_session import Session, add_session_args, run_profile, sync_learner, synthetic_requests
+from colocate.data import Request
 
 
 def add_args(parser) -> None:
@@ -19,3 +28,106 @@ def add_args(parser) -> None:
 
 def run(args) -> dict:
     return run_profile(args, "sync", first=True)
+
+
+def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    vocab = len(s.tokenizer)
+    probe = synthetic_requests(1, vocab, s.tokenizer.eos_token_id, seed=7, prompt_len=64, shared=0,
+                               max_new_tokens=1, constrained=False)
+    out = {}
+    # Correctness first: one update with checksum and slot read-back.
+    s.step_adapter()
+    got = s.push(with_checksum=True, verify=True)
+    from colocate.engine.vllm_sync import chunked_checksum
+    from colocate.sync import flatten_lora
+    engine_bytes = flatten_lora(s.engine.lora_state(), s.spec)
+    learner_bytes = flatten_lora({k: v.detach().cpu() for k, v in s.lora().items()}, s.spec)
+    out["sync/checksum_ok"] = bool(got["checksum_ok"])
+    out["sync/slot_matches_received"] = bool(got["slot_ok"])
+    out["sync/engine_bytes_equal_learner"] = bool(torch.equal(engine_bytes.view(torch.uint8),
+                                                              learner_bytes.view(torch.uint8)))
+    out["sync/checksum"] = chunked_checksum(learner_bytes)
+    out["sync/adapter_mb"] = s.spec.numel * s.spec.dtype.itemsize / 1e6
+    # Ours: step end -> enqueue send -> worker receive+apply -> first token with the new version.
+    parts = {"send_enqueue_ms": [], "receive_apply_ms": [], "first_token_ms": [], "total_ms": [], "apply_ms": []}
+    for i in range(warmup + iters):
+        s.step_adapter()
+        sync_learner()
+        t0 = time.perf_counter()                                   # learner step end
+        s.sender.send(s.gather(), s.version, wait=False)           # gather (one multi-tensor copy) + send
+        t1 = time.perf_counter()
+        got = s.engine.receive_lora()
+        t2 = time.perf_counter()
+        (c,) = s.engine.generate(probe)
+        t3 = time.perf_counter()
+        assert c.version == s.version == got["version"]
+        sync_learner()
+        if i >= warmup:
+            for k, v in (("send_enqueue_ms", t1 - t0), ("receive_apply_ms", t2 - t1), ("first_token_ms", t3 - t2),
+                         ("total_ms", t3 - t0)):
+                parts[k].append(v * 1e3)
+            parts["apply_ms"].append(got["apply_ms"])
+    for k, v in parts.items():
+        out[f"sync/ours_{k}"] = statistics.median(v)
+    # The same first token without any update (what sampling costs anyway).
+    out["sync/first_token_no_update_ms"] = 1e3 * median_time(lambda: s.engine.generate(probe), warmup=0, iters=iters)
+    out.update(first_token_breakdown(s, probe, iters))
+    if s.engine.lora_mode == "merged":  # built without LoRA: vLLM's loader, the disk path, is not there
+        out["sync/disk_skipped"] = "lora_mode=merged"
+        return out
+    # Disk: save the adapter (peft), a new LoRARequest from the path, first token with it.
+    prompt = [{"prompt_token_ids": probe[0].prompt_ids}]
+    params = SamplingParams(max_tokens=1, detokenize=False)
+    disk = {"save_ms": [], "load_first_token_ms": [], "total_ms": []}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("COLOCATE_DISK_DIR") or None) as root:
+        for i in range(max(3, iters // 2) + 1):
+            s.step_adapter()
+            sync_learner()
+            t0 = time.perf_counter()
+            path = os.path.join(root, f"v{s.version}")
+            s.policy.save_pretrained(path, is_main_process=True)
+            t1 = time.perf_counter()
+            s.engine.llm.generate(prompt, params, lora_request=LoRARequest(f"disk-v{s.version}", 100 + i, path),
+                                  use_tqdm=False)
+            t2 = time.perf_counter()
+            if i >= 1:  # the first disk load also warms the loader
+                disk["save_ms"].append((t1 - t0) * 1e3)
+                disk["load_first_token_ms"].append((t2 - t1) * 1e3)
+                disk["total_ms"].append((t2 - t0) * 1e3)
+    s.push()  # the engine's slot holds the learner's latest again
+    for k, v in disk.items():
+        out[f"sync/disk_{k}"] = statistics.median(v)
+    out["sync/speedup_vs_disk"] = out["sync/disk_total_ms"] / out["sync/ours_total_ms"]
+    return out
+
+
+def first_token_breakdown(s: Session, probe: list[Request], iters: int) -> dict:
+    """Where the one-token generate after an update goes, each part timed on its own (medians):
+      rpc_roundtrip_ms       one `collective_rpc` that does nothing (client -> engine core -> worker -> back)
+      first_token_stream_ms  the probe through `submit` + `poll` (`LLM.enqueue` + `llm_engine.step()`,
+                             what streamed rollouts use) instead of `LLM.generate`
+      first_token_16_ms      a 16-token prompt instead of 64 (how much is prefill)
+      two_tokens_ms          max_tokens=2: minus first_token_no_update_ms, one decode step
+      first_token_base_ms    no LoRA request at all (slot mode: the LoRA kernels' share)"""
+    from vllm import SamplingParams
+
+    def median_ms(fn) -> float:
+        return 1e3 * median_time(fn, warmup=1, iters=iters)
+
+    vocab, eos = len(s.tokenizer), s.tokenizer.eos_token_id
+    short = synthetic_requests(1, vocab, eos, seed=8, prompt_len=16, shared=0, max_new_tokens=1, constrained=False)
+    two = synthetic_requests(1, vocab, eos, seed=7, prompt_len=64, shared=0, max_new_tokens=2, constrained=False)
+    prompt = [{"prompt_token_ids": probe[0].prompt_ids}]
+    out = {
+        "sync/rpc_roundtrip_ms": median_ms(lambda: s.engine.llm.collective_rpc("colocate_ping")),
+        "sync/first_token_stream_ms": median_ms(lambda: (s.engine.submit(probe), s.engine.poll(wait_all=True))),
+        "sync/first_token_16_ms": median_ms(lambda: s.engine.generate(short)),
+        "sync/two_tokens_ms": median_ms(lambda: s.engine.generate(two)),
+    }
+    if s.engine.lora_mode == "slot":
+        params = SamplingParams(max_tokens=1, detokenize=False)
+        out["sync/first_token_base_ms"] = median_ms(
+            lambda: s.engine.llm.generate(prompt, params, use_tqdm=False))
+    return out

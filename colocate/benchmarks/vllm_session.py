@@ -3,14 +3,14 @@
 Two GPUs, one process, the same code paths as a torchrun job: the learner side (peft policy,
 `AdapterSender`) on cuda:0 in this process; `VLLMEngine` with its engine core in a child process on
 GPU 1, joined to the learner by the stateless NCCL group. An engine start costs ~1 minute, so one
-session serves every measurement of a shape:
+session serves every measurement of a shape (each in its own module):
 
-  measure_sync     learner step end -> first token sampled with the new version (ours) against
+  measure_sync     (sync.py) learner step end -> first token sampled with the new version (ours) against
                    save adapter + LoRARequest(path) + first token (disk), same engine, same prompt;
                    plus a checksum / slot read-back check of one update.
-  measure_parity   vLLM's sampled-token log-probs against the learner's (same adapter, same
+  measure_parity   (parity.py) vLLM's sampled-token log-probs against the learner's (same adapter, same
                    `allowed_ids` mask, same temperature): synthetic, Diplomacy, unconstrained.
-  measure_rollout  the same requests through vLLM alone (pre-built prompts and grammars), our
+  measure_rollout  (rollout.py) the same requests through vLLM alone (pre-built prompts and grammars), our
                    inference-rank path (requests -> grammar -> engine -> replay -> parse), and HF
                    `generate` (peft, 64 sequences, unconstrained, as the anchor); optional
                    Diplomacy phase and text-grammar mismatch count.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import tempfile
 import threading
 import time
@@ -35,7 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from colocate.benchmarks.common import median_time
 from colocate.constraint import Constraint
 from colocate.data import Request
 from colocate.metrics import write_json_atomic
@@ -174,352 +172,6 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     return session
 
 
-# ---------------------------------------------------------------------------------- sync
-
-def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
-    vocab = len(s.tokenizer)
-    probe = synthetic_requests(1, vocab, s.tokenizer.eos_token_id, seed=7, prompt_len=64, shared=0,
-                               max_new_tokens=1, constrained=False)
-    out = {}
-    # Correctness first: one update with checksum and slot read-back.
-    s.step_adapter()
-    got = s.push(with_checksum=True, verify=True)
-    from colocate.engine.vllm_sync import chunked_checksum
-    from colocate.sync import flatten_lora
-    engine_bytes = flatten_lora(s.engine.lora_state(), s.spec)
-    learner_bytes = flatten_lora({k: v.detach().cpu() for k, v in s.lora().items()}, s.spec)
-    out["sync/checksum_ok"] = bool(got["checksum_ok"])
-    out["sync/slot_matches_received"] = bool(got["slot_ok"])
-    out["sync/engine_bytes_equal_learner"] = bool(torch.equal(engine_bytes.view(torch.uint8),
-                                                              learner_bytes.view(torch.uint8)))
-    out["sync/checksum"] = chunked_checksum(learner_bytes)
-    out["sync/adapter_mb"] = s.spec.numel * s.spec.dtype.itemsize / 1e6
-    # Ours: step end -> enqueue send -> worker receive+apply -> first token with the new version.
-    parts = {"send_enqueue_ms": [], "receive_apply_ms": [], "first_token_ms": [], "total_ms": [], "apply_ms": []}
-    for i in range(warmup + iters):
-        s.step_adapter()
-        sync_learner()
-        t0 = time.perf_counter()                                   # learner step end
-        s.sender.send(s.gather(), s.version, wait=False)           # gather (one multi-tensor copy) + send
-        t1 = time.perf_counter()
-        got = s.engine.receive_lora()
-        t2 = time.perf_counter()
-        (c,) = s.engine.generate(probe)
-        t3 = time.perf_counter()
-        assert c.version == s.version == got["version"]
-        sync_learner()
-        if i >= warmup:
-            for k, v in (("send_enqueue_ms", t1 - t0), ("receive_apply_ms", t2 - t1), ("first_token_ms", t3 - t2),
-                         ("total_ms", t3 - t0)):
-                parts[k].append(v * 1e3)
-            parts["apply_ms"].append(got["apply_ms"])
-    for k, v in parts.items():
-        out[f"sync/ours_{k}"] = statistics.median(v)
-    # The same first token without any update (what sampling costs anyway).
-    out["sync/first_token_no_update_ms"] = 1e3 * median_time(lambda: s.engine.generate(probe), warmup=0, iters=iters)
-    out.update(first_token_breakdown(s, probe, iters))
-    if s.engine.lora_mode == "merged":  # built without LoRA: vLLM's loader, the disk path, is not there
-        out["sync/disk_skipped"] = "lora_mode=merged"
-        return out
-    # Disk: save the adapter (peft), a new LoRARequest from the path, first token with it.
-    prompt = [{"prompt_token_ids": probe[0].prompt_ids}]
-    params = SamplingParams(max_tokens=1, detokenize=False)
-    disk = {"save_ms": [], "load_first_token_ms": [], "total_ms": []}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("COLOCATE_DISK_DIR") or None) as root:
-        for i in range(max(3, iters // 2) + 1):
-            s.step_adapter()
-            sync_learner()
-            t0 = time.perf_counter()
-            path = os.path.join(root, f"v{s.version}")
-            s.policy.save_pretrained(path, is_main_process=True)
-            t1 = time.perf_counter()
-            s.engine.llm.generate(prompt, params, lora_request=LoRARequest(f"disk-v{s.version}", 100 + i, path),
-                                  use_tqdm=False)
-            t2 = time.perf_counter()
-            if i >= 1:  # the first disk load also warms the loader
-                disk["save_ms"].append((t1 - t0) * 1e3)
-                disk["load_first_token_ms"].append((t2 - t1) * 1e3)
-                disk["total_ms"].append((t2 - t0) * 1e3)
-    s.push()  # the engine's slot holds the learner's latest again
-    for k, v in disk.items():
-        out[f"sync/disk_{k}"] = statistics.median(v)
-    out["sync/speedup_vs_disk"] = out["sync/disk_total_ms"] / out["sync/ours_total_ms"]
-    return out
-
-
-def first_token_breakdown(s: Session, probe: list[Request], iters: int) -> dict:
-    """Where the one-token generate after an update goes, each part timed on its own (medians):
-      rpc_roundtrip_ms       one `collective_rpc` that does nothing (client -> engine core -> worker -> back)
-      first_token_stream_ms  the probe through `submit` + `poll` (`LLM.enqueue` + `llm_engine.step()`,
-                             what streamed rollouts use) instead of `LLM.generate`
-      first_token_16_ms      a 16-token prompt instead of 64 (how much is prefill)
-      two_tokens_ms          max_tokens=2: minus first_token_no_update_ms, one decode step
-      first_token_base_ms    no LoRA request at all (slot mode: the LoRA kernels' share)"""
-    from vllm import SamplingParams
-
-    def median_ms(fn) -> float:
-        return 1e3 * median_time(fn, warmup=1, iters=iters)
-
-    vocab, eos = len(s.tokenizer), s.tokenizer.eos_token_id
-    short = synthetic_requests(1, vocab, eos, seed=8, prompt_len=16, shared=0, max_new_tokens=1, constrained=False)
-    two = synthetic_requests(1, vocab, eos, seed=7, prompt_len=64, shared=0, max_new_tokens=2, constrained=False)
-    prompt = [{"prompt_token_ids": probe[0].prompt_ids}]
-    out = {
-        "sync/rpc_roundtrip_ms": median_ms(lambda: s.engine.llm.collective_rpc("colocate_ping")),
-        "sync/first_token_stream_ms": median_ms(lambda: (s.engine.submit(probe), s.engine.poll(wait_all=True))),
-        "sync/first_token_16_ms": median_ms(lambda: s.engine.generate(short)),
-        "sync/two_tokens_ms": median_ms(lambda: s.engine.generate(two)),
-    }
-    if s.engine.lora_mode == "slot":
-        params = SamplingParams(max_tokens=1, detokenize=False)
-        out["sync/first_token_base_ms"] = median_ms(
-            lambda: s.engine.llm.generate(prompt, params, use_tqdm=False))
-    return out
-
-
-# ---------------------------------------------------------------------------------- parity
-
-@torch.no_grad()
-def learner_logprobs(policy, requests, completions, temperature: float, batch: int = 16,
-                     use_adapter: bool = True) -> list[float]:
-    """The learner's log-probs of the sampled tokens: softmax over `allowed_ids` when the completion
-    has them (the learner's `restrict_to_allowed`), over the vocabulary otherwise."""
-    import contextlib
-    from colocate.kernels import restrict_to_allowed
-    from colocate.kernels.reference import per_token_logprobs
-    out: list[float] = []
-    device = next(policy.parameters()).device
-    with policy.disable_adapter() if not use_adapter else contextlib.nullcontext():
-        for start in range(0, len(requests), batch):
-            reqs, comps = requests[start:start + batch], completions[start:start + batch]
-            seqs = [r.prompt_ids + c.token_ids for r, c in zip(reqs, comps)]
-            width = max(len(x) for x in seqs)
-            ids = torch.zeros((len(seqs), width), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            rows, cols, targets, allowed = [], [], [], []
-            for i, (r, c, x) in enumerate(zip(reqs, comps, seqs)):
-                ids[i, :len(x)] = torch.tensor(x)
-                mask[i, :len(x)] = 1
-                p = len(r.prompt_ids)
-                rows += [i] * len(c.token_ids)
-                cols += list(range(p - 1, p - 1 + len(c.token_ids)))
-                targets += c.token_ids
-                allowed += c.allowed_ids if c.allowed_ids is not None else []
-            logits = policy(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[rows, cols]
-            tgt = torch.tensor(targets, device=device)
-            if allowed:
-                k = max(len(a) for a in allowed)
-                allowed_t = torch.full((len(allowed), k), -1, dtype=torch.long)
-                for j, a in enumerate(allowed):
-                    allowed_t[j, :len(a)] = torch.tensor(a)
-                logits, tgt = restrict_to_allowed(logits, tgt, allowed_t.to(device))
-            out += per_token_logprobs(logits, tgt, temperature).tolist()
-    return out
-
-
-def parity_stats(prefix: str, s: Session, reqs, comps) -> dict:
-    engine_lp = [x for c in comps for x in c.logprobs]
-    mine = learner_logprobs(s.policy, reqs, comps, 1.0)
-    base = learner_logprobs(s.policy, reqs, comps, 1.0, use_adapter=False)
-    diffs = [abs(a - b) for a, b in zip(engine_lp, mine)]
-    out = {f"{prefix}/tokens": len(diffs), f"{prefix}/mean_abs_diff": statistics.mean(diffs),
-           f"{prefix}/max_abs_diff": max(diffs), f"{prefix}/p99_abs_diff": sorted(diffs)[int(0.99 * (len(diffs) - 1))],
-           f"{prefix}/adapter_effect_mean_abs": statistics.mean(abs(a - b) for a, b in zip(mine, base)),
-           f"{prefix}/mean_logprob": statistics.mean(engine_lp)}
-    if all(c.allowed_ids is not None for c in comps):
-        sizes = [len(a) for c in comps for a in c.allowed_ids]
-        free = [d for d, k in zip(diffs, sizes) if k > 1]  # tokens with a choice (forced ones are log 1 = 0)
-        forced = [abs(x) for x, k in zip(engine_lp, sizes) if k == 1]
-        out.update({f"{prefix}/free_tokens": len(free),
-                    f"{prefix}/free_mean_abs_diff": statistics.mean(free) if free else 0.0,
-                    f"{prefix}/free_max_abs_diff": max(free) if free else 0.0,
-                    f"{prefix}/forced_max_abs_logprob": max(forced) if forced else 0.0})
-    return out
-
-
-def measure_parity(s: Session, n: int = 64) -> dict:
-    """vLLM's sampled-token log-probs vs the learner's on the same completions, same adapter, same mask.
-
-    Three workloads: synthetic constrained (most tokens forced), Diplomacy orders (real branching),
-    and unconstrained (softmax over the whole vocabulary: the hardest, no mask to hide behind)."""
-    vocab, eos = len(s.tokenizer), s.tokenizer.eos_token_id
-    reqs = synthetic_requests(n, vocab, eos, seed=11)
-    comps = s.engine.generate(reqs)
-    assert all(c.version == s.version for c in comps)
-    out = parity_stats("parity", s, reqs, comps)
-    try:
-        from colocate.envs.diplomacy import DiplomacyEnv
-        env = DiplomacyEnv(s.tokenizer, group_size=4, horizon_years=1, seed=3)
-        for g in range(3):
-            env.start_group(g)
-        dreqs = [r for _, r in env.requests()][:n]
-        out.update(parity_stats("parity_diplomacy", s, dreqs, s.engine.generate(dreqs)))
-        # Engine steps for one answer alone: one per token in plain decoding; with jump-forward the
-        # grammar-forced tokens ride along as drafts, so fewer steps than tokens.
-        longest = max(dreqs, key=lambda r: sum(max(len(c) for c in slot) for slot in r.constraint.slots))
-        steps = s.engine.counters["steps"]
-        s.engine.submit([longest])
-        ((_, answer),) = s.engine.poll(wait_all=True)
-        out["parity_diplomacy/one_answer_tokens"] = len(answer.token_ids)
-        out["parity_diplomacy/one_answer_engine_steps"] = s.engine.counters["steps"] - steps
-    except Exception as exc:
-        out["parity_diplomacy/error"] = f"{type(exc).__name__}: {exc}"[:300]
-    ureqs = synthetic_requests(n // 2, vocab, eos, seed=12, max_new_tokens=16, constrained=False)
-    out.update(parity_stats("parity_unconstrained", s, ureqs, s.engine.generate(ureqs)))
-    out.update({"parity/walk_failures": s.engine.counters["walk_failures"],
-                "parity/eos_appended": s.engine.counters["eos_appended"],
-                "parity/engine_errors": s.engine.counters["engine_errors"]})
-    return out
-
-
-# ---------------------------------------------------------------------------------- rollout
-
-def _vllm_inputs(engine, requests, constrained: bool = True):
-    """Prompts + SamplingParams exactly as VLLMEngine builds them, built before the clock starts."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-    from colocate.engine.vllm import sampling_kwargs
-    from colocate.engine.vllm_grammar import constraint_grammar
-    grammars = {}
-    params = []
-    for r in requests:
-        so = None
-        if constrained and r.constraint is not None:
-            g = grammars.setdefault(id(r.constraint), constraint_grammar(r.constraint, engine.grammar_mode))
-            so = StructuredOutputsParams(grammar=g)
-        kw = sampling_kwargs(r, engine.eos_id)
-        if not constrained:
-            kw.update(min_tokens=r.max_new_tokens, ignore_eos=True)
-        params.append(SamplingParams(**kw, structured_outputs=so))
-    return [{"prompt_token_ids": r.prompt_ids} for r in requests], params
-
-
-def _timed_vllm_alone(engine, prompts, params) -> tuple[float, int]:
-    engine.llm.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = engine.llm.generate(prompts, params, lora_request=engine._lora_request, use_tqdm=False)
-    return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
-
-
-def _timed_ours(engine, tokenizer, requests) -> tuple[float, int]:
-    engine.llm.reset_prefix_cache()
-    t = time.perf_counter()
-    comps = engine.generate(requests)
-    for c in comps:  # what an env does with a completion: decode it to text for its parser
-        tokenizer.decode(c.token_ids[:-1] if c.token_ids and c.token_ids[-1] == engine.eos_id else c.token_ids)
-    return time.perf_counter() - t, sum(len(c.token_ids) for c in comps)
-
-
-@torch.no_grad()
-def hf_generate_tok_s(policy, requests, new_tokens: int = 32) -> float:
-    ids = torch.tensor([r.prompt_ids for r in requests], device=LEARNER)
-    policy.generate(input_ids=ids[:4], attention_mask=torch.ones_like(ids[:4]), max_new_tokens=4, do_sample=True)
-    sync_learner()
-    t = time.perf_counter()
-    policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=True, temperature=1.0)
-    sync_learner()
-    return len(requests) * new_tokens / (time.perf_counter() - t)
-
-
-def measure_rollout(s: Session, num_seqs: int = 512, rounds: int = 2, hf_seqs: int = 64,
-                    deadline: float = float("inf")) -> dict:
-    e, tok = s.engine, s.tokenizer
-    vocab, eos = len(tok), tok.eos_token_id
-    out = {}
-    warm = synthetic_requests(32, vocab, eos, seed=99)
-    e.generate(warm)
-    alone, ours = [], []
-    for r in range(rounds):  # fresh prompts each run (same shapes); the order alternates per round
-        def run_alone():
-            prompts, params = _vllm_inputs(e, synthetic_requests(num_seqs, vocab, eos, seed=1000 + r))
-            dt, n = _timed_vllm_alone(e, prompts, params)
-            alone.append(n / dt)
-
-        def run_ours():
-            dt, n = _timed_ours(e, tok, synthetic_requests(num_seqs, vocab, eos, seed=2000 + r))
-            ours.append(n / dt)
-        for run in ((run_alone, run_ours) if r % 2 == 0 else (run_ours, run_alone)):
-            run()
-    out["rollout/num_seqs"] = num_seqs
-    out["rollout/vllm_alone_out_tok_s"] = statistics.mean(alone)
-    out["rollout/ours_out_tok_s"] = statistics.mean(ours)
-    out["rollout/ours_vs_vllm_alone"] = out["rollout/ours_out_tok_s"] / out["rollout/vllm_alone_out_tok_s"]
-    out["rollout/ours_host_s_per_seq_ms"] = 1e3 * e.counters["host_s"] / max(e.counters["requests"], 1)
-    log(f"{s.shape}: rollout alone {out['rollout/vllm_alone_out_tok_s']:.0f} ours {out['rollout/ours_out_tok_s']:.0f} tok/s")
-    reqs = synthetic_requests(num_seqs, vocab, eos, seed=3000, constrained=False)
-    prompts, params = _vllm_inputs(e, reqs, constrained=False)
-    dt, n = _timed_vllm_alone(e, prompts, params)
-    out["rollout/vllm_unconstrained_out_tok_s"] = n / dt
-    out["rollout/hf_generate_seqs"] = hf_seqs
-    out["rollout/hf_generate_out_tok_s"] = hf_generate_tok_s(s.policy, synthetic_requests(hf_seqs, vocab, eos, seed=4000))
-    out["rollout/ours_vs_hf"] = out["rollout/ours_out_tok_s"] / out["rollout/hf_generate_out_tok_s"]
-    log(f"{s.shape}: hf generate {out['rollout/hf_generate_out_tok_s']:.0f} tok/s")
-    if time.time() < deadline:
-        out.update(measure_diplomacy(s))
-    if time.time() < deadline:
-        out.update(measure_text_grammar(s))
-    return out
-
-
-def measure_diplomacy(s: Session, groups: int = 9, group_size: int = 8) -> dict:
-    """One fork phase of Diplomacy (every power of every continuation): vLLM alone vs our path with
-    the env's own prompt building and order parsing (`requests` + `generate` + `step`)."""
-    from colocate.envs.diplomacy import DiplomacyEnv
-    out = {}
-    try:
-        def fresh():
-            env = DiplomacyEnv(s.tokenizer, group_size=group_size, horizon_years=1, seed=5)
-            for g in range(groups):
-                env.start_group(g)
-            return env
-        env_a = fresh()
-        reqs = [r for _, r in env_a.requests()]
-        prompts, params = _vllm_inputs(s.engine, reqs)
-        dt_a, n_a = _timed_vllm_alone(s.engine, prompts, params)
-        env_b = fresh()
-        s.engine.llm.reset_prefix_cache()
-        t = time.perf_counter()
-        keyed = env_b.requests()
-        comps = s.engine.generate([r for _, r in keyed])
-        env_b.step({k: c for (k, _), c in zip(keyed, comps)})
-        dt_b = time.perf_counter() - t
-        n_b = sum(len(c.token_ids) for c in comps)
-        metrics = env_b.metrics()
-        out.update({"diplomacy/requests": len(reqs), "diplomacy/mean_prompt_tokens": statistics.mean(len(r.prompt_ids) for r in reqs),
-                    "diplomacy/mean_out_tokens": n_b / len(comps),
-                    "diplomacy/vllm_alone_out_tok_s": n_a / dt_a, "diplomacy/ours_out_tok_s": n_b / dt_b,
-                    "diplomacy/ours_vs_vllm_alone": (n_b / dt_b) / (n_a / dt_a),
-                    **{f"diplomacy/env_{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}})
-    except Exception as exc:  # the env is someone else's and optional here
-        out["diplomacy/error"] = f"{type(exc).__name__}: {exc}"[:300]
-    return out
-
-
-def measure_text_grammar(s: Session, n: int = 128) -> dict:
-    """How often a text grammar (choices as strings) samples ids outside the Constraint's trie."""
-    from colocate.envs.diplomacy import DiplomacyEnv
-    e = s.engine
-    before = dict(e.counters)
-    e.grammar_mode = "text"
-    try:
-        env = DiplomacyEnv(s.tokenizer, group_size=8, horizon_years=1, seed=6)
-        for g in range(3):
-            env.start_group(g)
-        reqs = [r for _, r in env.requests()][:n]
-        comps = e.generate(reqs)
-    except Exception as exc:
-        return {"text_grammar/error": f"{type(exc).__name__}: {exc}"[:300]}
-    finally:
-        e.grammar_mode = "tokens"
-    failures = e.counters["walk_failures"] - before["walk_failures"]
-    e.counters["walk_failures"] = before["walk_failures"]
-    return {"text_grammar/completions": len(comps), "text_grammar/walk_failures": failures,
-            "text_grammar/failure_rate": failures / max(len(comps), 1)}
-
-
 # ---------------------------------------------------------------------------------- entry
 
 def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_seqs: int = 512,
@@ -542,12 +194,15 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
         if time.time() > deadline:
             figures[f"{part}/skipped"] = "budget"
             continue
-        try:
+        try:  # each part lives in its own module, which imports this one
             if part == "sync":
+                from colocate.benchmarks.sync import measure_sync
                 figures.update(measure_sync(s, iters=sync_iters))
             elif part == "parity":
+                from colocate.benchmarks.parity import measure_parity
                 figures.update(measure_parity(s))
             elif part == "rollout":
+                from colocate.benchmarks.rollout import measure_rollout
                 figures.update(measure_rollout(s, num_seqs=num_seqs, deadline=deadline - 30))
             log(f"{shape}: {part} done")
         except Exception as exc:
