@@ -196,9 +196,12 @@ def test_completion_length_and_walk_failure_and_unconstrained():
     assert comp.finish_reason == "length" and len(comp.allowed_ids) == 2 and counts["walk_failures"] == 0
     comp, counts = completion_from_output(fake_output([7, 3, 9], [-1, -2, -3]), req, 0, EOS)
     assert counts["walk_failures"] == 1 and comp.allowed_ids == [[5, 7], [3], [9]]
-    # vLLM cut the answer short (e.g. its grammar refused a token): counted, kept as a valid prefix
-    comp, counts = completion_from_output(fake_output([7, 8], [-1, 0], reason="error"), req, 0, EOS)
-    assert counts == {"walk_failures": 0, "eos_appended": 0, "engine_errors": 1} and comp.token_ids == [7, 8]
+    # vLLM cut the answer short (e.g. its grammar refused a token, which it appended): counted, kept
+    # up to the last allowed token, reported as truncated
+    comp, counts = completion_from_output(fake_output([7, 8, 3], [-1, 0, -2], reason="error"), req, 0, EOS)
+    assert counts == {"walk_failures": 0, "eos_appended": 0, "engine_errors": 1}
+    assert comp.token_ids == [7, 8] and comp.logprobs == [-1, 0] and comp.allowed_ids == [[5, 7], [8]]
+    assert comp.finish_reason == "length"
     free = Request(prompt_ids=[2], max_new_tokens=3)
     comp, _ = completion_from_output(fake_output([4, 4, EOS], [-1, -1, -1]), free, 2, EOS)
     assert comp.allowed_ids is None and comp.token_ids == [4, 4, EOS]
@@ -676,10 +679,25 @@ def test_llguidance_forced_chain_is_the_constraints_forced_run(tiny_tokenizer):
 
 
 class _Grammar:
-    """vLLM 0.25's GuidanceGrammar, the parts its draft-mask pass and update_from_output use."""
+    """vLLM 0.25's GuidanceGrammar (backend_guidance.py), the parts its draft-mask pass and
+    update_from_output use, with the same bookkeeping of `terminated` and `rollback_lag`."""
 
-    def __init__(self, matcher):
-        self.ll_matcher, self.terminated, self.rollback_lag = matcher, False, 0
+    def __init__(self, matcher, eos_id):
+        self.ll_matcher, self.eos_id, self.terminated, self.rollback_lag = matcher, eos_id, False, 0
+
+    def accept_tokens(self, tokens):
+        if self.eos_id in tokens:
+            if self.ll_matcher.is_stopped() and not self.terminated:
+                self.rollback_lag = 1
+            self.terminated = True
+        if self.ll_matcher.is_stopped():
+            return True
+        return self.ll_matcher.consume_tokens(tokens)
+
+    def rollback(self, num_tokens):
+        if num_tokens > 0:
+            self.ll_matcher.rollback(num_tokens - self.rollback_lag)
+            self.terminated, self.rollback_lag = False, 0
 
     def validate_tokens(self, tokens):
         return tokens[:self.ll_matcher.validate_tokens(tokens)] if tokens else []
@@ -691,10 +709,9 @@ def _vllm_draft_masks(grammar, drafts, bitmask, vocab):
     rows = []
     for d in drafts:
         rows.append(llg_allowed(grammar.ll_matcher, bitmask, vocab))
-        assert grammar.ll_matcher.consume_tokens([d])
+        assert grammar.accept_tokens([d])
     rows.append(llg_allowed(grammar.ll_matcher, bitmask, vocab))
-    if drafts:
-        grammar.ll_matcher.rollback(len(drafts))
+    grammar.rollback(len(drafts))
     return rows
 
 
@@ -706,7 +723,7 @@ def _play_with_drafts(constraint, tok, rng, swap: bool) -> tuple[bool, int, int]
     from colocate.engine.vllm_ff import forced_chain, matchers_swapped_for_copies
     lt = llguidance.hf.from_tokenizer(tok, len(tok))
     grammar = _Grammar(llguidance.LLMatcher(lt, llguidance.grammar_from("grammar", constraint_grammar(constraint)),
-                                            log_level=0))
+                                            log_level=0), tok.eos_token_id)
     bitmask = llguidance.torch.allocate_token_bitmask(1, lt.vocab_size)
     state, tokens, steps = ConstraintState(constraint), 0, 0
     request = SimpleNamespace(structured_output_request=SimpleNamespace(grammar=grammar))
@@ -725,10 +742,30 @@ def _play_with_drafts(constraint, tok, rng, swap: bool) -> tuple[bool, int, int]
             assert t in state.allowed()  # the masks are the Constraint's
             state.advance(t)
         tokens += len(new)
-        if not grammar.ll_matcher.consume_tokens([t for t in new if t != tok.eos_token_id]):
+        if not grammar.accept_tokens(new):  # update_from_output
             return False, tokens, steps
         drafts = forced_chain(grammar, 6) if not state.done else []
     return True, tokens, steps
+
+
+def test_matcher_swap_restores_everything_even_on_error():
+    from colocate.engine.vllm_ff import matchers_swapped_for_copies
+
+    class Matcher:
+        def deep_copy(self):
+            return Matcher()
+    grammars = {k: SimpleNamespace(ll_matcher=Matcher(), terminated=False, rollback_lag=0) for k in "ab"}
+    requests = {k: SimpleNamespace(structured_output_request=SimpleNamespace(grammar=g)) for k, g in grammars.items()}
+    requests["x"] = SimpleNamespace(structured_output_request=SimpleNamespace(grammar=SimpleNamespace()))  # xgrammar
+    originals = {k: g.ll_matcher for k, g in grammars.items()}
+    with pytest.raises(RuntimeError):
+        with matchers_swapped_for_copies(requests, {"a": [5], "b": [], "x": [3], "gone": [4]}):
+            assert grammars["a"].ll_matcher is not originals["a"]  # drafts: a copy
+            assert grammars["b"].ll_matcher is originals["b"]      # no drafts: untouched
+            grammars["a"].terminated, grammars["a"].rollback_lag = True, 1
+            raise RuntimeError("vLLM failed mid-pass")
+    assert all(g.ll_matcher is originals[k] for k, g in grammars.items())
+    assert grammars["a"].terminated is False and grammars["a"].rollback_lag == 0
 
 
 def test_forced_drafts_survive_vllms_mask_pass_on_diplomacy_grammars():

@@ -171,19 +171,23 @@ def sampled_logprobs(output) -> list[float]:
 
 
 def completion_from_output(output, request: Request, version: int, eos_id: int) -> tuple[Completion, dict]:
-    """vLLM CompletionOutput -> Completion (+ counters: walk failures, EOS appended)."""
+    """vLLM CompletionOutput -> Completion (+ counters: walk failures, EOS appended, engine errors)."""
     ids = list(output.token_ids)
     logprobs = sampled_logprobs(output)
-    reason = "length" if output.finish_reason == "length" else "stop"
     # vLLM ends a request with "error" (or "abort") on its own failures, e.g. a token its grammar
-    # refused: the answer is cut short. Counted, and the env treats it as any incomplete answer.
-    counts = {"walk_failures": 0, "eos_appended": 0, "engine_errors": int(output.finish_reason not in ("stop", "length"))}
+    # refused, which it has appended already. Such an answer is cut short: counted, kept up to the
+    # last token the Constraint allows, and reported as "length" (the env counts it as truncated).
+    cut = output.finish_reason not in ("stop", "length")
+    reason = "length" if output.finish_reason == "length" or cut else "stop"
+    counts = {"walk_failures": 0, "eos_appended": 0, "engine_errors": int(cut)}
     allowed = None
     c = request.constraint
     if c is not None:
         replay = replay_allowed(c, ids)
         allowed = replay.allowed_ids
-        if not replay.is_valid:
+        if not replay.is_valid and cut:
+            ids, logprobs = ids[:len(allowed)], logprobs[:len(allowed)]
+        elif not replay.is_valid:
             counts["walk_failures"] = 1
             # A text grammar sampled a tokenization outside the trie (measurement mode only): from
             # there each sampled id stands alone, so the batch still packs (not fit for training).

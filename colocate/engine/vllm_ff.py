@@ -46,8 +46,8 @@ def forced_chain(grammar, limit: int) -> list[int]:
     matcher = grammar.ll_matcher
     if limit <= 0 or matcher.is_stopped() or matcher.is_error():
         return []
-    # On a copy (~1 us), so nothing here touches the state the request's tokens advance (see
-    # `matchers_swapped_for_copies`).
+    # On a copy (~1 us): the request's matcher then only ever consumes the tokens it is given.
+    # (Not needed while nothing rolls it back, see `matchers_swapped_for_copies`; cheap insurance.)
     chain = list(matcher.deep_copy().compute_ff_tokens())[:limit]
     return grammar.validate_tokens(chain) if chain else []
 
@@ -59,21 +59,24 @@ def matchers_swapped_for_copies(requests: dict, scheduled_spec_decode_tokens: di
     vLLM fills the mask of each draft position by consuming the drafts into the request's
     matcher, then rolls them back. On llguidance 1.7.6 that round trip corrupts the matcher: after
     a mask was computed at state S, a token consumed and rolled back to S is refused when it is
-    consumed again (tests/test_vllm_host.py pins this). In the e2e run every request died within
-    its first drafts ("grammar rejected tokens", session 6). The masks are the same on a copy;
-    the request's own matcher then only ever moves forward, as in plain decoding.
+    consumed again (the test extras pin llguidance 1.7.6; tests/test_vllm_host.py checks the
+    copies avoid it). In the e2e run every request died within its first drafts ("grammar
+    rejected tokens", session 6). The masks are the same on a copy; the request's own matcher
+    then only ever moves forward, as in plain decoding. Grammars of other backends (no
+    `ll_matcher`) are left alone.
     """
     swapped = []
-    for req_id, drafts in scheduled_spec_decode_tokens.items():
-        request = requests.get(req_id)
-        if drafts and request is not None and request.structured_output_request is not None:
-            grammar = request.structured_output_request.grammar
-            swapped.append((grammar, grammar.ll_matcher, grammar.terminated, grammar.rollback_lag))
-            grammar.ll_matcher = grammar.ll_matcher.deep_copy()
     try:
+        for req_id, drafts in scheduled_spec_decode_tokens.items():
+            request = requests.get(req_id)
+            so = getattr(request, "structured_output_request", None)
+            grammar = getattr(so, "grammar", None)
+            if drafts and getattr(grammar, "ll_matcher", None) is not None:
+                swapped.append((grammar, grammar.ll_matcher, grammar.terminated, grammar.rollback_lag))
+                grammar.ll_matcher = grammar.ll_matcher.deep_copy()
         yield
     finally:
-        for grammar, matcher, terminated, rollback_lag in swapped:
+        for grammar, matcher, terminated, rollback_lag in reversed(swapped):
             grammar.ll_matcher, grammar.terminated, grammar.rollback_lag = matcher, terminated, rollback_lag
 
 

@@ -58,13 +58,17 @@ INSTRUCTION_NO_UNITS = (
     "R X: retreat to X; D disband. Winter: one line per build (A PAR B, or WAIVE) or disband.\n")
 
 
-UNLISTED_SUPPORTS = ("Supports and convoys are not listed under YOU: write any legal one "
-                     "(S A MUN H X, S A MUN - X, C A LON - X).\n")
+UNLISTED_SUPPORTS = ("Supports and convoys are not listed under YOU: write any legal one as "
+                     "A PAR S A MUN, A PAR S A MUN - BUR or F NTH C A LON - BEL.\n")
+UNLISTED_SUPPORTS_NO_UNITS = ("Supports and convoys are not listed under YOU: write any legal one as "
+                              "S A MUN, S A MUN - BUR or C A LON - BEL.\n")
 
 
 def instruction(unit_labels: bool = True, list_supports: bool = True) -> str:
-    """The static instruction for the completion format (see the module docstring)."""
-    return (INSTRUCTION if unit_labels else INSTRUCTION_NO_UNITS) + ("" if list_supports else UNLISTED_SUPPORTS)
+    """The static instruction for the completion format (see the module docstring); without the
+    support lists it adds how to write the unlisted orders, in the completion format."""
+    extra = "" if list_supports else UNLISTED_SUPPORTS if unit_labels else UNLISTED_SUPPORTS_NO_UNITS
+    return (INSTRUCTION if unit_labels else INSTRUCTION_NO_UNITS) + extra
 
 
 MOVE, RETREAT, BUILD, DISBAND = "M", "R", "B", "D"
