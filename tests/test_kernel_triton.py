@@ -122,6 +122,10 @@ CASES += [
     ("bf16-inplace-beta0.04-T0.7-prefetch-pass1", "bf16", True, 0.04, 0.7, {**MATRIX, "stages": 0, "stages_pass2": 3}),
     ("fp32-copy-beta0.0-T1.0-prefetch-pass2", "fp32", False, 0.0, 1.0, {**MATRIX, "stages": 3, "stages_pass2": 0}),
     ("bf16-copy-beta0.04-T1.0-prefetch-small-vocab", "bf16", False, 0.04, 1.0, {"block_v": 2048, "stages": 0}),
+    # V a multiple of the block (no tail); one full block plus a tail, register prefetch in both passes
+    ("fp32-inplace-beta0.04-T0.7-no-tail", "fp32", True, 0.04, 0.7, {"block_v": 256, "num_programs": 5, "vocab": 1024}),
+    ("bf16-inplace-beta0.04-T1.0-one-full-block-prefetch", "bf16", True, 0.04, 1.0,
+     {"block_v": 512, "num_programs": 5, "stages": 0, "stages_pass2": 0}),
     ("fp32-copy-beta0.04-T1.3-neginf-online", "fp32", False, 0.04, 1.3, {**MATRIX, "neg_inf": True, "pass1": "online"}),
 ]
 
@@ -132,6 +136,7 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
 
     extra = dict(extra)
     neg_inf, outlier = extra.pop("neg_inf", False), extra.pop("outlier", False)
+    vocab = extra.pop("vocab", vocab)
     b = make_batch(num_rows, vocab, DTYPES[dt], temperature=temperature, beta=beta, seed=seed, device=device,
                    neg_inf=neg_inf, outlier=outlier)
     kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
@@ -302,6 +307,27 @@ def test_cuda_real_vocab(num_rows, inplace, config):
     assert float((loss.detach().double() - ref_loss).abs() / scale) <= 1e-2
     assert rel(x.grad, ref_grad) <= 1e-2
     assert float(x.grad[-1].float().abs().sum()) > 0 or float(b["weights"][-1]) == 0  # the last row was written
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("config", [None, {"stages": 0, "stages_pass2": 0}], ids=["default", "prefetch"])
+def test_cuda_real_vocab_fp32_logits_fit_and_match(config):
+    """fp32 logits at the real vocabulary launch with the default config (its shared memory must
+    stay under the H200's 227 KB per block) and match float64."""
+    from colocate.kernels.triton_grpo import grpo_loss_triton
+
+    vocab, beta, temperature = 152064, 0.04, 1.0
+    b = cuda_batch(512, vocab, beta, temperature, seed=5)
+    b["logits"] = b["logits"].float()
+    kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
+    ref_loss, scale, ref_grad = float64_chunked(b, 256, **kw)
+    x = b["logits"].clone().requires_grad_()
+    loss, _ = grpo_loss_triton(x, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
+                               inplace_backward=True, config=config, **kw)
+    loss.backward()
+    assert float((loss.detach().double() - ref_loss).abs() / scale) <= 1e-5
+    assert rel(x.grad, ref_grad.float()) <= 1e-5
 
 
 @pytest.mark.gpu

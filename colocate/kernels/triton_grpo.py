@@ -31,9 +31,10 @@ atomic counter) running pass 2. Pass 1 was no faster (1.44-1.59 ms vs 1.55), the
 Session 6 (Nsight Compute on the H200, profiles/kernel.md): the fused kernel moves 11.3 GB of
 DRAM traffic, not 9.4: 46 % of pass-2 re-reads miss L2, because pipelined loads (stages > 0) are
 async copies whose L2 hints Triton 3.6 drops (no evict_last lookups at all). Pass 1 issued 13
-instructions per element; the reference-max sum and |coef| in pass 2's exponent cut the SASS to ~6
-per element in each pass (pass 1 alone, same run: 1.58-1.70 -> 1.34-1.46 ms), but the fused kernel did not move
-(3.16-3.26 ms): it is DRAM-bound at 3.7 TB/s including those misses. `stages: 0` (plain loads into
+instructions per element; the reference-max sum cut its SASS to ~6 (pass 1 alone, same run:
+1.58-1.70 -> 1.34-1.46 ms), but the fused kernel did not move (3.16-3.26 ms): it is DRAM-bound at
+3.7 TB/s including those misses. (Pass 2 with |coef| in the exponent was no faster either, and
+its two sign-specialized loops doubled the shared memory.) `stages: 0` (plain loads into
 registers, one block ahead, hints kept) is built and tested for the next GPU sweep.
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
@@ -132,12 +133,13 @@ def _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, GROUP: tl
 
 
 @triton.jit
-def _row_logsumexp2_refmax(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
+def _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
                            EVICT: tl.constexpr):
     """log2(sum_v 2^z_v) of one row against a fixed reference: the first block's max.
 
-    fp32 holds 2^127, so terms need no running max: with r = max of block 0 (an actual value of
-    the row, so the sum is >= 1), each element costs one FFMA, one ex2 and one FADD into a
+    fp32 holds 2^127, so terms need no running max: with r = the max of block 0 and the target's
+    z (actual values of the row, so the sum is >= 1; the target keeps r finite when block 0 is all
+    -inf, as in restricted vocabularies), each element costs one FFMA, one ex2 and one FADD into a
     per-lane sum (the online update also needs a max and a rescale per element: 11 SASS
     instructions per element against ~4 here). A later logit more than ~110 (base 2) above r
     overflows the sum to inf; the caller then redoes the row with the online update. Full blocks
@@ -146,7 +148,7 @@ def _row_logsumexp2_refmax(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, ST
     cols = tl.arange(0, BLOCK_V)
     num_full = vocab // BLOCK_V
     x0 = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf"), eviction_policy=EVICT).to(tl.float32)
-    ref = tl.maximum(tl.max(x0, 0) * log2e_over_t, -3.0e38)  # all -inf (restricted ids): inf later -> fallback
+    ref = tl.maximum(tl.maximum(tl.max(x0, 0) * log2e_over_t, z_tgt), -3.0e38)
     acc = tl.exp2(x0 * log2e_over_t - ref)                    # [BLOCK_V] per-lane partial sums
     if STAGES > 0:
         for b in tl.range(1, num_full, num_stages=STAGES):
@@ -167,63 +169,39 @@ def _row_logsumexp2_refmax(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, ST
 
 
 @triton.jit
-def _grad_block(x_row, g_row, offs, mask, shift, log2e_over_t, NEGATE: tl.constexpr, MASKED: tl.constexpr,
-                EVICT: tl.constexpr):
-    """g = ±2^(x * log2(e)/T + shift) for one block, shift = log2|coef| - lse2 (|coef| rides in the
-    exponent: no multiply per element; coef == 0 gives 2^-inf = 0)."""
-    if MASKED:
-        x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    else:
-        x = tl.load(x_row + offs, eviction_policy=EVICT).to(tl.float32)
-    d = tl.exp2(x * log2e_over_t + shift)
-    if NEGATE:
-        d = -d
-    if MASKED:
-        tl.store(g_row + offs, d.to(g_row.dtype.element_ty), mask=mask, eviction_policy=EVICT)
-    else:
-        tl.store(g_row + offs, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
+def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, BLOCK_V: tl.constexpr,
+                    STAGES: tl.constexpr, EVICT: tl.constexpr):
+    """g_row = coef * (onehot(tgt) - 2^(x * log2(e)/T - lse2)).
 
-
-@triton.jit
-def _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, NEGATE: tl.constexpr, BLOCK_V: tl.constexpr,
-                           STAGES: tl.constexpr, EVICT: tl.constexpr):
-    """Pass 2 over a row, last block first: the partial tail (masked), then full blocks downwards."""
+    Last block first: those were read most recently, so they are the likeliest still in L2. The
+    partial tail block (masked) goes first, then the full blocks downwards, unmasked. Every column
+    gets -coef * p; the target's coef * (1 - p_tgt) is stored after a barrier, so it lands after
+    the block store that covers it (cheaper than a compare per element). One loop: two (one per
+    sign of coef, with |coef| in the exponent) doubled the shared memory of the pipelined version,
+    past an H200's 227 KB with fp32 logits, and measured no faster.
+    """
     cols = tl.arange(0, BLOCK_V)
     num_full = vocab // BLOCK_V
+    neg_coef = -coef
     if num_full * BLOCK_V < vocab:
         offs = num_full * BLOCK_V + cols
-        _grad_block(x_row, g_row, offs, offs < vocab, shift, log2e_over_t, NEGATE, True, EVICT)
+        x = tl.load(x_row + offs, mask=offs < vocab, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        d = tl.exp2(x * log2e_over_t - lse2) * neg_coef
+        tl.store(g_row + offs, d.to(g_row.dtype.element_ty), mask=offs < vocab, eviction_policy=EVICT)
     if STAGES > 0:
         for j in tl.range(0, num_full, num_stages=STAGES):
             offs = (num_full - 1 - j) * BLOCK_V + cols
-            _grad_block(x_row, g_row, offs, None, shift, log2e_over_t, NEGATE, False, EVICT)
+            x = tl.load(x_row + offs, eviction_policy=EVICT).to(tl.float32)
+            d = tl.exp2(x * log2e_over_t - lse2) * neg_coef
+            tl.store(g_row + offs, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
     else:  # plain loads (their L2 hint applies), prefetched one block ahead in registers
         x_next = tl.load(x_row + tl.maximum(num_full - 1, 0) * BLOCK_V + cols, mask=cols < vocab, eviction_policy=EVICT)
         for j in tl.range(0, num_full, num_stages=1):
             blk = num_full - 1 - j
             x = x_next
             x_next = tl.load(x_row + tl.maximum(blk - 1, 0) * BLOCK_V + cols, eviction_policy=EVICT)
-            d = tl.exp2(x.to(tl.float32) * log2e_over_t + shift)
-            if NEGATE:
-                d = -d
+            d = tl.exp2(x.to(tl.float32) * log2e_over_t - lse2) * neg_coef
             tl.store(g_row + blk * BLOCK_V + cols, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
-
-
-@triton.jit
-def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, BLOCK_V: tl.constexpr,
-                    STAGES: tl.constexpr, EVICT: tl.constexpr):
-    """g_row = coef * (onehot(tgt) - 2^(x * log2(e)/T - lse2)).
-
-    Last block first: those were read most recently, so they are the likeliest still in L2.
-    Every column gets -coef * p; the target's coef * (1 - p_tgt) is stored after a barrier, so
-    it lands after the block store that covers it (cheaper than a compare per element). The sign
-    of -coef is uniform over the row: one of two compiled loops, each without a multiply.
-    """
-    shift = tl.log2(tl.abs(coef)) - lse2
-    if coef > 0:
-        _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, True, BLOCK_V, STAGES, EVICT)
-    else:
-        _write_row_grad_blocks(x_row, g_row, vocab, shift, log2e_over_t, False, BLOCK_V, STAGES, EVICT)
     tl.debug_barrier()
     tl.store(g_row + tgt, (coef * (1.0 - p_tgt)).to(g_row.dtype.element_ty))
 
@@ -293,7 +271,7 @@ def _grpo_rows_kernel(
                 # Target logit first: in place, pass 2 (after a barrier) overwrites it.
                 z_tgt = tl.load(x_row + tgt).to(tl.float32) * log2e_over_t
                 if PASS1_REFMAX:
-                    lse2 = _row_logsumexp2_refmax(x_row, vocab, log2e_over_t, BLOCK_V, STAGES, EVICT_PASS1)
+                    lse2 = _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V, STAGES, EVICT_PASS1)
                     if not (lse2 < 3.0e38):  # the sum overflowed (a logit far above block 0's max)
                         lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
                 else:
