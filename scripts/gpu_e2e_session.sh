@@ -15,6 +15,9 @@
 # E2E_VARIANTS: "NAME:k=v,k=v ..." for the +NAME jobs), e.g. the 8-GPU run:
 #   ONLY_E2E=1 E2E_CONFIG=configs/gpu-8.yaml E2E_NPROC=8 E2E_STEPS=12 E2E_ORDER=async \
 #     E2E_SET="topology.num_inference=6 topology.num_learners=2" bash scripts/gpu_e2e_session.sh start
+# CHAIN_KERNEL=1 runs the loss-kernel sweep and Nsight Compute counters (CHAIN_KERNEL_NCU: the config,
+# default register prefetch in both passes) on GPU 0 before step 1 (~4 min; liger-kernel on PYTHONPATH
+# for its column).
 # Results: /tmp/gs/*.json and logs; `wait` copies them to $OUT.
 set -u
 GS=/tmp/gs
@@ -26,6 +29,14 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 chain() {
   cd "$1" || exit 1
   E2E_STEPS=${E2E_STEPS:-6}
+  if [ -n "${CHAIN_KERNEL:-}" ]; then  # the loss kernel first, on GPU 0: sweep, then counters of a config
+    echo "== $(date +%T) kernel"
+    CUDA_VISIBLE_DEVICES=0 timeout -k 20 400 python3 scripts/benchmark.py --profile kernel --sweep --no-compile \
+      --iters 20 --out $GS/kernel.json > $GS/kernel.log 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout -k 20 300 bash scripts/kernel_ncu.sh $GS/ncu "${CHAIN_KERNEL_NCU:-{\"stages\": 0, \"stages_pass2\": 0\}}" \
+      > $GS/ncu.log 2>&1 && cp $GS/ncu/details.csv $GS/ncu-details.csv
+    echo "== $(date +%T) kernel rc=$?"
+  fi
   echo "== $(date +%T) e2e"
   timeout -k 20 1500 python3 scripts/benchmark.py --profile e2e --config "${E2E_CONFIG:-configs/gpu-4.yaml}" \
     --nproc "${E2E_NPROC:-4}" --steps "$E2E_STEPS" --warmup 2 --order "${E2E_ORDER:-async,sync}" --job-timeout-s 720 \
@@ -66,7 +77,7 @@ case $mode in
     echo "---- chain.log"; tail -n 40 $GS/chain.log
     for f in /tmp/colocate-e2e-*/*.log; do [ -f "$f" ] && { echo "---- $f"; grep -E "step [0-9]+/|summary|Error|error|Traceback" "$f" | tail -n 12; }; done
     nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
-    [ -n "${OUT:-}" ] && cp $GS/*.json $GS/*.log "$OUT"/ 2>/dev/null
+    [ -n "${OUT:-}" ] && cp $GS/*.json $GS/*.log $GS/*.csv "$OUT"/ 2>/dev/null
     grep -q "chain done" $GS/chain.log && echo "chain done" || echo "chain running"
     ;;
 esac

@@ -336,7 +336,7 @@ def _num_programs(num_rows: int, device: torch.device, cfg: dict) -> int:
     if device.type != "cuda" or cfg["programs_per_sm"] <= 0:
         return max(num_rows, 1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(num_rows, sms * cfg["programs_per_sm"]))
+    return max(1, min(num_rows, int(sms * cfg["programs_per_sm"])))  # fractional: fewer rows in flight than SMs
 
 
 def grpo_rows(
