@@ -3,8 +3,8 @@
 #   bash scripts/kernel_ncu.sh OUTDIR ['{"block_v": 16384, ...}' ...]
 # Profiles, per launch configuration (JSON overrides of triton_grpo.default_config; none = the
 # default), one forward-only launch and one fused in-place launch at 16384 x 152064 bf16 (the
-# benchmark's inputs), after a warm-up of each. Writes OUTDIR/ncu.ncu-rep, the details page as CSV,
-# the per-instruction source page, and prints the headline metrics per launch.
+# benchmark's inputs), after a warm-up of each. Writes OUTDIR/ncu.ncu-rep, its details and raw pages
+# as CSV, and prints the headline metrics, stall reasons and pipe use per profiled launch.
 # Clocks are left alone (--clock-control none), as the device notes ask.
 set -eu
 out=${1:?usage: kernel_ncu.sh OUTDIR [CONFIG_JSON ...]}
@@ -12,13 +12,6 @@ shift
 mkdir -p "$out"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
 n_cfg=$(( $# > 0 ? $# : 1 ))
-# Each config launches warm-up fwd, warm-up fused, fwd, fused: profile the last two of each.
-filter=$(python3 - "$n_cfg" <<'EOF'
-import sys
-n = int(sys.argv[1])
-print(":".join(str(4 * i + j) for i in range(n) for j in (2, 3)))
-EOF
-)
 "$ncu" --clock-control none --set full --import-source yes --kernel-name regex:_grpo_rows_kernel \
   --launch-count $((4 * n_cfg)) -f -o "$out/ncu" \
   python3 - "$@" <<'EOF'
@@ -41,10 +34,10 @@ for cfg in [json.loads(a) for a in sys.argv[1:]] or [{}]:
 EOF
 "$ncu" -i "$out/ncu.ncu-rep" --page details --csv --print-units base > "$out/details.csv"
 "$ncu" -i "$out/ncu.ncu-rep" --page raw --csv --print-units base > "$out/raw.csv"
-python3 - "$out/details.csv" "$filter" <<'EOF'
+# Each config launches warm-up fwd, warm-up fused, fwd, fused: report the last two of each.
+python3 - "$out/details.csv" <<'EOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-keep = {int(i) for i in sys.argv[2].split(":")}
 want = ["Duration", "DRAM Throughput", "Memory Throughput", "L2 Hit Rate", "Compute (SM) Throughput",
         "Registers Per Thread", "Achieved Occupancy", "Issue Slots Busy", "Executed Ipc Active",
         "Warp Cycles Per Issued Instruction", "L1/TEX Hit Rate", "Mem Busy", "Max Bandwidth",
@@ -53,7 +46,7 @@ by_launch = {}
 for r in rows:
     by_launch.setdefault(int(r["ID"]), {})[r["Metric Name"]] = (r["Metric Value"], r["Metric Unit"])
 for i, metrics in sorted(by_launch.items()):
-    if keep and i not in keep:
+    if i % 4 < 2:  # a warm-up launch
         continue
     print(f"-- launch {i}")
     for name in want:
@@ -64,8 +57,9 @@ EOF
 python3 - "$out/raw.csv" <<'EOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
-units, rows = rows[0], rows[1:]
-for i, r in enumerate(rows):
+for i, r in enumerate(rows[1:]):  # rows[0] holds the units
+    if i % 4 < 2:
+        continue
     stalls = {k: float(v) for k, v in r.items()
               if k.startswith("smsp__average_warps_issue_stalled_") and k.endswith("_per_issue_active.ratio")
               and v not in ("", "n/a")}

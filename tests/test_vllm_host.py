@@ -628,9 +628,6 @@ class _FakeMatcher:
     def compute_ff_tokens(self):
         return list(self.forced)
 
-    def deep_copy(self):
-        return _FakeMatcher(self.forced, self.stopped)
-
 
 def _fake_request(forced, *, structured=True, prefill=False, max_tokens=100, out=0, stopped=False):
     grammar = SimpleNamespace(ll_matcher=_FakeMatcher(forced, stopped), validate_tokens=lambda t: [x for x in t if x != 99])

@@ -57,21 +57,27 @@ def load_embedded_tokenizer():
     return load_tokenizer(ModelConfig(), diplomacy.corpus, f"diplomacy-{diplomacy.CORPUS_VERSION}")
 
 
+def play_random(env, rng):
+    """Play every started game to its end with the random legal policy; yields each round's
+    [(key, request)] before answering it."""
+    from colocate.envs.diplomacy import random_legal_completion
+    while keyed := env.requests():
+        yield keyed
+        env.step({key: random_legal_completion(request, rng) for key, request in keyed})
+        env.pop_finished()
+
+
 def run_ours(tokenizer, starts, group_size, horizon_years, seed) -> tuple[float, float, int, dict]:
     """(wall s, CPU s, phases, env metrics) of playing one group per start state with DiplomacyEnv."""
-    from colocate.envs.diplomacy import DiplomacyEnv, random_legal_completion
+    from colocate.envs.diplomacy import DiplomacyEnv
     env = DiplomacyEnv(tokenizer, group_size=group_size, horizon_years=horizon_years, seed=seed)
     rng = random.Random(seed)
     t0, c0 = time.perf_counter(), time.process_time()
     for group_id, state in enumerate(starts):
         env.start_states = [state] if state is not None else None
         env.start_group(group_id)
-    while True:
-        keyed = env.requests()
-        if not keyed:
-            break
-        env.step({key: random_legal_completion(request, rng) for key, request in keyed})
-        env.pop_finished()
+    for _ in play_random(env, rng):
+        pass
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     metrics = env.metrics()
     return wall, cpu, int(metrics["phases_processed"]), metrics
@@ -172,19 +178,15 @@ def forced_token_stats(tokenizer, starts, group_size: int, seed: int) -> dict:
 
 def prefill_stats(tokenizer, starts, group_size: int, seed: int, list_supports: bool, block: int = 16) -> dict:
     """Prompt tokens per request and what an ideal block prefix cache leaves to prefill (see above)."""
-    from colocate.envs.diplomacy import DiplomacyEnv, random_legal_completion
+    from colocate.envs.diplomacy import DiplomacyEnv
     env = DiplomacyEnv(tokenizer, group_size=group_size, horizon_years=4, unit_labels=False,
                        list_supports=list_supports, seed=seed)
     for group_id, state in enumerate(starts):
         env.start_states = [state]
         env.start_group(group_id)
-    rng = random.Random(seed)
     cache: set = set()
     requests = prompt_tokens = cached_tokens = 0
-    while True:
-        keyed = env.requests()
-        if not keyed:
-            break
+    for keyed in play_random(env, random.Random(seed)):
         for _, request in keyed:
             ids, h, hit = request.prompt_ids, 0, True
             for start in range(0, len(ids) - len(ids) % block, block):
@@ -193,8 +195,6 @@ def prefill_stats(tokenizer, starts, group_size: int, seed: int, list_supports: 
                 cached_tokens += block if hit else 0
                 cache.add(h)
             requests, prompt_tokens = requests + 1, prompt_tokens + len(ids)
-        env.step({key: random_legal_completion(request, rng) for key, request in keyed})
-        env.pop_finished()
     return {"requests": requests, "prompt_tokens_mean": prompt_tokens / max(requests, 1),
             "prefix_cache_hit_rate": cached_tokens / max(prompt_tokens, 1),
             "prefill_tokens_per_request": (prompt_tokens - cached_tokens) / max(requests, 1)}

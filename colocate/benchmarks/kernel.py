@@ -215,10 +215,11 @@ def sweep_configs():
     stages, pass-2 stages, pass 1).
 
     One row in flight per SM (its 304 KB must stay in L2 between the passes), or fewer (programs
-    per SM < 1: a smaller L2 footprint); pass 1 then pass 2 per row. Pass 1 "refmax" sums against the first block's max, "online" keeps a running max. Stages
-    > 0 pipeline the loads through shared memory (Triton 3.6 then drops their L2 hints: Nsight
-    Compute saw no evict_last lookups); 0 loads into registers one block ahead, hints kept. (Staggered,
-    flat and split schedules were swept too, all slower: profiles/kernel.md.)
+    per SM < 1: a smaller L2 footprint); pass 1 then pass 2 per row. Pass 1 "refmax" sums against
+    the first block's max, "online" keeps a running max. Stages > 0 pipeline the loads through
+    shared memory (Triton 3.6 then drops their L2 hints: Nsight Compute saw no evict_last
+    lookups); 0 loads into registers one block ahead, hints kept. (Staggered, flat and split
+    schedules were swept too, all slower: profiles/kernel.md.)
     """
     rows = [(16384, 16, 1, 8, 4, 4, "refmax"), (16384, 16, 1, 8, 4, 4, "online"),
             (16384, 16, 1, 8, 0, 4, "refmax"), (16384, 16, 1, 8, 0, 0, "refmax"), (16384, 16, 1, 8, 4, 0, "refmax"),

@@ -411,10 +411,10 @@ class VLLMEngine:
 
     def stats(self) -> dict[str, float]:
         """Since the last call: requests, host time per request around vLLM (grammar, params, replay),
-        completions that ended on an appended EOS, replay failures (0 with token grammars), answers vLLM
-        ended with an error (cut short), prompt and
-        output tokens/s while the engine had work (`LLM.generate`; streamed: first submit to last
-        answer), and the prefix-cache hit rate (cached / prompt tokens, from vLLM's `num_cached_tokens`)."""
+        completions that ended on an appended EOS, replay failures (0 with token grammars), answers
+        vLLM ended with an error (cut short), prompt and output tokens/s while the engine had work
+        (`LLM.generate`; streamed: first submit to last answer), the prefix-cache hit rate (cached /
+        prompt tokens, from vLLM's `num_cached_tokens`) and the prompt tokens it computed."""
         d = {k: self.counters[k] - self._reported[k] for k in self.counters}
         self._reported = dict(self.counters)
         gen_s = max(d["generate_s"], 1e-9)

@@ -46,9 +46,7 @@ def forced_chain(grammar, limit: int) -> list[int]:
     matcher = grammar.ll_matcher
     if limit <= 0 or matcher.is_stopped() or matcher.is_error():
         return []
-    # On a copy (~1 us): the request's matcher then only ever consumes the tokens it is given.
-    # (Not needed while nothing rolls it back, see `matchers_swapped_for_copies`; cheap insurance.)
-    chain = list(matcher.deep_copy().compute_ff_tokens())[:limit]
+    chain = list(matcher.compute_ff_tokens())[:limit]
     return grammar.validate_tokens(chain) if chain else []
 
 
