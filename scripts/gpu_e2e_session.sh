@@ -18,6 +18,8 @@
 # CHAIN_KERNEL=1 runs the loss-kernel sweep and Nsight Compute counters (CHAIN_KERNEL_NCU: the config,
 # default register prefetch in both passes) on GPU 0 before step 1 (~4 min; liger-kernel on PYTHONPATH
 # for its column).
+# CHAIN_TESTS=EXPR runs the GPU tests beside that step: tests/test_kernel_triton.py on GPU 1,
+# tests/test_vllm_gpu.py -k EXPR on GPUs 2-3 (logs tests-*.log); the e2e jobs wait for both.
 # Results: /tmp/gs/*.json and logs; `wait` copies them to $OUT.
 set -u
 GS=/tmp/gs
@@ -29,6 +31,16 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 chain() {
   cd "$1" || exit 1
   E2E_STEPS=${E2E_STEPS:-6}
+  tests_pid=
+  if [ -n "${CHAIN_TESTS:-}" ]; then  # GPU tests on GPUs 1-3 beside the kernel step; e2e waits for them
+    ( CUDA_VISIBLE_DEVICES=1 timeout -k 20 420 python3 -m pytest -q -m gpu tests/test_kernel_triton.py \
+        > $GS/tests-kernel.log 2>&1
+      echo "tests-kernel rc=$?" >> $GS/tests-kernel.log ) &
+    ( CUDA_VISIBLE_DEVICES=2,3 timeout -k 20 600 python3 -m pytest -q -m gpu tests/test_vllm_gpu.py -k "$CHAIN_TESTS" \
+        > $GS/tests-vllm.log 2>&1
+      echo "tests-vllm rc=$?" >> $GS/tests-vllm.log ) &
+    tests_pid="$(jobs -p)"
+  fi
   if [ -n "${CHAIN_KERNEL:-}" ]; then  # the loss kernel first, on GPU 0: sweep, then counters of a config
     echo "== $(date +%T) kernel"
     CUDA_VISIBLE_DEVICES=0 timeout -k 20 400 python3 scripts/benchmark.py --profile kernel --sweep --no-compile \
@@ -37,6 +49,7 @@ chain() {
       > $GS/ncu.log 2>&1 && cp $GS/ncu/details.csv $GS/ncu-details.csv
     echo "== $(date +%T) kernel rc=$?"
   fi
+  [ -n "$tests_pid" ] && { wait $tests_pid; echo "== $(date +%T) tests: $(tail -qn1 $GS/tests-*.log | tr '\n' ' ')"; }
   echo "== $(date +%T) e2e"
   timeout -k 20 1500 python3 scripts/benchmark.py --profile e2e --config "${E2E_CONFIG:-configs/gpu-4.yaml}" \
     --nproc "${E2E_NPROC:-4}" --steps "$E2E_STEPS" --warmup 2 --order "${E2E_ORDER:-async,sync}" --job-timeout-s 720 \
