@@ -211,22 +211,28 @@ def copy_time_ms(pristine: torch.Tensor, iters: int) -> float:
 
 
 def sweep_configs():
-    """Launch configurations to time: (block_v, num_warps, programs per SM, pass-1 group, pass-1
-    stages, pass-2 stages, pass 1).
+    """Launch configurations to time: overrides of a base (block_v 16384, 16 warps, one program
+    per SM, pass-1 group 8, 4 pipeline stages in both passes, refmax pass 1, one program per row).
 
-    One row in flight per SM (its 304 KB must stay in L2 between the passes), or fewer (programs
-    per SM < 1: a smaller L2 footprint); pass 1 then pass 2 per row. Pass 1 "refmax" sums against
-    the first block's max, "online" keeps a running max. Stages > 0 pipeline the loads through
-    shared memory (Triton 3.6 then drops their L2 hints: Nsight Compute saw no evict_last
-    lookups); 0 loads into registers one block ahead, hints kept. (Staggered, flat and split
-    schedules were swept too, all slower: profiles/kernel.md.)
+    Rows in flight = programs / split; their 304 KB each must stay in L2 between the passes.
+    Session 7's counters: register prefetch (stages 0, L2 hints kept) left pass 2's L2 hit rate
+    where pipelined loads had it (51 %), so the footprint is what misses; fewer programs than SMs
+    shrink it but stream slower (programs_per_sm 0.75: +20 %). `split` keeps every SM streaming
+    with 1/split the rows in flight: the programs of a row each take a column chunk and exchange
+    partial sums. (Staggered, flat and whole-row split schedules were swept too, all slower:
+    profiles/kernel.md.)
     """
-    rows = [(16384, 16, 1, 8, 4, 4, "refmax"), (16384, 16, 1, 8, 4, 4, "online"),
-            (16384, 16, 1, 8, 0, 4, "refmax"), (16384, 16, 1, 8, 0, 0, "refmax"), (16384, 16, 1, 8, 4, 0, "refmax"),
-            (16384, 32, 1, 8, 0, 0, "refmax"), (8192, 16, 1, 8, 0, 0, "refmax"), (16384, 32, 1, 8, 3, 3, "refmax"),
-            (8192, 8, 2, 8, 0, 0, "refmax"), (16384, 16, 0.75, 8, 0, 0, "refmax"), (16384, 32, 0.75, 8, 0, 0, "refmax")]
-    return [{"block_v": b, "num_warps": w, "programs_per_sm": p, "group": g, "stages": st, "stages_pass2": st2,
-             "pass1": p1} for b, w, p, g, st, st2, p1 in rows]
+    base = {"block_v": 16384, "num_warps": 16, "programs_per_sm": 1, "group": 8, "stages": 4, "stages_pass2": 4,
+            "pass1": "refmax", "split": 1}
+    rows = [{}, {"pass1": "online"}, {"stages": 0, "stages_pass2": 0},
+            {"num_warps": 32, "stages": 0, "stages_pass2": 0},
+            {"split": 2}, {"split": 2, "num_warps": 32, "stages": 0, "stages_pass2": 0},
+            {"split": 2, "block_v": 8192, "num_warps": 16, "stages": 0, "stages_pass2": 0},
+            {"split": 2, "block_v": 8192, "num_warps": 16},
+            {"split": 2, "programs_per_sm": 2, "block_v": 8192, "num_warps": 16, "stages": 0, "stages_pass2": 0},
+            {"split": 4, "block_v": 8192, "num_warps": 16, "stages": 0, "stages_pass2": 0},
+            {"split": 4, "num_warps": 32, "stages": 0, "stages_pass2": 0}]
+    return [{**base, **r} for r in rows]
 
 
 def sweep(x, pristine, f, kw, iters=10):
@@ -240,7 +246,7 @@ def sweep(x, pristine, f, kw, iters=10):
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}_s{stages_pass2}_{pass1}".format(**cfg)
+        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}_s{stages_pass2}_{pass1}_x{split}".format(**cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,
