@@ -101,8 +101,7 @@ def make_batch(num_rows, vocab, dtype, *, temperature, beta, seed, device, neg_i
 # default launch (refmax pass 1, register prefetch in both passes) with block_v=256, so V=1000
 # is four blocks with a partial last one, and num_programs=5, so each persistent program walks
 # several rows (the GPU default: one program per SM). The variants cover the other reductions,
-# pipelined loads, one block per row, and -inf logits. SPLIT_CASES (several programs per row) need
-# a GPU: the interpreter runs programs one after another, and a row's programs wait for each other.
+# pipelined loads, one block per row, and -inf logits.
 MATRIX = {"block_v": 256, "num_programs": 5}
 CASES = []
 for dt in ("fp32", "bf16"):
@@ -129,18 +128,6 @@ CASES += [
      {"block_v": 512, "num_programs": 5, "stages": 0, "stages_pass2": 0}),
     ("fp32-copy-beta0.04-T1.3-neginf-online", "fp32", False, 0.04, 1.3, {**MATRIX, "neg_inf": True, "pass1": "online"}),
     ("bf16-inplace-beta0.04-T0.7-pipelined", "bf16", True, 0.04, 0.7, {**MATRIX, "stages": 4}),
-]
-# Split rows: V=1000 in chunks of 512 + 488 (split 2, block 256) or 3 x 256 + 232 (split 4, block
-# 128); 2 (4) programs per row with num_programs=5 -> 2 (1) rows in flight, each program walks rows.
-SPLIT_CASES = [
-    ("bf16-inplace-beta0.04-T0.7-split2", "bf16", True, 0.04, 0.7, {**MATRIX, "split": 2}),
-    ("fp32-copy-beta0.0-T1.0-split2-pipelined", "fp32", False, 0.0, 1.0, {**MATRIX, "split": 2, "stages": 3}),
-    ("fp32-inplace-beta0.04-T1.3-split4-neginf", "fp32", True, 0.04, 1.3,
-     {"block_v": 128, "num_programs": 5, "split": 4, "neg_inf": True}),
-    ("bf16-inplace-beta0.04-T0.7-split2-outlier", "bf16", True, 0.04, 0.7, {**MATRIX, "split": 2, "outlier": True}),
-    ("fp32-inplace-beta0.04-T1.0-split2-online", "fp32", True, 0.04, 1.0, {**MATRIX, "split": 2, "pass1": "online"}),
-    ("bf16-copy-beta0.04-T1.0-split2-one-program-per-row", "bf16", False, 0.04, 1.0,
-     {"block_v": 256, "programs_per_sm": 0, "split": 2}),
 ]
 
 
@@ -258,28 +245,11 @@ def test_interpreted_fused_head_matches_float64(interpreted, name):
     check_head_case(name, interpreted[f"head-{name}"])
 
 
-def test_split_rows_only_on_cuda_and_in_whole_groups():
-    """Several programs per row only where programs run concurrently (CUDA, not the interpreter),
-    only when each chunk gets a block, and always a whole group of programs per row."""
-    from colocate.kernels.triton_grpo import _num_programs, _split
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
-    assert _split(152064, cpu, {"split": 2, "block_v": 16384}) == 1
-    assert _split(152064, cuda, {"split": 2, "block_v": 16384}) == 2
-    assert _split(152064, cuda, {"block_v": 16384}) == 1
-    assert _split(1000, cuda, {"split": 2, "block_v": 1024}) == 1  # a chunk would be under one block
-    with pytest.raises(ValueError, match="split must be 1, 2 or 4"):
-        _split(152064, cuda, {"split": 3, "block_v": 16384})
-    assert _num_programs(37, cpu, {"num_programs": 5, "programs_per_sm": 1}, 2) == 4
-    assert _num_programs(37, cpu, {"num_programs": 5, "programs_per_sm": 1}, 4) == 4
-    assert _num_programs(37, cpu, {"programs_per_sm": 0}, 2) == 74
-
-
 # ----------------------------------------------------------------------------- GPU tier
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("case", CASES + SPLIT_CASES, ids=[c[0] for c in CASES + SPLIT_CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_cuda_kernel_small_shapes(case):
     name, *args = case
     check_kernel_case(name, kernel_case(*args, device="cuda", num_rows=301, vocab=1000, seed=3))
@@ -324,15 +294,12 @@ def cuda_batch(num_rows, vocab, beta, temperature, seed):
 @pytest.mark.parametrize("num_rows,inplace,config,dtype", [
     (4096, False, None, "bf16"), (4096, True, None, "bf16"), (14200, True, None, "bf16"),
     (4096, True, {"stages": 4, "num_warps": 16}, "bf16"),
-    (512, True, None, "fp32"), (512, False, {"stages": 4}, "fp32"),
-    (4096, True, {"split": 2}, "bf16"), (14200, True, {"split": 2, "block_v": 8192, "num_warps": 16}, "bf16"),
-    (4096, False, {"split": 4, "stages": 4, "num_warps": 16}, "bf16"), (512, True, {"split": 2, "stages": 4}, "fp32")],
+    (512, True, None, "fp32"), (512, False, {"stages": 4}, "fp32")],
     ids=["4096-copy", "4096-inplace", "14200-inplace-over-2^31-elements", "4096-inplace-pipelined",
-         "fp32-512-inplace", "fp32-512-copy-pipelined", "4096-inplace-split2", "14200-inplace-split2-b8192",
-         "4096-copy-split4-pipelined", "fp32-512-inplace-split2-pipelined"])
+         "fp32-512-inplace", "fp32-512-copy-pipelined"])
 def test_cuda_real_vocab(num_rows, inplace, config, dtype):
-    """Real vocabulary, bf16 (1e-2) and fp32 (1e-5) logits, one and several programs per row. fp32
-    with pipelined loads also checks their shared memory stays under the H200's 227 KB per block."""
+    """Real vocabulary, bf16 (1e-2) and fp32 (1e-5) logits. fp32 with pipelined loads also checks
+    their shared memory stays under the H200's 227 KB per block (it launches)."""
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     vocab, beta, temperature = 152064, 0.04, 0.9

@@ -214,24 +214,18 @@ def sweep_configs():
     """Launch configurations to time: overrides of a base (block_v 16384, 16 warps, one program
     per SM, pass-1 group 8, 4 pipeline stages in both passes, refmax pass 1, one program per row).
 
-    Rows in flight = programs / split; their 304 KB each must stay in L2 between the passes.
-    Session 7's counters: register prefetch (stages 0, L2 hints kept) left pass 2's L2 hit rate
-    where pipelined loads had it (51 %), so the footprint is what misses; fewer programs than SMs
-    shrink it but stream slower (programs_per_sm 0.75: +20 %). `split` keeps every SM streaming
-    with 1/split the rows in flight: the programs of a row each take a column chunk and exchange
-    partial sums. (Staggered, flat and whole-row split schedules were swept too, all slower:
-    profiles/kernel.md.)
+    One row in flight per SM: its 304 KB must stay in L2 between the passes. Session 7's counters:
+    register prefetch (stages 0, L2 hints kept) left pass 2's L2 hit rate where pipelined loads had
+    it (51 %), so the footprint is what misses; fewer programs than SMs shrink it but stream slower
+    (programs_per_sm 0.75: +20 %), and so did 2-4 programs per row exchanging partial sums
+    (+14-48 %, commit 26f7670 has it). Blocks of 32768 spill (+75 %). (Staggered, flat and
+    whole-row split schedules were swept too, all slower: profiles/kernel.md.)
     """
-    base = {"block_v": 16384, "num_warps": 16, "programs_per_sm": 1, "group": 8, "stages": 4, "stages_pass2": 4,
-            "pass1": "refmax", "split": 1}
-    rows = [{}, {"pass1": "online"}, {"stages": 0, "stages_pass2": 0},
-            {"num_warps": 32, "stages": 0, "stages_pass2": 0},
-            {"split": 2}, {"split": 2, "num_warps": 32, "stages": 0, "stages_pass2": 0},
-            {"split": 2, "block_v": 8192, "num_warps": 16, "stages": 0, "stages_pass2": 0},
-            {"split": 2, "block_v": 8192, "num_warps": 16},
-            {"split": 2, "programs_per_sm": 2, "block_v": 8192, "num_warps": 16, "stages": 0, "stages_pass2": 0},
-            {"split": 4, "block_v": 8192, "num_warps": 16, "stages": 0, "stages_pass2": 0},
-            {"split": 4, "num_warps": 32, "stages": 0, "stages_pass2": 0}]
+    base = {"block_v": 16384, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": 0,
+            "pass1": "refmax"}
+    rows = [{}, {"num_warps": 16}, {"num_warps": 16, "stages": 4, "stages_pass2": 4},
+            {"num_warps": 16, "stages": 4, "stages_pass2": 4, "pass1": "online"}, {"stages": 3}, {"stages_pass2": 3},
+            {"programs_per_sm": 0.875}]
     return [{**base, **r} for r in rows]
 
 
@@ -246,7 +240,7 @@ def sweep(x, pristine, f, kw, iters=10):
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}_s{stages_pass2}_{pass1}_x{split}".format(**cfg)
+        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_g{group}_s{stages}_s{stages_pass2}_{pass1}".format(**cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,

@@ -15,11 +15,10 @@ float32 [N, V] is materialized. Autograd's backward only scales the stored gradi
 grad_output, on the device and not at all when it is 1 (no host sync).
 
 How it is laid out (measured on an H200, profiles/kernel.md): persistent programs, one per SM, so
-the rows in flight (132 x 304 KB at V=152064 bf16) fit in the 60 MB L2 between the passes; loads
-pipelined into shared memory (`stages`); pass 1 keeps one (max, sum) per 8 contiguous columns
-inside a thread (`group`), so the loop has no cross-warp reduction and one exp2 per element.
-16384 x 152064 bf16: 3.27 ms fwd+bwd in place vs Liger 3.66 ms, 0 bytes extra; a device copy of
-the same bytes takes 2.34 ms. The remaining gap was put down to the per-row pipeline restart (each
+the rows in flight (132 x 304 KB at V=152064 bf16) mostly stay in L2 between the passes; 32 warps,
+loads prefetched one block ahead in registers (`stages: 0`; `stages > 0` pipelines them through
+shared memory instead). 16384 x 152064 bf16: 3.16-3.33 ms fwd+bwd in place vs Liger 3.78-3.85 ms,
+0 bytes extra; a device copy of the same bytes takes 2.35-2.41 ms. The remaining gap was put down to the per-row pipeline restart (each
 program drains and refills its loads at every row and pass). Overlapping pass 2 of one row with
 pass 1 of the next ("stagger" and "flat" schedules) was built and measured correct but slower on
 the H200 (3.36 ms best vs 3.16 ms for this kernel alone, same run; profiles/kernel.md), so it was
@@ -34,8 +33,14 @@ async copies whose L2 hints Triton 3.6 drops (no evict_last lookups at all). Pas
 instructions per element; the reference-max sum cut its SASS to ~6 (pass 1 alone, same run:
 1.58-1.70 -> 1.34-1.46 ms), but the fused kernel did not move (3.16-3.26 ms): it is DRAM-bound at
 3.7 TB/s including those misses. (Pass 2 with |coef| in the exponent was no faster either, and
-its two sign-specialized loops doubled the shared memory.) `stages: 0` (plain loads into
-registers, one block ahead, hints kept) is built and tested for the next GPU sweep.
+its two sign-specialized loops doubled the shared memory.)
+
+Session 7: register prefetch (plain loads, so the L2 hints apply) with 32 warps is the default,
+6-10 % faster than 4 pipeline stages. It did not raise pass 2's L2 hit rate (51 % of all L2
+requests, as before): the misses come from the footprint, not the hints. Shrinking the footprint
+did not pay either: fewer programs than SMs stream slower (+7-20 %), and 2-4 programs per row,
+each streaming a column chunk and exchanging partial sums through an atomic handshake (half to a
+quarter of the rows in flight), measured +14-48 % (commit 26f7670 has it).
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
@@ -203,8 +208,7 @@ def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, B
             d = tl.exp2(x.to(tl.float32) * log2e_over_t - lse2) * neg_coef
             tl.store(g_row + blk * BLOCK_V + cols, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
     tl.debug_barrier()
-    # (split rows: `tgt` is relative to this program's chunk, and only the chunk holding it stores)
-    tl.store(g_row + tgt, (coef * (1.0 - p_tgt)).to(g_row.dtype.element_ty), mask=(tgt >= 0) & (tgt < vocab))
+    tl.store(g_row + tgt, (coef * (1.0 - p_tgt)).to(g_row.dtype.element_ty))
 
 
 @triton.jit
@@ -217,14 +221,11 @@ def _grpo_rows_kernel(
     advantages_ptr,  # [N] fp32
     ref_ptr,         # [N] fp32 (ignored unless HAS_KL)
     row_out_ptr,     # [N, 5] fp32: w*l, ratio, kl, is_clipped, active
-    partial_ptr,     # [N, SPLIT] fp32: each chunk's log2-sum-exp2 (SPLIT > 1)
-    count_ptr,       # [N] int32, zeroed: chunks of the row that have published their partial (SPLIT > 1)
     num_rows,
     rows_per_program,
     vocab,
     stride_logits,
     stride_grad,
-    chunk_cols,      # columns per chunk (a multiple of 64; vocab when SPLIT == 1)
     log2e_over_t,    # log2(e) / T: work in base 2 so each exponential is one ex2
     inv_t,
     eps_low,
@@ -239,26 +240,15 @@ def _grpo_rows_kernel(
     EVICT_PASS1: tl.constexpr,  # L2 hints: keep pass-1 reads for pass 2, then let them and the writes go
     EVICT_PASS2: tl.constexpr,
     PASS1_REFMAX: tl.constexpr,  # pass 1 against the first block's max (fallback: online), else online
-    SPLIT: tl.constexpr,        # programs per row (power of 2): each streams one column chunk in both passes
 ):
     LN2: tl.constexpr = 0.6931471805599453
     cols = tl.arange(0, BLOCK_V)
+    num_blocks = tl.cdiv(vocab, BLOCK_V)
     # Persistent programs: a fixed number of rows in flight (their footprint must fit in L2 for
     # pass 2 to hit); program p walks rows p, p + G, ... The next row's scalars are loaded one
     # row ahead so their latency hides under the current row's passes.
-    # SPLIT > 1: programs p, p+1, ... share a row, each with its own chunk of columns, so the rows
-    # in flight (the L2 footprint between the passes) shrink SPLIT-fold while every SM streams.
-    # After pass 1 they exchange their partial sums through global memory (an atomic count per
-    # row, spun on until all SPLIT arrived); the partners are adjacent program ids, so they are
-    # scheduled together (and a program waiting for one that is not yet resident only waits for
-    # other pairs, which do not depend on it, to finish).
-    step = tl.num_programs(0) // SPLIT
-    slot = tl.program_id(0) // SPLIT
-    chunk = tl.program_id(0) % SPLIT
-    c0 = chunk * chunk_cols                    # this program's first column
-    ncols = tl.minimum(chunk_cols, vocab - c0)  # and how many it owns
-    num_blocks = tl.cdiv(ncols, BLOCK_V)
-    row = slot
+    step = tl.num_programs(0)
+    row = tl.program_id(0)
     w_next = tl.load(weights_ptr + row, mask=row < num_rows, other=0.0)
     tgt_next = tl.load(targets_ptr + row, mask=row < num_rows, other=0).to(tl.int32)
     behaviour_next = tl.load(behaviour_ptr + row, mask=row < num_rows, other=0.0)
@@ -267,7 +257,7 @@ def _grpo_rows_kernel(
     if HAS_KL:
         ref_next = tl.load(ref_ptr + row, mask=row < num_rows, other=0.0)
     for i in range(rows_per_program):
-        row = slot + i * step
+        row = tl.program_id(0) + i * step
         w, tgt, behaviour, adv, ref = w_next, tgt_next, behaviour_next, adv_next, ref_next
         has_next = row + step < num_rows
         w_next = tl.load(weights_ptr + row + step, mask=has_next, other=0.0)
@@ -279,30 +269,18 @@ def _grpo_rows_kernel(
 
         row64 = tl.cast(row, tl.int64)  # row * stride passes 2**31 elements at N·V ~ 2.5e9
         x_row = logits_ptr + row64 * stride_logits
-        x_c = x_row + c0  # this program's chunk of the row (all of it when SPLIT == 1)
-        g_c = grad_ptr + row64 * stride_grad + c0
+        g_row = grad_ptr + row64 * stride_grad
         out = row_out_ptr + row64 * 5
         if row < num_rows:
             if w > 0:
                 # Target logit first: in place, pass 2 (after a barrier) overwrites it.
                 z_tgt = tl.load(x_row + tgt).to(tl.float32) * log2e_over_t
                 if PASS1_REFMAX:
-                    lse2 = _row_logsumexp2_refmax(x_c, ncols, z_tgt, log2e_over_t, BLOCK_V, STAGES, EVICT_PASS1)
+                    lse2 = _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V, STAGES, EVICT_PASS1)
                     if not (lse2 < 3.0e38):  # the sum overflowed (a logit far above block 0's max)
-                        lse2 = _row_logsumexp2(x_c, ncols, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
+                        lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
                 else:
-                    lse2 = _row_logsumexp2(x_c, ncols, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
-                if SPLIT > 1:  # publish this chunk's log2-sum, wait for the partners', combine
-                    parts = partial_ptr + row64 * SPLIT
-                    tl.atomic_xchg(parts + chunk, lse2)
-                    tl.debug_barrier()
-                    arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel") + 1
-                    while arrived < SPLIT:
-                        arrived = tl.atomic_add(count_ptr + row, 0, sem="acquire")
-                    tl.debug_barrier()
-                    lse2_parts = tl.load(parts + tl.arange(0, SPLIT), volatile=True)  # [SPLIT], past L1
-                    top = tl.maximum(tl.max(lse2_parts, 0), -3.0e38)
-                    lse2 = top + tl.log2(tl.sum(tl.exp2(lse2_parts - top), 0))
+                    lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
                 logp = (z_tgt - lse2) * LN2
 
                 # Per-token GRPO terms, as in reference.grpo_token_terms.
@@ -319,67 +297,53 @@ def _grpo_rows_kernel(
                     kl = exp_delta - delta - 1.0
                     loss += beta * kl
                     dloss_dlogp += beta * (1.0 - exp_delta)
-                if chunk == 0:
-                    tl.store(out + 0, w * loss)
-                    tl.store(out + 1, ratio)
-                    tl.store(out + 2, kl)
-                    tl.store(out + 3, is_clipped.to(tl.float32))
-                    tl.store(out + 4, 1.0)
+                tl.store(out + 0, w * loss)
+                tl.store(out + 1, ratio)
+                tl.store(out + 2, kl)
+                tl.store(out + 3, is_clipped.to(tl.float32))
+                tl.store(out + 4, 1.0)
 
                 if WRITE_GRAD:
                     # d loss / d x_v = w * dloss_dlogp * (onehot_v - p_v) / T
                     coef = w * dloss_dlogp * inv_t
                     tl.debug_barrier()  # every thread's read of the target logit precedes in-place writes
-                    _write_row_grad(x_c, g_c, ncols, tgt - c0, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
+                    _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
                                     BLOCK_V, STAGES2, EVICT_PASS2)
             else:
-                if chunk == 0:
-                    tl.store(out + 0, 0.0)
-                    tl.store(out + 1, 0.0)
-                    tl.store(out + 2, 0.0)
-                    tl.store(out + 3, 0.0)
-                    tl.store(out + 4, 0.0)
+                tl.store(out + 0, 0.0)
+                tl.store(out + 1, 0.0)
+                tl.store(out + 2, 0.0)
+                tl.store(out + 3, 0.0)
+                tl.store(out + 4, 0.0)
                 if WRITE_GRAD:  # masked rows: zero gradient, no read of the row
                     zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
                     for j in range(num_blocks):
                         offs = j * BLOCK_V + cols
-                        tl.store(g_c + offs, zeros, mask=offs < ncols, eviction_policy=EVICT_PASS2)
+                        tl.store(g_row + offs, zeros, mask=offs < vocab, eviction_policy=EVICT_PASS2)
 
 
 def default_config(vocab: int, device: torch.device) -> dict:
     """Launch parameters, tuned on an H200 at V=152064 bf16 (`--sweep` of the kernel benchmark).
     `stages` is pass 1's pipeline depth (0: register prefetch, one block ahead); `stages_pass2`
     pass 2's (None: the same); `pass1` "refmax" or "online" (the running max, also refmax's
-    fallback); `split` programs per row (1, 2 or 4; CUDA only). Session 7: 32 warps with register
-    prefetch in both passes was the fastest row of two sweeps on one machine (3.19-3.21 ms in place
-    against 3.46-3.55 for 16 warps and 4 stages, profiles/kernel.md)."""
+    fallback). Session 7: 32 warps with register prefetch in both passes was the fastest row of
+    four sweeps on two machines (3.14-3.22 ms in place against 3.38-3.55 for 16 warps and 4
+    pipeline stages; profiles/kernel.md)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": None,
-           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax", "split": 1}
+           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
 
 
-def _split(vocab: int, device: torch.device, cfg: dict) -> int:
-    """Programs per row: `split` on CUDA when each chunk gets at least one block, else 1. Never under
-    the interpreter: it runs programs one after another, so a program waiting for its partner
-    would wait forever."""
-    split = int(cfg.get("split", 1))
-    if split not in (1, 2, 4):
-        raise ValueError(f"grpo kernel config: split must be 1, 2 or 4, got {split}")
-    return split if device.type == "cuda" and vocab >= split * cfg["block_v"] else 1
-
-
-def _num_programs(num_rows: int, device: torch.device, cfg: dict, split: int) -> int:
-    """Programs to launch, a multiple of `split` (programs per row); rows in flight = that / split."""
+def _num_programs(num_rows: int, device: torch.device, cfg: dict) -> int:
     if cfg.get("num_programs"):  # explicit (tests: several rows per program under the interpreter)
-        return max(1, min(num_rows, cfg["num_programs"] // split)) * split
+        return max(1, min(num_rows, cfg["num_programs"]))
     if device.type != "cuda" or cfg["programs_per_sm"] <= 0:
-        return max(num_rows, 1) * split
+        return max(num_rows, 1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    rows_in_flight = int(sms * cfg["programs_per_sm"]) // split  # fractional: fewer rows in flight than SMs
-    return max(1, min(num_rows, rows_in_flight)) * split
+    return max(1, min(num_rows, int(sms * cfg["programs_per_sm"])))  # fractional: fewer rows in flight than SMs
 
 
 def grpo_rows(
@@ -413,21 +377,17 @@ def grpo_rows(
     row_out = torch.empty(num_rows, _NUM_ROW_OUTPUTS, device=logits.device, **f32)
     if num_rows == 0:
         return row_out
-    split = _split(vocab, logits.device, cfg)
-    num_programs = _num_programs(num_rows, logits.device, cfg, split)
-    chunk_cols = triton.cdiv(triton.cdiv(vocab, split), 64) * 64 if split > 1 else vocab
-    partial = torch.empty(num_rows, split, device=logits.device, **f32) if split > 1 else row_out
-    counts = torch.zeros(num_rows, device=logits.device, dtype=torch.int32) if split > 1 else row_out
+    num_programs = _num_programs(num_rows, logits.device, cfg)
     _grpo_rows_kernel[(num_programs,)](
         logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour_logprobs,
-        advantages, ref, row_out, partial, counts,
-        num_rows, triton.cdiv(num_rows, num_programs // split), vocab, logits.stride(0),
-        grad.stride(0) if grad is not None else 0, chunk_cols,
+        advantages, ref, row_out,
+        num_rows, triton.cdiv(num_rows, num_programs), vocab, logits.stride(0),
+        grad.stride(0) if grad is not None else 0,
         math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
         HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
         STAGES2=cfg["stages"] if cfg.get("stages_pass2") is None else cfg["stages_pass2"],
         EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], PASS1_REFMAX=cfg["pass1"] == "refmax",
-        SPLIT=split, num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
     )
     return row_out
 
