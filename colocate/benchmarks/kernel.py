@@ -218,7 +218,7 @@ def sweep_configs():
     register prefetch (stages 0, L2 hints kept) left pass 2's L2 hit rate where pipelined loads had
     it (51 %), so the footprint is what misses; fewer programs than SMs shrink it but stream slower
     (programs_per_sm 0.75: +20 %), and so did 2-4 programs per row exchanging partial sums
-    (+14-48 %, commit 26f7670 has it). Blocks of 32768 spill (+75 %). (Staggered, flat and
+    (+14-48 %, commit 26f7670 has it). Blocks of 32768 were +75 %. (Staggered, flat and
     whole-row split schedules were swept too, all slower: profiles/kernel.md.)
     """
     base = {"block_v": 16384, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": 0,

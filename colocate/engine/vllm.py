@@ -414,7 +414,8 @@ class VLLMEngine:
         completions that ended on an appended EOS, replay failures (0 with token grammars), answers
         vLLM ended with an error (cut short), prompt and output tokens/s while the engine had work
         (`LLM.generate`; streamed: first submit to last answer), the prefix-cache hit rate (cached /
-        prompt tokens, from vLLM's `num_cached_tokens`) and the prompt tokens it computed."""
+        prompt tokens, from vLLM's `num_cached_tokens`), the prompt tokens it computed and the
+        streamed engine steps."""
         d = {k: self.counters[k] - self._reported[k] for k in self.counters}
         self._reported = dict(self.counters)
         gen_s = max(d["generate_s"], 1e-9)
@@ -425,7 +426,9 @@ class VLLMEngine:
                 "prefill_tokens_per_s": d["prompt_tokens"] / gen_s, "decode_tokens_per_s": d["out_tokens"] / gen_s,
                 "prefix_cache_hit_rate": d["cached_prompt_tokens"] / max(d["prompt_tokens"], 1),
                 # what the engine computed for prompts: the rollout's main cost on the Diplomacy workload
-                "prefill_tokens": float(d["prompt_tokens"] - d["cached_prompt_tokens"])}
+                "prefill_tokens": float(d["prompt_tokens"] - d["cached_prompt_tokens"]),
+                # streamed engine steps: out_tokens / steps is the mean number of answers decoding per step
+                "steps": float(d["steps"])}
 
     def shutdown(self) -> None:
         llm, self.llm = self.llm, None

@@ -77,7 +77,7 @@ def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | No
 BATCH_STATS = ("polls", "samples", "latency_s", "poll_latency_s_p50", "poll_latency_s_p95", "request_latency_s_p50",
                "request_latency_s_p95", "group_latency_s_p95",
                "requests_per_call", "generate_fraction", "out_tokens", "out_tokens_per_s", "prefix_cache_hit_rate",
-               "engine_errors", "prefill_tokens")
+               "engine_errors", "prefill_tokens", "steps")
 """Rollout and engine scalars kept per batch in `inference-rank<r>.json` (TensorBoard has them all)."""
 
 
