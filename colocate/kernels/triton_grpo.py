@@ -14,33 +14,14 @@ a forward kernel plus a backward kernel that re-reads the logits (Liger's `trito
 float32 [N, V] is materialized. Autograd's backward only scales the stored gradient by
 grad_output, on the device and not at all when it is 1 (no host sync).
 
-How it is laid out (measured on an H200, profiles/kernel.md): persistent programs, one per SM, so
-the rows in flight (132 x 304 KB at V=152064 bf16) mostly stay in L2 between the passes; 32 warps,
-loads prefetched one block ahead in registers (`stages: 0`; `stages > 0` pipelines them through
-shared memory instead). 16384 x 152064 bf16: 3.16-3.33 ms fwd+bwd in place vs Liger 3.78-3.85 ms,
-0 bytes extra; a device copy of the same bytes takes 2.35-2.41 ms. The remaining gap was put down to the per-row pipeline restart (each
-program drains and refills its loads at every row and pass). Overlapping pass 2 of one row with
-pass 1 of the next ("stagger" and "flat" schedules) was built and measured correct but slower on
-the H200 (3.36 ms best vs 3.16 ms for this kernel alone, same run; profiles/kernel.md), so it was
-removed again (commit 1a4c6f7 has it). So was a "split" schedule: each row's pass 1 in 2-6 column
-chunks on as many programs, 2-6 programs per SM, the program finishing a row's last chunk (an
-atomic counter) running pass 2. Pass 1 was no faster (1.44-1.59 ms vs 1.55), the fused kernel
-4.0-7.0 ms (commit 5af7642 has it). So one stream per SM does not limit pass 1 either.
-
-Session 6 (Nsight Compute on the H200, profiles/kernel.md): the fused kernel moves 11.3 GB of
-DRAM traffic, not 9.4: 46 % of pass-2 re-reads miss L2, because pipelined loads (stages > 0) are
-async copies whose L2 hints Triton 3.6 drops (no evict_last lookups at all). Pass 1 issued 13
-instructions per element; the reference-max sum cut its SASS to ~6 (pass 1 alone, same run:
-1.58-1.70 -> 1.34-1.46 ms), but the fused kernel did not move (3.16-3.26 ms): it is DRAM-bound at
-3.7 TB/s including those misses. (Pass 2 with |coef| in the exponent was no faster either, and
-its two sign-specialized loops doubled the shared memory.)
-
-Session 7: register prefetch (plain loads, so the L2 hints apply) with 32 warps is the default,
-6-10 % faster than 4 pipeline stages. It did not raise pass 2's L2 hit rate (51 % of all L2
-requests, as before): the misses come from the footprint, not the hints. Shrinking the footprint
-did not pay either: fewer programs than SMs stream slower (+7-20 %), and 2-4 programs per row,
-each streaming a column chunk and exchanging partial sums through an atomic handshake (half to a
-quarter of the rows in flight), measured +14-48 % (commit 26f7670 has it).
+How it is laid out (measured on an H200): persistent programs, one per SM, so the rows in flight
+(132 x 304 KB at V=152064 bf16) mostly stay in L2 between the passes; 32 warps, loads prefetched
+one block ahead in registers (`stages: 0`; `stages > 0` pipelines them through shared memory, and
+Triton 3.6 then drops their L2 hints). 16384 x 152064 bf16: 3.16-3.33 ms fwd+bwd in place vs
+Liger 3.78-3.85 ms, 0 bytes extra; a device copy of the same bytes takes 2.35-2.41 ms. The gap
+is DRAM traffic: about half of pass 2's re-reads miss L2 (the footprint, not the hints). What was tried
+and measured slower, with the commits that hold it (overlapped passes, split rows, fewer rows in
+flight, the coefficient in the exponent): profiles/kernel.md.
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
