@@ -214,8 +214,9 @@ TASK_FIELDS = (("env", "name"), ("env", "unit_labels"), ("env", "list_supports")
 
 def check_same_task(cfg, path: str) -> None:
     """Refuse to resume with another env or completion format than the checkpoint's run had (the
-    presets changed `env.unit_labels`; a silent switch would change the policy's task mid-run).
-    Fields the saved config lacks (older checkpoints) count as their defaults."""
+    presets changed `env.unit_labels` and `env.list_supports`; a silent switch would change the
+    policy's task mid-run). Fields the saved config lacks (older checkpoints) count as their
+    defaults."""
     import yaml
     file = os.path.join(path, "config.yaml")
     if not os.path.exists(file):

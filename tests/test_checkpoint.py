@@ -49,10 +49,14 @@ def test_checkpoint_roundtrip_is_peft_loadable(tmp_path, tiny_cfg, tiny_tokenize
 def test_resume_keeps_the_task_format(tmp_path):
     from colocate.checkpoint import check_same_task
     from colocate.config import load_config, save_config
-    cfg = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"))         # env.unit_labels: false
+    cfg = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"))  # env.unit_labels, list_supports: false
     save_config(cfg, str(tmp_path / "config.yaml"))
     check_same_task(cfg, str(tmp_path))                                     # same format: fine
-    other = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"), {"env": {"unit_labels": True}})
+    lists = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"), {"env": {"list_supports": True}})
+    with pytest.raises(CheckpointError, match="env.list_supports=False.*--env.list_supports=false"):
+        check_same_task(lists, str(tmp_path))
+    other = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"),  # the defaults' format
+                        {"env": {"unit_labels": True, "list_supports": True}})
     with pytest.raises(CheckpointError, match="env.unit_labels=False.*--env.unit_labels=false"):
         check_same_task(other, str(tmp_path))
     (tmp_path / "config.yaml").write_text("env:\n  name: diplomacy\n")     # an older checkpoint: defaults
