@@ -211,8 +211,8 @@ def copy_time_ms(pristine: torch.Tensor, iters: int) -> float:
 
 
 def sweep_configs():
-    """Launch configurations to time: overrides of a base (block_v 16384, 16 warps, one program
-    per SM, pass-1 group 8, 4 pipeline stages in both passes, refmax pass 1, one program per row).
+    """Launch configurations to time: overrides of a base, the default (block_v 16384, 32 warps,
+    one program per SM, pass-1 group 8, register prefetch in both passes, refmax pass 1).
 
     One row in flight per SM: its 304 KB must stay in L2 between the passes. Session 7's counters:
     register prefetch (stages 0, L2 hints kept) left pass 2's L2 hit rate where pipelined loads had

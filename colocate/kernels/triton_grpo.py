@@ -308,7 +308,7 @@ def default_config(vocab: int, device: torch.device) -> dict:
     `stages` is pass 1's pipeline depth (0: register prefetch, one block ahead); `stages_pass2`
     pass 2's (None: the same); `pass1` "refmax" or "online" (the running max, also refmax's
     fallback). Session 7: 32 warps with register prefetch in both passes was the fastest row of
-    four sweeps on two machines (3.14-3.22 ms in place against 3.38-3.55 for 16 warps and 4
+    four sweeps on two machines (3.14-3.21 ms in place against 3.38-3.55 for 16 warps and 4
     pipeline stages; profiles/kernel.md)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": None,
