@@ -15,8 +15,8 @@
 # E2E_VARIANTS: "NAME:k=v,k=v ..." for the +NAME jobs), e.g. the 8-GPU run:
 #   ONLY_E2E=1 E2E_CONFIG=configs/gpu-8.yaml E2E_NPROC=8 E2E_STEPS=12 E2E_ORDER=async \
 #     E2E_SET="topology.num_inference=6 topology.num_learners=2" bash scripts/gpu_e2e_session.sh start
-# CHAIN_KERNEL=1 runs the loss-kernel sweep and Nsight Compute counters (CHAIN_KERNEL_NCU: the config,
-# default register prefetch in both passes) on GPU 0 before step 1 (~4 min; liger-kernel on PYTHONPATH
+# CHAIN_KERNEL=1 runs the loss-kernel sweep and Nsight Compute counters (CHAIN_KERNEL_NCU: one config;
+# default: the default launch and '{"prefetch": 2}') on GPU 0 before step 1 (~4 min; liger-kernel on PYTHONPATH
 # for its column).
 # CHAIN_TESTS=EXPR runs the GPU tests beside that step: tests/test_kernel_triton.py on GPU 1,
 # tests/test_vllm_gpu.py -k EXPR on GPUs 2-3 (logs tests-*.log); the e2e jobs wait for both.
@@ -45,7 +45,8 @@ chain() {
     echo "== $(date +%T) kernel"
     CUDA_VISIBLE_DEVICES=0 timeout -k 20 400 python3 scripts/benchmark.py --profile kernel --sweep --no-compile \
       --iters 20 --out $GS/kernel.json > $GS/kernel.log 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout -k 20 300 bash scripts/kernel_ncu.sh $GS/ncu "${CHAIN_KERNEL_NCU:-{\"stages\": 0, \"stages_pass2\": 0\}}" \
+    if [ -n "${CHAIN_KERNEL_NCU:-}" ]; then ncu_cfgs=("$CHAIN_KERNEL_NCU"); else ncu_cfgs=('{}' '{"prefetch": 2}'); fi
+    CUDA_VISIBLE_DEVICES=0 timeout -k 20 300 bash scripts/kernel_ncu.sh $GS/ncu "${ncu_cfgs[@]}" \
       > $GS/ncu.log 2>&1 && cp $GS/ncu/details.csv $GS/ncu-details.csv
     echo "== $(date +%T) kernel rc=$?"
   fi
