@@ -37,6 +37,20 @@ def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
     assert out["adapter_send_ms_mean"] == pytest.approx(10.0)
     assert out["rollout_phases"] == pytest.approx((11 + 12 + 13 + 14) / 4)  # batch 0 (60-66 s) is warm-up
     assert out["rollout_wait_version_s"] == pytest.approx(0.5)
+    # steady: the same queue at 70 s and 110 s (-1: this timeline has no batch record for step 0)
+    assert out["queue_batches_start"] == pytest.approx(-1.0) and out["queue_batches_end"] == pytest.approx(-1.0)
+
+
+def test_queue_figures_show_a_drained_backlog():
+    """Inference ran 3 batches ahead during warm-up (lag 2 style), then the learner, faster than a
+    batch, drains them: the queue falls over the window, so its seconds per step are not steady."""
+    rows = learner_rows(5.0, 4.5, 8)                          # steps end at 5, 10, ..., 40 s
+    batches = [{"collect_start": 0.0, "collect_end": 2.0 * (i + 1), "out_tokens": 1.0} for i in range(6)]
+    batches += [{"collect_start": 12.0 + 8 * i, "collect_end": 20.0 + 8 * i, "out_tokens": 1.0} for i in range(3)]
+    out = steady_state({"timeline": rows}, [{"batches": batches}], warmup=2)
+    # at 10 s: 5 batches done, 2 steps -> 3 queued; at 40 s: 6 + 3 = 9 done (20, 28, 36), 8 steps -> 1
+    assert out["queue_batches_start"] == pytest.approx(3.0)
+    assert out["queue_batches_end"] == pytest.approx(1.0)
 
 
 def test_steady_state_needs_more_steps_than_warmup():

@@ -17,6 +17,10 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
   rollout_*         means over the batches collected inside the window (both inference ranks):
                     engine polls, requests per poll, poll and request latency, generate fraction, the time
                     a rank waited for an adapter version (`wait_version_s`) or for its sends
+  queue_batches_*   batches the inference ranks had finished and the learners not yet trained, at the
+                    window's start and end (mean over ranks). Equal in a steady state; a drop means the
+                    window drained a backlog built before it (with lag >= 2 the inference ranks can run
+                    ahead during warm-up), and seconds_per_step is then faster than the steady state.
 CPU smoke: python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
 GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
     --steps 6 --warmup 2 --partial $OUT/e2e-partial.json
@@ -145,8 +149,19 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "policy_lag_mean": sum(r[4] for r in measured) / len(measured),
         "adapter_gather_ms_mean": 1e3 * sum(r[5] for r in measured) / len(measured),
         "adapter_send_ms_mean": 1e3 * sum(r[6] for r in measured) / len(measured),
+        "queue_batches_start": queued(rows, inference, t0),
+        "queue_batches_end": queued(rows, inference, t1),
         **rollout_means(inference, t0, t1),
     }
+
+
+def queued(rows: list, inference: list[dict], t: float) -> float:
+    """Batches finished by the inference ranks (mean over ranks) minus steps finished, at time t.
+    Each learner step trains one batch from every inference rank."""
+    if not inference:
+        return 0.0
+    produced = sum(sum(b["collect_end"] <= t for b in r["batches"]) for r in inference) / len(inference)
+    return produced - sum(row[3] <= t for row in rows)
 
 
 def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:
