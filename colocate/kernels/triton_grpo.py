@@ -169,12 +169,12 @@ def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, B
                     STAGES: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr):
     """g_row = coef * (onehot(tgt) - 2^(x * log2(e)/T - lse2)).
 
-    Last block first: those were read most recently, so they are the likeliest still in L2. The
-    partial tail block (masked) goes first, then the full blocks downwards, unmasked. Every column
-    gets -coef * p; the target's coef * (1 - p_tgt) is stored after a barrier, so it lands after
-    the block store that covers it (cheaper than a compare per element). One loop: two (one per
-    sign of coef, with |coef| in the exponent) doubled the shared memory of the pipelined version,
-    past an H200's 227 KB with fp32 logits, and measured no faster.
+    Last block first: those were read most recently, so they are the likeliest still in L1 (plain
+    loads) or L2. The partial tail block (masked) goes first, then the full blocks downwards,
+    unmasked. Every column gets -coef * p; the target's coef * (1 - p_tgt) is stored after a
+    barrier, so it lands after the block store that covers it (cheaper than a compare per
+    element). One loop: two (one per sign of coef, with |coef| in the exponent) doubled the shared
+    memory of the pipelined version, past an H200's 227 KB with fp32 logits, and measured no faster.
     """
     cols = tl.arange(0, BLOCK_V)
     num_full = vocab // BLOCK_V
@@ -243,9 +243,9 @@ def _grpo_rows_kernel(
     LN2: tl.constexpr = 0.6931471805599453
     cols = tl.arange(0, BLOCK_V)
     num_blocks = tl.cdiv(vocab, BLOCK_V)
-    # Persistent programs: a fixed number of rows in flight (their footprint must fit in L2 for
-    # pass 2 to hit); program p walks rows p, p + G, ... The next row's scalars are loaded one
-    # row ahead so their latency hides under the current row's passes.
+    # Persistent programs: a fixed number of rows in flight (pass 2 re-reads each row while most
+    # of it is still in L1/L2); program p walks rows p, p + G, ... The next row's scalars are
+    # loaded one row ahead so their latency hides under the current row's passes.
     step = tl.num_programs(0)
     row = tl.program_id(0)
     w_next = tl.load(weights_ptr + row, mask=row < num_rows, other=0.0)
