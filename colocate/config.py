@@ -158,6 +158,12 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
                           f"= {r.groups_per_step * r.group_size}")
     if cfg.learner.max_policy_lag < 0:
         raise ConfigError(f"learner.max_policy_lag={cfg.learner.max_policy_lag} must be >= 0")
+    if r.oversample_groups < 0:
+        raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} must be >= 0")
+    if r.oversample_groups > 0 and cfg.learner.max_policy_lag < 1:
+        raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 1: "
+                          "a group carried over to the next batch is trained one step later, so with lag 0 "
+                          "every carried group would be dropped as stale")
     if cfg.learner.num_steps < 1:
         raise ConfigError("learner.num_steps must be >= 1")
     if cfg.loss.eps_low < 0 or cfg.loss.eps_high < 0 or cfg.loss.beta < 0:
@@ -181,6 +187,18 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
                               "inference ranks without a group")
         # learners may get shards one sequence apart (transport.shard_batch) and run as many
         # micro-batches as the busiest one, so the batch need not divide by the learner count
+
+
+def sampling_lag(cfg: Config) -> int:
+    """How many versions behind the learner a batch may start sampling (`rollout/loop.py`).
+
+    Without oversampling it is the budget itself: batch k waits for version >= k - max_policy_lag
+    and is trained at step k. With oversampling, a group still in play when its batch ships is
+    trained with a later batch, at least one step later, so the batch waits for one version
+    fresher than the budget (lag - 1): groups trained with their own batch are lag - 1 behind,
+    groups carried over one batch exactly lag, and only those carried twice are dropped."""
+    lag = cfg.learner.max_policy_lag
+    return max(lag - 1, 0) if cfg.rollout.oversample_groups > 0 else lag
 
 
 def to_dict(cfg: Config) -> dict:

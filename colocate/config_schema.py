@@ -124,7 +124,10 @@ class RolloutConfig:
     """Seed of prompt selection and sampling (offset per inference rank)."""
     oversample_groups: int = 0
     """Extra groups kept in play per inference rank; a batch ships as soon as enough groups finish,
-    stragglers join a later batch (0 = every batch plays exactly its own groups)."""
+    stragglers join a later batch (0 = every batch plays exactly its own groups). Needs
+    learner.max_policy_lag >= 1: a batch then starts on a version one fresher than the budget
+    allows, so a group carried over one batch is trained exactly at the budget (one carried twice
+    is dropped as stale and counted)."""
     stream: bool = False
     """Each game sends its next phase to the engine as soon as its current one is answered, instead
     of every game waiting for the round's slowest completion (a phase barrier). Needs an engine

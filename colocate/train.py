@@ -11,7 +11,10 @@ Step protocol (deterministic, so no rank ever waits on a message that will not c
   * learner, step s = 0..S-1: receive one shard from every inference rank, train, and learner
     rank 0 broadcasts version s + 1 on the sync group.
 With max_policy_lag = L, batch k is sampled with version max(0, k - L) and trained at step k, so
-rollouts of batch k + 1 .. k + L overlap the learner's step k; L = 0 is synchronous.
+rollouts of batch k + 1 .. k + L overlap the learner's step k; L = 0 is synchronous. With
+oversampled groups (rollout.oversample_groups > 0, L >= 1) batch k is sampled with version
+max(0, k - L + 1): a group carried over to batch k + 1 is then trained exactly L steps after its
+version (`config.sampling_lag`).
 
 Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main module (see
 notes/vllm-in-torchrun.md).

@@ -151,9 +151,12 @@ def test_raising_rank_ends_job_fast_and_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("lag", [[], ["--learner.max_policy_lag=2", "--rollout.oversample_groups=2"]],
+                         ids=["sync", "lag2-oversampled"])
+def test_sigterm_writes_checkpoint_and_exits_cleanly(tmp_path, lag):
+    # the learner drains the batches the inference ranks sampled ahead of it (config.sampling_lag)
     run = tmp_path / "run"
-    proc = launch(["--learner.num_steps=5000", f"--metrics.run_dir={run}"], tmp_path)
+    proc = launch(["--learner.num_steps=5000", f"--metrics.run_dir={run}", *lag], tmp_path)
     lines = []
     for line in proc.stdout:  # wait until training is under way
         lines.append(line)

@@ -32,6 +32,21 @@ def test_cpu_run_reward_improves(tmp_path):
 
 
 @pytest.mark.slow
+def test_oversampled_groups_carried_over_fit_the_lag_budget(tmp_path):
+    # 2 extra groups in play: the HF engine finishes all 18 per poll, the batch takes 16 and the other
+    # 2 wait for the next batch, one step later. The batch starts one version fresher than the budget
+    # (config.sampling_lag), so those carried groups are trained at lag 2 exactly, not dropped at 3.
+    run_dir = tmp_path / "run"
+    torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=4", "--learner.max_policy_lag=2",
+              "--rollout.oversample_groups=2", f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["dropped_stale"] == 0, summary
+    lags = [row[4] for row in summary["timeline"]]  # per step: mean policy lag of the trained sequences
+    # step 0: version 0, nothing carried; from step 2: 14 fresh groups at lag 1, 2 carried at lag 2
+    assert lags[0] == 0 and lags[2:] == [pytest.approx(1.125)] * 2, lags
+
+
+@pytest.mark.slow
 def test_local_model_path_loads_and_trains(tmp_path, tiny_cfg, tiny_tokenizer):
     from colocate.models import build_model, build_model as build, load_tokenizer, save_tiny_model
     model = build_model(tiny_cfg.model, tiny_tokenizer)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import yaml
 from torch.profiler import record_function
 
-from colocate.config import Config, to_dict
+from colocate.config import Config, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
 from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_poison, maybe_raise, parse_fault
 from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
@@ -46,7 +46,8 @@ def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=
     if resume is not None:
         start = restore_learner(learner, resume)
         history = {k: list(v) for k, v in resume["trainer_state"]["history"].items()}
-    num_steps, lag, ckpt = cfg.learner.num_steps, cfg.learner.max_policy_lag, cfg.checkpoint
+    # the inference ranks run up to `lag` batches ahead of this loop (what a stop must drain)
+    num_steps, lag, ckpt = cfg.learner.num_steps, sampling_lag(cfg), cfg.checkpoint
     # Daemon threads and a profiler window; an exception ends the process, so no try/finally needed.
     monitors = contextlib.ExitStack()
     role = monitors.enter_context(role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo),

@@ -1,7 +1,8 @@
 """The inference role loop: play games with the engine, ship trajectories, take new adapters.
 
 Protocol (deterministic, so no rank waits on a message that will not come): for batch k = 0..S-1,
-receive adapters until the engine's version >= k - max_policy_lag, play this rank's share of
+receive adapters until the engine's version >= k - lag (`config.sampling_lag`: max_policy_lag, or
+one less with oversampled groups, which may be trained a step after their batch), play this rank's share of
 groups, send one shard of the batch to every learner (from a sender thread); at the end receive
 the remaining versions up to S. Adapter headers carry run-control flags: FLAG_CHECKPOINT (send this
 rank's sampler/env state to learner rank 0) and FLAG_STOP (a signal was seen somewhere: stop).
@@ -15,7 +16,7 @@ import time
 
 from torch.profiler import record_function
 
-from colocate.config import Config
+from colocate.config import Config, sampling_lag
 from colocate.lifecycle import StopSignal
 from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
 from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
@@ -83,7 +84,7 @@ BATCH_STATS = ("polls", "samples", "latency_s", "poll_latency_s_p50", "poll_late
 
 def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive, is_stopped) -> None:
     """Batches start..S-1 of one inference rank (see the module docstring for the protocol)."""
-    num_steps, lag = cfg.learner.num_steps, cfg.learner.max_policy_lag
+    num_steps, lag = cfg.learner.num_steps, sampling_lag(cfg)
     # Sends of batch j complete once the learners start step j, which needs version j to have been
     # received here; so only sends older than k - lag may be waited on at batch k (at most lag + 1
     # batches in flight: bounded memory, no deadlock).
