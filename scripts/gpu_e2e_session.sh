@@ -4,7 +4,7 @@
 #   bash scripts/gpu_e2e_session.sh wait SECS  polls up to SECS seconds, prints progress, copies results to $OUT
 # Call `wait` again at once (a machine left idle is given back) until it prints "chain done".
 # The chain, on an nvidia-h200-x4 (2 inference + 2 learner ranks; vLLM & co. on PYTHONPATH from the bundle):
-#   1. e2e: configs/gpu-4.yaml (7B shape, Diplomacy, 32 groups x 2, horizon 4), async (lag 1) then sync
+#   1. e2e: configs/gpu-4.yaml (7B shape, Diplomacy, 32 groups x 2, horizon 4), async (the config's lag) then sync
 #   2. trainer: 4 learner GPUs, the e2e workload's group size (2): padded baseline, packed, compiled
 #   3. sync: adapter sync at the 7B shape on GPUs 0 and 1
 # ONLY_E2E=1 (set for `start`) stops after step 1; TRAINER_COMPILE_BUDGET (default 16384) is step 2's
@@ -16,7 +16,7 @@
 #   ONLY_E2E=1 E2E_CONFIG=configs/gpu-8.yaml E2E_NPROC=8 E2E_STEPS=12 E2E_ORDER=async \
 #     E2E_SET="topology.num_inference=6 topology.num_learners=2" bash scripts/gpu_e2e_session.sh start
 # CHAIN_KERNEL=1 runs the loss-kernel sweep and Nsight Compute counters (CHAIN_KERNEL_NCU: one config;
-# default: the default launch and '{"prefetch": 2}') on GPU 0 before step 1 (~4 min; liger-kernel on PYTHONPATH
+# default: the default launch and '{"num_warps": 16}') on GPU 0 before step 1 (~4 min; liger-kernel on PYTHONPATH
 # for its column).
 # CHAIN_TESTS=EXPR runs the GPU tests beside that step: tests/test_kernel_triton.py on GPU 1,
 # tests/test_vllm_gpu.py -k EXPR on GPUs 2-3 (logs tests-*.log); the e2e jobs wait for both.
@@ -45,7 +45,7 @@ chain() {
     echo "== $(date +%T) kernel"
     CUDA_VISIBLE_DEVICES=0 timeout -k 20 400 python3 scripts/benchmark.py --profile kernel --sweep --no-compile \
       --iters 20 --out $GS/kernel.json > $GS/kernel.log 2>&1
-    if [ -n "${CHAIN_KERNEL_NCU:-}" ]; then ncu_cfgs=("$CHAIN_KERNEL_NCU"); else ncu_cfgs=('{}' '{"prefetch": 2}'); fi
+    if [ -n "${CHAIN_KERNEL_NCU:-}" ]; then ncu_cfgs=("$CHAIN_KERNEL_NCU"); else ncu_cfgs=('{}' '{"num_warps": 16}'); fi
     CUDA_VISIBLE_DEVICES=0 timeout -k 20 300 bash scripts/kernel_ncu.sh $GS/ncu "${ncu_cfgs[@]}" \
       > $GS/ncu.log 2>&1 && cp $GS/ncu/details.csv $GS/ncu-details.csv
     echo "== $(date +%T) kernel rc=$?"

@@ -64,7 +64,8 @@ def test_job_settings_with_variants():
                                "os4:rollout.oversample_groups=4, learner.max_policy_lag=2"])
     assert variants == {"nocheck": ["engine.validate_grammars=false"],
                         "os4": ["rollout.oversample_groups=4", "learner.max_policy_lag=2"]}
-    assert job_settings("sync", 1) == (0, [])
+    assert job_settings("sync", 1) == (0, ["rollout.oversample_groups=0"])
+    assert job_settings("async", None) == (None, [])  # the config's lag
     lag, extra = job_settings("async-stream+nocheck+os4", 1, ["engine.max_num_batched_tokens=1024"], variants)
     # the variant's settings come after the stream settings, so they win on the command line
     assert lag == 1 and extra == ["rollout.stream=true", "engine.max_num_batched_tokens=1024",

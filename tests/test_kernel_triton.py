@@ -128,14 +128,6 @@ CASES += [
      {"block_v": 512, "num_programs": 5, "stages": 0, "stages_pass2": 0}),
     ("fp32-copy-beta0.04-T1.3-neginf-online", "fp32", False, 0.04, 1.3, {**MATRIX, "neg_inf": True, "pass1": "online"}),
     ("bf16-inplace-beta0.04-T0.7-pipelined", "bf16", True, 0.04, 0.7, {**MATRIX, "stages": 4}),
-    # two blocks in flight: 3 full blocks + tail, 1 full + tail, 4 full and no tail, none full
-    ("bf16-inplace-beta0.04-T0.7-prefetch2", "bf16", True, 0.04, 0.7, {**MATRIX, "prefetch": 2}),
-    ("fp32-copy-beta0.04-T1.0-prefetch2-one-full-block", "fp32", False, 0.04, 1.0,
-     {"block_v": 512, "num_programs": 5, "prefetch": 2}),
-    ("fp32-inplace-beta0.0-T1.0-prefetch2-no-tail", "fp32", True, 0.0, 1.0,
-     {"block_v": 256, "num_programs": 5, "vocab": 1024, "prefetch": 2}),
-    ("bf16-copy-beta0.04-T1.0-prefetch2-small-vocab", "bf16", False, 0.04, 1.0, {"block_v": 2048, "prefetch": 2}),
-    ("bf16-inplace-beta0.04-T0.7-prefetch2-outlier", "bf16", True, 0.04, 0.7, {**MATRIX, "prefetch": 2, "outlier": True}),
 ]
 
 
@@ -257,9 +249,9 @@ def test_launch_config_is_checked():
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     n, v = 2, 8
-    with pytest.raises(ValueError, match="prefetch must be 1 or 2 blocks, got 3"):
+    with pytest.raises(ValueError, match=r"unknown key 'num_warp' \(did you mean 'num_warps'\?\)"):
         grpo_loss_triton(torch.zeros(n, v), torch.zeros(n, dtype=torch.long), torch.ones(n), torch.zeros(n),
-                         torch.zeros(n), config={"prefetch": 3})
+                         torch.zeros(n), config={"num_warp": 8})
 
 
 # ----------------------------------------------------------------------------- GPU tier
@@ -311,10 +303,9 @@ def cuda_batch(num_rows, vocab, beta, temperature, seed):
 @pytest.mark.parametrize("num_rows,inplace,config,dtype", [
     (4096, False, None, "bf16"), (4096, True, None, "bf16"), (14200, True, None, "bf16"),
     (4096, True, {"stages": 4, "num_warps": 16}, "bf16"),
-    (512, True, None, "fp32"), (512, False, {"stages": 4}, "fp32"),
-    (4096, True, {"prefetch": 2, "num_warps": 16}, "bf16"), (512, False, {"prefetch": 2}, "fp32")],
+    (512, True, None, "fp32"), (512, False, {"stages": 4}, "fp32")],
     ids=["4096-copy", "4096-inplace", "14200-inplace-over-2^31-elements", "4096-inplace-pipelined",
-         "fp32-512-inplace", "fp32-512-copy-pipelined", "4096-inplace-prefetch2", "fp32-512-copy-prefetch2"])
+         "fp32-512-inplace", "fp32-512-copy-pipelined"])
 def test_cuda_real_vocab(num_rows, inplace, config, dtype):
     """Real vocabulary, bf16 (1e-2) and fp32 (1e-5) logits. fp32 with pipelined loads also checks
     their shared memory stays under the H200's 227 KB per block (it launches)."""

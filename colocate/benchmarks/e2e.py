@@ -40,7 +40,8 @@ def add_args(parser) -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2, help="steps of each job left out of the figures")
-    parser.add_argument("--lag", type=int, default=1, help="max_policy_lag of the async run")
+    parser.add_argument("--lag", type=int, default=None,
+                        help="max_policy_lag of the async jobs (default: the config's, which must be >= 1)")
     parser.add_argument("--order", default="async,sync",
                         help="which jobs run, in this order: async, sync, each optionally -stream or -barrier "
                              "(rollout.stream on / off; plain: the config's), then any +VARIANT (see --variant), "
@@ -68,10 +69,12 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def job_settings(job: str, async_lag: int, stream_set: list[str] = (),
-                 variants: dict[str, list[str]] | None = None) -> tuple[int, list[str]]:
+def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
+                 variants: dict[str, list[str]] | None = None) -> tuple[int | None, list[str]]:
     """'async' | 'sync', optionally '-stream' / '-barrier', then '+NAME'... -> (max_policy_lag, extra
-    settings). A variant's settings come last, so they may override the lag too."""
+    settings); lag None keeps the config's. A sync job also turns oversampling off (a group carried
+    to the next batch would be one version too old). A variant's settings come last, so they may
+    override the lag too."""
     head, *names = job.split("+")
     base, _, variant = head.partition("-")
     if base not in ("async", "sync") or variant not in ("", "stream", "barrier"):
@@ -82,15 +85,17 @@ def job_settings(job: str, async_lag: int, stream_set: list[str] = (),
     # a barrier job gets vLLM's default prefill chunk: the presets' small one is tuned for streaming
     extra = {"": [], "stream": ["rollout.stream=true", *stream_set],
              "barrier": ["rollout.stream=false", "engine.max_num_batched_tokens=0"]}[variant]
+    if base == "sync":
+        extra = [*extra, "rollout.oversample_groups=0"]
     for n in names:
         extra = [*extra, *variants[n]]
     return (async_lag if base == "async" else 0), extra
 
 
-def run_job(args, lag: int, run_dir: str, extra: list[str] = ()) -> dict:
+def run_job(args, lag: int | None, run_dir: str, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "colocate.train", "--config", args.config, f"--learner.num_steps={args.steps}",
-           f"--learner.max_policy_lag={lag}", f"--metrics.run_dir={run_dir}",
+           *([] if lag is None else [f"--learner.max_policy_lag={lag}"]), f"--metrics.run_dir={run_dir}",
            *("--" + o.removeprefix("--") for o in [*args.set, *extra])]
     t0 = time.time()
     log_path = os.path.join(os.path.dirname(run_dir), f"{os.path.basename(run_dir)}.log")

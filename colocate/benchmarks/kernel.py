@@ -214,19 +214,18 @@ def sweep_configs():
     """Launch configurations to time: overrides of a base, the default (block_v 16384, 32 warps,
     one program per SM, pass-1 group 8, register prefetch in both passes, refmax pass 1).
 
-    One row in flight per SM, read twice (pass 2 mostly from L1 with plain loads). Session 7's
-    counters: register prefetch moves about the ideal bytes but streams at 65 % of peak (too few
-    loads in flight), so the rows below add a second block in flight (`prefetch: 2`; registers
-    allowing). Measured slower there: fewer programs than SMs (0.75 per SM: +20 %), 2-4 programs
-    per row exchanging partial sums (+14-48 %, commit 26f7670 has it), blocks of 32768 (+76-89 %).
-    (Staggered, flat and whole-row split schedules were swept too, all slower: profiles/kernel.md.)
+    One row in flight per SM, read twice (pass 2 mostly from L1 with plain loads); the kernel
+    streams at 65-67 % of peak DRAM bandwidth. Measured slower: fewer programs than SMs (0.75 per
+    SM: +20 %), 2-4 programs per row exchanging partial sums (+14-48 %, commit 26f7670 has it),
+    blocks of 32768 (+76-89 %), two blocks prefetched in registers (0-3 % at 32 warps, +60 % at 16;
+    the commit before the one that removed it). (Staggered, flat and whole-row split schedules
+    were swept too, all slower: profiles/kernel.md.)
     """
     base = {"block_v": 16384, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": 0,
-            "pass1": "refmax", "prefetch": 1}
+            "pass1": "refmax"}
     rows = [{}, {"num_warps": 16}, {"num_warps": 16, "stages": 4, "stages_pass2": 4},
             {"num_warps": 16, "stages": 4, "stages_pass2": 4, "pass1": "online"},
-            {"prefetch": 2}, {"prefetch": 2, "num_warps": 16}, {"prefetch": 2, "block_v": 8192},
-            {"prefetch": 2, "block_v": 8192, "num_warps": 16}, {"block_v": 8192, "num_warps": 16}]
+            {"block_v": 8192}, {"block_v": 8192, "num_warps": 16}]
     return [{**base, **r} for r in rows]
 
 
@@ -241,7 +240,7 @@ def sweep(x, pristine, f, kw, iters=10):
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_s{stages}_s{stages_pass2}_f{prefetch}_{pass1}".format(**cfg)
+        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_s{stages}_s{stages_pass2}_{pass1}".format(**cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,

@@ -18,12 +18,13 @@ How it is laid out (measured on an H200): persistent programs, one per SM; 32 wa
 prefetched one block ahead in registers (`stages: 0`). Plain loads go through L1, which then holds
 most of the row (~250 KB of its 304 KB at V=152064 bf16) for pass 2, walking it backwards; the
 rest comes from L2. (`stages > 0` pipelines loads through shared memory instead: async copies that
-bypass L1, so pass 2 re-read ~1.8 GB from DRAM.) 16384 x 152064 bf16: 3.14-3.21 ms in place for
-the kernel, 3.32-3.33 through autograd, vs Liger 3.78-3.85 ms, 0 bytes extra; a device copy of the
-same bytes takes 2.35-2.41 ms. The kernel now moves about the ideal bytes but streams them at 65 %
-of peak DRAM bandwidth (too few loads in flight per SM; `prefetch: 2` keeps two blocks in flight,
-not yet timed). What was tried and measured slower, with the commits that hold it (overlapped
-passes, split rows, fewer rows in flight, the coefficient in the exponent): profiles/kernel.md.
+bypass L1, so pass 2 re-read ~1.8 GB from DRAM.) 16384 x 152064 bf16: 3.14-3.25 ms in place for
+the kernel, 3.32-3.36 through autograd, vs Liger 3.78-3.85 ms, 0 bytes extra; a device copy of the
+same bytes takes 2.35-2.41 ms. The kernel moves about the ideal bytes but streams them at 65-67 %
+of peak DRAM bandwidth; two blocks in flight per warp instead of one (session 8) raised the
+eligible warps but not that rate, and ran 0-3 % slower. What was tried and measured slower, with
+the commits that hold it (overlapped passes, split rows, fewer rows in flight, the coefficient in
+the exponent, two blocks prefetched): profiles/kernel.md.
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
@@ -31,6 +32,7 @@ non-negative; rows with weight 0 read nothing and get a zero gradient.
 """
 from __future__ import annotations
 
+import difflib
 import math
 
 import torch
@@ -122,7 +124,7 @@ def _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V: tl.constexpr, GROUP: tl
 
 @triton.jit
 def _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,
-                           EVICT: tl.constexpr, PREFETCH: tl.constexpr):
+                           EVICT: tl.constexpr):
     """log2(sum_v 2^z_v) of one row against a fixed reference: the first block's max.
 
     fp32 holds 2^127, so terms need no running max: with r = the max of block 0 and the target's
@@ -131,8 +133,8 @@ def _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V: tl.conste
     per-lane sum (the online update also needs a max and a rescale per element: 11 SASS
     instructions per element against ~4 here). A later logit more than ~110 (base 2) above r
     overflows the sum to inf; the caller then redoes the row with the online update. Full blocks
-    load unmasked; only the last, partial block is masked. STAGES == 0: plain loads, PREFETCH (1
-    or 2) blocks ahead in registers (past the last full block they re-load it: an L1 hit, unused).
+    load unmasked; only the last, partial block is masked. STAGES == 0: plain loads, one block
+    ahead in registers (past the last full block it re-loads that block: an L1 hit, unused).
     """
     cols = tl.arange(0, BLOCK_V)
     num_full = vocab // BLOCK_V
@@ -143,19 +145,12 @@ def _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V: tl.conste
         for b in tl.range(1, num_full, num_stages=STAGES):
             x = tl.load(x_row + b * BLOCK_V + cols, eviction_policy=EVICT).to(tl.float32)
             acc += tl.exp2(x * log2e_over_t - ref)
-    else:  # plain loads (L1-cached, their L2 hint applies), PREFETCH blocks ahead in registers
+    else:  # plain loads (L1-cached, their L2 hint applies), one block ahead in registers
         x_next = tl.load(x_row + tl.maximum(tl.minimum(1, num_full - 1), 0) * BLOCK_V + cols, mask=cols < vocab,
                          eviction_policy=EVICT)
-        if PREFETCH >= 2:
-            x_next2 = tl.load(x_row + tl.maximum(tl.minimum(2, num_full - 1), 0) * BLOCK_V + cols, mask=cols < vocab,
-                              eviction_policy=EVICT)
         for b in tl.range(1, num_full, num_stages=1):
             x = x_next
-            if PREFETCH >= 2:
-                x_next = x_next2
-                x_next2 = tl.load(x_row + tl.minimum(b + 2, num_full - 1) * BLOCK_V + cols, eviction_policy=EVICT)
-            else:
-                x_next = tl.load(x_row + tl.minimum(b + 1, num_full - 1) * BLOCK_V + cols, eviction_policy=EVICT)
+            x_next = tl.load(x_row + tl.minimum(b + 1, num_full - 1) * BLOCK_V + cols, eviction_policy=EVICT)
             acc += tl.exp2(x.to(tl.float32) * log2e_over_t - ref)
     if num_full >= 1 and num_full * BLOCK_V < vocab:  # the partial last block (block 0 was masked already)
         offs = num_full * BLOCK_V + cols
@@ -166,7 +161,7 @@ def _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V: tl.conste
 
 @triton.jit
 def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, BLOCK_V: tl.constexpr,
-                    STAGES: tl.constexpr, EVICT: tl.constexpr, PREFETCH: tl.constexpr):
+                    STAGES: tl.constexpr, EVICT: tl.constexpr):
     """g_row = coef * (onehot(tgt) - 2^(x * log2(e)/T - lse2)).
 
     Last block first: those were read most recently, so they are the likeliest still in L1 (plain
@@ -190,19 +185,12 @@ def _write_row_grad(x_row, g_row, vocab, tgt, coef, p_tgt, lse2, log2e_over_t, B
             x = tl.load(x_row + offs, eviction_policy=EVICT).to(tl.float32)
             d = tl.exp2(x * log2e_over_t - lse2) * neg_coef
             tl.store(g_row + offs, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
-    else:  # plain loads (L1-cached, their L2 hint applies), PREFETCH blocks ahead in registers
+    else:  # plain loads (L1-cached, their L2 hint applies), one block ahead in registers
         x_next = tl.load(x_row + tl.maximum(num_full - 1, 0) * BLOCK_V + cols, mask=cols < vocab, eviction_policy=EVICT)
-        if PREFETCH >= 2:
-            x_next2 = tl.load(x_row + tl.maximum(num_full - 2, 0) * BLOCK_V + cols, mask=cols < vocab,
-                              eviction_policy=EVICT)
         for j in tl.range(0, num_full, num_stages=1):
             blk = num_full - 1 - j
             x = x_next
-            if PREFETCH >= 2:
-                x_next = x_next2
-                x_next2 = tl.load(x_row + tl.maximum(blk - 2, 0) * BLOCK_V + cols, eviction_policy=EVICT)
-            else:
-                x_next = tl.load(x_row + tl.maximum(blk - 1, 0) * BLOCK_V + cols, eviction_policy=EVICT)
+            x_next = tl.load(x_row + tl.maximum(blk - 1, 0) * BLOCK_V + cols, eviction_policy=EVICT)
             d = tl.exp2(x.to(tl.float32) * log2e_over_t - lse2) * neg_coef
             tl.store(g_row + blk * BLOCK_V + cols, d.to(g_row.dtype.element_ty), eviction_policy=EVICT)
     tl.debug_barrier()
@@ -238,7 +226,6 @@ def _grpo_rows_kernel(
     EVICT_PASS1: tl.constexpr,  # L2 hints: keep pass-1 reads for pass 2, then let them and the writes go
     EVICT_PASS2: tl.constexpr,
     PASS1_REFMAX: tl.constexpr,  # pass 1 against the first block's max (fallback: online), else online
-    PREFETCH: tl.constexpr,     # blocks register prefetch keeps in flight (STAGES/STAGES2 == 0): 1 or 2
 ):
     LN2: tl.constexpr = 0.6931471805599453
     cols = tl.arange(0, BLOCK_V)
@@ -275,8 +262,7 @@ def _grpo_rows_kernel(
                 # Target logit first: in place, pass 2 (after a barrier) overwrites it.
                 z_tgt = tl.load(x_row + tgt).to(tl.float32) * log2e_over_t
                 if PASS1_REFMAX:
-                    lse2 = _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V, STAGES, EVICT_PASS1,
-                                                  PREFETCH)
+                    lse2 = _row_logsumexp2_refmax(x_row, vocab, z_tgt, log2e_over_t, BLOCK_V, STAGES, EVICT_PASS1)
                     if not (lse2 < 3.0e38):  # the sum overflowed (a logit far above block 0's max)
                         lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
                 else:
@@ -308,7 +294,7 @@ def _grpo_rows_kernel(
                     coef = w * dloss_dlogp * inv_t
                     tl.debug_barrier()  # every thread's read of the target logit precedes in-place writes
                     _write_row_grad(x_row, g_row, vocab, tgt, coef, tl.exp2(z_tgt - lse2), lse2, log2e_over_t,
-                                    BLOCK_V, STAGES2, EVICT_PASS2, PREFETCH)
+                                    BLOCK_V, STAGES2, EVICT_PASS2)
             else:
                 tl.store(out + 0, 0.0)
                 tl.store(out + 1, 0.0)
@@ -326,13 +312,12 @@ def default_config(vocab: int, device: torch.device) -> dict:
     """Launch parameters, tuned on an H200 at V=152064 bf16 (`--sweep` of the kernel benchmark).
     `stages` is pass 1's pipeline depth (0: register prefetch, one block ahead); `stages_pass2`
     pass 2's (None: the same); `pass1` "refmax" or "online" (the running max, also refmax's
-    fallback); `prefetch` how many blocks register prefetch keeps in flight (1 or 2). Session 7:
-    32 warps with register prefetch in both passes was the fastest row in three of four sweeps on
-    two machines (3.14-3.21 ms in place against 3.38-3.55 for 16 warps and 4 pipeline stages;
-    profiles/kernel.md)."""
+    fallback); `num_programs` (not a default) fixes the grid, for tests. Session 7: 32 warps with
+    register prefetch in both passes was the fastest row in three of four sweeps on two machines
+    (3.14-3.21 ms in place against 3.38-3.55 for 16 warps and 4 pipeline stages; profiles/kernel.md)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": None,
-           "prefetch": 1, "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax"}
+           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
@@ -365,12 +350,16 @@ def grpo_rows(
     """Launch the row kernel; writes `grad` when given. The building block of both autograd Functions."""
     num_rows, vocab = logits.shape
     assert logits.stride(1) == 1 and (grad is None or (grad.shape == logits.shape and grad.stride(1) == 1))
-    cfg = {**default_config(vocab, logits.device), **(config or {})}
+    cfg = default_config(vocab, logits.device)
+    unknown = sorted(set(config or {}) - set(cfg) - {"num_programs"})
+    if unknown:  # a misspelt key would otherwise be ignored silently
+        near = difflib.get_close_matches(unknown[0], [*cfg, "num_programs"], n=1)
+        raise ValueError(f"grpo kernel config: unknown key {unknown[0]!r}"
+                         + (f" (did you mean {near[0]!r}?)" if near else "") + f"; keys: {', '.join(cfg)}")
+    cfg.update(config or {})
     cfg["block_v"] = min(cfg["block_v"], triton.next_power_of_2(vocab))
     if cfg["group"] > cfg["block_v"] // 2:  # tiny vocabularies (restricted ids): block-wide reduction
         cfg["group"] = 0
-    if cfg["prefetch"] not in (1, 2):
-        raise ValueError(f"grpo kernel config: prefetch must be 1 or 2 blocks, got {cfg['prefetch']!r}")
     f32 = dict(dtype=torch.float32)
     weights = weights.to(**f32).contiguous()
     behaviour_logprobs = behaviour_logprobs.to(**f32).contiguous()
@@ -390,7 +379,7 @@ def grpo_rows(
         HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
         STAGES2=cfg["stages"] if cfg.get("stages_pass2") is None else cfg["stages_pass2"],
         EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], PASS1_REFMAX=cfg["pass1"] == "refmax",
-        PREFETCH=cfg["prefetch"], num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
     )
     return row_out
 
