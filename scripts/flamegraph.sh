@@ -45,22 +45,25 @@ descendants() {  # all descendant pids of $1
   local child
   for child in $(pgrep -P "$1" 2>/dev/null); do echo "$child"; descendants "$child"; done
 }
-rank_of() {  # RANK=<n> from a process environment, empty if none
-  { tr '\0' '\n' < "/proc/$1/environ"; } 2>/dev/null | sed -n 's/^RANK=//p' | head -n1 || true  # may have exited
+env_of() {  # VAR=<value> from a process environment ($2 = VAR), empty if none
+  { tr '\0' '\n' < "/proc/$1/environ"; } 2>/dev/null | sed -n "s/^$2=//p" | head -n1 || true  # may have exited
 }
 
-# Wait (up to 120 s) until the ranks exist and have imported Python.
+# Wait (up to 120 s) until every rank exists (WORLD_SIZE of them: torchrun may start one later
+# than another on a loaded machine) and has imported Python.
 declare -A ranks
+world=0
 for _ in $(seq 1 240); do
   ranks=()
   for p in $(descendants "$pid"); do
-    r=$(rank_of "$p")
-    [ -n "$r" ] && [ -z "${ranks[$r]:-}" ] && ranks[$r]=$p
+    r=$(env_of "$p" RANK)
+    [ -n "$r" ] && [ -z "${ranks[$r]:-}" ] && { ranks[$r]=$p; world=$(env_of "$p" WORLD_SIZE); }
   done
-  [ ${#ranks[@]} -gt 0 ] && break
+  [ ${#ranks[@]} -gt 0 ] && [ ${#ranks[@]} -ge "${world:-1}" ] && break
   sleep 0.5
 done
 [ ${#ranks[@]} -gt 0 ] || { echo "flamegraph.sh: no ranks (RANK=...) under pid $pid" >&2; exit 1; }
+[ ${#ranks[@]} -ge "${world:-1}" ] || echo "flamegraph.sh: found ${#ranks[@]} of $world ranks; recording those" >&2
 sleep 2  # let them get past start-up
 sleep "$delay"
 
