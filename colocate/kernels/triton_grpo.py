@@ -18,8 +18,9 @@ How it is laid out (measured on an H200): persistent programs, one per SM; 32 wa
 prefetched one block ahead in registers (`stages: 0`). Plain loads go through L1, which then holds
 most of the row (~250 KB of its 304 KB at V=152064 bf16) for pass 2, walking it backwards; the
 rest comes from L2. (`stages > 0` pipelines loads through shared memory instead: async copies that
-bypass L1, so pass 2 re-read ~1.8 GB from DRAM.) 16384 x 152064 bf16: 3.14-3.25 ms in place for
-the kernel, 3.32-3.36 through autograd, vs Liger 3.78-3.85 ms, 0 bytes extra; a device copy of the
+bypass L1, so pass 2 re-read ~1.8 GB from DRAM.) Pass 1's loads carry an evict_last hint; pass 2
+carries none (evict_first there was 3-4 % slower). 16384 x 152064 bf16: 3.07-3.27 ms in place for
+the kernel, 3.27-3.31 through autograd, vs Liger 3.78-3.85 ms, 0 bytes extra; a device copy of the
 same bytes takes 2.35-2.41 ms. The kernel moves about the ideal bytes but streams them at 65-67 %
 of peak DRAM bandwidth; two blocks in flight per warp instead of one (session 8) raised the
 eligible warps but not that rate, and ran 0-3 % slower. What was tried and measured slower, with
@@ -223,7 +224,7 @@ def _grpo_rows_kernel(
     GROUP: tl.constexpr,        # pass-1 reduction: 0 block-wide, 1 per lane, >= 2 per group of columns
     STAGES: tl.constexpr,       # pass 1: > 0 software-pipelined loads (STAGES - 1 blocks in flight); 0 register prefetch
     STAGES2: tl.constexpr,      # the same for pass 2
-    EVICT_PASS1: tl.constexpr,  # L2 hints: keep pass-1 reads for pass 2, then let them and the writes go
+    EVICT_PASS1: tl.constexpr,  # L2 hints of pass 1's loads (evict_last: keep the row for pass 2) and of pass 2's
     EVICT_PASS2: tl.constexpr,
     PASS1_REFMAX: tl.constexpr,  # pass 1 against the first block's max (fallback: online), else online
 ):
@@ -312,12 +313,14 @@ def default_config(vocab: int, device: torch.device) -> dict:
     """Launch parameters, tuned on an H200 at V=152064 bf16 (`--sweep` of the kernel benchmark).
     `stages` is pass 1's pipeline depth (0: register prefetch, one block ahead); `stages_pass2`
     pass 2's (None: the same); `pass1` "refmax" or "online" (the running max, also refmax's
-    fallback); `num_programs` (not a default) fixes the grid, for tests. Session 7: 32 warps with
+    fallback); `evict_pass1` / `evict_pass2` the L2 hints of each pass's loads (and pass 2's
+    stores); `num_programs` (not a default) fixes the grid, for tests. Session 7: 32 warps with
     register prefetch in both passes was the fastest row in three of four sweeps on two machines
-    (3.14-3.21 ms in place against 3.38-3.55 for 16 warps and 4 pipeline stages; profiles/kernel.md)."""
+    (3.14-3.21 ms in place against 3.38-3.55 for 16 warps and 4 pipeline stages). Session 8: no
+    hint in pass 2 (was evict_first) ran 3-4 % faster in 7 of 7 interleaved pairs (profiles/kernel.md)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": None,
-           "evict_pass1": "evict_last", "evict_pass2": "evict_first", "pass1": "refmax"}
+           "evict_pass1": "evict_last", "evict_pass2": "", "pass1": "refmax"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
