@@ -160,10 +160,10 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"learner.max_policy_lag={cfg.learner.max_policy_lag} must be >= 0")
     if r.oversample_groups < 0:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} must be >= 0")
-    if r.oversample_groups > 0 and cfg.learner.max_policy_lag < 1:
-        raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 1: "
-                          "a group carried over to the next batch is trained one step later, so with lag 0 "
-                          "every carried group would be dropped as stale")
+    if r.oversample_groups > 0 and cfg.learner.max_policy_lag < 2:
+        raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
+                          "a group carried over to the next batch is trained a step later, so batches start one "
+                          "version fresher than the budget (lag 1 would make rollouts wait for every learner step)")
     if cfg.learner.num_steps < 1:
         raise ConfigError("learner.num_steps must be >= 1")
     if cfg.loss.eps_low < 0 or cfg.loss.eps_high < 0 or cfg.loss.beta < 0:
@@ -198,7 +198,7 @@ def sampling_lag(cfg: Config) -> int:
     fresher than the budget (lag - 1): groups trained with their own batch are lag - 1 behind,
     groups carried over one batch exactly lag, and only those carried twice are dropped."""
     lag = cfg.learner.max_policy_lag
-    return max(lag - 1, 0) if cfg.rollout.oversample_groups > 0 else lag
+    return lag - 1 if cfg.rollout.oversample_groups > 0 else lag  # validate: lag >= 2 then
 
 
 def to_dict(cfg: Config) -> dict:

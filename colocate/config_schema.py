@@ -125,7 +125,7 @@ class RolloutConfig:
     oversample_groups: int = 0
     """Extra groups kept in play per inference rank; a batch ships as soon as enough groups finish,
     stragglers join a later batch (0 = every batch plays exactly its own groups). Needs
-    learner.max_policy_lag >= 1: a batch then starts on a version one fresher than the budget
+    learner.max_policy_lag >= 2: a batch then starts on a version one fresher than the budget
     allows, so a group carried over one batch is trained exactly at the budget (one carried twice
     is dropped as stale and counted)."""
     stream: bool = False

@@ -5,14 +5,14 @@ adapter sender that fits the engine) -> the role loop of this rank (`rollout/loo
 `learner/loop.py`).
 
 Step protocol (deterministic, so no rank ever waits on a message that will not come):
-  * inference rank, batch k = 0..S-1: receive adapters until its version >= k - max_policy_lag,
+  * inference rank, batch k = 0..S-1: receive adapters until its version >= k - sampling lag (below),
     play its share of groups, send one shard of the batch to every learner (a sender thread);
     at the end it receives the remaining versions up to S, so it finishes on the final adapter.
   * learner, step s = 0..S-1: receive one shard from every inference rank, train, and learner
     rank 0 broadcasts version s + 1 on the sync group.
 With max_policy_lag = L, batch k is sampled with version max(0, k - L) and trained at step k, so
 rollouts of batch k + 1 .. k + L overlap the learner's step k; L = 0 is synchronous. With
-oversampled groups (rollout.oversample_groups > 0, L >= 1) batch k is sampled with version
+oversampled groups (rollout.oversample_groups > 0, L >= 2) batch k is sampled with version
 max(0, k - L + 1): a group carried over to batch k + 1 is then trained exactly L steps after its
 version (`config.sampling_lag`).
 

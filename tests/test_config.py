@@ -67,15 +67,16 @@ def test_choice_and_range_fields_are_checked():
         load_config(None, {"sync": {"fanout": "ring"}})
     with pytest.raises(ConfigError, match=r"engine.jump_forward=-1 must be >= 0"):
         load_config(None, {"engine": {"jump_forward": -1}})
-    with pytest.raises(ConfigError, match=r"rollout.oversample_groups=4 needs learner.max_policy_lag >= 1"):
-        load_config(None, {"rollout": {"oversample_groups": 4}})
+    for lag in (0, 1):  # lag 1 would leave the batches no overlap with training
+        with pytest.raises(ConfigError, match=r"rollout.oversample_groups=4 needs learner.max_policy_lag >= 2"):
+            load_config(None, {"rollout": {"oversample_groups": 4}, "learner": {"max_policy_lag": lag}})
 
 
 def test_oversampled_batches_start_one_version_fresher():
     from colocate.config import sampling_lag
     assert sampling_lag(load_config(None, {"learner": {"max_policy_lag": 2}})) == 2
     assert sampling_lag(load_config(None, {"learner": {"max_policy_lag": 2}, "rollout": {"oversample_groups": 4}})) == 1
-    assert sampling_lag(load_config(None, {"learner": {"max_policy_lag": 1}, "rollout": {"oversample_groups": 1}})) == 0
+    assert sampling_lag(load_config(None, {"learner": {"max_policy_lag": 3}, "rollout": {"oversample_groups": 1}})) == 2
 
 
 def test_world_of_one_does_not_fit():

@@ -102,6 +102,18 @@ def test_forced_eos_detection():
     assert not completion_is_forced_eos(c, [7, 8, 9, 10, 11, EOS])  # already ended
 
 
+def test_replay_says_eos_is_forced_as_the_reference_does():
+    c, rng = prefix_constraint(), random.Random(1)
+    for _ in range(50):
+        ids = random_walk(c, rng)
+        for cut in range(len(ids) + 1):  # every prefix, as vLLM may report it (without the EOS)
+            replay = replay_allowed(c, ids[:cut])
+            assert replay.only_eos_next == (not replay.is_done and completion_is_forced_eos(c, ids[:cut]))
+    assert replay_allowed(c, [7, 8, 9, 10, 11]).only_eos_next
+    assert not replay_allowed(c, [7, 8, 9]).only_eos_next
+    assert not replay_allowed(c, [7, 9]).only_eos_next  # an invalid walk
+
+
 # ------------------------------------------------------------------------------- llguidance
 
 def llg_allowed(matcher, bitmask, vocab: int) -> list[int]:

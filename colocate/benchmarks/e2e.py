@@ -19,7 +19,7 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
                     a rank waited for an adapter version (`wait_version_s`) or for its sends
   queue_batches_*   batches the inference ranks had finished and the learners not yet trained, at the
                     window's start and end (mean over ranks). Equal in a steady state; a drop means the
-                    window drained a backlog built before it (with lag >= 2 the inference ranks can run
+                    window drained a backlog built before it (with `config.sampling_lag` >= 2 the inference ranks can run
                     ahead during warm-up), and seconds_per_step is then faster than the steady state.
 CPU smoke: python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
 GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
@@ -41,7 +41,8 @@ def add_args(parser) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2, help="steps of each job left out of the figures")
     parser.add_argument("--lag", type=int, default=None,
-                        help="max_policy_lag of the async jobs (default: the config's, which must be >= 1)")
+                        help="max_policy_lag of the async jobs (default: the config's; the GPU presets oversample, "
+                             "which needs >= 2)")
     parser.add_argument("--order", default="async,sync",
                         help="which jobs run, in this order: async, sync, each optionally -stream or -barrier "
                              "(rollout.stream on / off; plain: the config's), then any +VARIANT (see --variant), "

@@ -28,7 +28,7 @@ import torch
 
 from colocate.data import Completion, Request
 from colocate.engine.model_dir import ensure_model_dir
-from colocate.engine.vllm_grammar import (completion_is_forced_eos, constraint_grammar, replay_allowed,
+from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
@@ -192,7 +192,7 @@ def completion_from_output(output, request: Request, version: int, eos_id: int) 
             # A text grammar sampled a tokenization outside the trie (measurement mode only): from
             # there each sampled id stands alone, so the batch still packs (not fit for training).
             allowed = allowed + [[t] for t in ids[len(allowed):]]
-        elif reason == "stop" and not replay.is_done and completion_is_forced_eos(c, ids):
+        elif reason == "stop" and replay.only_eos_next:
             ids.append(eos_id)           # vLLM ended on the grammar without reporting the forced EOS:
             logprobs.append(0.0)         # it was the only allowed token, log-prob 0
             allowed.append([eos_id])

@@ -153,7 +153,7 @@ class AdapterSender:
     def wait_sent(self) -> float:
         """Block until every engine has received the last version; seconds spent. Until then the
         learner's next kernels would queue behind the sends, and its step would seem to train
-        while it waits for an engine that asks for the version late (lag budget > 1)."""
+        while it waits for an engine that asks for the version late (`config.sampling_lag` > 1)."""
         t0 = time.perf_counter()
         synchronize(self.device)  # the current stream already waits for the side streams
         return time.perf_counter() - t0

@@ -87,7 +87,8 @@ class ArithmeticEnv:
         return out
 
     def state_dict(self) -> dict:
-        """JSON-able state for checkpoints (between batches nothing is pending)."""
+        """JSON-able state for checkpoints: the sampler only (between batches nothing is pending,
+        except oversampled groups still in play, which a resumed run starts afresh)."""
         version, internal, gauss = self.rng.getstate()
         return {"rng": [version, list(internal), gauss]}
 
