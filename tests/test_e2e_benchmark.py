@@ -77,3 +77,10 @@ def test_job_settings_with_variants():
     for bad_spec in ("nocolon", "name:", "name:novalue"):
         with pytest.raises(SystemExit):
             parse_variants([bad_spec])
+
+
+def test_repeated_jobs_get_their_own_keys():
+    from colocate.benchmarks.e2e import job_keys
+    assert job_keys("async-stream, async-stream+os8,async-stream+os8,async-stream,") == [
+        ("async-stream", "async-stream"), ("async-stream+os8", "async-stream+os8"),
+        ("async-stream+os8#2", "async-stream+os8"), ("async-stream#2", "async-stream")]

@@ -46,7 +46,8 @@ def add_args(parser) -> None:
     parser.add_argument("--order", default="async,sync",
                         help="which jobs run, in this order: async, sync, each optionally -stream or -barrier "
                              "(rollout.stream on / off; plain: the config's), then any +VARIANT (see --variant), "
-                             "e.g. async-stream,async-stream+nocheck")
+                             "e.g. async-stream,async-stream+nocheck; a job may repeat (A,B,B,A: its later "
+                             "runs are keyed JOB#2, ...)")
     parser.add_argument("--job-timeout-s", type=float, default=3600.0, help="a job running longer is killed")
     parser.add_argument("--partial", default="", help="also write the record here after each job")
     parser.add_argument("--set", nargs="*", default=[],
@@ -177,16 +178,29 @@ def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:
     return {f"rollout_{k}": sum(b.get(k, 0.0) for b in picked) / len(picked) for k in keys}
 
 
+def job_keys(order: str) -> list[tuple[str, str]]:
+    """--order -> [(record key, job)]: a job named again (to alternate A, B, B, A against drift
+    within a machine) gets '#2', '#3', ... in its key, so no run overwrites another."""
+    seen: dict[str, int] = {}
+    out = []
+    for job in (j.strip() for j in order.split(",")):
+        if job:
+            seen[job] = seen.get(job, 0) + 1
+            out.append((job if seen[job] == 1 else f"{job}#{seen[job]}", job))
+    return out
+
+
 def run(args) -> dict:
     root = tempfile.mkdtemp(prefix="colocate-e2e-")
-    jobs = [j.strip() for j in args.order.split(",") if j.strip()]
+    keyed = job_keys(args.order)
+    jobs = [key for key, _ in keyed]
     variants = parse_variants(args.variant)
-    settings = {job: job_settings(job, args.lag, args.stream_set, variants) for job in jobs}
+    settings = {key: job_settings(job, args.lag, args.stream_set, variants) for key, job in keyed}
     record: dict = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
                     "lag": args.lag, "runs": {}}
     for job in jobs:
         lag, extra = settings[job]
-        run_dir = os.path.join(root, job.replace("+", "_"))
+        run_dir = os.path.join(root, job.replace("+", "_").replace("#", "_"))
         record["runs"][job] = {**run_job(args, lag, run_dir, extra), "settings": extra}
         print(f"[e2e] {job}: " + json.dumps(record["runs"][job]), flush=True)
         if args.partial:
