@@ -198,7 +198,7 @@ def sampling_lag(cfg: Config) -> int:
     fresher than the budget (lag - 1): groups trained with their own batch are lag - 1 behind,
     groups carried over one batch exactly lag, and only those carried twice are dropped."""
     lag = cfg.learner.max_policy_lag
-    return lag - 1 if cfg.rollout.oversample_groups > 0 else lag  # validate: lag >= 2 then
+    return lag - 1 if cfg.rollout.oversample_groups > 0 else lag  # `validate` keeps lag >= 2 there
 
 
 def to_dict(cfg: Config) -> dict:

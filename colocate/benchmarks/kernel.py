@@ -218,8 +218,8 @@ def sweep_configs():
     streams at 65-67 % of peak DRAM bandwidth. Measured slower: fewer programs than SMs (0.75 per
     SM: +20 %), 2-4 programs per row exchanging partial sums (+14-48 %, commit 26f7670 has it),
     blocks of 32768 (+76-89 %), two blocks prefetched in registers (0-3 % at 32 warps, +60 % at 16;
-    commit 26d45d4 has it). (Staggered, flat and whole-row split schedules
-    were swept too, all slower: profiles/kernel.md.)
+    commit 26d45d4 has it). (Staggered, flat and whole-row split schedules were swept too, all
+    slower: profiles/kernel.md.)
     """
     base = {"block_v": 16384, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": 0,
             "pass1": "refmax"}
