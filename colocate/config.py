@@ -46,7 +46,8 @@ _CHOICES = {
 }
 
 
-def _nearest(key: str, valid: list[str]) -> str:
+def nearest_key(key: str, valid: list[str]) -> str:
+    """The valid key closest to a misspelt one (config keys; the loss kernel's launch keys)."""
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
     return match[0] if match else valid[0]
 
@@ -78,7 +79,7 @@ def _merge(section: Any, values: dict, path: str) -> None:
         where = f"{path}.{key}" if path else key
         if key not in names:
             raise ConfigError(f"unknown config key '{where}'; did you mean "
-                              f"'{(path + '.') if path else ''}{_nearest(key, names)}'?")
+                              f"'{(path + '.') if path else ''}{nearest_key(key, names)}'?")
         current = getattr(section, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):

@@ -19,8 +19,9 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
                     a rank waited for an adapter version (`wait_version_s`) or for its sends
   queue_batches_*   batches the inference ranks had finished and the learners not yet trained, at the
                     window's start and end (mean over ranks). Equal in a steady state; a drop means the
-                    window drained a backlog built before it (with `config.sampling_lag` >= 2 the inference ranks can run
-                    ahead during warm-up), and seconds_per_step is then faster than the steady state.
+                    window drained a backlog built before it (with `config.sampling_lag` >= 2 the
+                    inference ranks can run ahead during warm-up), and seconds_per_step is then faster
+                    than the steady state.
 CPU smoke: python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
 GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
     --steps 6 --warmup 2 --partial $OUT/e2e-partial.json

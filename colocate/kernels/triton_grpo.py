@@ -33,7 +33,6 @@ non-negative; rows with weight 0 read nothing and get a zero gradient.
 """
 from __future__ import annotations
 
-import difflib
 import math
 
 import torch
@@ -356,9 +355,10 @@ def grpo_rows(
     cfg = default_config(vocab, logits.device)
     unknown = sorted(set(config or {}) - set(cfg) - {"num_programs"})
     if unknown:  # a misspelt key would otherwise be ignored silently
-        near = difflib.get_close_matches(unknown[0], [*cfg, "num_programs"], n=1)
-        raise ValueError(f"grpo kernel config: unknown key {unknown[0]!r}"
-                         + (f" (did you mean {near[0]!r}?)" if near else "") + f"; keys: {', '.join(cfg)}")
+        from colocate.config import nearest_key
+        near = nearest_key(unknown[0], [*cfg, "num_programs"])
+        raise ValueError(f"grpo kernel config: unknown key {unknown[0]!r} (did you mean {near!r}?); "
+                         f"keys: {', '.join(cfg)}")
     cfg.update(config or {})
     cfg["block_v"] = min(cfg["block_v"], triton.next_power_of_2(vocab))
     if cfg["group"] > cfg["block_v"] // 2:  # tiny vocabularies (restricted ids): block-wide reduction

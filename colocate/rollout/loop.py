@@ -2,9 +2,9 @@
 
 Protocol (deterministic, so no rank waits on a message that will not come): for batch k = 0..S-1,
 receive adapters until the engine's version >= k - lag (`config.sampling_lag`: max_policy_lag, or
-one less with oversampled groups, which may be trained a step after their batch), play this rank's share of
-groups, send one shard of the batch to every learner (from a sender thread); at the end receive
-the remaining versions up to S. Adapter headers carry run-control flags: FLAG_CHECKPOINT (send this
+one less with oversampled groups, which may be trained a step after their batch), play this
+rank's share of groups, send one shard of the batch to every learner (from a sender thread); at
+the end receive the remaining versions up to S. Adapter headers carry run-control flags: FLAG_CHECKPOINT (send this
 rank's sampler/env state to learner rank 0) and FLAG_STOP (a signal was seen somewhere: stop).
 The engine and env are built by the composition root (`train.py`); nothing here knows which
 engine it drives, beyond an optional `receive_lora` that lets vLLM take the broadcast in its worker.
