@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from colocate.kernels.triton_grpo_resident import launch_resident
+
 __all__ = ["grpo_loss_triton", "default_config"]
 
 # Columns of the per-row output buffer [N, 5] (summed on the host side of the kernel).
@@ -319,7 +321,7 @@ def default_config(vocab: int, device: torch.device) -> dict:
     hint in pass 2 (was evict_first) ran 3-4 % faster in 7 of 7 interleaved pairs (profiles/kernel.md)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": None,
-           "evict_pass1": "evict_last", "evict_pass2": "", "pass1": "refmax"}
+           "evict_pass1": "evict_last", "evict_pass2": "", "pass1": "refmax", "schedule": "rows", "chunk": 16384}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
@@ -372,6 +374,13 @@ def grpo_rows(
     row_out = torch.empty(num_rows, _NUM_ROW_OUTPUTS, device=logits.device, **f32)
     if num_rows == 0:
         return row_out
+    if cfg["schedule"] == "resident" and grad is not None:  # each row held in registers by several programs
+        launch_resident(logits, targets.contiguous(), weights, behaviour_logprobs, advantages, ref, has_kl, grad,
+                        row_out, log2e_over_t=math.log2(math.e) / temperature, inv_t=1.0 / temperature,
+                        eps_low=eps_low, eps_high=eps_high, beta=beta, cfg=cfg)
+        return row_out
+    if cfg["schedule"] not in ("rows", "resident"):
+        raise ValueError(f"grpo kernel config: schedule must be 'rows' or 'resident', got {cfg['schedule']!r}")
     num_programs = _num_programs(num_rows, logits.device, cfg)
     _grpo_rows_kernel[(num_programs,)](
         logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour_logprobs,
