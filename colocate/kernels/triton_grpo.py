@@ -25,7 +25,7 @@ same bytes takes 2.35-2.41 ms. The kernel moves about the ideal bytes but stream
 of peak DRAM bandwidth; two blocks in flight per warp instead of one (session 8) raised the
 eligible warps but not that rate, and ran 0-3 % slower. What was tried and measured slower, with
 the commits that hold it (overlapped passes, split rows, fewer rows in flight, the coefficient in
-the exponent, two blocks prefetched): profiles/kernel.md.
+the exponent, two blocks prefetched, rows held in registers across programs): profiles/kernel.md.
 
 Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
 clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters). Weights must be
@@ -38,8 +38,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from colocate.kernels.triton_grpo_resident import launch_resident
 
 __all__ = ["grpo_loss_triton", "default_config"]
 
@@ -321,7 +319,7 @@ def default_config(vocab: int, device: torch.device) -> dict:
     hint in pass 2 (was evict_first) ran 3-4 % faster in 7 of 7 interleaved pairs (profiles/kernel.md)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": None,
-           "evict_pass1": "evict_last", "evict_pass2": "", "pass1": "refmax", "schedule": "rows", "chunk": 16384}
+           "evict_pass1": "evict_last", "evict_pass2": "", "pass1": "refmax"}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
@@ -374,13 +372,6 @@ def grpo_rows(
     row_out = torch.empty(num_rows, _NUM_ROW_OUTPUTS, device=logits.device, **f32)
     if num_rows == 0:
         return row_out
-    if cfg["schedule"] == "resident" and grad is not None:  # each row held in registers by several programs
-        launch_resident(logits, targets.contiguous(), weights, behaviour_logprobs, advantages, ref, has_kl, grad,
-                        row_out, log2e_over_t=math.log2(math.e) / temperature, inv_t=1.0 / temperature,
-                        eps_low=eps_low, eps_high=eps_high, beta=beta, cfg=cfg)
-        return row_out
-    if cfg["schedule"] not in ("rows", "resident"):
-        raise ValueError(f"grpo kernel config: schedule must be 'rows' or 'resident', got {cfg['schedule']!r}")
     num_programs = _num_programs(num_rows, logits.device, cfg)
     _grpo_rows_kernel[(num_programs,)](
         logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour_logprobs,
