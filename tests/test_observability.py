@@ -115,3 +115,40 @@ def test_nonfinite_loss_skips_the_update_then_stops_after_k(tmp_path):
     acc.Reload()
     skipped = {e.step: e.value for e in acc.Scalars("learner/skipped_update")}
     assert skipped[0] == skipped[1] == 0.0 and skipped[2] == skipped[3] == 1.0, skipped
+
+
+def test_kernel_summary_counts_overlapping_streams_once_and_sorts_families():
+    from colocate.benchmarks.common import kernel_family, kernel_summary
+    kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32", 0.0, 10.0),          # compute stream
+               ("ncclDevKernel_AllGather_RING_LL", 5.0, 20.0),           # overlaps it on another stream
+               ("pytorch_flash::flash_fwd_kernel", 30.0, 35.0),
+               ("triton_poi_fused_add_mul_0", 40.0, 42.0),
+               ("_grpo_rows_kernel", 50.0, 55.0),
+               ("void at::native::vectorized_elementwise_kernel", 60.0, 61.0)]
+    s = kernel_summary(kernels, wall_us=100.0, top=3)
+    assert s["gpu_busy_ms"] == pytest.approx((20 + 5 + 2 + 5 + 1) / 1e3)  # [0, 20) once, not 10 + 15
+    assert s["gpu_idle_fraction"] == pytest.approx(1 - 33 / 100)
+    assert s["family_ms"] == pytest.approx({"nccl": 0.015, "gemm": 0.010, "attention": 0.005, "grpo_loss": 0.005,
+                                            "inductor_triton": 0.002, "other": 0.001})
+    assert list(s["family_ms"])[:2] == ["nccl", "gemm"]
+    assert [n for n, _ in s["top_kernels_ms"]] == ["ncclDevKernel_AllGather_RING_LL", "sm90_xmma_gemm_bf16bf16_bf16f32",
+                                                   "pytorch_flash::flash_fwd_kernel"]
+    assert kernel_family("nvjet_hsh_256x128_2cta") == "gemm"
+    assert kernel_summary([], wall_us=50.0)["gpu_idle_fraction"] == 1.0
+
+
+@pytest.mark.slow
+def test_trainer_profile_traces_a_variant_step(tmp_path):
+    """The trainer benchmark's --trace-variant: one more profiled step, its summary and Chrome trace."""
+    import gzip
+    out = tmp_path / "trainer.json"
+    cmd = [sys.executable, "scripts/benchmark.py", "--profile", "trainer", "--quick", "--budgets", "256",
+           "--sdpa-budget", "0", "--ac-budget", "0", "--trace-variant", "packed-256", "--trace-dir", str(tmp_path),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = json.loads(out.read_text())["traces"]["packed-256"]
+    assert trace["wall_ms"] > 0 and trace["median_step_ms"] > 0
+    assert trace["num_kernels"] == 0 and trace["gpu_idle_fraction"] == 1.0  # CPU: no GPU kernels to count
+    with gzip.open(tmp_path / "trace-packed-256-rank0.json.gz", "rt") as f:
+        assert "traceEvents" in json.load(f)

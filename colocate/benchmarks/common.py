@@ -45,3 +45,53 @@ def print_table(record: dict) -> None:
     width = max((len(r[1]) for r in rows), default=10)
     for section, k, v in rows:
         print(f"{section:9s} {k:{width}s} {v}")
+
+
+# Kernel-name families for `kernel_summary`, first match wins (NCCL before GEMM: some NCCL kernels
+# mention "reduce"; our loss kernels before inductor's generic "triton_" names).
+KERNEL_FAMILIES = (
+    ("nccl", ("nccl",)),
+    ("grpo_loss", ("_grpo_rows_kernel", "_scale_rows_kernel", "_fused_head")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "matmul", "splitk")),
+    ("inductor_triton", ("triton_",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    for family, needles in KERNEL_FAMILIES:
+        if any(n in low for n in needles):
+            return family
+    return "other"  # elementwise, reductions, copies, memsets, optimizer
+
+
+def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top: int = 15) -> dict:
+    """GPU kernels of one timed region -> where its time went.
+
+    kernels: (name, start_us, end_us) of every GPU kernel (all streams). Returns the wall time, the
+    time at least one kernel ran (the union of the intervals: overlapping streams counted once),
+    what is left idle (host-bound gaps, waits), per-family kernel time (summed: overlapping streams
+    count twice there) and the `top` kernel names by summed time."""
+    spans = sorted((s, e) for _, s, e in kernels if e > s)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:  # union of [s, e) intervals
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    families: dict[str, float] = {}
+    names: dict[str, float] = {}
+    for name, s, e in kernels:
+        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + max(e - s, 0.0)
+        names[name] = names.get(name, 0.0) + max(e - s, 0.0)
+    top_names = sorted(names.items(), key=lambda kv: -kv[1])[:top]
+    return {"wall_ms": wall_us / 1e3, "gpu_busy_ms": busy / 1e3,
+            "gpu_idle_fraction": max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else 0.0,
+            "num_kernels": len(kernels),
+            "family_ms": {k: v / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [[n[:160], t / 1e3] for n, t in top_names]}

@@ -69,6 +69,12 @@ def add_args(parser) -> None:
     parser.add_argument("--time-limit-s", type=float, default=330.0,
                         help="no new variant starts after this many seconds (the rest are reported as skipped)")
     parser.add_argument("--partial", default="", help="also write the record here after every variant")
+    parser.add_argument("--trace-variant", default="",
+                        help="after timing these variants (comma separated, e.g. packed-16384,compiled-16384), one "
+                             "more step each under torch.profiler: rank 0's GPU time by kernel family and its idle "
+                             "gaps go in the record under 'traces'")
+    parser.add_argument("--trace-dir", default="",
+                        help="also write those steps' Chrome traces here (trace-<variant>-rank0.json.gz)")
 
 
 def run(args) -> dict:
@@ -266,6 +272,14 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
                 continue
             result.update(name=f"{kind}-{budget}" if budget else kind, build_s=build_s)
             record["variants"].append(result)
+            if result["name"] in (args.get("trace_variant") or "").split(","):  # every rank steps (FSDP)
+                out = ""
+                if rank == 0 and args.get("trace_dir"):
+                    os.makedirs(args["trace_dir"], exist_ok=True)
+                    out = os.path.join(args["trace_dir"], f"trace-{result['name']}-rank0.json.gz")
+                trace = {"median_step_ms": result["step_s"] * 1e3, **_trace_step(learner, batch, device, out)}
+                record.setdefault("traces", {})[result["name"]] = trace
+                _log0(rank, f"trace of {result['name']}: {json.dumps(trace)[:600]}")
             _log0(rank, f"{result['name']}: {result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
                         f"step {result['step_s']:.2f}s, peak {max(result['peak_gb']):.1f} GB")
             save_partial()
@@ -382,6 +396,37 @@ def _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, de
             "mfu": flops / (step_s * world * PEAK_FLOPS), "tflops_per_gpu": flops / step_s / world / 1e12,
             "micro_batches_per_rank": micro, "peak_gb": [float(p[0]) for p in peaks],
             "reserved_gb": [float(p[1]) for p in peaks], "loss": out["loss"], "grad_norm": out["grad_norm"]}
+
+
+def _trace_step(learner, batch, device, trace_out: str) -> dict:
+    """One learner step under torch.profiler (GPU kernels only, to keep its host overhead small):
+    where the step's GPU time goes (`common.kernel_summary`). The step runs as timed before it;
+    `trace_out` (.json.gz or .json, "" for none) gets the Chrome trace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    from colocate.benchmarks.common import kernel_summary
+    cuda = device.type == "cuda"
+    batch.versions[:] = learner.version
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        learner.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA]
+    if trace_out:
+        import gzip
+        import shutil
+        raw = trace_out[:-3] if trace_out.endswith(".gz") else trace_out
+        prof.export_chrome_trace(raw)
+        if trace_out.endswith(".gz"):
+            with open(raw, "rb") as src, gzip.open(trace_out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(raw)
+    return kernel_summary(kernels, wall_us)
 
 
 @torch.no_grad()
