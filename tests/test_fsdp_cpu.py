@@ -81,8 +81,9 @@ def _single_rank(cache_dir: str, extra: dict):
 
 
 def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):
-    """Plain, and with activation checkpointing (the wrapper must not leak into the names)."""
-    variants = [{}, {"activation_checkpointing": True}]
+    """Plain, with activation checkpointing (the wrapper must not leak into the names), and with the
+    blocks kept gathered from forward to backward (`reshard_after_forward: false`)."""
+    variants = [{}, {"activation_checkpointing": True}, {"reshard_after_forward": False}]
     cache = tiny_cfg.model.cache_dir  # the session's tokenizer, already built
     result = str(tmp_path / "result.pt")
     references = [_single_rank(cache, extra) for extra in variants]
@@ -110,3 +111,40 @@ def test_gathered_adapter_names_match_unsharded_lora_state(tiny_cfg, tiny_tokeni
     assert list(gathered) == list(plain)
     for n in plain:
         assert torch.equal(gathered[n], plain[n])
+
+
+class _Stack(torch.nn.Module):
+    """The layout `fsdp.decoder_layers` expects (model.model.layers), three linear "blocks"."""
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = layer(x)
+        return x
+
+
+def _reshard_worker(rank, port, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from colocate.learner.fsdp import apply_fsdp
+    gathered = {}
+    for keep in (False, True):
+        model = _Stack()
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), reshard_after_forward=not keep)
+        model(torch.randn(2, 4)).sum()  # forward only: what stays gathered until backward
+        gathered[str(keep)] = [not isinstance(layer.weight, DTensor) for layer in model.model.layers]
+    torch.save(gathered, result_path)
+    dist.destroy_process_group()
+
+
+def test_reshard_after_forward_false_keeps_every_block_gathered_until_backward(tmp_path):
+    result = str(tmp_path / "gathered.pt")
+    mp.start_processes(_reshard_worker, args=(free_port(), result), nprocs=1, join=True, start_method="fork")
+    gathered = torch.load(result)
+    assert gathered["False"] == [False, False, True]  # default: only the last block (backward starts there)
+    assert gathered["True"] == [True, True, True]

@@ -139,15 +139,20 @@ def test_kernel_summary_counts_overlapping_streams_once_and_sorts_families():
 
 @pytest.mark.slow
 def test_trainer_profile_traces_a_variant_step(tmp_path):
-    """The trainer benchmark's --trace-variant: one more profiled step, its summary and Chrome trace."""
+    """The trainer benchmark's --trace-variant (one more profiled step, its summary and Chrome trace),
+    and its gathered variant (learner.reshard_after_forward=false)."""
     import gzip
     out = tmp_path / "trainer.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--profile", "trainer", "--quick", "--budgets", "256",
-           "--sdpa-budget", "0", "--ac-budget", "0", "--trace-variant", "packed-256", "--trace-dir", str(tmp_path),
-           "--out", str(out)]
+           "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256", "--trace-variant", "packed-256",
+           "--trace-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    trace = json.loads(out.read_text())["traces"]["packed-256"]
+    record = json.loads(out.read_text())
+    # Its correctness (two ranks equal one) is tests/test_fsdp_cpu.py's; here: it runs and is reported.
+    assert record["figures"]["gathered-256_tokens_per_s"] > 0
+    assert [v["name"] for v in record["variants"]] == ["padded", "packed-256", "gathered-256"]
+    trace = record["traces"]["packed-256"]
     assert trace["wall_ms"] > 0 and trace["median_step_ms"] > 0
     assert trace["num_kernels"] == 0 and trace["gpu_idle_fraction"] == 1.0  # CPU: no GPU kernels to count
     with gzip.open(tmp_path / "trace-packed-256-rank0.json.gz", "rt") as f:

@@ -56,18 +56,19 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = None) -> list[nn.Module]:
+               reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> list[nn.Module]:
     """FSDP2 per decoder block, then the root; returns the FSDP modules (root last).
 
     `param_dtype`/`reduce_dtype`: compute and gradient-reduction dtypes (bf16 / fp32 on GPU; None keeps
     the stored dtype, e.g. fp32 on CPU). The root stays gathered between forward and backward (FSDP2's
-    default for the root); the last block too, since backward starts with it."""
+    default for the root); the last block too, since backward starts with it; every block when
+    `reshard_after_forward` is False (`learner.reshard_after_forward`: no re-gather in backward)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = decoder_layers(model)
     sharded = []
     for i, layer in enumerate(layers):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
         sharded.append(layer)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     sharded.append(model)
