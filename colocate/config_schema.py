@@ -155,7 +155,8 @@ class LearnerConfig:
     reshard_after_forward: bool = True
     """FSDP2: free each decoder block's gathered weights after its forward and gather them again in
     backward (FSDP2's default). false keeps them from forward to backward: half the all-gathers per
-    micro-batch, for one unsharded copy of the blocks' weights per learner GPU (~15 GB at 7B bf16)."""
+    micro-batch, for one unsharded copy of the blocks' weights per learner GPU (+11.4 GiB at 7B with 2
+    learners), measured 1.02x on 2 x H200 (profiles/trainer.md, run 9)."""
     fsdp: bool = True
     """Shard base model and adapter over the learner ranks with FSDP2 (one learner too: same code path,
     and bf16 compute with fp32 reductions on GPU). False: a full replica per learner, adapter gradients
