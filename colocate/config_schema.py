@@ -225,6 +225,10 @@ class MetricsConfig:
     """Profiler: recorded steps."""
     profile_dir: str = "profiles"
     """Profiler traces go to <profile_dir>/<run name>/ (one trace file per role)."""
+    profile_engine_steps: int = 40
+    """vLLM inference rank 0: engine steps recorded in the engine core's own trace, from the first
+    batch the role profiler records (the engine's GPU work runs in that child process, out of the
+    role profiler's sight); written to <profile_dir>/<run name>/inference-engine/. 0 = none."""
     nvml_interval_s: float = 5.0
     """Seconds between NVML / CPU samples; 0 disables the sampler."""
     stall_timeout_s: float = 600.0

@@ -177,14 +177,73 @@ class NullProfiler:
         pass
 
 
+def profile_out_dir(metrics_cfg) -> str:
+    """<profile_dir>/<run name>: where a run's profiler traces go."""
+    return os.path.join(metrics_cfg.profile_dir, os.path.basename(os.path.normpath(metrics_cfg.run_dir)))
+
+
+def engine_profile_dir(metrics_cfg) -> str:
+    """Where an engine's own trace goes (vLLM's engine core), or "" when none is wanted."""
+    if not (metrics_cfg.profile and metrics_cfg.profile_engine_steps > 0):
+        return ""
+    return os.path.abspath(os.path.join(profile_out_dir(metrics_cfg), "inference-engine"))
+
+
+class EngineProfileWindow:
+    """Starts an engine's own profiler (`engine.start_profile`) over the steps the role profiler
+    records (after profile_wait + profile_warmup steps, for profile_active steps), with the same
+    `.step()` / `.stop()` calls. A no-op for engines without one (`can_profile`: vLLM built with a
+    profile_dir; the HF engine runs in the role's process, where the role profiler sees its kernels)."""
+
+    def __init__(self, metrics_cfg, engine, *, enabled: bool):
+        self.engine = engine if enabled and getattr(engine, "can_profile", False) else None
+        self.first = metrics_cfg.profile_wait + metrics_cfg.profile_warmup
+        self.last = self.first + metrics_cfg.profile_active
+        self.steps, self.running = 0, False
+        self._at(0)
+
+    def _at(self, steps: int) -> None:
+        if self.engine is None:
+            return
+        if steps == self.first and not self.running:
+            self.engine.start_profile()
+            self.running = True
+        elif steps >= self.last:
+            self.stop()
+
+    def step(self) -> None:
+        self.steps += 1
+        self._at(self.steps)
+
+    def stop(self) -> None:
+        if self.running:
+            self.running = False
+            self.engine.stop_profile()
+        self.engine = None
+
+
+class Profilers:
+    """Several profilers driven as one (`.step()`, `.stop()`)."""
+
+    def __init__(self, *profilers):
+        self.profilers = profilers
+
+    def step(self) -> None:
+        for p in self.profilers:
+            p.step()
+
+    def stop(self) -> None:
+        for p in self.profilers:
+            p.stop()
+
+
 def make_profiler(metrics_cfg, role: str, rank: int, *, enabled: bool):
     """A started torch.profiler recording one window of steps, or a no-op. Call `.step()` per step."""
     if not (metrics_cfg.profile and enabled):
         return NullProfiler()
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-    run_name = os.path.basename(os.path.normpath(metrics_cfg.run_dir))
-    out_dir = os.path.join(metrics_cfg.profile_dir, run_name)
+    out_dir = profile_out_dir(metrics_cfg)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     prof = profile(activities=activities,
                    schedule=schedule(wait=metrics_cfg.profile_wait, warmup=metrics_cfg.profile_warmup,

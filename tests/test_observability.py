@@ -157,3 +157,69 @@ def test_trainer_profile_traces_a_variant_step(tmp_path):
     assert trace["num_kernels"] == 0 and trace["gpu_idle_fraction"] == 1.0  # CPU: no GPU kernels to count
     with gzip.open(tmp_path / "trace-packed-256-rank0.json.gz", "rt") as f:
         assert "traceEvents" in json.load(f)
+
+
+def test_summarize_trace_reads_the_gpu_events_of_a_chrome_trace(tmp_path):
+    import gzip
+    from colocate.benchmarks.common import summarize_trace
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},          # host side: ignored
+              {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x160", "ts": 100, "dur": 40},
+              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 120, "dur": 40},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 190, "dur": 10},
+              {"ph": "i", "cat": "kernel", "name": "instant", "ts": 150}]                      # not a span
+    path = tmp_path / "trace.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = summarize_trace(str(path))
+    assert s["num_kernels"] == 3
+    assert s["wall_ms"] == pytest.approx(0.100)            # first GPU start (100) to last GPU end (200)
+    assert s["gpu_busy_ms"] == pytest.approx(0.070)        # [100, 160) + [190, 200)
+    assert s["family_ms"] == pytest.approx({"gemm": 0.04, "nccl": 0.04, "other": 0.01})
+
+
+class _RecordingEngine:
+    can_profile = True
+
+    def __init__(self):
+        self.calls = []
+
+    def start_profile(self):
+        self.calls.append("start")
+
+    def stop_profile(self):
+        self.calls.append("stop")
+
+
+def test_engine_profile_window_follows_the_role_profilers_schedule(tiny_cfg):
+    import dataclasses
+    from colocate.metrics import EngineProfileWindow, Profilers, engine_profile_dir
+    m = dataclasses.replace(tiny_cfg.metrics, profile=True, profile_wait=1, profile_warmup=1, profile_active=2)
+    engine = _RecordingEngine()
+    window = EngineProfileWindow(m, engine, enabled=True)
+    seen = []
+    for _ in range(6):  # the role profiler records steps 3 and 4 (1 wait, 1 warm-up, 2 active)
+        seen.append(list(engine.calls))
+        window.step()
+    assert seen == [[], [], ["start"], ["start"], ["start", "stop"], ["start", "stop"]]
+    window.stop()
+    assert engine.calls == ["start", "stop"]  # stopped once
+    early = _RecordingEngine()
+    Profilers(EngineProfileWindow(m, early, enabled=True)).stop()  # the run ends before the window
+    assert early.calls == []
+    m0 = dataclasses.replace(m, profile_wait=0, profile_warmup=0, profile_active=1)
+    at_once = _RecordingEngine()
+    w = EngineProfileWindow(m0, at_once, enabled=True)
+    assert at_once.calls == ["start"]  # the first batch is recorded
+    w.stop()
+    assert at_once.calls == ["start", "stop"]
+    off = _RecordingEngine()
+    off.can_profile = False  # e.g. vLLM built without a profile_dir, or the HF engine
+    w = EngineProfileWindow(m, off, enabled=True)
+    for _ in range(5):
+        w.step()
+    assert off.calls == []
+    assert engine_profile_dir(m).endswith(os.path.join(os.path.basename(os.path.normpath(m.run_dir)),
+                                                       "inference-engine"))
+    assert os.path.isabs(engine_profile_dir(m))
+    assert engine_profile_dir(dataclasses.replace(m, profile_engine_steps=0)) == ""
+    assert engine_profile_dir(dataclasses.replace(m, profile=False)) == ""

@@ -2,6 +2,7 @@
 
 Each test runs in a subprocess (a vLLM engine core is a child process that re-imports the main
 module; pytest's stays out of it) and checks what that run wrote:
+  * profiled torchrun train: the engine core's own trace (metrics.profile) holds GPU kernels;
   * torchrun train: 1 inference rank with VLLMEngine + 1 learner, Qwen2.5-0.5B shape, arithmetic,
     in both LoRA modes; every adapter version arrives over the stateless NCCL group with a checksum
     and a read-back of the slot or of the merged weights (the engine raises on any mismatch), and
@@ -64,6 +65,24 @@ def test_train_with_vllm_engine_over_torchrun(tmp_path, lora_mode):
     assert sync["sync/version"] == [float(v) for v in range(1, steps + 1)]
     assert sync["sync/checksum_ok"] == [1.0] * steps
     assert all(v > 0 for v in sync["engine/out_tokens_per_s"])
+
+
+def test_profiled_run_writes_the_engine_cores_trace(tmp_path):
+    """metrics.profile with vLLM: the role traces, plus the engine core's own trace (its GPU work
+    runs in that child process) under <profile_dir>/<run>/inference-engine/, with GPU kernels."""
+    import glob
+    from colocate.benchmarks.common import summarize_trace
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "colocate.train",
+         "--config", "configs/cpu-tiny.yaml", "--model.shape=qwen2.5-0.5b", "--model.dtype=bfloat16",
+         f"--model.cache_dir={tmp_path / 'cache'}", "--engine.kind=vllm", "--engine.gpu_memory_utilization=0.5",
+         "--learner.num_steps=3", "--learner.attention=sdpa", f"--metrics.run_dir={tmp_path / 'run'}",
+         "--metrics.profile=true", "--metrics.profile_wait=0", "--metrics.profile_warmup=1",
+         "--metrics.profile_active=1", f"--metrics.profile_dir={tmp_path / 'prof'}"], timeout=420)
+    traces = glob.glob(str(tmp_path / "prof" / "run" / "inference-engine" / "*.json*"))
+    assert traces, os.listdir(tmp_path / "prof" / "run")
+    summary = summarize_trace(traces[0])
+    print(json.dumps(summary))
+    assert summary["num_kernels"] > 0 and summary["family_ms"].get("gemm", 0) > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs (2 engines + 1 learner)")

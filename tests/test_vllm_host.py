@@ -803,3 +803,11 @@ def test_forced_drafts_survive_vllms_mask_pass_on_diplomacy_grammars():
     broken = [not _play_with_drafts(r.constraint, tok, rng, swap=False)[0] for r in requests]
     if any(broken):  # the llguidance bug the copy avoids is still there: it must be what breaks
         assert sum(broken) >= len(requests) // 2
+
+
+def test_profiler_settings_trace_the_engine_core_for_a_bounded_number_of_steps():
+    from colocate.engine.vllm import profiler_settings
+    s = profiler_settings("profiles/run/inference-engine", 40)
+    assert s["profiler"] == "torch" and os.path.isabs(s["torch_profiler_dir"])  # vLLM requires an absolute path
+    assert s["torch_profiler_dir"].endswith(os.path.join("profiles", "run", "inference-engine"))
+    assert s["max_iterations"] == 40 and s["torch_profiler_use_gzip"] and not s["torch_profiler_with_stack"]

@@ -95,3 +95,26 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
             "num_kernels": len(kernels),
             "family_ms": {k: v / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[n[:160], t / 1e3] for n, t in top_names]}
+
+
+GPU_TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_kernels(path: str) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the GPU work in a torch.profiler Chrome trace (.json or .json.gz):
+    the role traces under <profile_dir>/<run>/, vLLM's engine-core traces, `--trace-dir` files."""
+    import gzip
+    import json
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    return [(e.get("name", "?"), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and e.get("cat") in GPU_TRACE_CATEGORIES and "ts" in e]
+
+
+def summarize_trace(path: str, top: int = 15) -> dict:
+    """`kernel_summary` of a trace file over the span of its GPU work (first kernel start to last end)."""
+    kernels = trace_kernels(path)
+    span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) if kernels else 0.0
+    return {"path": path, **kernel_summary(kernels, wall_us=span, top=top)}

@@ -74,6 +74,13 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
                 validate_grammars=cfg.engine.validate_grammars, jump_forward=cfg.engine.jump_forward)
 
 
+def profiler_settings(profile_dir: str, steps: int) -> dict:
+    """vLLM's `profiler_config`: a torch.profiler trace of the engine core's worker (CPU and GPU)
+    between `start_profile` and `stop_profile`, at most `steps` engine steps, gzipped, no stacks."""
+    return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(profile_dir), "torch_profiler_with_stack": False,
+            "torch_profiler_use_gzip": True, "max_iterations": max(0, steps)}
+
+
 # ---------------------------------------------------------------------------------- start-up
 
 def check_engine_args(lora_mode: str, jump_forward: int, async_scheduling: bool | None, max_num_seqs: int,
@@ -211,7 +218,8 @@ class VLLMEngine:
                  enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
                  dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 max_num_batched_tokens: int = 0, validate_grammars: bool = True, jump_forward: int = 0):
+                 max_num_batched_tokens: int = 0, validate_grammars: bool = True, jump_forward: int = 0,
+                 profile_dir: str = "", profile_steps: int = 40):
         check_engine_args(lora_mode, jump_forward, async_scheduling, max_num_seqs, max_num_batched_tokens)
         from vllm import LLM
         if not validate_grammars:
@@ -237,6 +245,9 @@ class VLLMEngine:
             settings = jump_forward_settings(jump_forward, max_num_seqs, max_num_batched_tokens)
             compilation = settings.pop("compilation_config")
             extra.update(settings)
+        self.profile_dir = profile_dir
+        if profile_dir:  # `start_profile` / `stop_profile` then trace the engine core's worker
+            extra["profiler_config"] = profiler_settings(profile_dir, profile_steps)
         lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
             if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
@@ -268,10 +279,26 @@ class VLLMEngine:
         ports = exchange_ports(topo)  # matches learner rank 0's `open_sender`
         _, world, rank = group_membership(cfg.sync.fanout, topo.num_inference, topo.role_rank)
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
+        from colocate.metrics import engine_profile_dir
         engine = cls(model_dir, spec, tokenizer.eos_token_id, local_rank=topo.local_rank,
-                     **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank))
+                     **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank),
+                     profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
+                     profile_steps=cfg.metrics.profile_engine_steps)
         engine.join_sync(HOST, ports[topo.role_rank], world_size=world, rank=rank, timeout_s=join_timeout_s(cfg))
         return engine
+
+    @property
+    def can_profile(self) -> bool:
+        return bool(self.profile_dir)
+
+    def start_profile(self) -> None:
+        """Start the engine core's trace (needs `profile_dir` at construction)."""
+        if not self.profile_dir:
+            raise RuntimeError("VLLMEngine.start_profile: built without profile_dir")
+        self.llm.start_profile()
+
+    def stop_profile(self) -> None:
+        self.llm.stop_profile()  # the worker writes <profile_dir>/*.pt.trace.json.gz
 
     def _make_lora_request(self):
         if self.lora_mode == "merged":

@@ -18,7 +18,8 @@ from torch.profiler import record_function
 
 from colocate.config import Config, sampling_lag
 from colocate.lifecycle import StopSignal
-from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
+from colocate.metrics import (EngineProfileWindow, MetricsWriter, Profilers, make_profiler, role_monitors,
+                              write_json_atomic)
 from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
 from colocate.rollout.transport import TrajectorySender, send_json, shard_batch
 from colocate.rollout.worker import RolloutWorker
@@ -67,6 +68,8 @@ def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | No
 
     with role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo), what="trajectory produced") as role:
         profiler = make_profiler(cfg.metrics, "inference", topo.rank, enabled=topo.role_rank == 0)
+        if cfg.metrics.profile and topo.role_rank == 0:  # vLLM: the engine core traces its own GPU work
+            profiler = Profilers(profiler, EngineProfileWindow(cfg.metrics, engine, enabled=True))
         try:
             rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive,
                          is_stopped=lambda: stopped)
