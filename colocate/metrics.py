@@ -195,8 +195,8 @@ class EngineProfileWindow:
     `.step()` / `.stop()` calls. A no-op for engines without one (`can_profile`: vLLM built with a
     profile_dir; the HF engine runs in the role's process, where the role profiler sees its kernels)."""
 
-    def __init__(self, metrics_cfg, engine, *, enabled: bool):
-        self.engine = engine if enabled and getattr(engine, "can_profile", False) else None
+    def __init__(self, metrics_cfg, engine):
+        self.engine = engine if getattr(engine, "can_profile", False) else None
         self.first = metrics_cfg.profile_wait + metrics_cfg.profile_warmup
         self.last = self.first + metrics_cfg.profile_active
         self.steps, self.running = 0, False

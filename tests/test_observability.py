@@ -195,7 +195,7 @@ def test_engine_profile_window_follows_the_role_profilers_schedule(tiny_cfg):
     from colocate.metrics import EngineProfileWindow, Profilers, engine_profile_dir
     m = dataclasses.replace(tiny_cfg.metrics, profile=True, profile_wait=1, profile_warmup=1, profile_active=2)
     engine = _RecordingEngine()
-    window = EngineProfileWindow(m, engine, enabled=True)
+    window = EngineProfileWindow(m, engine)
     seen = []
     for _ in range(6):  # the role profiler records steps 3 and 4 (1 wait, 1 warm-up, 2 active)
         seen.append(list(engine.calls))
@@ -204,17 +204,17 @@ def test_engine_profile_window_follows_the_role_profilers_schedule(tiny_cfg):
     window.stop()
     assert engine.calls == ["start", "stop"]  # stopped once
     early = _RecordingEngine()
-    Profilers(EngineProfileWindow(m, early, enabled=True)).stop()  # the run ends before the window
+    Profilers(EngineProfileWindow(m, early)).stop()  # the run ends before the window
     assert early.calls == []
     m0 = dataclasses.replace(m, profile_wait=0, profile_warmup=0, profile_active=1)
     at_once = _RecordingEngine()
-    w = EngineProfileWindow(m0, at_once, enabled=True)
+    w = EngineProfileWindow(m0, at_once)
     assert at_once.calls == ["start"]  # the first batch is recorded
     w.stop()
     assert at_once.calls == ["start", "stop"]
     off = _RecordingEngine()
     off.can_profile = False  # e.g. vLLM built without a profile_dir, or the HF engine
-    w = EngineProfileWindow(m, off, enabled=True)
+    w = EngineProfileWindow(m, off)
     for _ in range(5):
         w.step()
     assert off.calls == []
