@@ -233,8 +233,15 @@ class Profilers:
             p.step()
 
     def stop(self) -> None:
+        """Stop them all, even if one fails (the first error is raised after)."""
+        error = None
         for p in self.profilers:
-            p.stop()
+            try:
+                p.stop()
+            except Exception as e:  # noqa: BLE001 - re-raised below, once every profiler had its stop
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def make_profiler(metrics_cfg, role: str, rank: int, *, enabled: bool):

@@ -144,7 +144,7 @@ def test_trainer_profile_traces_a_variant_step(tmp_path):
     import gzip
     out = tmp_path / "trainer.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--profile", "trainer", "--quick", "--budgets", "256",
-           "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256", "--trace-variant", "packed-256",
+           "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256", "--trace-variant", " packed-256,nope",
            "--trace-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -152,6 +152,7 @@ def test_trainer_profile_traces_a_variant_step(tmp_path):
     # Its correctness (two ranks equal one) is tests/test_fsdp_cpu.py's; here: it runs and is reported.
     assert record["figures"]["gathered-256_tokens_per_s"] > 0
     assert [v["name"] for v in record["variants"]] == ["padded", "packed-256", "gathered-256"]
+    assert "trace nope: no variant of that name ran" in record["skipped"]
     trace = record["traces"]["packed-256"]
     assert trace["wall_ms"] > 0 and trace["median_step_ms"] > 0
     assert trace["num_kernels"] == 0 and trace["gpu_idle_fraction"] == 1.0  # CPU: no GPU kernels to count
@@ -175,6 +176,10 @@ def test_summarize_trace_reads_the_gpu_events_of_a_chrome_trace(tmp_path):
     assert s["wall_ms"] == pytest.approx(0.100)            # first GPU start (100) to last GPU end (200)
     assert s["gpu_busy_ms"] == pytest.approx(0.070)        # [100, 160) + [190, 200)
     assert s["family_ms"] == pytest.approx({"gemm": 0.04, "nccl": 0.04, "other": 0.01})
+    host_only = tmp_path / "host.pt.trace.json"  # e.g. a vLLM inference role's own process: no GPU work
+    host_only.write_text(json.dumps({"traceEvents": events[:1]}))
+    s = summarize_trace(str(host_only))
+    assert s["num_kernels"] == 0 and s["gpu_idle_fraction"] is None  # no span: neither busy nor idle
 
 
 class _RecordingEngine:
@@ -190,6 +195,7 @@ class _RecordingEngine:
         self.calls.append("stop")
 
 
+@pytest.mark.filterwarnings("ignore:Profiler won't be using warmup")
 def test_engine_profile_window_follows_the_role_profilers_schedule(tiny_cfg):
     import dataclasses
     from colocate.metrics import EngineProfileWindow, Profilers, engine_profile_dir
@@ -218,6 +224,19 @@ def test_engine_profile_window_follows_the_role_profilers_schedule(tiny_cfg):
     for _ in range(5):
         w.step()
     assert off.calls == []
+    from torch.profiler import ProfilerAction, schedule
+    for wait, warmup, active in [(1, 1, 2), (0, 0, 1), (0, 2, 3), (3, 0, 1), (2, 1, 1)]:
+        cfg = dataclasses.replace(m, profile_wait=wait, profile_warmup=warmup, profile_active=active)
+        role = schedule(wait=wait, warmup=warmup, active=active, repeat=1)
+        recorded = [i for i in range(8) if role(i) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)]
+        eng = _RecordingEngine()
+        w = EngineProfileWindow(cfg, eng)
+        running = []
+        for i in range(8):  # step i runs between the i-th and the (i+1)-th call of step()
+            if eng.calls.count("start") > eng.calls.count("stop"):
+                running.append(i)
+            w.step()
+        assert running == recorded, (wait, warmup, active)
     assert engine_profile_dir(m).endswith(os.path.join(os.path.basename(os.path.normpath(m.run_dir)),
                                                        "inference-engine"))
     assert os.path.isabs(engine_profile_dir(m))

@@ -811,3 +811,6 @@ def test_profiler_settings_trace_the_engine_core_for_a_bounded_number_of_steps()
     assert s["profiler"] == "torch" and os.path.isabs(s["torch_profiler_dir"])  # vLLM requires an absolute path
     assert s["torch_profiler_dir"].endswith(os.path.join("profiles", "run", "inference-engine"))
     assert s["max_iterations"] == 40 and s["torch_profiler_use_gzip"] and not s["torch_profiler_with_stack"]
+    assert not s["torch_profiler_dump_cuda_time_total"]  # no table built mid-batch when the window ends
+    with pytest.raises(ValueError, match=">= 1"):
+        profiler_settings("d", 0)  # vLLM would read 0 as "no limit"

@@ -47,11 +47,11 @@ def print_table(record: dict) -> None:
         print(f"{section:9s} {k:{width}s} {v}")
 
 
-# Kernel-name families for `kernel_summary`, first match wins (NCCL before GEMM: some NCCL kernels
-# mention "reduce"; our loss kernels before inductor's generic "triton_" names).
+# Kernel-name families for `kernel_summary`, first match wins (our loss kernels before inductor's
+# generic "triton_" names).
 KERNEL_FAMILIES = (
     ("nccl", ("nccl",)),
-    ("grpo_loss", ("_grpo_rows_kernel", "_scale_rows_kernel", "_fused_head")),
+    ("grpo_loss", ("_grpo_rows_kernel", "_scale_rows_kernel")),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "matmul", "splitk")),
     ("inductor_triton", ("triton_",)),
@@ -91,7 +91,7 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
         names[name] = names.get(name, 0.0) + max(e - s, 0.0)
     top_names = sorted(names.items(), key=lambda kv: -kv[1])[:top]
     return {"wall_ms": wall_us / 1e3, "gpu_busy_ms": busy / 1e3,
-            "gpu_idle_fraction": max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else 0.0,
+            "gpu_idle_fraction": max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else None,  # None: no span
             "num_kernels": len(kernels),
             "family_ms": {k: v / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[n[:160], t / 1e3] for n, t in top_names]}
@@ -114,7 +114,8 @@ def trace_kernels(path: str) -> list[tuple[str, float, float]]:
 
 
 def summarize_trace(path: str, top: int = 15) -> dict:
-    """`kernel_summary` of a trace file over the span of its GPU work (first kernel start to last end)."""
+    """`kernel_summary` of a trace file over the span of its GPU work (first kernel start to last end);
+    a trace with no GPU work (e.g. a vLLM inference role's own process) has idle fraction None."""
     kernels = trace_kernels(path)
     span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) if kernels else 0.0
     return {"path": path, **kernel_summary(kernels, wall_us=span, top=top)}

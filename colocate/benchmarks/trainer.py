@@ -244,6 +244,7 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
             with open(args["partial"], "w") as f:
                 json.dump(record, f, indent=2)
 
+    trace_names = [n.strip() for n in (args.get("trace_variant") or "").split(",") if n.strip()]
     plans = [(False, [("padded", 0)] + [("packed", b) for b in budgets]
               + ([("sdpa", sdpa_budget)] if sdpa_budget else [])),
              (True, [("ac", ac_budget)] if ac_budget else []),
@@ -279,14 +280,17 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
                 continue
             result.update(name=f"{kind}-{budget}" if budget else kind, build_s=build_s)
             record["variants"].append(result)
-            if result["name"] in (args.get("trace_variant") or "").split(","):  # every rank steps (FSDP)
+            if result["name"] in trace_names:  # one more step, profiled; every rank steps (FSDP)
                 out = ""
                 if rank == 0 and args.get("trace_dir"):
                     os.makedirs(args["trace_dir"], exist_ok=True)
                     out = os.path.join(args["trace_dir"], f"trace-{result['name']}-rank0.json.gz")
-                trace = {"median_step_ms": result["step_s"] * 1e3, **_trace_step(learner, batch, device, out)}
-                record.setdefault("traces", {})[result["name"]] = trace
-                _log0(rank, f"trace of {result['name']}: {json.dumps(trace)[:600]}")
+                try:
+                    trace = {"median_step_ms": result["step_s"] * 1e3, **_trace_step(learner, batch, device, out)}
+                    record.setdefault("traces", {})[result["name"]] = trace
+                    _log0(rank, f"trace of {result['name']}: {json.dumps(trace)[:600]}")
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory under the profiler: keep the rest
+                    record["skipped"].append(f"trace {result['name']}: {type(e).__name__}: {str(e)[:300]}")
             _log0(rank, f"{result['name']}: {result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
                         f"step {result['step_s']:.2f}s, peak {max(result['peak_gb']):.1f} GB")
             save_partial()
@@ -294,6 +298,8 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    record["skipped"] += [f"trace {n}: no variant of that name ran" for n in trace_names
+                          if n not in {v["name"] for v in record["variants"]}]
     _summarize(record)
     save_partial()
     return record

@@ -76,9 +76,14 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
     """vLLM's `profiler_config`: a torch.profiler trace of the engine core's worker (CPU and GPU)
-    between `start_profile` and `stop_profile`, at most `steps` engine steps, gzipped, no stacks."""
+    between `start_profile` and `stop_profile`, at most `steps` engine steps, gzipped, no stacks.
+    No kernel table at the stop (vLLM would build and print one inside the step that ends the
+    window, stalling the engine mid-batch); no front-end trace (the LLM client is ours to profile)."""
+    if steps < 1:  # vLLM reads max_iterations 0 as "no limit"
+        raise ValueError(f"profiler_settings: steps must be >= 1, got {steps}")
     return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(profile_dir), "torch_profiler_with_stack": False,
-            "torch_profiler_use_gzip": True, "max_iterations": max(0, steps)}
+            "torch_profiler_use_gzip": True, "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True,
+            "max_iterations": steps}
 
 
 # ---------------------------------------------------------------------------------- start-up
@@ -298,7 +303,8 @@ class VLLMEngine:
         self.llm.start_profile()
 
     def stop_profile(self) -> None:
-        self.llm.stop_profile()  # the worker writes <profile_dir>/*.pt.trace.json.gz
+        if self.profile_dir:
+            self.llm.stop_profile()  # the worker writes <profile_dir>/*.pt.trace.json.gz
 
     def _make_lora_request(self):
         if self.lora_mode == "merged":
