@@ -6,6 +6,7 @@ the micro-batch budget forces several micro-batches per rank. Tolerance: fp32 ev
 order of summation differs, so the adapters agree to 1e-5 after two AdamW steps (lr 1e-3; an
 update is ~lr, so a missed micro-batch shows as ~1e-3; a wrong gradient factor shows in the grad norm).
 """
+import json
 import os
 
 import torch
@@ -138,13 +139,15 @@ def _reshard_worker(rank, port, result_path):
         apply_fsdp(model, init_device_mesh("cpu", (1,)), reshard_after_forward=not keep)
         model(torch.randn(2, 4)).sum()  # forward only: what stays gathered until backward
         gathered[str(keep)] = [not isinstance(layer.weight, DTensor) for layer in model.model.layers]
-    torch.save(gathered, result_path)
+    with open(result_path, "w") as f:
+        json.dump(gathered, f)
     dist.destroy_process_group()
 
 
 def test_reshard_after_forward_false_keeps_every_block_gathered_until_backward(tmp_path):
-    result = str(tmp_path / "gathered.pt")
+    result = str(tmp_path / "gathered.json")
     mp.start_processes(_reshard_worker, args=(free_port(), result), nprocs=1, join=True, start_method="fork")
-    gathered = torch.load(result)
+    with open(result) as f:
+        gathered = json.load(f)
     assert gathered["False"] == [False, False, True]  # default: only the last block (backward starts there)
     assert gathered["True"] == [True, True, True]
