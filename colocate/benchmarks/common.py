@@ -87,8 +87,9 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
     families: dict[str, float] = {}
     names: dict[str, float] = {}
     for name, s, e in kernels:
-        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + max(e - s, 0.0)
-        names[name] = names.get(name, 0.0) + max(e - s, 0.0)
+        family, took = kernel_family(name), max(e - s, 0.0)
+        families[family] = families.get(family, 0.0) + took
+        names[name] = names.get(name, 0.0) + took
     top_names = sorted(names.items(), key=lambda kv: -kv[1])[:top]
     return {"wall_ms": wall_us / 1e3, "gpu_busy_ms": busy / 1e3,
             "gpu_idle_fraction": max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else None,  # None: no span

@@ -431,14 +431,7 @@ def _trace_step(learner, batch, device, trace_out: str) -> dict:
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == DeviceType.CUDA]
     if trace_out:
-        import gzip
-        import shutil
-        raw = trace_out[:-3] if trace_out.endswith(".gz") else trace_out
-        prof.export_chrome_trace(raw)
-        if trace_out.endswith(".gz"):
-            with open(raw, "rb") as src, gzip.open(trace_out, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.remove(raw)
+        prof.export_chrome_trace(trace_out)  # torch gzips it when the name ends in .gz
     return kernel_summary(kernels, wall_us)
 
 

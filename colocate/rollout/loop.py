@@ -69,8 +69,9 @@ def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | No
     with role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo), what="trajectory produced") as role:
         profiler = make_profiler(cfg.metrics, "inference", topo.rank, enabled=topo.role_rank == 0)
         try:
-            if cfg.metrics.profile and topo.role_rank == 0:  # vLLM: the engine core traces its own GPU work
-                profiler = Profilers(profiler, EngineProfileWindow(cfg.metrics, engine))
+            # vLLM built with a profile_dir (metrics.profile, role rank 0): the engine core traces its
+            # own GPU work over the same window; a no-op for any other engine
+            profiler = Profilers(profiler, EngineProfileWindow(cfg.metrics, engine))
             rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive,
                          is_stopped=lambda: stopped)
         finally:
