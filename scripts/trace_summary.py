@@ -3,10 +3,11 @@
     python scripts/trace_summary.py profiles/<run>/inference-engine/*.json.gz profiles/<run>/*.pt.trace.json
 
 Reads torch.profiler Chrome traces (the role traces of `metrics.profile`, vLLM's engine-core trace,
-the trainer benchmark's `--trace-dir` files) and prints one JSON summary per file
+the trainer benchmark's `--trace-dir` files) and prints a JSON list, one summary per file
 (`colocate.benchmarks.common.summarize_trace`): over the span of the GPU work, the time at least one
 kernel ran, the idle fraction, time per kernel family (GEMM, attention, NCCL, the GRPO loss,
-inductor's Triton kernels, other) and the top kernels.
+inductor's Triton kernels, other), the top kernels, and under "host" the CPU side's annotated
+regions (e.g. vLLM's "gpu_model_runner: forward") and CUDA runtime calls (cudaGraphLaunch or not).
 """
 import json
 import os
@@ -21,8 +22,7 @@ def main(paths: list[str]) -> int:
     if not paths:
         print(__doc__)
         return 2
-    for path in paths:
-        print(json.dumps(summarize_trace(path), indent=1))
+    print(json.dumps([summarize_trace(path) for path in paths], indent=1))  # one JSON list, one entry per file
     return 0
 
 

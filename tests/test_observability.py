@@ -167,7 +167,11 @@ def test_summarize_trace_reads_the_gpu_events_of_a_chrome_trace(tmp_path):
               {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x160", "ts": 100, "dur": 40},
               {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 120, "dur": 40},
               {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 190, "dur": 10},
-              {"ph": "i", "cat": "kernel", "name": "instant", "ts": 150}]                      # not a span
+              {"ph": "i", "cat": "kernel", "name": "instant", "ts": 150},                      # not a span
+              {"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: forward", "ts": 0, "dur": 300},
+              {"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: forward", "ts": 400, "dur": 200},
+              {"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: sample", "ts": 700, "dur": 50},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 10, "dur": 20}]
     path = tmp_path / "trace.pt.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -176,6 +180,10 @@ def test_summarize_trace_reads_the_gpu_events_of_a_chrome_trace(tmp_path):
     assert s["wall_ms"] == pytest.approx(0.100)            # first GPU start (100) to last GPU end (200)
     assert s["gpu_busy_ms"] == pytest.approx(0.070)        # [100, 160) + [190, 200)
     assert s["family_ms"] == pytest.approx({"gemm": 0.04, "nccl": 0.04, "other": 0.01})
+    # host side: per category, [name, count, summed ms], longest first; kernels and cpu ops not counted
+    assert s["host"] == {"user_annotation": [["gpu_model_runner: forward", 2, pytest.approx(0.5)],
+                                             ["gpu_model_runner: sample", 1, pytest.approx(0.05)]],
+                         "cuda_runtime": [["cudaGraphLaunch", 1, pytest.approx(0.02)]]}
     host_only = tmp_path / "host.pt.trace.json"  # e.g. a vLLM inference role's own process: no GPU work
     host_only.write_text(json.dumps({"traceEvents": events[:1]}))
     s = summarize_trace(str(host_only))

@@ -108,11 +108,16 @@ def test_two_engines_take_every_version_with_either_fanout(tmp_path, fanout):
 def test_session_sync_checksum_and_logprob_parity(tmp_path):
     out = tmp_path / "sync.json"
     run([sys.executable, "scripts/benchmark.py", "--profile", "sync", "--shape", "0.5b", "--iters", "4",
-         "--also", "parity", "--budget-s", "300", "--out", str(out)], timeout=420)
+         "--also", "parity", "--budget-s", "300", "--trace-dir", str(tmp_path / "trace"), "--out", str(out)],
+        timeout=420)
     rec = json.loads(out.read_text())
     f = {**rec["figures"], **rec["baseline"], **rec["ratios"]}
     assert f["sync/checksum_ok"] and f["sync/slot_matches_received"] and f["sync/engine_bytes_equal_learner"]
     assert f["sync/speedup_vs_disk"] > 1.0
+    # the engine core traced the 5 updates' first tokens: GPU kernels and the model runner's phases
+    (trace,) = f["sync/trace"]
+    assert trace["num_kernels"] > 0 and trace["family_ms"].get("gemm", 0) > 0
+    assert any(name.startswith("gpu_model_runner") for name, _, _ in trace["host"]["user_annotation"])
     assert f["parity/walk_failures"] == 0
     assert f["parity/mean_abs_diff"] <= 0.02
     assert f["parity/free_mean_abs_diff"] <= 0.02 and f["parity_diplomacy/free_mean_abs_diff"] <= 0.02

@@ -101,22 +101,48 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
 GPU_TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def trace_kernels(path: str) -> list[tuple[str, float, float]]:
-    """(name, start_us, end_us) of the GPU work in a torch.profiler Chrome trace (.json or .json.gz):
-    the role traces under <profile_dir>/<run>/, vLLM's engine-core traces, `--trace-dir` files."""
+def trace_events(path: str) -> list[dict]:
+    """The events of a torch.profiler Chrome trace (.json or .json.gz): the role traces under
+    <profile_dir>/<run>/, vLLM's engine-core traces, `--trace-dir` files."""
     import gzip
     import json
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)
-    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    return events.get("traceEvents", []) if isinstance(events, dict) else events
+
+
+def trace_kernels(events: list[dict]) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the GPU work among a trace's events."""
     return [(e.get("name", "?"), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
             if e.get("ph") == "X" and e.get("cat") in GPU_TRACE_CATEGORIES and "ts" in e]
 
 
+# Host-side categories worth a total: annotated regions (vLLM's "gpu_model_runner: forward" etc.),
+# their GPU-side spans, and CUDA runtime calls (cudaGraphLaunch against cudaLaunchKernel says
+# whether a step replayed a CUDA graph or launched kernel by kernel).
+HOST_TRACE_CATEGORIES = ("user_annotation", "gpu_user_annotation", "cuda_runtime", "cuda_driver")
+
+
+def host_summary(events: list[dict], top: int = 15) -> dict:
+    """{category: [[name, count, summed ms], ...]}: the `top` names by summed duration in each of
+    HOST_TRACE_CATEGORIES (a nested annotation counts its own full span)."""
+    sums: dict[str, dict[str, list]] = {}
+    for e in events:
+        cat = e.get("cat")
+        if e.get("ph") == "X" and cat in HOST_TRACE_CATEGORIES:
+            slot = sums.setdefault(cat, {}).setdefault(e.get("name", "?"), [0, 0.0])
+            slot[0] += 1
+            slot[1] += float(e.get("dur", 0.0)) / 1e3
+    return {cat: [[n[:120], c, ms] for n, (c, ms) in sorted(names.items(), key=lambda kv: -kv[1][1])[:top]]
+            for cat, names in sums.items()}
+
+
 def summarize_trace(path: str, top: int = 15) -> dict:
-    """`kernel_summary` of a trace file over the span of its GPU work (first kernel start to last end);
-    a trace with no GPU work (e.g. a vLLM inference role's own process) has idle fraction None."""
-    kernels = trace_kernels(path)
+    """`kernel_summary` of a trace file over the span of its GPU work (first kernel start to last end;
+    a trace with no GPU work, e.g. a vLLM inference role's own process, has idle fraction None), and
+    under "host" what its CPU side did (`host_summary`)."""
+    events = trace_events(path)
+    kernels = trace_kernels(events)
     span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) if kernels else 0.0
-    return {"path": path, **kernel_summary(kernels, wall_us=span, top=top)}
+    return {"path": path, **kernel_summary(kernels, wall_us=span, top=top), "host": host_summary(events, top=top)}

@@ -71,6 +71,8 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
             parts["apply_ms"].append(got["apply_ms"])
     for k, v in parts.items():
         out[f"sync/ours_{k}"] = statistics.median(v)
+    if s.engine.can_profile:
+        out.update(trace_first_tokens(s, probe))
     # The same first token without any update (what sampling costs anyway).
     out["sync/first_token_no_update_ms"] = 1e3 * median_time(lambda: s.engine.generate(probe), warmup=0, iters=iters)
     out.update(first_token_breakdown(s, probe, iters))
@@ -101,6 +103,34 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
         out[f"sync/disk_{k}"] = statistics.median(v)
     out["sync/speedup_vs_disk"] = out["sync/disk_total_ms"] / out["sync/ours_total_ms"]
     return out
+
+
+def trace_first_tokens(s: Session, probe: list[Request], cycles: int = 5) -> dict:
+    """vLLM's engine-core trace over `cycles` updates, each followed by its first token (the part of
+    the sync path inside vLLM), summarized per trace file (`common.summarize_trace`): GPU busy and
+    idle time, kernel families, the model runner's annotated phases (preprocess, forward, sample)
+    and whether its steps replayed a CUDA graph (cudaGraphLaunch) or launched kernel by kernel."""
+    import glob
+    from colocate.benchmarks.common import summarize_trace
+    pattern = os.path.join(s.engine.profile_dir, "**", "*.json*")
+    before = set(glob.glob(pattern, recursive=True))
+    walls = []
+    s.engine.start_profile()
+    try:
+        for _ in range(cycles):
+            s.step_adapter()
+            sync_learner()
+            t0 = time.perf_counter()
+            s.sender.send(s.gather(), s.version, wait=False)
+            s.engine.receive_lora()
+            s.engine.generate(probe)
+            walls.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        s.engine.stop_profile()
+    sync_learner()
+    files = sorted(set(glob.glob(pattern, recursive=True)) - before)
+    return {"sync/trace_cycles": cycles, "sync/trace_cycle_ms": walls,  # profiled: slower than untraced
+            "sync/trace": [summarize_trace(p) for p in files]}
 
 
 def first_token_breakdown(s: Session, probe: list[Request], iters: int) -> dict:
