@@ -61,6 +61,14 @@ class EngineConfig:
     """vLLM: most tokens (prefill chunks + one per decoding sequence) in one engine step; 0 keeps
     vLLM's default (16384 on an H200). Streaming rollouts want it small, so that prefills of new
     phases do not slow every other game's decode steps."""
+    max_capture_tokens: int = 2048
+    """vLLM: largest engine step (tokens) replayed from a CUDA graph; graphs go up to
+    min(max_num_batched_tokens, this). Larger steps run every kernel from Python. 0 captures decode
+    sizes only (up to max_num_seqs), which left the mixed prefill + decode steps of streamed
+    rollouts without graphs, host-bound (profiles/vllm.md, session 10)."""
+    cudagraph_mode: str = ""
+    """vLLM: "" keeps vLLM's FULL_AND_PIECEWISE (full graphs for decode steps, piecewise ones with
+    eager attention for mixed steps); FULL replays mixed steps as full graphs too; PIECEWISE."""
     lora_mode: str = "slot"
     """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each

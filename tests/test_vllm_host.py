@@ -367,6 +367,24 @@ def test_chunked_checksum_equals_reference(chunk):
 def test_capture_sizes_cover_the_batch():
     assert capture_sizes(512)[:5] == [1, 2, 4, 8, 16] and capture_sizes(512)[-1] == 512
     assert capture_sizes(100)[-1] == 100 and capture_sizes(3) == [1, 2, 3]
+    # mixed steps: every 64 tokens past the decode sizes, up to the step's token budget
+    sizes = capture_sizes(224, 1024)
+    assert sizes == sorted(set(sizes)) and sizes[:15] == capture_sizes(224)
+    assert sizes[15:] == list(range(256, 1025, 64))
+    assert capture_sizes(224, 1000)[-2:] == [960, 1000] and capture_sizes(224, 100) == capture_sizes(224)
+
+
+def test_compilation_settings_capture_mixed_steps_up_to_the_token_budget():
+    from colocate.engine.vllm import compilation_settings
+    # the streaming preset: 224 sequences, 1,024-token steps -> graphs up to 1,024 tokens
+    assert compilation_settings(224, 1024, 2048)["cudagraph_capture_sizes"][-1] == 1024
+    # vLLM's default budget (0): up to max_capture_tokens; 0 keeps decode sizes only
+    assert compilation_settings(224, 0, 2048)["cudagraph_capture_sizes"][-1] == 2048
+    assert compilation_settings(224, 1024, 0)["cudagraph_capture_sizes"] == capture_sizes(224)
+    assert "cudagraph_mode" not in compilation_settings(8, 0, 64)  # vLLM's default mode
+    assert compilation_settings(8, 0, 64, "FULL")["cudagraph_mode"] == "FULL"
+    with pytest.raises(ValueError, match="cudagraph_mode='full'"):
+        compilation_settings(8, 0, 64, "full")
 
 
 def test_engine_settings_from_config(tiny_cfg):

@@ -127,7 +127,7 @@ class Session:
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
                  cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 jump_forward: int = 0, trace_dir: str = "") -> Session:
+                 jump_forward: int = 0, trace_dir: str = "", compile_kw: dict | None = None) -> Session:
     from colocate.config import load_config
     from colocate.engine.model_dir import ensure_model_dir
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
@@ -155,7 +155,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1,
                         lora_mode=lora_mode, async_scheduling=async_scheduling, jump_forward=jump_forward,
-                        profile_dir=trace_dir, profile_steps=TRACE_STEPS)
+                        profile_dir=trace_dir, profile_steps=TRACE_STEPS, **(compile_kw or {}))
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
     # Both ends of the stateless group live in this process: the learner's end joins from a thread.
@@ -178,15 +178,16 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
 
 def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_seqs: int = 512,
                 sync_iters: int = 10, lora_mode: str = "slot", async_scheduling: bool | None = None,
-                jump_forward: int = 0, trace_dir: str = "") -> dict:
+                jump_forward: int = 0, trace_dir: str = "", compile_kw: dict | None = None) -> dict:
     """Open one engine for `shape`, run `parts` (sync, parity, rollout) in that order of priority."""
     deadline = time.time() + budget_s
     partial = os.environ.get("COLOCATE_PARTIAL_JSON", "")  # figures so far, rewritten after each part
     # merged keeps a copy of the adapted base weights on the engine's GPU: leave room for it
     s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode,
                      gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75, async_scheduling=async_scheduling,
-                     jump_forward=jump_forward, trace_dir=trace_dir)
+                     jump_forward=jump_forward, trace_dir=trace_dir, compile_kw=compile_kw)
     figures = dict(s.figures)
+    figures["engine/compilation"] = dict(compile_kw or {})
     figures["engine/jump_forward"] = jump_forward
     figures["engine/lora_mode"] = lora_mode
     figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
@@ -233,6 +234,10 @@ def add_session_args(parser, *, others: str) -> None:
     parser.add_argument("--jump-forward", type=int, default=0,
                         help="engine.jump_forward: grammar-forced tokens per step as exact speculative drafts "
                              "(0 = off; needs synchronous scheduling, which it selects)")
+    parser.add_argument("--cudagraph-mode", default="", choices=("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE"),
+                        help="engine.cudagraph_mode (default: vLLM's FULL_AND_PIECEWISE)")
+    parser.add_argument("--max-capture-tokens", type=int, default=2048,
+                        help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
     parser.add_argument("--trace-dir", default="",
                         help="sync: also trace vLLM's engine core over 5 updates, each with its first token, "
                              "into this folder; the record gets each trace's summary (scripts/trace_summary.py)")
@@ -248,7 +253,9 @@ def run_profile(args, part: str, *, first: bool) -> dict:
     figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters,
                           lora_mode=args.lora_mode,
                           async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-                          jump_forward=args.jump_forward, trace_dir=args.trace_dir)
+                          jump_forward=args.jump_forward, trace_dir=args.trace_dir,
+                          compile_kw={"cudagraph_mode": args.cudagraph_mode,
+                                      "max_capture_tokens": args.max_capture_tokens})
     return split(figures)
 
 

@@ -44,14 +44,41 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 # ---------------------------------------------------------------------------------- sizing
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """CUDA-graph batch sizes: 1, 2, 4, 8, every 16 to 128, every 32 beyond, and max_num_seqs itself
-    (about half of vLLM's default list at 512: start-up is dominated by compile and capture)."""
+def capture_sizes(max_num_seqs: int, max_tokens: int = 0) -> list[int]:
+    """CUDA-graph sizes in tokens per engine step: 1, 2, 4, 8, every 16 to 128, every 32 beyond, and
+    max_num_seqs itself (a decode step has one token per sequence; about half of vLLM's default
+    list at 512: start-up is dominated by compile and capture); then every 64 up to `max_tokens`
+    for mixed steps (prefill chunks + decodes), which vLLM runs without any graph above the largest
+    size."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
     sizes += list(range(16, min(max_num_seqs, 128) + 1, 16)) + list(range(160, max_num_seqs + 1, 32))
     if sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
+    sizes += list(range(-(-(max_num_seqs + 1) // 64) * 64, max_tokens + 1, 64))
+    if max_tokens > sizes[-1]:
+        sizes.append(max_tokens)
     return sizes
+
+
+CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
+
+
+def compilation_settings(max_num_seqs: int, max_num_batched_tokens: int, max_capture_tokens: int,
+                         cudagraph_mode: str = "") -> dict:
+    """vLLM's `compilation_config`. Graphs are captured up to the step's token budget
+    (`max_num_batched_tokens`, vLLM's default when 0) but at most `max_capture_tokens`: a mixed step
+    larger than the largest graph runs every layer's kernels from Python, and with a small prefill
+    chunk (the streaming presets' 1,024 tokens) that is most steps of a rollout (session 10's engine
+    trace: 25-36 ms of host time for 8-21 ms of GPU work). `cudagraph_mode` "" keeps vLLM's
+    FULL_AND_PIECEWISE (full graphs for decode steps, piecewise for mixed ones, attention between
+    the pieces run eagerly); FULL replays mixed steps as full graphs too (FlashAttention 3)."""
+    if cudagraph_mode not in CUDAGRAPH_MODES:
+        raise ValueError(f"engine.cudagraph_mode={cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}")
+    budget = max_num_batched_tokens if max_num_batched_tokens > 0 else max_capture_tokens
+    out = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs, min(budget, max_capture_tokens))}
+    if cudagraph_mode:
+        out["cudagraph_mode"] = cudagraph_mode
+    return out
 
 
 def requests_per_round(cfg, num_inference: int) -> int:
@@ -71,7 +98,8 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
-                validate_grammars=cfg.engine.validate_grammars, jump_forward=cfg.engine.jump_forward)
+                validate_grammars=cfg.engine.validate_grammars, jump_forward=cfg.engine.jump_forward,
+                max_capture_tokens=cfg.engine.max_capture_tokens, cudagraph_mode=cfg.engine.cudagraph_mode)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
@@ -224,7 +252,8 @@ class VLLMEngine:
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
                  dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
                  max_num_batched_tokens: int = 0, validate_grammars: bool = True, jump_forward: int = 0,
-                 profile_dir: str = "", profile_steps: int = 40):
+                 profile_dir: str = "", profile_steps: int = 40, max_capture_tokens: int = 2048,
+                 cudagraph_mode: str = ""):
         check_engine_args(lora_mode, jump_forward, async_scheduling, max_num_seqs, max_num_batched_tokens)
         from vllm import LLM
         if not validate_grammars:
@@ -245,7 +274,7 @@ class VLLMEngine:
         extra = {} if async_scheduling is None else {"async_scheduling": async_scheduling}  # None: vLLM's default
         if max_num_batched_tokens > 0:
             extra["max_num_batched_tokens"] = max_num_batched_tokens
-        compilation = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
+        compilation = compilation_settings(max_num_seqs, max_num_batched_tokens, max_capture_tokens, cudagraph_mode)
         if jump_forward > 0:
             settings = jump_forward_settings(jump_forward, max_num_seqs, max_num_batched_tokens)
             compilation = settings.pop("compilation_config")
