@@ -10,7 +10,7 @@
 # CHAIN_STEPS picks and orders the steps (comma list of e2e, trainer, sync; default e2e,trainer,sync);
 # ONLY_E2E=1 means CHAIN_STEPS=e2e and CHAIN_SYNC=0 leaves out sync. TRAINER_COMPILE_BUDGET (default 16384)
 # is the trainer's token budget of the compiled variant, TRAINER_ARGS more of its arguments; TRAINER_TRACE=NAME[,NAME] profiles one more step of
-# those variants (summaries in its JSON). SYNC_TRACE=1 traces vLLM's engine core over five updates and their
+# those variants (summaries in its JSON). SYNC_ARGS: more sync-benchmark arguments; SYNC_TRACE=1 traces vLLM's engine core over five updates and their
 # first tokens (summaries in the sync JSON). With metrics.profile=true in E2E_SET, the e2e traces go to
 # $GS/prof and their summaries to e2e-traces.json. E2E_STEPS (default 6) sets the steps per job;
 # E2E_SET adds settings to the e2e jobs (e.g. "engine.lora_mode=merged"); E2E_CONFIG, E2E_NPROC and
@@ -96,7 +96,7 @@ step_sync() {
   echo "== $(date +%T) sync 7b"
   CUDA_VISIBLE_DEVICES=0,1 COLOCATE_PARTIAL_JSON=$GS/sync-7b-partial.json timeout -k 20 300 \
     python3 scripts/benchmark.py --profile sync --shape 7b --budget-s 200 \
-    ${SYNC_TRACE:+--trace-dir $GS/sync-trace} --out $GS/sync-7b.json
+    ${SYNC_TRACE:+--trace-dir $GS/sync-trace} ${SYNC_ARGS:-} --out $GS/sync-7b.json
   echo "== $(date +%T) sync rc=$?"
 }
 
