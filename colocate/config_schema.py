@@ -165,6 +165,10 @@ class LearnerConfig:
     backward (FSDP2's default). false keeps them from forward to backward: half the all-gathers per
     micro-batch, for one unsharded copy of the blocks' weights per learner GPU (+11.4 GiB at 7B with 2
     learners), measured 1.02x on 2 x H200 (profiles/trainer.md, run 9)."""
+    prefetch_blocks: int = 0
+    """FSDP2: all-gather this many decoder blocks ahead in forward (and behind in backward),
+    explicitly; 0 keeps FSDP2's implicit one-block prefetch. Each costs one more gathered block per
+    GPU (~0.47 GB at 7B). Not yet measured on GPUs (`--prefetch-budget` in the trainer benchmark)."""
     fsdp: bool = True
     """Shard base model and adapter over the learner ranks with FSDP2 (one learner too: same code path,
     and bf16 compute with fp32 reductions on GPU). False: a full replica per learner, adapter gradients

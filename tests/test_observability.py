@@ -134,24 +134,35 @@ def test_kernel_summary_counts_overlapping_streams_once_and_sorts_families():
     assert [n for n, _ in s["top_kernels_ms"]] == ["ncclDevKernel_AllGather_RING_LL", "sm90_xmma_gemm_bf16bf16_bf16f32",
                                                    "pytorch_flash::flash_fwd_kernel"]
     assert kernel_family("nvjet_hsh_256x128_2cta") == "gemm"
+    # idle gaps between the union's intervals, longest first, named by the kernels around them:
+    # [20, 30) after the all-gather (it ended last), [35, 40), [42, 50), [55, 60)
+    assert s["longest_gaps_ms"] == [[pytest.approx(0.010), "ncclDevKernel_AllGather_RING_LL",
+                                     "pytorch_flash::flash_fwd_kernel"],
+                                    [pytest.approx(0.008), "triton_poi_fused_add_mul_0", "_grpo_rows_kernel"],
+                                    [pytest.approx(0.005), "pytorch_flash::flash_fwd_kernel", "triton_poi_fused_add_mul_0"]]
+    assert s["gaps_over_100us"] == {"count": 0, "ms": 0.0}  # all shorter than 0.1 ms
+    wide = kernel_summary([("a", 0.0, 1.0), ("b", 301.0, 302.0), ("c", 352.0, 353.0)], wall_us=400.0)
+    assert wide["gaps_over_100us"] == {"count": 1, "ms": pytest.approx(0.3)}
     assert kernel_summary([], wall_us=50.0)["gpu_idle_fraction"] == 1.0
 
 
 @pytest.mark.slow
 def test_trainer_profile_traces_a_variant_step(tmp_path):
     """The trainer benchmark's --trace-variant (one more profiled step, its summary and Chrome trace),
-    and its gathered variant (learner.reshard_after_forward=false)."""
+    and its gathered (learner.reshard_after_forward=false) and prefetch (learner.prefetch_blocks=2)
+    variants."""
     import gzip
     out = tmp_path / "trainer.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--profile", "trainer", "--quick", "--budgets", "256",
-           "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256", "--trace-variant", " packed-256,nope",
+           "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256", "--prefetch-budget", "256",
+           "--trace-variant", " packed-256,nope",
            "--trace-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     # Its correctness (two ranks equal one) is tests/test_fsdp_cpu.py's; here: it runs and is reported.
-    assert record["figures"]["gathered-256_tokens_per_s"] > 0
-    assert [v["name"] for v in record["variants"]] == ["padded", "packed-256", "gathered-256"]
+    assert record["figures"]["gathered-256_tokens_per_s"] > 0 and record["figures"]["prefetch-256_tokens_per_s"] > 0
+    assert [v["name"] for v in record["variants"]] == ["padded", "packed-256", "gathered-256", "prefetch-256"]
     assert "trace nope: no variant of that name ran" in record["skipped"]
     trace = record["traces"]["packed-256"]
     assert trace["wall_ms"] > 0 and trace["median_step_ms"] > 0

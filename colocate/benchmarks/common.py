@@ -72,18 +72,23 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
     kernels: (name, start_us, end_us) of every GPU kernel (all streams). Returns the wall time, the
     time at least one kernel ran (the union of the intervals: overlapping streams counted once),
     what is left idle (host-bound gaps, waits), per-family kernel time (summed: overlapping streams
-    count twice there) and the `top` kernel names by summed time."""
-    spans = sorted((s, e) for _, s, e in kernels if e > s)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:  # union of [s, e) intervals
+    count twice there), the `top` kernel names by summed time, and the longest idle gaps between
+    kernels ([gap ms, the kernel that ended last before it, the one that started it]: what the GPU
+    waited between; "gaps_over_100us" counts and sums those longer than 0.1 ms)."""
+    spans = sorted((s, e, name) for name, s, e in kernels if e > s)
+    busy, cur_s, cur_e, last = 0.0, None, None, ""
+    gaps: list[tuple[float, str, str]] = []
+    for s, e, name in spans:  # union of [s, e) intervals
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
+                gaps.append((s - cur_e, last, name))
+            cur_s, cur_e, last = s, e, name
+        elif e > cur_e:
+            cur_e, last = e, name
     if cur_e is not None:
         busy += cur_e - cur_s
+    long_gaps = [g for g, _, _ in gaps if g > 100.0]
     families: dict[str, float] = {}
     names: dict[str, float] = {}
     for name, s, e in kernels:
@@ -95,7 +100,9 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
             "gpu_idle_fraction": max(0.0, 1.0 - busy / wall_us) if wall_us > 0 else None,  # None: no span
             "num_kernels": len(kernels),
             "family_ms": {k: v / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[n[:160], t / 1e3] for n, t in top_names]}
+            "top_kernels_ms": [[n[:160], t / 1e3] for n, t in top_names],
+            "gaps_over_100us": {"count": len(long_gaps), "ms": sum(long_gaps) / 1e3},
+            "longest_gaps_ms": [[g / 1e3, a[:80], b[:80]] for g, a, b in sorted(gaps, key=lambda x: -x[0])[:top]]}
 
 
 GPU_TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -31,8 +31,6 @@ def run(args) -> dict:
 
 
 def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
-    from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
     vocab = len(s.tokenizer)
     probe = synthetic_requests(1, vocab, s.tokenizer.eos_token_id, seed=7, prompt_len=64, shared=0,
                                max_new_tokens=1, constrained=False)
@@ -71,15 +69,25 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
             parts["apply_ms"].append(got["apply_ms"])
     for k, v in parts.items():
         out[f"sync/ours_{k}"] = statistics.median(v)
-    if s.engine.can_profile:
-        out.update(trace_first_tokens(s, probe))
     # The same first token without any update (what sampling costs anyway).
     out["sync/first_token_no_update_ms"] = 1e3 * median_time(lambda: s.engine.generate(probe), warmup=0, iters=iters)
     out.update(first_token_breakdown(s, probe, iters))
     if s.engine.lora_mode == "merged":  # built without LoRA: vLLM's loader, the disk path, is not there
         out["sync/disk_skipped"] = "lora_mode=merged"
-        return out
-    # Disk: save the adapter (peft), a new LoRARequest from the path, first token with it.
+    else:
+        out.update(measure_disk(s, probe, iters))
+        out["sync/speedup_vs_disk"] = out["sync/disk_total_ms"] / out["sync/ours_total_ms"]
+    # Last: after vLLM's profiler window the engine's steps stayed slower (session 10: a first token
+    # without update took 18.2 ms after the window against 12.0 ms with an update before it).
+    if s.engine.can_profile:
+        out.update(trace_first_tokens(s, probe))
+    return out
+
+
+def measure_disk(s: Session, probe: list[Request], iters: int) -> dict:
+    """The disk path: save the adapter (peft), a new LoRARequest from the path, first token with it."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     prompt = [{"prompt_token_ids": probe[0].prompt_ids}]
     params = SamplingParams(max_tokens=1, detokenize=False)
     disk = {"save_ms": [], "load_first_token_ms": [], "total_ms": []}
@@ -99,17 +107,15 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
                 disk["load_first_token_ms"].append((t2 - t1) * 1e3)
                 disk["total_ms"].append((t2 - t0) * 1e3)
     s.push()  # the engine's slot holds the learner's latest again
-    for k, v in disk.items():
-        out[f"sync/disk_{k}"] = statistics.median(v)
-    out["sync/speedup_vs_disk"] = out["sync/disk_total_ms"] / out["sync/ours_total_ms"]
-    return out
+    return {f"sync/disk_{k}": statistics.median(v) for k, v in disk.items()}
 
 
 def trace_first_tokens(s: Session, probe: list[Request], cycles: int = 5) -> dict:
     """vLLM's engine-core trace over `cycles` updates, each followed by its first token (the part of
     the sync path inside vLLM), summarized per trace file (`common.summarize_trace`): GPU busy and
-    idle time, kernel families, the model runner's annotated phases (preprocess, forward, sample)
-    and whether its steps replayed a CUDA graph (cudaGraphLaunch) or launched kernel by kernel."""
+    idle time, kernel families, vLLM's per-step annotations ("execute_context_1(64)_generation_0(0)":
+    one request's 64-token prefill) and whether its steps replayed a CUDA graph (cudaGraphLaunch)
+    or launched kernel by kernel."""
     import glob
     from colocate.benchmarks.common import summarize_trace
     pattern = os.path.join(s.engine.profile_dir, "**", "*.json*")

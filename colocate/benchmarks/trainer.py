@@ -18,6 +18,8 @@ checkpointing):
             first steps compile and are not timed)
   gathered-B packed, each block's weights kept gathered from forward to backward
             (`learner.reshard_after_forward: false`, `--gathered-budget`; 0 skips)
+  prefetch-B packed, FSDP2 all-gathers issued `--prefetch-blocks` blocks ahead
+            (`learner.prefetch_blocks`, `--prefetch-budget`; 0 skips)
 Per variant: `--warmup` untimed steps, then the median of `--steps` timed steps; peak memory per
 rank (max_memory_allocated) over the variant.
 
@@ -68,6 +70,9 @@ def add_args(parser) -> None:
     parser.add_argument("--gathered-budget", type=int, default=0,
                         help="packed with learner.reshard_after_forward=false (blocks stay gathered from forward to "
                              "backward: half the all-gathers) at this budget, run last (0 skips)")
+    parser.add_argument("--prefetch-budget", type=int, default=0,
+                        help="packed with learner.prefetch_blocks=--prefetch-blocks at this budget, run last (0 skips)")
+    parser.add_argument("--prefetch-blocks", type=int, default=2, help="blocks prefetched by the prefetch variant")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--loss-impl", default="auto", choices=("auto", "triton", "torch"))
@@ -221,13 +226,13 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
                                  scale=scale)
     stats = _batch_stats(batch, device)
 
-    def config(ac: bool, budget: int, compile_blocks: bool = False, reshard: bool = True):
+    def config(ac: bool, budget: int, compile_blocks: bool = False, reshard: bool = True, prefetch: int = 0):
         return load_config(None, {
             "model": {"shape": shape, "dtype": "bfloat16" if cuda else "float32", "seed": 0},
             "lora": {"rank": args["lora_rank"], "alpha": 2.0 * args["lora_rank"]},
             "engine": {"max_new_tokens": 100, "temperature": 1.0},
             "learner": {"lr": 1e-5, "micro_batch_tokens": budget, "activation_checkpointing": ac, "fsdp": True,
-                        "compile": compile_blocks, "reshard_after_forward": reshard,
+                        "compile": compile_blocks, "reshard_after_forward": reshard, "prefetch_blocks": prefetch,
                         "attention": "auto", "max_policy_lag": 1_000_000},
             "loss": {"beta": 0.0, "norm": "dapo", "impl": loss_impl},
         })
@@ -250,7 +255,8 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
              (True, [("ac", ac_budget)] if ac_budget else []),
              (False, [("packed", args["extra_budget"])] if args["extra_budget"] else []),
              (False, [("compiled", args["compile_budget"])] if args["compile_budget"] else []),
-             (False, [("gathered", args["gathered_budget"])] if args.get("gathered_budget") else [])]
+             (False, [("gathered", args["gathered_budget"])] if args.get("gathered_budget") else []),
+             (False, [("prefetch", args["prefetch_budget"])] if args.get("prefetch_budget") else [])]
     for ac, variants in plans:
         if not variants:
             continue
@@ -258,9 +264,10 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
             record["skipped"] += [f"{k}-{b}" for k, b in variants]
             continue
         t0 = time.perf_counter()
-        compiled, gathered = variants[0][0] == "compiled", variants[0][0] == "gathered"
-        learner, p_blocks = _build(config(ac, variants[0][1] or budgets[0], compiled, reshard=not gathered), topo,
-                                   vocab)
+        kind0 = variants[0][0]
+        prefetch = args.get("prefetch_blocks", 2) if kind0 == "prefetch" else 0
+        learner, p_blocks = _build(config(ac, variants[0][1] or budgets[0], kind0 == "compiled",
+                                          reshard=kind0 != "gathered", prefetch=prefetch), topo, vocab)
         build_s = time.perf_counter() - t0
         _log0(rank, f"built {shape} (ac={ac}) in {build_s:.1f}s")
         if "check" not in record:
@@ -456,7 +463,7 @@ def _check_packed_equals_padded(learner, batch, device, attention) -> dict:
 def _summarize(record: dict) -> None:
     by_name = {v["name"]: v for v in record["variants"]}
     base = by_name.get("padded")
-    packed = [v for v in record["variants"] if v["kind"] in ("packed", "compiled", "gathered")]
+    packed = [v for v in record["variants"] if v["kind"] in ("packed", "compiled", "gathered", "prefetch")]
     if base:
         record["baseline"] = {"padded_tokens_per_s": base["tokens_per_s"], "padded_mfu": base["mfu"],
                               "padded_step_s": base["step_s"], "padded_peak_gb": max(base["peak_gb"])}

@@ -60,7 +60,8 @@ class Learner:
             self.fsdp_modules = fsdp.apply_fsdp(model, fsdp.learner_mesh(topology),
                                                 param_dtype=torch.bfloat16 if on_gpu else None,
                                                 reduce_dtype=torch.float32 if on_gpu else None,
-                                                reshard_after_forward=lc.reshard_after_forward)
+                                                reshard_after_forward=lc.reshard_after_forward,
+                                                prefetch_blocks=lc.prefetch_blocks)
         if any(p.is_meta for p in model.parameters()):
             materialize(model, cfg.model, self.device)
         elif not self.use_fsdp:
