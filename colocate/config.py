@@ -37,6 +37,7 @@ _CHOICES = {
     ("model", "dtype"): ("float32", "bfloat16"),
     ("engine", "kind"): ("auto", "hf", "vllm"),
     ("engine", "lora_mode"): ("slot", "merged"),
+    ("engine", "cudagraph_mode"): ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE"),  # engine/vllm.py CUDAGRAPH_MODES
     ("env", "name"): ("arithmetic", "diplomacy"),
     ("loss", "norm"): ("grpo", "dapo", "dr_grpo"),
     ("loss", "impl"): ("auto", "triton", "torch"),
@@ -171,6 +172,13 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError("loss.eps_low, loss.eps_high and loss.beta must be >= 0")
     if cfg.engine.jump_forward < 0:
         raise ConfigError(f"engine.jump_forward={cfg.engine.jump_forward} must be >= 0 (0 = off)")
+    if cfg.engine.jump_forward > 0 and cfg.engine.cudagraph_mode:
+        raise ConfigError("engine.cudagraph_mode cannot be set with engine.jump_forward, which captures its own "
+                          "piecewise graphs")
+    if cfg.engine.max_capture_tokens < 0:
+        raise ConfigError(f"engine.max_capture_tokens={cfg.engine.max_capture_tokens} must be >= 0")
+    if cfg.learner.prefetch_blocks < 0:
+        raise ConfigError(f"learner.prefetch_blocks={cfg.learner.prefetch_blocks} must be >= 0 (0 = FSDP2's own)")
     if cfg.engine.temperature <= 0:
         raise ConfigError(f"engine.temperature={cfg.engine.temperature} must be > 0")
     if cfg.model.path and not os.path.isdir(cfg.model.path):

@@ -62,13 +62,15 @@ class EngineConfig:
     vLLM's default (16384 on an H200). Streaming rollouts want it small, so that prefills of new
     phases do not slow every other game's decode steps."""
     max_capture_tokens: int = 2048
-    """vLLM: largest engine step (tokens) replayed from a CUDA graph; graphs go up to
-    min(max_num_batched_tokens, this). Larger steps run every kernel from Python. 0 captures decode
-    sizes only (up to max_num_seqs), which left the mixed prefill + decode steps of streamed
-    rollouts without graphs, host-bound (profiles/vllm.md, session 10)."""
+    """vLLM: CUDA graphs for mixed steps (prefill chunks + decodes) up to min(max_num_batched_tokens,
+    this) tokens; larger steps run every kernel from Python. Decode sizes (up to max_num_seqs) are
+    always captured; 0 captures only those, which left the mixed steps of streamed rollouts
+    without graphs, host-bound (profiles/e2e.md, session 10: 1.20x end to end). jump_forward
+    captures its own sizes."""
     cudagraph_mode: str = ""
     """vLLM: "" keeps vLLM's FULL_AND_PIECEWISE (full graphs for decode steps, piecewise ones with
-    eager attention for mixed steps); FULL replays mixed steps as full graphs too; PIECEWISE."""
+    eager attention for mixed steps); FULL replays mixed steps as full graphs too; PIECEWISE. Not
+    with jump_forward."""
     lora_mode: str = "slot"
     """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each

@@ -60,6 +60,7 @@ chain() {
   [ -n "${ONLY_E2E:-}" ] && steps=e2e
   [ "${CHAIN_SYNC:-1}" = 0 ] && steps=${steps//sync/}
   for step in ${steps//,/ }; do
+    case $step in e2e|trainer|sync) ;; *) echo "== unknown chain step '$step' (e2e, trainer, sync)"; continue ;; esac
     [ "$step" != sync ] && wait_tests  # sync takes GPUs 0-1 only: it runs beside the tests
     "step_$step"
   done
@@ -96,7 +97,7 @@ step_sync() {
   echo "== $(date +%T) sync 7b"
   CUDA_VISIBLE_DEVICES=0,1 COLOCATE_PARTIAL_JSON=$GS/sync-7b-partial.json timeout -k 20 300 \
     python3 scripts/benchmark.py --profile sync --shape 7b --budget-s 200 \
-    ${SYNC_TRACE:+--trace-dir $GS/sync-trace} ${SYNC_ARGS:-} --out $GS/sync-7b.json
+    $([ "${SYNC_TRACE:-0}" = 1 ] && echo --trace-dir $GS/sync-trace) ${SYNC_ARGS:-} --out $GS/sync-7b.json
   echo "== $(date +%T) sync rc=$?"
 }
 

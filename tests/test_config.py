@@ -67,6 +67,15 @@ def test_choice_and_range_fields_are_checked():
         load_config(None, {"sync": {"fanout": "ring"}})
     with pytest.raises(ConfigError, match=r"engine.jump_forward=-1 must be >= 0"):
         load_config(None, {"engine": {"jump_forward": -1}})
+    with pytest.raises(ConfigError, match=r"engine.cudagraph_mode='full' is not one of"):
+        load_config(None, {"engine": {"cudagraph_mode": "full"}})
+    with pytest.raises(ConfigError, match=r"cudagraph_mode cannot be set with engine.jump_forward"):
+        load_config(None, {"engine": {"cudagraph_mode": "FULL", "jump_forward": 4}})
+    with pytest.raises(ConfigError, match=r"engine.max_capture_tokens=-1 must be >= 0"):
+        load_config(None, {"engine": {"max_capture_tokens": -1}})
+    with pytest.raises(ConfigError, match=r"learner.prefetch_blocks=-2 must be >= 0"):
+        load_config(None, {"learner": {"prefetch_blocks": -2}})
+    assert load_config(None, {"engine": {"cudagraph_mode": "FULL"}}).engine.cudagraph_mode == "FULL"
     for lag in (0, 1):  # lag 1 would leave the batches no overlap with training
         with pytest.raises(ConfigError, match=r"rollout.oversample_groups=4 needs learner.max_policy_lag >= 2"):
             load_config(None, {"rollout": {"oversample_groups": 4}, "learner": {"max_policy_lag": lag}})

@@ -143,6 +143,9 @@ def test_kernel_summary_counts_overlapping_streams_once_and_sorts_families():
     assert s["gaps_over_100us"] == {"count": 0, "ms": 0.0}  # all shorter than 0.1 ms
     wide = kernel_summary([("a", 0.0, 1.0), ("b", 301.0, 302.0), ("c", 352.0, 353.0)], wall_us=400.0)
     assert wide["gaps_over_100us"] == {"count": 1, "ms": pytest.approx(0.3)}
+    # a short kernel nested in a long one (another stream): the gap after them follows the long one
+    nested = kernel_summary([("long", 0.0, 50.0), ("short", 10.0, 20.0), ("next", 60.0, 61.0)], wall_us=61.0)
+    assert nested["longest_gaps_ms"] == [[pytest.approx(0.010), "long", "next"]]
     assert kernel_summary([], wall_us=50.0)["gpu_idle_fraction"] == 1.0
 
 
@@ -162,6 +165,7 @@ def test_trainer_profile_traces_a_variant_step(tmp_path):
     record = json.loads(out.read_text())
     # Its correctness (two ranks equal one) is tests/test_fsdp_cpu.py's; here: it runs and is reported.
     assert record["figures"]["gathered-256_tokens_per_s"] > 0 and record["figures"]["prefetch-256_tokens_per_s"] > 0
+    assert [v["prefetch_blocks"] for v in record["variants"]] == [0, 0, 0, 2]
     assert [v["name"] for v in record["variants"]] == ["padded", "packed-256", "gathered-256", "prefetch-256"]
     assert "trace nope: no variant of that name ran" in record["skipped"]
     trace = record["traces"]["packed-256"]

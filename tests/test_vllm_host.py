@@ -637,10 +637,12 @@ def test_engine_args_refused_before_vllm_starts():
     from colocate.engine.vllm import check_engine_args
     check_engine_args("merged", 6, None, 224, 1024)  # merged: drafts may exceed the budget (vLLM trims)
     check_engine_args("slot", 6, None, 100, 1024)
+    check_engine_args("slot", 0, None, 100, 1024, "FULL")
     for bad, match in ((("slot", 6, None, 224, 1024), "max_num_batched_tokens"),
                        (("merged", 2, True, 8, 0), "synchronous"),
                        (("merged", -1, None, 8, 0), ">= 0"),
-                       (("lora", 0, None, 8, 0), "lora_mode")):
+                       (("lora", 0, None, 8, 0), "lora_mode"),
+                       (("merged", 4, None, 8, 0, "FULL"), "cudagraph_mode cannot be set with engine.jump_forward")):
         with pytest.raises(ValueError, match=match):
             check_engine_args(*bad)
 

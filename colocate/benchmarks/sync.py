@@ -30,10 +30,14 @@ def run(args) -> dict:
     return run_profile(args, "sync", first=True)
 
 
+def first_token_probe(s: Session) -> list[Request]:
+    """One unconstrained request, a 64-token prompt, one new token: what "first token" times."""
+    return synthetic_requests(1, len(s.tokenizer), s.tokenizer.eos_token_id, seed=7, prompt_len=64, shared=0,
+                              max_new_tokens=1, constrained=False)
+
+
 def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
-    vocab = len(s.tokenizer)
-    probe = synthetic_requests(1, vocab, s.tokenizer.eos_token_id, seed=7, prompt_len=64, shared=0,
-                               max_new_tokens=1, constrained=False)
+    probe = first_token_probe(s)
     out = {}
     # Correctness first: one update with checksum and slot read-back.
     s.step_adapter()
@@ -77,10 +81,6 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     else:
         out.update(measure_disk(s, probe, iters))
         out["sync/speedup_vs_disk"] = out["sync/disk_total_ms"] / out["sync/ours_total_ms"]
-    # Last: after vLLM's profiler window the engine's steps stayed slower (session 10: a first token
-    # without update took 18.2 ms after the window against 12.0 ms with an update before it).
-    if s.engine.can_profile:
-        out.update(trace_first_tokens(s, probe))
     return out
 
 
@@ -110,14 +110,17 @@ def measure_disk(s: Session, probe: list[Request], iters: int) -> dict:
     return {f"sync/disk_{k}": statistics.median(v) for k, v in disk.items()}
 
 
-def trace_first_tokens(s: Session, probe: list[Request], cycles: int = 5) -> dict:
+def trace_first_tokens(s: Session, cycles: int = 5) -> dict:
     """vLLM's engine-core trace over `cycles` updates, each followed by its first token (the part of
-    the sync path inside vLLM), summarized per trace file (`common.summarize_trace`): GPU busy and
-    idle time, kernel families, vLLM's per-step annotations ("execute_context_1(64)_generation_0(0)":
-    one request's 64-token prefill) and whether its steps replayed a CUDA graph (cudaGraphLaunch)
-    or launched kernel by kernel."""
+    the sync path inside vLLM). The session runs it after every other part: after vLLM's profiler
+    window the engine's steps stayed slower (session 10: a first token without update took 18.2 ms
+    after the window, 12.0 ms with an update before it). Summarized per trace file
+    (`common.summarize_trace`): GPU busy and idle time, kernel families, vLLM's per-step
+    annotations ("execute_context_1(64)_generation_0(0)": one request's 64-token prefill) and
+    whether its steps replayed a CUDA graph (cudaGraphLaunch) or launched kernel by kernel."""
     import glob
     from colocate.benchmarks.common import summarize_trace
+    probe = first_token_probe(s)
     pattern = os.path.join(s.engine.profile_dir, "**", "*.json*")
     before = set(glob.glob(pattern, recursive=True))
     walls = []

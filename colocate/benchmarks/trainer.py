@@ -285,7 +285,8 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
                 _log0(rank, f"{kind}-{budget} failed: {type(e).__name__}: {str(e)[:300]}")
                 save_partial()
                 continue
-            result.update(name=f"{kind}-{budget}" if budget else kind, build_s=build_s)
+            result.update(name=f"{kind}-{budget}" if budget else kind, build_s=build_s,
+                          prefetch_blocks=learner.cfg.learner.prefetch_blocks)
             record["variants"].append(result)
             if result["name"] in trace_names:  # one more step, profiled; every rank steps (FSDP)
                 out = ""

@@ -40,8 +40,8 @@ from colocate.metrics import write_json_atomic
 
 SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b", "tiny": "tiny"}
 LEARNER = "cuda:0"
-TRACE_STEPS = 64  # most engine steps in one engine-core trace (`--trace-dir`; a traced update takes 1-3)
 """The learner's device; "cpu" only for a dry run against a stand-in engine."""
+TRACE_STEPS = 64  # most engine steps in one engine-core trace (`--trace-dir`; a traced update takes 1-3)
 
 
 def sync_learner() -> None:
@@ -212,6 +212,12 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
             import traceback
             traceback.print_exc()
             figures[f"{part}/error"] = f"{type(exc).__name__}: {exc}"[:500]
+    if trace_dir:  # after every part: vLLM's engine stays slower after its profiler window
+        try:
+            from colocate.benchmarks.sync import trace_first_tokens
+            figures.update(trace_first_tokens(s))
+        except Exception as exc:  # noqa: BLE001 - keep the parts' figures
+            figures["sync/trace_error"] = f"{type(exc).__name__}: {exc}"[:500]
     figures["engine/stats"] = dict(s.engine.counters)
     if partial:
         write_json_atomic(partial, {"shape": shape, "figures": figures})
@@ -239,7 +245,7 @@ def add_session_args(parser, *, others: str) -> None:
     parser.add_argument("--max-capture-tokens", type=int, default=2048,
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
     parser.add_argument("--trace-dir", default="",
-                        help="sync: also trace vLLM's engine core over 5 updates, each with its first token, "
+                        help="after the parts, trace vLLM's engine core over 5 updates, each with its first token, "
                              "into this folder; the record gets each trace's summary (scripts/trace_summary.py)")
 
 

@@ -117,10 +117,12 @@ def profiler_settings(profile_dir: str, steps: int) -> dict:
 # ---------------------------------------------------------------------------------- start-up
 
 def check_engine_args(lora_mode: str, jump_forward: int, async_scheduling: bool | None, max_num_seqs: int,
-                      max_num_batched_tokens: int) -> None:
+                      max_num_batched_tokens: int, cudagraph_mode: str = "") -> None:
     """Refuse combinations vLLM would reject later (after minutes of start-up) or run wrongly."""
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
+    if jump_forward and cudagraph_mode:  # jump_forward_settings captures its own piecewise graphs
+        raise ValueError("engine.cudagraph_mode cannot be set with engine.jump_forward")
     if jump_forward < 0:
         raise ValueError(f"engine.jump_forward={jump_forward} must be >= 0 (0 = off)")
     if jump_forward and async_scheduling:
@@ -254,7 +256,8 @@ class VLLMEngine:
                  max_num_batched_tokens: int = 0, validate_grammars: bool = True, jump_forward: int = 0,
                  profile_dir: str = "", profile_steps: int = 40, max_capture_tokens: int = 2048,
                  cudagraph_mode: str = ""):
-        check_engine_args(lora_mode, jump_forward, async_scheduling, max_num_seqs, max_num_batched_tokens)
+        check_engine_args(lora_mode, jump_forward, async_scheduling, max_num_seqs, max_num_batched_tokens,
+                          cudagraph_mode)
         from vllm import LLM
         if not validate_grammars:
             skip_client_grammar_validation()
