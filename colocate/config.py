@@ -37,7 +37,7 @@ _CHOICES = {
     ("model", "dtype"): ("float32", "bfloat16"),
     ("engine", "kind"): ("auto", "hf", "vllm"),
     ("engine", "lora_mode"): ("slot", "merged"),
-    ("engine", "cudagraph_mode"): ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE"),  # engine/vllm.py CUDAGRAPH_MODES
+    ("engine", "cudagraph_mode"): ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE"),  # engine/vllm_settings.py CUDAGRAPH_MODES
     ("env", "name"): ("arithmetic", "diplomacy"),
     ("loss", "norm"): ("grpo", "dapo", "dr_grpo"),
     ("loss", "impl"): ("auto", "triton", "torch"),

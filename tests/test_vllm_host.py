@@ -10,8 +10,9 @@ import torch
 
 from colocate.constraint import Constraint, ConstraintState
 from colocate.data import Request
-from colocate.engine.vllm import (REPO_ROOT, capture_sizes, completion_from_output, engine_environment,
-                                  engine_settings, lora_spec_for, sampled_logprobs, sampling_kwargs, visible_device)
+from colocate.engine.vllm import (REPO_ROOT, completion_from_output, engine_environment, lora_spec_for,
+                                  sampled_logprobs, sampling_kwargs, visible_device)
+from colocate.engine.vllm_settings import capture_sizes, engine_settings
 from colocate.engine.vllm_grammar import (completion_is_forced_eos, constraint_grammar, replay_allowed)
 from colocate.engine.vllm_sync import chunked_checksum
 from colocate.engine.vllm_worker import (AdapterSlot, MergedAdapter, lora_module_name, merge_plan, slot_plan,
@@ -375,7 +376,7 @@ def test_capture_sizes_cover_the_batch():
 
 
 def test_compilation_settings_capture_mixed_steps_up_to_the_token_budget():
-    from colocate.engine.vllm import compilation_settings
+    from colocate.engine.vllm_settings import compilation_settings
     # the streaming preset: 224 sequences, 1,024-token steps -> graphs up to 1,024 tokens
     assert compilation_settings(224, 1024, 2048)["cudagraph_capture_sizes"][-1] == 1024
     # vLLM's default budget (0): up to max_capture_tokens; 0 keeps decode sizes only
@@ -617,7 +618,7 @@ def test_vllm_poll_refuses_requests_vllm_does_not_know(monkeypatch):
 def test_jump_forward_settings_name_real_classes():
     import ast
     from colocate.engine import vllm_ff
-    from colocate.engine.vllm import jump_forward_settings
+    from colocate.engine.vllm_settings import jump_forward_settings
     s = jump_forward_settings(6, 224, 1024)
     assert s["speculative_config"]["method"] == "custom_class" and s["speculative_config"]["num_speculative_tokens"] == 6
     assert s["async_scheduling"] is False and s["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
@@ -634,7 +635,7 @@ def test_jump_forward_settings_name_real_classes():
 
 
 def test_engine_args_refused_before_vllm_starts():
-    from colocate.engine.vllm import check_engine_args
+    from colocate.engine.vllm_settings import check_engine_args
     check_engine_args("merged", 6, None, 224, 1024)  # merged: drafts may exceed the budget (vLLM trims)
     check_engine_args("slot", 6, None, 100, 1024)
     check_engine_args("slot", 0, None, 100, 1024, "FULL")
@@ -826,7 +827,7 @@ def test_forced_drafts_survive_vllms_mask_pass_on_diplomacy_grammars():
 
 
 def test_profiler_settings_trace_the_engine_core_for_a_bounded_number_of_steps():
-    from colocate.engine.vllm import profiler_settings
+    from colocate.engine.vllm_settings import profiler_settings
     s = profiler_settings("profiles/run/inference-engine", 40)
     assert s["profiler"] == "torch" and os.path.isabs(s["torch_profiler_dir"])  # vLLM requires an absolute path
     assert s["torch_profiler_dir"].endswith(os.path.join("profiles", "run", "inference-engine"))

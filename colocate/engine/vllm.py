@@ -30,126 +30,18 @@ from colocate.data import Completion, Request
 from colocate.engine.model_dir import ensure_model_dir
 from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
+from colocate.engine.vllm_settings import (check_engine_args, compilation_settings, engine_settings,
+                                           jump_forward_settings, profiler_settings)
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
 
 WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
-LORA_MODES = ("slot", "merged")
 TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                       "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
-PROMPT_BOUND = {"arithmetic": 64, "diplomacy": 1536}
-"""Upper bound of prompt tokens per environment, for max_model_len when the config leaves it 0."""
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# ---------------------------------------------------------------------------------- sizing
-
-def capture_sizes(max_num_seqs: int, max_tokens: int = 0) -> list[int]:
-    """CUDA-graph sizes in tokens per engine step: 1, 2, 4, 8, every 16 to 128, every 32 beyond, and
-    max_num_seqs itself (a decode step has one token per sequence; about half of vLLM's default
-    list at 512: start-up is dominated by compile and capture); then every 64 up to `max_tokens`
-    for mixed steps (prefill chunks + decodes), which vLLM runs without any graph above the largest
-    size."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
-    sizes += list(range(16, min(max_num_seqs, 128) + 1, 16)) + list(range(160, max_num_seqs + 1, 32))
-    if sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
-    sizes += list(range(-(-(max_num_seqs + 1) // 64) * 64, max_tokens + 1, 64))
-    if max_tokens > sizes[-1]:
-        sizes.append(max_tokens)
-    return sizes
-
-
-CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
-
-
-def compilation_settings(max_num_seqs: int, max_num_batched_tokens: int, max_capture_tokens: int,
-                         cudagraph_mode: str = "") -> dict:
-    """vLLM's `compilation_config`. Graphs are captured up to the step's token budget
-    (`max_num_batched_tokens`, vLLM's default when 0) but at most `max_capture_tokens`: a mixed step
-    larger than the largest graph runs every layer's kernels from Python, and with a small prefill
-    chunk (the streaming presets' 1,024 tokens) that is most steps of a rollout (session 10's engine
-    trace: 25-36 ms of host time for 8-21 ms of GPU work). `cudagraph_mode` "" keeps vLLM's
-    FULL_AND_PIECEWISE (full graphs for decode steps, piecewise for mixed ones, attention between
-    the pieces run eagerly); FULL replays mixed steps as full graphs too (FlashAttention 3)."""
-    if cudagraph_mode not in CUDAGRAPH_MODES:
-        raise ValueError(f"engine.cudagraph_mode={cudagraph_mode!r} is not one of {CUDAGRAPH_MODES}")
-    budget = max_num_batched_tokens if max_num_batched_tokens > 0 else max_capture_tokens
-    out = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs, min(budget, max_capture_tokens))}
-    if cudagraph_mode:
-        out["cudagraph_mode"] = cudagraph_mode
-    return out
-
-
-def requests_per_round(cfg, num_inference: int) -> int:
-    """Prompts one inference rank sends to `generate` at once (every live game's every power)."""
-    per_game = 7 if cfg.env.name == "diplomacy" else 1
-    most_groups = -(-cfg.rollout.groups_per_step // num_inference)  # the first ranks may take one more
-    return max(1, most_groups) * cfg.rollout.group_size * per_game
-
-
-def engine_settings(cfg, num_inference: int, seed: int) -> dict:
-    """Keyword arguments of `VLLMEngine` (besides model_dir) sized from config and workload."""
-    max_num_seqs = max(1, min(cfg.engine.max_num_seqs, requests_per_round(cfg, num_inference)))
-    max_model_len = cfg.engine.max_model_len or \
-        -(-(PROMPT_BOUND.get(cfg.env.name, 1024) + cfg.engine.max_new_tokens) // 64) * 64
-    return dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-                gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
-                enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
-                lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
-                validate_grammars=cfg.engine.validate_grammars, jump_forward=cfg.engine.jump_forward,
-                max_capture_tokens=cfg.engine.max_capture_tokens, cudagraph_mode=cfg.engine.cudagraph_mode)
-
-
-def profiler_settings(profile_dir: str, steps: int) -> dict:
-    """vLLM's `profiler_config`: a torch.profiler trace of the engine core's worker (CPU and GPU)
-    between `start_profile` and `stop_profile`, at most `steps` engine steps, gzipped, no stacks.
-    No kernel table at the stop (vLLM would build and print one inside the step that ends the
-    window, stalling the engine mid-batch); no front-end trace (the LLM client is ours to profile)."""
-    if steps < 1:  # vLLM reads max_iterations 0 as "no limit"
-        raise ValueError(f"profiler_settings: steps must be >= 1, got {steps}")
-    return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(profile_dir), "torch_profiler_with_stack": False,
-            "torch_profiler_use_gzip": True, "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True,
-            "max_iterations": steps}
-
-
 # ---------------------------------------------------------------------------------- start-up
-
-def check_engine_args(lora_mode: str, jump_forward: int, async_scheduling: bool | None, max_num_seqs: int,
-                      max_num_batched_tokens: int, cudagraph_mode: str = "") -> None:
-    """Refuse combinations vLLM would reject later (after minutes of start-up) or run wrongly."""
-    if lora_mode not in LORA_MODES:
-        raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
-    if jump_forward and cudagraph_mode:  # jump_forward_settings captures its own piecewise graphs
-        raise ValueError("engine.cudagraph_mode cannot be set with engine.jump_forward")
-    if jump_forward < 0:
-        raise ValueError(f"engine.jump_forward={jump_forward} must be >= 0 (0 = off)")
-    if jump_forward and async_scheduling:
-        raise ValueError("engine.jump_forward needs vLLM's synchronous scheduling (async_scheduling off)")
-    if jump_forward and lora_mode == "slot" and 0 < max_num_batched_tokens < max_num_seqs * (1 + jump_forward):
-        # vLLM refuses LoRA with speculative decoding when a step of full drafts cannot fit the budget
-        raise ValueError(f"engine.jump_forward={jump_forward} with lora_mode=slot needs "
-                         f"engine.max_num_batched_tokens >= max_num_seqs * (1 + jump_forward) = "
-                         f"{max_num_seqs * (1 + jump_forward)} (or lora_mode=merged)")
-
-
-def jump_forward_settings(max_forced: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
-    """`LLM` arguments for `engine.jump_forward` (engine/vllm_ff.py): drafts of up to `max_forced`
-    grammar-forced tokens per request and step, through vLLM's custom-class speculative decoding,
-    which runs only with synchronous scheduling. A step now carries up to 1 + max_forced tokens per
-    sequence, so the CUDA graphs are captured by tokens, up to the step's token budget."""
-    if max_forced < 1:
-        raise ValueError(f"engine.jump_forward={max_forced} must be >= 1 to turn it on")
-    # Drafts vary in length per request, so vLLM's full decode graphs (all requests K drafts) would
-    # never replay: capture piecewise graphs only, by tokens, up to the step's token budget.
-    tokens = min(max_num_seqs * (1 + max_forced), max_num_batched_tokens if max_num_batched_tokens > 0 else 2048)
-    return {"speculative_config": {"method": "custom_class", "model": "colocate.engine.vllm_ff.NoDraft",
-                                   "num_speculative_tokens": max_forced},
-            "scheduler_cls": "colocate.engine.vllm_ff.ForcedDraftScheduler",
-            "async_scheduling": False,
-            "compilation_config": {"cudagraph_capture_sizes": capture_sizes(tokens), "cudagraph_mode": "PIECEWISE"}}
-
 
 def visible_device(local_rank: int) -> str:
     """The physical GPU of `local_rank`, honouring a CUDA_VISIBLE_DEVICES already set."""
