@@ -125,8 +125,8 @@ def trace_kernels(events: list[dict]) -> list[tuple[str, float, float]]:
             if e.get("ph") == "X" and e.get("cat") in GPU_TRACE_CATEGORIES and "ts" in e]
 
 
-# Host-side categories worth a total: annotated regions (vLLM's "gpu_model_runner: forward" etc.),
-# their GPU-side spans, and CUDA runtime calls (cudaGraphLaunch against cudaLaunchKernel says
+# Host-side categories worth a total: annotated regions (vLLM 0.25 names each engine step by its
+# prefill and decode tokens, "execute_context_1(64)_generation_0(0)"), their GPU-side spans, and CUDA runtime calls (cudaGraphLaunch against cudaLaunchKernel says
 # whether a step replayed a CUDA graph or launched kernel by kernel).
 HOST_TRACE_CATEGORIES = ("user_annotation", "gpu_user_annotation", "cuda_runtime", "cuda_driver")
 

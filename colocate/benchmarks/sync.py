@@ -36,6 +36,24 @@ def first_token_probe(s: Session) -> list[Request]:
                               max_new_tokens=1, constrained=False)
 
 
+def timed_update(s: Session, probe: list[Request]) -> dict:
+    """One learner step's adapter to the first token sampled with it, each part timed (ms):
+    step end -> enqueue send (gather: one multi-tensor copy) -> worker receive + apply -> first token."""
+    s.step_adapter()
+    sync_learner()
+    t0 = time.perf_counter()                                   # learner step end
+    s.sender.send(s.gather(), s.version, wait=False)
+    t1 = time.perf_counter()
+    got = s.engine.receive_lora()
+    t2 = time.perf_counter()
+    (c,) = s.engine.generate(probe)
+    t3 = time.perf_counter()
+    assert c.version == s.version == got["version"]
+    sync_learner()
+    return {"send_enqueue_ms": (t1 - t0) * 1e3, "receive_apply_ms": (t2 - t1) * 1e3,
+            "first_token_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3, "apply_ms": got["apply_ms"]}
+
+
 def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     probe = first_token_probe(s)
     out = {}
@@ -53,26 +71,9 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     out["sync/checksum"] = chunked_checksum(learner_bytes)
     out["sync/adapter_mb"] = s.spec.numel * s.spec.dtype.itemsize / 1e6
     # Ours: step end -> enqueue send -> worker receive+apply -> first token with the new version.
-    parts = {"send_enqueue_ms": [], "receive_apply_ms": [], "first_token_ms": [], "total_ms": [], "apply_ms": []}
-    for i in range(warmup + iters):
-        s.step_adapter()
-        sync_learner()
-        t0 = time.perf_counter()                                   # learner step end
-        s.sender.send(s.gather(), s.version, wait=False)           # gather (one multi-tensor copy) + send
-        t1 = time.perf_counter()
-        got = s.engine.receive_lora()
-        t2 = time.perf_counter()
-        (c,) = s.engine.generate(probe)
-        t3 = time.perf_counter()
-        assert c.version == s.version == got["version"]
-        sync_learner()
-        if i >= warmup:
-            for k, v in (("send_enqueue_ms", t1 - t0), ("receive_apply_ms", t2 - t1), ("first_token_ms", t3 - t2),
-                         ("total_ms", t3 - t0)):
-                parts[k].append(v * 1e3)
-            parts["apply_ms"].append(got["apply_ms"])
-    for k, v in parts.items():
-        out[f"sync/ours_{k}"] = statistics.median(v)
+    runs = [timed_update(s, probe) for _ in range(warmup + iters)][warmup:]
+    for k in runs[0]:
+        out[f"sync/ours_{k}"] = statistics.median(r[k] for r in runs)
     # The same first token without any update (what sampling costs anyway).
     out["sync/first_token_no_update_ms"] = 1e3 * median_time(lambda: s.engine.generate(probe), warmup=0, iters=iters)
     out.update(first_token_breakdown(s, probe, iters))
@@ -123,20 +124,11 @@ def trace_first_tokens(s: Session, cycles: int = 5) -> dict:
     probe = first_token_probe(s)
     pattern = os.path.join(s.engine.profile_dir, "**", "*.json*")
     before = set(glob.glob(pattern, recursive=True))
-    walls = []
     s.engine.start_profile()
     try:
-        for _ in range(cycles):
-            s.step_adapter()
-            sync_learner()
-            t0 = time.perf_counter()
-            s.sender.send(s.gather(), s.version, wait=False)
-            s.engine.receive_lora()
-            s.engine.generate(probe)
-            walls.append((time.perf_counter() - t0) * 1e3)
+        walls = [timed_update(s, probe)["total_ms"] for _ in range(cycles)]
     finally:
         s.engine.stop_profile()
-    sync_learner()
     files = sorted(set(glob.glob(pattern, recursive=True)) - before)
     return {"sync/trace_cycles": cycles, "sync/trace_cycle_ms": walls,  # profiled: slower than untraced
             "sync/trace": [summarize_trace(p) for p in files]}

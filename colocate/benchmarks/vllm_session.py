@@ -240,7 +240,8 @@ def add_session_args(parser, *, others: str) -> None:
     parser.add_argument("--jump-forward", type=int, default=0,
                         help="engine.jump_forward: grammar-forced tokens per step as exact speculative drafts "
                              "(0 = off; needs synchronous scheduling, which it selects)")
-    parser.add_argument("--cudagraph-mode", default="", choices=("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE"),
+    from colocate.engine.vllm_settings import CUDAGRAPH_MODES
+    parser.add_argument("--cudagraph-mode", default="", choices=CUDAGRAPH_MODES,
                         help="engine.cudagraph_mode (default: vLLM's FULL_AND_PIECEWISE)")
     parser.add_argument("--max-capture-tokens", type=int, default=2048,
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
