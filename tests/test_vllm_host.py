@@ -397,6 +397,42 @@ def test_engine_settings_from_config(tiny_cfg):
     assert engine_settings(tiny_cfg, num_inference=3, seed=0)["max_num_seqs"] == 6 * 8
 
 
+def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg):
+    """config -> engine_settings -> VLLMEngine -> the kwargs `vllm.LLM` receives (a stand-in vllm
+    module records them): CUDA graphs up to the step's token budget, the configured graph mode."""
+    import dataclasses
+    import sys
+    import types
+    from colocate.engine.vllm import VLLMEngine
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def collective_rpc(self, method, args=()):
+            return [{"method": method}]
+
+    lora_request = types.ModuleType("vllm.lora.request")
+    lora_request.LoRARequest = lambda **kw: SimpleNamespace(**kw)
+    for name, module in (("vllm", types.ModuleType("vllm")), ("vllm.lora", types.ModuleType("vllm.lora")),
+                         ("vllm.lora.request", lora_request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["vllm"].LLM = LLM
+    cfg = dataclasses.replace(tiny_cfg, engine=dataclasses.replace(
+        tiny_cfg.engine, max_num_batched_tokens=1024, max_capture_tokens=2048, cudagraph_mode="FULL"))
+    settings = engine_settings(cfg, num_inference=2, seed=0)
+    spec = LoraSpec.of({"a": torch.zeros(2, 3)})
+    engine = VLLMEngine("/nowhere", spec, eos_id=2, **settings)
+    compilation = seen["compilation_config"]
+    assert compilation["cudagraph_mode"] == "FULL" and seen["max_num_batched_tokens"] == 1024
+    assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings["max_num_seqs"], 1024)
+    assert compilation["cudagraph_capture_sizes"][-1] == 1024 and engine.slot_info["method"] == "colocate_init_adapter"
+    # max_capture_tokens 0: decode sizes only (the pre-session-10 behaviour)
+    VLLMEngine("/nowhere", spec, eos_id=2, **{**settings, "max_capture_tokens": 0, "cudagraph_mode": ""})
+    assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings["max_num_seqs"])}
+
+
 def test_skip_client_grammar_validation_replaces_vllms_check(monkeypatch):
     import sys
     import types
