@@ -50,6 +50,13 @@ import time
 import torch
 
 PEAK_FLOPS = 790e12
+# Variants that differ from packed only in the learner's settings, each run last at its own budget:
+# kind -> (budget argument, learner settings beyond packed's, from the benchmark's arguments)
+LEARNER_VARIANTS = {
+    "compiled": ("compile_budget", lambda args: {"compile": True}),
+    "gathered": ("gathered_budget", lambda args: {"reshard_after_forward": False}),
+    "prefetch": ("prefetch_budget", lambda args: {"prefetch_blocks": args.get("prefetch_blocks", 2)}),
+}
 
 
 def add_args(parser) -> None:
@@ -226,14 +233,13 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
                                  scale=scale)
     stats = _batch_stats(batch, device)
 
-    def config(ac: bool, budget: int, compile_blocks: bool = False, reshard: bool = True, prefetch: int = 0):
+    def config(ac: bool, budget: int, **learner):
         return load_config(None, {
             "model": {"shape": shape, "dtype": "bfloat16" if cuda else "float32", "seed": 0},
             "lora": {"rank": args["lora_rank"], "alpha": 2.0 * args["lora_rank"]},
             "engine": {"max_new_tokens": 100, "temperature": 1.0},
             "learner": {"lr": 1e-5, "micro_batch_tokens": budget, "activation_checkpointing": ac, "fsdp": True,
-                        "compile": compile_blocks, "reshard_after_forward": reshard, "prefetch_blocks": prefetch,
-                        "attention": "auto", "max_policy_lag": 1_000_000},
+                        "attention": "auto", "max_policy_lag": 1_000_000, **learner},
             "loss": {"beta": 0.0, "norm": "dapo", "impl": loss_impl},
         })
 
@@ -254,9 +260,7 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
               + ([("sdpa", sdpa_budget)] if sdpa_budget else [])),
              (True, [("ac", ac_budget)] if ac_budget else []),
              (False, [("packed", args["extra_budget"])] if args["extra_budget"] else []),
-             (False, [("compiled", args["compile_budget"])] if args["compile_budget"] else []),
-             (False, [("gathered", args["gathered_budget"])] if args.get("gathered_budget") else []),
-             (False, [("prefetch", args["prefetch_budget"])] if args.get("prefetch_budget") else [])]
+             *[(False, [(kind, args[arg])]) for kind, (arg, _) in LEARNER_VARIANTS.items() if args.get(arg)]]
     for ac, variants in plans:
         if not variants:
             continue
@@ -265,9 +269,8 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
             continue
         t0 = time.perf_counter()
         kind0 = variants[0][0]
-        prefetch = args.get("prefetch_blocks", 2) if kind0 == "prefetch" else 0
-        learner, p_blocks = _build(config(ac, variants[0][1] or budgets[0], kind0 == "compiled",
-                                          reshard=kind0 != "gathered", prefetch=prefetch), topo, vocab)
+        settings = LEARNER_VARIANTS[kind0][1](args) if kind0 in LEARNER_VARIANTS else {}
+        learner, p_blocks = _build(config(ac, variants[0][1] or budgets[0], **settings), topo, vocab)
         build_s = time.perf_counter() - t0
         _log0(rank, f"built {shape} (ac={ac}) in {build_s:.1f}s")
         if "check" not in record:
@@ -464,7 +467,7 @@ def _check_packed_equals_padded(learner, batch, device, attention) -> dict:
 def _summarize(record: dict) -> None:
     by_name = {v["name"]: v for v in record["variants"]}
     base = by_name.get("padded")
-    packed = [v for v in record["variants"] if v["kind"] in ("packed", "compiled", "gathered", "prefetch")]
+    packed = [v for v in record["variants"] if v["kind"] == "packed" or v["kind"] in LEARNER_VARIANTS]
     if base:
         record["baseline"] = {"padded_tokens_per_s": base["tokens_per_s"], "padded_mfu": base["mfu"],
                               "padded_step_s": base["step_s"], "padded_peak_gb": max(base["peak_gb"])}
