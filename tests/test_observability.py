@@ -158,7 +158,7 @@ def test_trainer_profile_traces_a_variant_step(tmp_path):
     out = tmp_path / "trainer.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--profile", "trainer", "--quick", "--budgets", "256",
            "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256", "--prefetch-budget", "256",
-           "--trace-variant", " packed-256,nope",
+           "--trace-variant", " packed-256,nope", "--trace-host",
            "--trace-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,8 +171,36 @@ def test_trainer_profile_traces_a_variant_step(tmp_path):
     trace = record["traces"]["packed-256"]
     assert trace["wall_ms"] > 0 and trace["median_step_ms"] > 0
     assert trace["num_kernels"] == 0 and trace["gpu_idle_fraction"] == 1.0  # CPU: no GPU kernels to count
+    assert trace["host_gaps"] == [] and trace["gc"]["count"] >= 0  # no GPU gaps; GC pauses counted
     with gzip.open(tmp_path / "trace-packed-256-rank0.json.gz", "rt") as f:
         assert "traceEvents" in json.load(f)
+
+
+def test_gap_host_context_names_what_the_host_did_in_the_longest_gaps():
+    from colocate.benchmarks.common import gap_host_context, idle_gaps
+    kernels = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 120.0, 130.0), ("d", 135.0, 140.0)]
+    busy, gaps = idle_gaps(kernels)
+    assert busy == 35.0 and [(s, e) for s, e, _, _ in gaps] == [(20.0, 120.0), (130.0, 135.0)]
+    host = [("learner/pack", 15.0, 125.0), ("aten::cat", 30.0, 50.0), ("gc gen 2", 60.0, 110.0),
+            ("later", 200.0, 210.0)]
+    ctx = gap_host_context(kernels, host, gaps=1)
+    assert len(ctx) == 1 and ctx[0]["gap_ms"] == pytest.approx(0.1)
+    assert (ctx[0]["after"], ctx[0]["before"]) == ("b", "c")
+    assert [h[0] for h in ctx[0]["host"]] == ["learner/pack", "gc gen 2", "aten::cat"]  # by gap covered
+    assert ctx[0]["host"][0][1:] == [pytest.approx(0.1), pytest.approx(0.11)]
+
+
+def test_gc_pauses_are_timed_and_annotated_in_a_profile():
+    import gc
+    from torch.profiler import ProfilerActivity, profile
+    from colocate.benchmarks.common import GcPauses
+    with profile(activities=[ProfilerActivity.CPU]) as prof, GcPauses() as pauses:
+        gc.collect()
+    assert pauses.summary()["count"] >= 1 and pauses.summary()["gen2"] >= 1
+    assert any(e.name == "gc gen 2" for e in prof.events())
+    seen = pauses.summary()["count"]
+    gc.collect()  # after the context: not recorded
+    assert pauses.summary()["count"] == seen
 
 
 def test_summarize_trace_reads_the_gpu_events_of_a_chrome_trace(tmp_path):

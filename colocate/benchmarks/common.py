@@ -66,6 +66,26 @@ def kernel_family(name: str) -> str:
     return "other"  # elementwise, reductions, copies, memsets, optimizer
 
 
+def idle_gaps(kernels: list[tuple[str, float, float]]) -> tuple[float, list[tuple[float, float, str, str]]]:
+    """GPU kernels (name, start_us, end_us), any streams -> (busy us: the union of their intervals,
+    idle gaps [(start_us, end_us, the kernel that ended last before it, the one that started it)]
+    in time order)."""
+    spans = sorted((s, e, name) for name, s, e in kernels if e > s)
+    busy, cur_s, cur_e, last = 0.0, None, None, ""
+    gaps: list[tuple[float, float, str, str]] = []
+    for s, e, name in spans:  # union of [s, e) intervals
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                gaps.append((cur_e, s, last, name))
+            cur_s, cur_e, last = s, e, name
+        elif e > cur_e:
+            cur_e, last = e, name
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy, gaps
+
+
 def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top: int = 15) -> dict:
     """GPU kernels of one timed region -> where its time went.
 
@@ -75,20 +95,9 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
     count twice there), the `top` kernel names by summed time, and the longest idle gaps between
     kernels ([gap ms, the kernel that ended last before it, the one that started it]: what the GPU
     waited between; "gaps_over_100us" counts and sums those longer than 0.1 ms)."""
-    spans = sorted((s, e, name) for name, s, e in kernels if e > s)
-    busy, cur_s, cur_e, last = 0.0, None, None, ""
-    gaps: list[tuple[float, str, str]] = []
-    for s, e, name in spans:  # union of [s, e) intervals
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-                gaps.append((s - cur_e, last, name))
-            cur_s, cur_e, last = s, e, name
-        elif e > cur_e:
-            cur_e, last = e, name
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    long_gaps = [g for g, _, _ in gaps if g > 100.0]
+    busy, gaps = idle_gaps(kernels)
+    lengths = [(e - s, a, b) for s, e, a, b in gaps]
+    long_gaps = [g for g, _, _ in lengths if g > 100.0]
     families: dict[str, float] = {}
     names: dict[str, float] = {}
     for name, s, e in kernels:
@@ -102,7 +111,57 @@ def kernel_summary(kernels: list[tuple[str, float, float]], wall_us: float, top:
             "family_ms": {k: v / 1e3 for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[n[:160], t / 1e3] for n, t in top_names],
             "gaps_over_100us": {"count": len(long_gaps), "ms": sum(long_gaps) / 1e3},
-            "longest_gaps_ms": [[g / 1e3, a[:80], b[:80]] for g, a, b in sorted(gaps, key=lambda x: -x[0])[:top]]}
+            "longest_gaps_ms": [[g / 1e3, a[:80], b[:80]] for g, a, b in sorted(lengths, key=lambda x: -x[0])[:top]]}
+
+
+def gap_host_context(kernels: list[tuple[str, float, float]], host: list[tuple[str, float, float]],
+                     gaps: int = 3, top: int = 8) -> list[dict]:
+    """What the host was doing while the GPU idled: for each of the `gaps` longest idle gaps, the
+    `top` host events (name, start_us, end_us: annotations, operators, GC pauses) by how much of
+    the gap they cover ([name, ms of the gap covered, the event's own ms]). Nested events each
+    count their own overlap, so an annotation and the operator inside it both show."""
+    _, idle = idle_gaps(kernels)
+    out = []
+    for s, e, before, after in sorted(idle, key=lambda g: g[0] - g[1])[:gaps]:
+        cover = [(name, min(e, he) - max(s, hs), he - hs) for name, hs, he in host if hs < e and he > s]
+        cover.sort(key=lambda c: -c[1])
+        out.append({"gap_ms": (e - s) / 1e3, "after": before[:80], "before": after[:80],
+                    "host": [[n[:100], c / 1e3, d / 1e3] for n, c, d in cover[:top]]})
+    return out
+
+
+class GcPauses:
+    """Python garbage-collector pauses while active (`gc.callbacks`): each pause is timed and, under
+    a torch.profiler, annotated in its trace as "gc gen N" (a `record_function` opened at the
+    collection's start and closed at its stop), so `gap_host_context` can name it."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._open = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._open = (time.perf_counter(), torch.autograd.profiler.record_function(f"gc gen {info['generation']}"))
+            self._open[1].__enter__()
+        elif self._open is not None:
+            t0, annotation = self._open
+            annotation.__exit__(None, None, None)
+            self.pauses.append((info["generation"], time.perf_counter() - t0))
+            self._open = None
+
+    def __enter__(self):
+        import gc
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        return {"count": len(self.pauses), "ms": sum(t for _, t in self.pauses) * 1e3,
+                "longest_ms": max((t for _, t in self.pauses), default=0.0) * 1e3,
+                "gen2": sum(1 for g, _ in self.pauses if g == 2)}
 
 
 GPU_TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

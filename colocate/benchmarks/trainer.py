@@ -92,6 +92,10 @@ def add_args(parser) -> None:
                              "gaps go in the record under 'traces'")
     parser.add_argument("--trace-dir", default="",
                         help="also write those steps' Chrome traces here (trace-<variant>-rank0.json.gz)")
+    parser.add_argument("--trace-host", action="store_true",
+                        help="profile the traced steps' host side too (CPU operators, the learner's annotations, "
+                             "GC pauses): 'host_gaps' then names what the host did in the GPU's longest idle gaps "
+                             "(the step runs slower under it)")
 
 
 def run(args) -> dict:
@@ -297,7 +301,8 @@ def _measure(rank: int, world: int, device: torch.device, args: dict, result_pat
                     os.makedirs(args["trace_dir"], exist_ok=True)
                     out = os.path.join(args["trace_dir"], f"trace-{result['name']}-rank0.json.gz")
                 try:
-                    trace = {"median_step_ms": result["step_s"] * 1e3, **_trace_step(learner, batch, device, out)}
+                    traced = _trace_step(learner, batch, device, out, host=bool(args.get("trace_host")))
+                    trace = {"median_step_ms": result["step_s"] * 1e3, **traced}
                     record.setdefault("traces", {})[result["name"]] = trace
                     _log0(rank, f"trace of {result['name']}: {json.dumps(trace)[:600]}")
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory under the profiler: keep the rest
@@ -422,28 +427,37 @@ def _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, de
             "reserved_gb": [float(p[1]) for p in peaks], "loss": out["loss"], "grad_norm": out["grad_norm"]}
 
 
-def _trace_step(learner, batch, device, trace_out: str) -> dict:
+def _trace_step(learner, batch, device, trace_out: str, host: bool = False) -> dict:
     """One learner step under torch.profiler (GPU kernels only, to keep its host overhead small):
-    where the step's GPU time goes (`common.kernel_summary`). The step runs as timed before it;
-    `trace_out` (.json.gz or .json, "" for none) gets the Chrome trace."""
+    where the step's GPU time goes (`common.kernel_summary`) and the GC pauses in it. `host` adds
+    the CPU side (operators, the learner's `learner/...` annotations, "gc gen N"), and under
+    "host_gaps" what the host did during the GPU's longest idle gaps. The step runs as timed before
+    it; `trace_out` (.json.gz or .json, "" for none) gets the Chrome trace."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    from colocate.benchmarks.common import kernel_summary
+    from colocate.benchmarks.common import GcPauses, gap_host_context, kernel_summary
     cuda = device.type == "cuda"
     batch.versions[:] = learner.version
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if host and cuda:
+        activities.append(ProfilerActivity.CPU)
+    with profile(activities=activities) as prof, GcPauses() as gc_pauses:
         t0 = time.perf_counter()
         learner.train_step(batch)
         if cuda:
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == DeviceType.CUDA]
+    events = prof.events()
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
     if trace_out:
         prof.export_chrome_trace(trace_out)  # torch gzips it when the name ends in .gz
-    return kernel_summary(kernels, wall_us)
+    summary = {**kernel_summary(kernels, wall_us), "gc": gc_pauses.summary()}
+    if host:  # on CPU there are no GPU gaps to explain: an empty list
+        cpu = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CPU]
+        summary["host_gaps"] = gap_host_context(kernels, cpu)
+    return summary
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from colocate.data import TrajectoryBatch
 from colocate.kernels import grpo_loss, restrict_to_allowed
@@ -114,6 +115,36 @@ class Learner:
             logits, targets = restrict_to_allowed(logits, targets, allowed)
         return per_token_logprobs(logits, targets, self.cfg.engine.temperature)
 
+    def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
+                          num_tokens: float) -> tuple[int, float, dict[str, float]]:
+        """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
+        rank runs as many passes as the busiest one) -> (model tokens, completion tokens, sums of the
+        loss and the token-weighted stats)."""
+        cfg = self.cfg
+        if item is None:
+            logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
+            (logits.sum() * 0.0).backward()
+            return 0, 0.0, {}
+        sub, mb = item
+        allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
+        ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
+        adv_tok = sub.advantages.to(self.device)[mb.seq_ids]
+        logits = micro_batch_logits(self.model, mb)
+        loss, stats = grpo_loss(
+            logits, mb.targets, torch.ones_like(mb.targets, dtype=torch.bool),
+            sub.behaviour_logprobs.to(self.device), adv_tok, ref,
+            temperature=cfg.engine.temperature, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+            beta=cfg.loss.beta, norm=cfg.loss.norm,
+            # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
+            seq_ids=mb.seq_ids, num_seqs=num_seqs, max_len=cfg.engine.max_new_tokens,
+            num_tokens=num_tokens, allowed_ids=allowed, impl=cfg.loss.impl)
+        loss.backward()
+        del logits
+        n = float(stats["num_tokens"])
+        sums = {"loss": float(loss.detach())}
+        sums.update({k: float(stats[k]) * n for k in ("clip_fraction", "kl", "ratio")})
+        return mb.num_tokens, n, sums
+
     # ---- the step ---------------------------------------------------------------------------------
 
     def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
@@ -124,7 +155,8 @@ class Learner:
         dropped = batch.num_sequences - len(keep)
         if dropped:
             batch = batch.select(keep)
-        work = self.micro_batches(batch) if keep else []
+        with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
+            work = self.micro_batches(batch) if keep else []
         # Global normalizers over all learner ranks.
         counts = self._all_reduce(torch.tensor(
             [float(batch.num_completion_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
@@ -139,50 +171,33 @@ class Learner:
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0}
         tokens_done = model_tokens = 0
         for i in range(num_micro):
-            if i >= len(work):
-                logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
-                (logits.sum() * 0.0).backward()
-                continue
-            sub, mb = work[i]
-            allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
-            ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
-            adv_tok = sub.advantages.to(self.device)[mb.seq_ids]
-            logits = micro_batch_logits(self.model, mb)
-            loss, stats = grpo_loss(
-                logits, mb.targets, torch.ones_like(mb.targets, dtype=torch.bool),
-                sub.behaviour_logprobs.to(self.device), adv_tok, ref,
-                temperature=cfg.engine.temperature, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
-                beta=cfg.loss.beta, norm=cfg.loss.norm,
-                # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
-                seq_ids=mb.seq_ids, num_seqs=num_seqs, max_len=cfg.engine.max_new_tokens,
-                num_tokens=num_tokens, allowed_ids=allowed, impl=cfg.loss.impl)
-            loss.backward()
-            del logits
-            n = float(stats["num_tokens"])
+            with record_function("learner/micro_batch"):
+                tokens, n, sums_i = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
             tokens_done += int(n)
-            model_tokens += mb.num_tokens
-            totals["loss"] += float(loss.detach())
-            for k in ("clip_fraction", "kl", "ratio"):
-                totals[k] += float(stats[k]) * n
+            model_tokens += tokens
+            for k, v in sums_i.items():
+                totals[k] += v
         if not self.use_fsdp and self.topology.num_learners > 1:
             # Sum adapter gradients over learner ranks (the loss is already globally normalized).
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.topology.learner_group)
-        max_norm = cfg.learner.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP: the global norm
-            grad_norm = grad_norm.full_tensor()
-        sums = self._all_reduce(torch.tensor([totals["loss"], totals["clip_fraction"], totals["kl"],
-                                              totals["ratio"], float(tokens_done), float(model_tokens)],
-                                             device=self.device))
-        # A non-finite loss or gradient skips the update on every rank alike (both values are global);
-        # the version still advances, so the step protocol with the inference ranks is unchanged.
-        skipped = not (torch.isfinite(sums[0]) and torch.isfinite(grad_norm))
-        if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("learner/optimizer"):
+            max_norm = cfg.learner.max_grad_norm
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
+            if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP: the global norm
+                grad_norm = grad_norm.full_tensor()
+            sums = self._all_reduce(torch.tensor([totals["loss"], totals["clip_fraction"], totals["kl"],
+                                                  totals["ratio"], float(tokens_done), float(model_tokens)],
+                                                 device=self.device))
+            # A non-finite loss or gradient skips the update on every rank alike (both values are
+            # global); the version still advances, so the step protocol with the inference ranks is
+            # unchanged.
+            skipped = not (torch.isfinite(sums[0]) and torch.isfinite(grad_norm))
+            if not skipped:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
         denom = max(float(sums[4]), 1.0)
