@@ -35,7 +35,7 @@ from colocate.learner.loop import run_learner
 from colocate.lifecycle import StopSignal
 from colocate.models import add_lora, build_model, load_tokenizer, materialize
 from colocate.rollout.loop import run_inference
-from colocate.topology import Topology, build_topology
+from colocate.topology import Topology, build_topology, split_cpu_threads
 
 
 def parse_config(argv: list[str]) -> tuple[Config, bool]:
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         kind = "config" if isinstance(e, ConfigError) else "checkpoint"
         print(f"colocate: {kind} error: {e}", file=sys.stderr)
         sys.exit(2)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     stop = StopSignal().install()
     topo = build_topology(cfg)
     if topo.rank == 0:

@@ -177,3 +177,35 @@ def test_set_prefetch_names_the_next_blocks_forward_and_the_previous_ones_backwa
     assert all(b.forward is None and b.backward is None for b in untouched)
     with pytest.raises(ValueError, match="prefetch_blocks must be >= 0"):
         set_prefetch(blocks, -1)
+
+
+def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, tiny_tokenizer):
+    """train_step accumulates the loss and the token-weighted stats on the device over several
+    micro-batches; they equal one loss call over the whole batch packed as one micro-batch."""
+    from colocate.kernels import grpo_loss
+    from colocate.learner.learner import Learner
+    from colocate.learner.packing import completion_logits, packed_micro_batch
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    cfg, tok = _setup(tiny_cfg.model.cache_dir, {"fsdp": False})
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    learner = Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok)
+    batch = random_batch(len(tok), SHAPES)
+    batch.versions[:] = learner.version
+    assert len(learner.micro_batches(batch)) >= 3  # the budget (32 tokens) splits it
+    whole = packed_micro_batch(batch, learner.device, learner.attention)
+    with torch.no_grad():
+        ref = learner.reference_logprobs(whole, None)
+        loss, stats = grpo_loss(
+            completion_logits(learner.model, whole), whole.targets, torch.ones_like(whole.targets, dtype=torch.bool),
+            batch.behaviour_logprobs, batch.advantages[whole.seq_ids], ref, temperature=cfg.engine.temperature,
+            eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high, beta=cfg.loss.beta, norm=cfg.loss.norm,
+            seq_ids=whole.seq_ids, num_seqs=batch.num_sequences, max_len=cfg.engine.max_new_tokens,
+            num_tokens=batch.num_completion_tokens, impl="torch")
+    got = learner.train_step(batch)
+    assert got["tokens"] == float(stats["num_tokens"]) == batch.num_completion_tokens
+    assert got["model_tokens"] == int(batch.seq_lens.sum()) == whole.num_tokens
+    for key, want in (("loss", loss), ("clip_fraction", stats["clip_fraction"]), ("kl", stats["kl"]),
+                      ("ratio", stats["ratio"])):
+        assert got[key] == pytest.approx(float(want), rel=1e-5, abs=1e-7), key

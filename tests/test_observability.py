@@ -190,6 +190,19 @@ def test_gap_host_context_names_what_the_host_did_in_the_longest_gaps():
     assert ctx[0]["host"][0][1:] == [pytest.approx(0.1), pytest.approx(0.11)]
 
 
+def test_profiler_gpu_work_leaves_out_annotation_spans():
+    from types import SimpleNamespace as NS
+    from torch.autograd import DeviceType
+    from colocate.benchmarks.common import profiler_gpu_work
+
+    def ev(name, start, end, device, annotation=False):
+        return NS(name=name, time_range=NS(start=start, end=end), device_type=device, is_user_annotation=annotation)
+    events = [ev("aten::mm", 0, 5, DeviceType.CPU), ev("nvjet_gemm", 2, 4, DeviceType.CUDA),
+              ev("learner/micro_batch", 1, 90, DeviceType.CUDA, annotation=True),  # its GPU-side span
+              ev("Memcpy HtoD", 50, 51, DeviceType.CUDA)]
+    assert profiler_gpu_work(events) == [("nvjet_gemm", 2, 4), ("Memcpy HtoD", 50, 51)]
+
+
 def test_gc_pauses_are_timed_and_annotated_in_a_profile():
     import gc
     from torch.profiler import ProfilerActivity, profile

@@ -68,3 +68,17 @@ def test_eight_rank_topology_trains_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["num_inference"], summary["num_learners"], summary["steps"]) == (4, 4, 3)
+
+
+def test_split_cpu_threads_gives_each_local_rank_its_share_of_the_cores(monkeypatch):
+    import torch
+    from colocate import topology
+    before = torch.get_num_threads()
+    monkeypatch.setattr(topology.os, "cpu_count", lambda: 64)
+    try:
+        assert topology.split_cpu_threads(4) == 16 and torch.get_num_threads() == 16
+        assert topology.split_cpu_threads(128) == 1 and torch.get_num_threads() == 1
+        monkeypatch.setattr(topology.os, "cpu_count", lambda: None)  # unknown: one thread
+        assert topology.split_cpu_threads(0) == 1
+    finally:
+        torch.set_num_threads(before)

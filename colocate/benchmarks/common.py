@@ -164,6 +164,15 @@ class GcPauses:
                 "gen2": sum(1 for g, _ in self.pauses if g == 2)}
 
 
+def profiler_gpu_work(events) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the GPU work among torch.profiler's `prof.events()`: kernels,
+    copies, memsets. Not the GPU-side spans of `record_function` annotations: with CPU activity on,
+    an annotation also gets a span on the GPU's timeline that would cover the idle gaps inside it."""
+    from torch.autograd import DeviceType
+    return [(e.name, e.time_range.start, e.time_range.end) for e in events
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
 GPU_TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 

@@ -191,11 +191,13 @@ def step_flops(model_config, p_blocks: int, batch_stats: dict) -> float:
 def _worker(rank: int, world: int, port: int, args: dict, result_path: str) -> None:
     import datetime
     import torch.distributed as dist
+    from colocate.topology import split_cpu_threads
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     cuda = torch.cuda.is_available() and not args["quick"]
     if cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
+        split_cpu_threads(world)  # as train.py: the cores split among the ranks (session 11 trap)
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
@@ -435,7 +437,7 @@ def _trace_step(learner, batch, device, trace_out: str, host: bool = False) -> d
     it; `trace_out` (.json.gz or .json, "" for none) gets the Chrome trace."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    from colocate.benchmarks.common import GcPauses, gap_host_context, kernel_summary
+    from colocate.benchmarks.common import GcPauses, gap_host_context, kernel_summary, profiler_gpu_work
     cuda = device.type == "cuda"
     batch.versions[:] = learner.version
     if cuda:
@@ -450,7 +452,7 @@ def _trace_step(learner, batch, device, trace_out: str, host: bool = False) -> d
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6
     events = prof.events()
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]
+    kernels = profiler_gpu_work(events)
     if trace_out:
         prof.export_chrome_trace(trace_out)  # torch gzips it when the name ends in .gz
     summary = {**kernel_summary(kernels, wall_us), "gc": gc_pauses.summary()}

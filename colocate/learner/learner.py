@@ -116,15 +116,16 @@ class Learner:
         return per_token_logprobs(logits, targets, self.cfg.engine.temperature)
 
     def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
-                          num_tokens: float) -> tuple[int, float, dict[str, float]]:
+                          num_tokens: float) -> tuple[int, torch.Tensor | None]:
         """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
-        rank runs as many passes as the busiest one) -> (model tokens, completion tokens, sums of the
-        loss and the token-weighted stats)."""
+        rank runs as many passes as the busiest one) -> (model tokens, [5] on the device: the loss,
+        the token-weighted clip fraction, KL and ratio, the completion tokens). Nothing here reads a
+        value back to the host, so the host queues the next micro-batch while the GPU runs this one."""
         cfg = self.cfg
         if item is None:
             logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
             (logits.sum() * 0.0).backward()
-            return 0, 0.0, {}
+            return 0, None
         sub, mb = item
         allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
         ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
@@ -140,10 +141,9 @@ class Learner:
             num_tokens=num_tokens, allowed_ids=allowed, impl=cfg.loss.impl)
         loss.backward()
         del logits
-        n = float(stats["num_tokens"])
-        sums = {"loss": float(loss.detach())}
-        sums.update({k: float(stats[k]) * n for k in ("clip_fraction", "kl", "ratio")})
-        return mb.num_tokens, n, sums
+        n = stats["num_tokens"].float()
+        return mb.num_tokens, torch.stack([loss.detach().float(), stats["clip_fraction"] * n, stats["kl"] * n,
+                                           stats["ratio"] * n, n])
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -168,15 +168,14 @@ class Learner:
                                              op=dist.ReduceOp.MAX).item())
 
         self.model.train()
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "ratio": 0.0}
-        tokens_done = model_tokens = 0
+        totals = torch.zeros(5, device=self.device)  # loss, clip*n, kl*n, ratio*n, n (n: completion tokens)
+        model_tokens = 0
         for i in range(num_micro):
             with record_function("learner/micro_batch"):
-                tokens, n, sums_i = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
-            tokens_done += int(n)
+                tokens, sums_i = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
             model_tokens += tokens
-            for k, v in sums_i.items():
-                totals[k] += v
+            if sums_i is not None:
+                totals += sums_i
         if not self.use_fsdp and self.topology.num_learners > 1:
             # Sum adapter gradients over learner ranks (the loss is already globally normalized).
             for p in self.params:
@@ -188,9 +187,7 @@ class Learner:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
             if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP: the global norm
                 grad_norm = grad_norm.full_tensor()
-            sums = self._all_reduce(torch.tensor([totals["loss"], totals["clip_fraction"], totals["kl"],
-                                                  totals["ratio"], float(tokens_done), float(model_tokens)],
-                                                 device=self.device))
+            sums = self._all_reduce(torch.cat([totals, torch.tensor([float(model_tokens)], device=self.device)]))
             # A non-finite loss or gradient skips the update on every rank alike (both values are
             # global); the version still advances, so the step protocol with the inference ranks is
             # unchanged.
