@@ -122,7 +122,7 @@ def gap_host_context(kernels: list[tuple[str, float, float]], host: list[tuple[s
     count their own overlap, so an annotation and the operator inside it both show."""
     _, idle = idle_gaps(kernels)
     out = []
-    for s, e, before, after in sorted(idle, key=lambda g: g[0] - g[1])[:gaps]:
+    for s, e, before, after in sorted(idle, key=lambda g: g[1] - g[0], reverse=True)[:gaps]:
         cover = [(name, min(e, he) - max(s, hs), he - hs) for name, hs, he in host if hs < e and he > s]
         cover.sort(key=lambda c: -c[1])
         out.append({"gap_ms": (e - s) / 1e3, "after": before[:80], "before": after[:80],
@@ -171,6 +171,36 @@ def profiler_gpu_work(events) -> list[tuple[str, float, float]]:
     from torch.autograd import DeviceType
     return [(e.name, e.time_range.start, e.time_range.end) for e in events
             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
+def trace_call(fn, cuda: bool, trace_out: str = "", host: bool = False) -> dict:
+    """Run `fn()` once under torch.profiler -> `kernel_summary` of its GPU work and its GC pauses
+    ("gc"). GPU kernels only by default, to keep the profiler's host overhead small; `host` adds the
+    CPU side (operators, annotations, "gc gen N") and under "host_gaps" what the host did during
+    the GPU's longest idle gaps (`gap_host_context`). `trace_out` (.json.gz or .json) gets the
+    Chrome trace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if host and cuda:
+        activities.append(ProfilerActivity.CPU)
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof, GcPauses() as gc_pauses:
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    events = prof.events()
+    kernels = profiler_gpu_work(events)
+    if trace_out:
+        prof.export_chrome_trace(trace_out)  # torch gzips it when the name ends in .gz
+    summary = {**kernel_summary(kernels, wall_us), "gc": gc_pauses.summary()}
+    if host:  # on CPU there are no GPU gaps to explain: an empty list
+        cpu = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CPU]
+        summary["host_gaps"] = gap_host_context(kernels, cpu)
+    return summary
 
 
 GPU_TRACE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -430,36 +430,10 @@ def _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, de
 
 
 def _trace_step(learner, batch, device, trace_out: str, host: bool = False) -> dict:
-    """One learner step under torch.profiler (GPU kernels only, to keep its host overhead small):
-    where the step's GPU time goes (`common.kernel_summary`) and the GC pauses in it. `host` adds
-    the CPU side (operators, the learner's `learner/...` annotations, "gc gen N"), and under
-    "host_gaps" what the host did during the GPU's longest idle gaps. The step runs as timed before
-    it; `trace_out` (.json.gz or .json, "" for none) gets the Chrome trace."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    from colocate.benchmarks.common import GcPauses, gap_host_context, kernel_summary, profiler_gpu_work
-    cuda = device.type == "cuda"
+    """One learner step (as timed before it) under torch.profiler: `common.trace_call`'s summary."""
+    from colocate.benchmarks.common import trace_call
     batch.versions[:] = learner.version
-    if cuda:
-        torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    if host and cuda:
-        activities.append(ProfilerActivity.CPU)
-    with profile(activities=activities) as prof, GcPauses() as gc_pauses:
-        t0 = time.perf_counter()
-        learner.train_step(batch)
-        if cuda:
-            torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) * 1e6
-    events = prof.events()
-    kernels = profiler_gpu_work(events)
-    if trace_out:
-        prof.export_chrome_trace(trace_out)  # torch gzips it when the name ends in .gz
-    summary = {**kernel_summary(kernels, wall_us), "gc": gc_pauses.summary()}
-    if host:  # on CPU there are no GPU gaps to explain: an empty list
-        cpu = [(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CPU]
-        summary["host_gaps"] = gap_host_context(kernels, cpu)
-    return summary
+    return trace_call(lambda: learner.train_step(batch), device.type == "cuda", trace_out, host)
 
 
 @torch.no_grad()
