@@ -22,6 +22,7 @@ import yaml
 from colocate.config_schema import (CheckpointConfig, Config, EngineConfig, EnvConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
+from colocate.engine.vllm_settings import CUDAGRAPH_MODES, LORA_MODES  # no vLLM import there
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "validate", "resolve_roles", "to_dict", "save_config",
            "field_docs", "Config", "ModelConfig", "LoraConfig", "EngineConfig", "EnvConfig", "RolloutConfig",
@@ -36,8 +37,8 @@ _CHOICES = {
     ("model", "shape"): ("tiny", "qwen2.5-0.5b", "qwen2.5-7b"),
     ("model", "dtype"): ("float32", "bfloat16"),
     ("engine", "kind"): ("auto", "hf", "vllm"),
-    ("engine", "lora_mode"): ("slot", "merged"),
-    ("engine", "cudagraph_mode"): ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE"),  # engine/vllm_settings.py CUDAGRAPH_MODES
+    ("engine", "lora_mode"): LORA_MODES,
+    ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
     ("env", "name"): ("arithmetic", "diplomacy"),
     ("loss", "norm"): ("grpo", "dapo", "dr_grpo"),
     ("loss", "impl"): ("auto", "triton", "torch"),

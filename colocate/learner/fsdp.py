@@ -89,9 +89,9 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None
 def set_prefetch(blocks: list[nn.Module], depth: int) -> None:
     """Explicit FSDP2 prefetch: each block issues the all-gathers of the next `depth` blocks in
     forward, and of the `depth` blocks before it in backward, as soon as its own are copied out.
-    0 keeps FSDP2's implicit prefetch (one block ahead, issued when the CPU reaches it), which on 4
-    learners left the GPU idle 10-14 % of a step, waiting on all-gathers (profiles/trainer.md, run
-    10). Each block of depth costs one more gathered block per GPU (~0.47 GB bf16 at 7B)."""
+    0 keeps FSDP2's implicit prefetch (one block ahead, issued when the CPU reaches it), which
+    already hides the all-gathers: 2 blocks measured 1.003x on 4 learners (profiles/trainer.md,
+    run 11). Each block of depth costs one more gathered block per GPU (~0.47 GB bf16 at 7B)."""
     if depth < 0:
         raise ValueError(f"learner.prefetch_blocks must be >= 0, got {depth}")
     if depth == 0:
