@@ -7,7 +7,7 @@ setup(
     description="Single-node GRPO trainer: vLLM inference ranks, FSDP2 LoRA learners, NCCL adapter sync",
     python_requires=">=3.10",
     packages=find_packages(include=["colocate", "colocate.*"]),
-    package_data={"colocate.envs.diplomacy": ["states.jsonl"]},
+    package_data={"colocate.envs.diplomacy": ["states.jsonl"], "colocate.kernels": ["grpo_rows_sm90.cu"]},
     # torch is installed first and separately (see README): a bare requirement may pull CUDA wheels.
     install_requires=[
         "torch>=2.6",

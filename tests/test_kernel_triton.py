@@ -135,7 +135,7 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     """Run one case; return its errors (plain floats)."""
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
-    extra = dict(extra)
+    extra = {"backend": "triton", **extra}  # this file tests the Triton row kernel (test_kernel_bulk: the other)
     neg_inf, outlier = extra.pop("neg_inf", False), extra.pop("outlier", False)
     vocab = extra.pop("vocab", vocab)
     b = make_batch(num_rows, vocab, DTYPES[dt], temperature=temperature, beta=beta, seed=seed, device=device,
@@ -301,8 +301,8 @@ def cuda_batch(num_rows, vocab, beta, temperature, seed):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("num_rows,inplace,config,dtype", [
-    (4096, False, None, "bf16"), (4096, True, None, "bf16"), (14200, True, None, "bf16"),
-    (4096, True, {"stages": 4, "num_warps": 16}, "bf16"),
+    (4096, False, {"backend": "triton"}, "bf16"), (4096, True, {"backend": "triton"}, "bf16"),
+    (14200, True, {"backend": "triton"}, "bf16"), (4096, True, {"stages": 4, "num_warps": 16, "backend": "triton"}, "bf16"),
     (512, True, None, "fp32"), (512, False, {"stages": 4}, "fp32")],
     ids=["4096-copy", "4096-inplace", "14200-inplace-over-2^31-elements", "4096-inplace-pipelined",
          "fp32-512-inplace", "fp32-512-copy-pipelined"])

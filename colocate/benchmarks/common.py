@@ -51,7 +51,7 @@ def print_table(record: dict) -> None:
 # generic "triton_" names).
 KERNEL_FAMILIES = (
     ("nccl", ("nccl",)),
-    ("grpo_loss", ("_grpo_rows_kernel", "_scale_rows_kernel")),
+    ("grpo_loss", ("_grpo_rows_kernel", "grpo_rows_bulk", "_scale_rows_kernel")),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma", "matmul", "splitk")),
     ("inductor_triton", ("triton_",)),

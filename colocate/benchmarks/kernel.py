@@ -4,10 +4,13 @@ Same inputs, same process, one GPU:
   naive     fp32 log_softmax + gather + clip + k3 KL (as /work/shared/anchors/loss_probe.py)
   compiled  torch.compile of `reference.grpo_loss_reference`
   liger     liger-kernel 0.8.5 `triton_grpo_loss` in place and not (optional; "unavailable" if absent)
-  ours      `triton_grpo.grpo_loss_triton` in place and not
-Figures per implementation: median fwd+bwd ms and peak memory above what was allocated before the
-call (the logits and inputs), in GB. In-place calls get their logits copied back from a pristine
-buffer, untimed, before every call. Loss values and gradients are compared on pristine logits.
+  ours      `triton_grpo.grpo_loss_triton` in place and not (its default backend: the bulk-copy CUDA
+            row kernel on sm_90 with bf16 logits, `cuda_grpo`), and `ours_triton_*` with the Triton
+            row kernel forced (`backend: triton`), old against new in the same run
+Figures per implementation: median fwd+bwd ms (wall, synchronized: includes the Python launch
+overhead), median fwd+bwd device ms (`_gpu_ms`, CUDA events with the host running ahead, as in
+training) and peak memory above what was allocated before the call (the logits and inputs), in GB.
+In-place calls get their logits copied back from a pristine buffer, untimed, before every call. Loss values and gradients are compared on pristine logits.
 `ours_kernel_only_inplace_ms` times the row kernel alone (no autograd) to show the wrapper's cost.
 `--sweep` first times launch configurations of ours (kernel only) and then measures the fastest.
 
@@ -73,8 +76,27 @@ def restore(x, pristine, inplace=True):
             x.copy_(pristine)
 
 
+def gpu_time_ms(step, setup, iters):
+    """Median device ms of `step()` between two CUDA events, with the host running ahead as in a
+    training step: `setup()` (the untimed restore copy) is enqueued without a sync, so the Python
+    launch overhead of `step` overlaps that copy instead of leaving the GPU idle inside the events."""
+    times = []
+    for i in range(iters + 3):
+        setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return round(sorted(times)[len(times) // 2], 3)
+
+
 def measure(loss_fn, x, pristine, inplace, iters):
-    """(median fwd+bwd ms, peak GB above the allocation before the call) of loss_fn(x).backward()."""
+    """(median fwd+bwd wall ms, peak GB above the allocation before the call, median fwd+bwd device
+    ms) of loss_fn(x).backward(). Wall: synchronized before and after, so it includes the Python
+    launch overhead (0.1-0.45 ms per call on the H200 hosts seen); device: CUDA events (gpu_time_ms)."""
     def setup():
         restore(x, pristine, inplace)
 
@@ -82,6 +104,7 @@ def measure(loss_fn, x, pristine, inplace, iters):
         loss_fn(x).backward()
 
     ms = median_time(step, warmup=3, iters=iters, setup=setup) * 1e3
+    gpu_ms = gpu_time_ms(step, lambda: restore(x, pristine, True), iters)  # every impl behind the same copy
     setup()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -90,7 +113,7 @@ def measure(loss_fn, x, pristine, inplace, iters):
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - base) / 1e9
     x.grad = None
-    return round(ms, 3), round(extra, 3)
+    return round(ms, 3), round(extra, 3), gpu_ms
 
 
 def load_liger():
@@ -122,6 +145,7 @@ def run(args) -> dict:
     if not torch.cuda.is_available():
         return {"figures": {"skipped": "needs CUDA"}, "baseline": {}, "ratios": {}}
     from colocate.kernels.reference import grpo_loss_reference
+    from colocate.kernels import cuda_grpo
     from colocate.kernels.triton_grpo import default_config, grpo_loss_triton, grpo_rows
 
     batch = args.batch or (4 if args.quick else 16)
@@ -152,6 +176,10 @@ def run(args) -> dict:
                                                 f["ref"], **kw)[0], False)
     impls["ours_inplace"] = (ours(True), True)
     impls["ours"] = (ours(False), False)
+    triton_only = {**config, "backend": "triton"}
+    impls["ours_triton_inplace"] = (lambda t: grpo_loss_triton(
+        t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], inplace_backward=True,
+        config=triton_only, **kw)[0], True)
 
     figures.update({"shape": f"N={batch * seq_len} (B={batch} x L={seq_len}) V={vocab} bf16",
                     "logits_GB": round(pristine.numel() * 2 / 1e9, 3),
@@ -160,25 +188,29 @@ def run(args) -> dict:
     figures["copy_NV_ms"] = copy_time_ms(pristine, args.iters)
 
     for name, (fn, inplace) in impls.items():
-        ms, gb = measure(fn, x, pristine, inplace, args.iters)
-        (figures if name.startswith("ours") else baseline).update({f"{name}_ms": ms, f"{name}_extra_GB": gb})
+        ms, gb, gpu_ms = measure(fn, x, pristine, inplace, args.iters)
+        (figures if name.startswith("ours") else baseline).update(
+            {f"{name}_ms": ms, f"{name}_extra_GB": gb, f"{name}_gpu_ms": gpu_ms})
     if config:  # the library default in the same run, for old-vs-new (fwd+bwd through autograd, in place)
         default = lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"],
                                              f["ref"], inplace_backward=True, **kw)[0]
-        figures["ours_default_config_inplace_ms"], _ = measure(default, x, pristine, True, args.iters)
+        figures["ours_default_config_inplace_ms"], _, _ = measure(default, x, pristine, True, args.iters)
     xd = x.detach()
-    figures["ours_kernel_only_inplace_ms"] = round(1e3 * median_time(
-        lambda: grpo_rows(xd, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], xd,
-                          config=config or None, **kw),
-        iters=args.iters, setup=lambda: restore(x, pristine)), 3)
+    for name, cfg in (("ours", config or None), ("ours_triton", triton_only)):
+        figures[f"{name}_kernel_only_inplace_ms"] = round(1e3 * median_time(
+            lambda: grpo_rows(xd, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], xd,
+                              config=cfg, **kw),
+            iters=args.iters, setup=lambda: restore(x, pristine)), 3)
+    figures["ours_backend"] = "bulk" if cuda_grpo.unsupported(xd, xd, (config or {}).get("bulk")) is None \
+        and (config or {}).get("backend", "auto") != "triton" else "triton"
 
     liger, why = load_liger()
     if liger is None:
         baseline["liger"] = f"unavailable ({why})"
     else:
         for name, inplace in (("liger_inplace", True), ("liger", False)):
-            ms, gb = measure(liger_loss(liger, seq, inplace), x3d, logits3d, inplace, args.iters)
-            baseline.update({f"{name}_ms": ms, f"{name}_extra_GB": gb})
+            ms, gb, gpu_ms = measure(liger_loss(liger, seq, inplace), x3d, logits3d, inplace, args.iters)
+            baseline.update({f"{name}_ms": ms, f"{name}_extra_GB": gb, f"{name}_gpu_ms": gpu_ms})
 
     # Values on pristine logits (in-place calls above left garbage): every implementation vs naive.
     restore(x, pristine)
@@ -200,6 +232,13 @@ def run(args) -> dict:
     for name in ("naive", "compiled", "liger_inplace", "liger"):
         if isinstance(baseline.get(f"{name}_ms"), float):
             ratios[f"{name}_ms_over_ours_inplace"] = round(baseline[f"{name}_ms"] / figures["ours_inplace_ms"], 3)
+    ratios["ours_triton_inplace_ms_over_ours_inplace"] = round(
+        figures["ours_triton_inplace_ms"] / figures["ours_inplace_ms"], 3)
+    for name in ("naive", "compiled", "liger_inplace", "ours_triton_inplace"):  # the same on device time
+        source = figures if name.startswith("ours") else baseline
+        if isinstance(source.get(f"{name}_gpu_ms"), float):
+            ratios[f"{name}_gpu_ms_over_ours_inplace"] = round(source[f"{name}_gpu_ms"] / figures["ours_inplace_gpu_ms"], 3)
+    ratios["copy_ms_over_ours_inplace_gpu"] = round(figures["copy_NV_ms"] / figures["ours_inplace_gpu_ms"], 3)
     ratios["copy_ms_over_ours_inplace"] = round(figures["copy_NV_ms"] / figures["ours_inplace_ms"], 3)
     return {"figures": figures, "baseline": baseline, "ratios": ratios}
 
@@ -226,7 +265,17 @@ def sweep_configs():
     rows = [{}, {"num_warps": 16}, {"num_warps": 16, "stages": 4, "stages_pass2": 4},
             {"num_warps": 16, "stages": 4, "stages_pass2": 4, "pass1": "online"},
             {"block_v": 8192}, {"block_v": 8192, "num_warps": 16}]
-    return [{**base, **r} for r in rows]
+    triton = [{**base, **r, "backend": "triton"} for r in rows]
+    # The bulk-copy CUDA kernel (cuda_grpo): overrides of its DEFAULT_CONFIG.
+    bulk = [{}, {"reg_chunks": 7}, {"reg_chunks": 4}, {"prefetch": 2}, {"hints": 0}, {"tma_store": 1},
+            {"consumer_warps": 8, "reg_chunks": 8}, {"reg_chunks": 0, "slots": 13}]
+    return triton + [{"backend": "bulk", "bulk": b} for b in bulk]
+
+
+def sweep_name(cfg: dict) -> str:
+    if cfg.get("backend") == "bulk":
+        return "sweep_bulk_" + ("_".join(f"{k}{v}" for k, v in cfg["bulk"].items()) or "default")
+    return "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_s{stages}_s{stages_pass2}_{pass1}".format(**cfg)
 
 
 def sweep(x, pristine, f, kw, iters=10):
@@ -240,16 +289,18 @@ def sweep(x, pristine, f, kw, iters=10):
     grad_buf = torch.empty_like(pristine)
     out = {}
     for cfg in sweep_configs():
-        name = "sweep_b{block_v}_w{num_warps}_p{programs_per_sm}_s{stages}_s{stages_pass2}_{pass1}".format(**cfg)
+        name = sweep_name(cfg)
 
         def call(grad):
             return lambda: grpo_rows(x, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], grad,
                                      config=cfg, **kw)
         try:
-            times = [median_time(call(None), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)),
-                     median_time(call(x), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)),
+            # Forward only always runs the Triton row kernel (the bulk kernel is the fused path only).
+            fwd = "-" if cfg.get("backend") == "bulk" else "{:.3f}".format(
+                1e3 * median_time(call(None), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)))
+            times = [median_time(call(x), warmup=2, iters=iters, setup=lambda: x.copy_(pristine)),
                      median_time(call(grad_buf), warmup=2, iters=iters, setup=lambda: x.copy_(pristine))]
-            out[name] = (cfg, "fwd {:.3f} inplace {:.3f} copy {:.3f}".format(*(t * 1e3 for t in times)))
+            out[name] = (cfg, "fwd {} inplace {:.3f} copy {:.3f}".format(fwd, *(t * 1e3 for t in times)))
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is a result
             out[name] = (None, f"error {type(exc).__name__}: {str(exc)[:80]}")
     return out

@@ -5,7 +5,8 @@ The learner calls only `grpo_loss`. It
      gathering those logits into a small [N, K] problem: the same masked log-softmax the engine
      sampled from, at a fraction of the cost;
   2. turns the normalization mode into per-token weights (`token_weights`);
-  3. dispatches to the Triton kernel (CUDA, `impl` auto/triton) or the reference (`impl` torch).
+  3. dispatches to the fused kernel (CUDA, `impl` auto/triton: `triton_grpo`, which runs the
+     bulk-copy CUDA row kernel `cuda_grpo` on sm_90 with bf16 logits) or the reference (`impl` torch).
 """
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Fused Triton GRPO loss on logits: forward and d(logits) in one kernel, one program per row.
 
 Role: the fast twin of `reference.grpo_loss_reference` (same weights, same per-token loss, same
-stats); `colocate.kernels.grpo_loss` dispatches here on CUDA.
+stats); `colocate.kernels.grpo_loss` dispatches here on CUDA. `grpo_rows` hands calls that write
+the gradient to the bulk-copy CUDA row kernel (`cuda_grpo`, sm_90+ with bf16 logits: 2.48 against
+3.00 ms at 16384 x 152064 on an H200, profiles/kernel.md) when it supports them; this Triton kernel
+takes the rest (fp32, other GPUs, forward only, the CPU interpreter) and is the twin it is tested
+against.
 
 Why one kernel: the per-token gradient dL/dlogp_t depends only on scalars the forward already has
 (logp_t, behaviour_t, A_t, ref_t, w_t). So each program, for its row,
@@ -39,11 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
+from colocate.kernels import cuda_grpo
+from colocate.kernels.cuda_grpo import row_inputs
+
 __all__ = ["grpo_loss_triton", "default_config"]
 
 # Columns of the per-row output buffer [N, 5] (summed on the host side of the kernel).
 _LOSS, _RATIO, _KL, _CLIPPED, _ACTIVE = range(5)
-_NUM_ROW_OUTPUTS = 5
 
 
 @triton.jit
@@ -313,13 +319,16 @@ def default_config(vocab: int, device: torch.device) -> dict:
     `stages` is pass 1's pipeline depth (0: register prefetch, one block ahead); `stages_pass2`
     pass 2's (None: the same); `pass1` "refmax" or "online" (the running max, also refmax's
     fallback); `evict_pass1` / `evict_pass2` the L2 hints of each pass's loads (and pass 2's
-    stores); `num_programs` (not a default) fixes the grid, for tests. Session 7: 32 warps with
+    stores); `num_programs` (not a default) fixes the grid, for tests. `backend`: "auto" sends calls
+    that write the gradient to the bulk-copy CUDA kernel (`cuda_grpo`) when it supports them (sm_90+,
+    bf16, 16-byte aligned rows), "triton" never, "bulk" always (an error says why it cannot);
+    `bulk` holds that kernel's overrides of `cuda_grpo.DEFAULT_CONFIG`. Session 7: 32 warps with
     register prefetch in both passes was the fastest row in three of four sweeps on two machines
     (3.14-3.21 ms in place against 3.38-3.55 for 16 warps and 4 pipeline stages). Session 8: no
     hint in pass 2 (was evict_first) ran 3-4 % faster in 7 of 7 interleaved pairs (profiles/kernel.md)."""
     block_v = min(triton.next_power_of_2(vocab), 16384)
     cfg = {"block_v": block_v, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": None,
-           "evict_pass1": "evict_last", "evict_pass2": "", "pass1": "refmax"}
+           "evict_pass1": "evict_last", "evict_pass2": "", "pass1": "refmax", "backend": "auto", "bulk": None}
     if device.type != "cuda":  # the interpreter (tests): one program per row, small blocks
         cfg.update(block_v=min(block_v, 1024), num_warps=4, programs_per_sm=0)
     return cfg
@@ -360,16 +369,21 @@ def grpo_rows(
         raise ValueError(f"grpo kernel config: unknown key {unknown[0]!r} (did you mean {near!r}?); "
                          f"keys: {', '.join(cfg)}")
     cfg.update(config or {})
+    if cfg["backend"] not in ("auto", "triton", "bulk"):
+        raise ValueError(f"grpo kernel config: backend {cfg['backend']!r} is not one of auto, triton, bulk")
+    if cfg["backend"] != "triton" and grad is not None:
+        why = cuda_grpo.unsupported(logits, grad, cfg["bulk"])
+        if why is None:
+            return cuda_grpo.grpo_rows_bulk(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
+                                            grad, temperature=temperature, eps_low=eps_low, eps_high=eps_high,
+                                            beta=beta, config=cfg["bulk"])
+        if cfg["backend"] == "bulk":
+            raise ValueError(f"grpo kernel: backend 'bulk' cannot take this call: {why}")
     cfg["block_v"] = min(cfg["block_v"], triton.next_power_of_2(vocab))
     if cfg["group"] > cfg["block_v"] // 2:  # tiny vocabularies (restricted ids): block-wide reduction
         cfg["group"] = 0
-    f32 = dict(dtype=torch.float32)
-    weights = weights.to(**f32).contiguous()
-    behaviour_logprobs = behaviour_logprobs.to(**f32).contiguous()
-    advantages = advantages.to(**f32).contiguous()
-    has_kl = ref_logprobs is not None and beta > 0
-    ref = ref_logprobs.to(**f32).contiguous() if has_kl else behaviour_logprobs
-    row_out = torch.empty(num_rows, _NUM_ROW_OUTPUTS, device=logits.device, **f32)
+    weights, behaviour_logprobs, advantages, ref, has_kl, row_out = row_inputs(
+        logits, weights, behaviour_logprobs, advantages, ref_logprobs, beta)
     if num_rows == 0:
         return row_out
     num_programs = _num_programs(num_rows, logits.device, cfg)
