@@ -10,7 +10,8 @@ Same inputs, same process, one GPU:
 Figures per implementation: median fwd+bwd ms (wall, synchronized: includes the Python launch
 overhead), median fwd+bwd device ms (`_gpu_ms`, CUDA events with the host running ahead, as in
 training) and peak memory above what was allocated before the call (the logits and inputs), in GB.
-In-place calls get their logits copied back from a pristine buffer, untimed, before every call. Loss values and gradients are compared on pristine logits.
+In-place calls get their logits copied back from a pristine buffer, untimed, before every call.
+Loss values and gradients are compared on pristine logits.
 `ours_kernel_only_inplace_ms` times the row kernel alone (no autograd) to show the wrapper's cost.
 `--sweep` first times launch configurations of ours (kernel only) and then measures the fastest.
 
@@ -145,8 +146,7 @@ def run(args) -> dict:
     if not torch.cuda.is_available():
         return {"figures": {"skipped": "needs CUDA"}, "baseline": {}, "ratios": {}}
     from colocate.kernels.reference import grpo_loss_reference
-    from colocate.kernels import cuda_grpo
-    from colocate.kernels.triton_grpo import default_config, grpo_loss_triton, grpo_rows
+    from colocate.kernels.triton_grpo import default_config, grpo_loss_triton, grpo_rows, row_backend
 
     batch = args.batch or (4 if args.quick else 16)
     seq_len = args.seq_len or (256 if args.quick else 1024)
@@ -201,8 +201,7 @@ def run(args) -> dict:
             lambda: grpo_rows(xd, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], xd,
                               config=cfg, **kw),
             iters=args.iters, setup=lambda: restore(x, pristine)), 3)
-    figures["ours_backend"] = "bulk" if cuda_grpo.unsupported(xd, xd, (config or {}).get("bulk")) is None \
-        and (config or {}).get("backend", "auto") != "triton" else "triton"
+    figures["ours_backend"] = row_backend(xd, xd, {**default_config(vocab, xd.device), **config})
 
     liger, why = load_liger()
     if liger is None:

@@ -343,6 +343,19 @@ def _num_programs(num_rows: int, device: torch.device, cfg: dict) -> int:
     return max(1, min(num_rows, int(sms * cfg["programs_per_sm"])))  # fractional: fewer rows in flight than SMs
 
 
+def row_backend(logits: torch.Tensor, grad: torch.Tensor | None, cfg: dict) -> str:
+    """"bulk" or "triton": the row kernel `grpo_rows` runs for this call under `cfg` (its config's
+    `backend` and `bulk` keys). Raises for an unknown backend, or "bulk" forced where it cannot run."""
+    if cfg["backend"] not in ("auto", "triton", "bulk"):
+        raise ValueError(f"grpo kernel config: backend {cfg['backend']!r} is not one of auto, triton, bulk")
+    if cfg["backend"] == "triton" or grad is None:  # forward only: the Triton kernel reads each row once
+        return "triton"
+    why = cuda_grpo.unsupported(logits, grad, cfg["bulk"])
+    if why is not None and cfg["backend"] == "bulk":
+        raise ValueError(f"grpo kernel: backend 'bulk' cannot take this call: {why}")
+    return "bulk" if why is None else "triton"
+
+
 def grpo_rows(
     logits: torch.Tensor,              # [N, V] bf16/fp32, unit column stride
     targets: torch.Tensor,             # [N]
@@ -369,16 +382,10 @@ def grpo_rows(
         raise ValueError(f"grpo kernel config: unknown key {unknown[0]!r} (did you mean {near!r}?); "
                          f"keys: {', '.join(cfg)}")
     cfg.update(config or {})
-    if cfg["backend"] not in ("auto", "triton", "bulk"):
-        raise ValueError(f"grpo kernel config: backend {cfg['backend']!r} is not one of auto, triton, bulk")
-    if cfg["backend"] != "triton" and grad is not None:
-        why = cuda_grpo.unsupported(logits, grad, cfg["bulk"])
-        if why is None:
-            return cuda_grpo.grpo_rows_bulk(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
-                                            grad, temperature=temperature, eps_low=eps_low, eps_high=eps_high,
-                                            beta=beta, config=cfg["bulk"])
-        if cfg["backend"] == "bulk":
-            raise ValueError(f"grpo kernel: backend 'bulk' cannot take this call: {why}")
+    if row_backend(logits, grad, cfg) == "bulk":
+        return cuda_grpo.grpo_rows_bulk(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
+                                        grad, temperature=temperature, eps_low=eps_low, eps_high=eps_high,
+                                        beta=beta, config=cfg["bulk"])
     cfg["block_v"] = min(cfg["block_v"], triton.next_power_of_2(vocab))
     if cfg["group"] > cfg["block_v"] // 2:  # tiny vocabularies (restricted ids): block-wide reduction
         cfg["group"] = 0
