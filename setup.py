@@ -6,7 +6,11 @@ setup(
     version="0.1.0",
     description="Single-node GRPO trainer: vLLM inference ranks, FSDP2 LoRA learners, NCCL adapter sync",
     python_requires=">=3.10",
-    packages=find_packages(include=["colocate", "colocate.*"]),
+    # kernels/ sits at the top of the repository and installs as colocate.kernels (a top-level
+    # `kernels` would shadow the hub-kernels package transformers probes for); benchmarks/ is not
+    # installed: it runs from a checkout through scripts/benchmark.py.
+    packages=find_packages(include=["colocate", "colocate.*"]) + ["colocate.kernels"],
+    package_dir={"colocate.kernels": "kernels"},
     package_data={"colocate.envs.diplomacy": ["states.jsonl"], "colocate.kernels": ["grpo_rows_sm90.cu"]},
     # torch is installed first and separately (see README): a bare requirement may pull CUDA wheels.
     install_requires=[

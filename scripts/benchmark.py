@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One benchmark entry: `python scripts/benchmark.py --profile {env,rollout,trainer,e2e,sync,kernel}`.
 
-Each profile lives in `colocate/benchmarks/<profile>.py` as `run(args) -> dict` and measures the
+Each profile lives in `benchmarks/<profile>.py` as `run(args) -> dict` and measures the
 baseline and ours in the same process. This entry adds the machine description and writes
 `profiles/<profile>-<timestamp>.json` (or `--out`), then prints the figures as a short table.
 Format: {"profile", "machine", "args", "figures": {...}, "baseline": {...}, "ratios": {...}}.
@@ -24,14 +24,14 @@ def main() -> None:
     parser.add_argument("--out", default="", help="JSON path (default profiles/<profile>-<time>.json)")
     parser.add_argument("--quick", action="store_true", help="small shapes, for CI and smoke tests")
     args, rest = parser.parse_known_args()
-    module = importlib.import_module(f"colocate.benchmarks.{args.profile}")
+    module = importlib.import_module(f"benchmarks.{args.profile}")
     if hasattr(module, "add_args"):
         sub = argparse.ArgumentParser()
         module.add_args(sub)
         args = sub.parse_args(rest, namespace=args)
     elif rest:
         parser.error(f"unknown arguments {rest}")
-    from colocate.benchmarks.common import machine_info, print_table
+    from benchmarks.common import machine_info, print_table
     result = module.run(args)
     record = {"profile": args.profile, "machine": machine_info(), "args": {k: v for k, v in vars(args).items()},
               "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}

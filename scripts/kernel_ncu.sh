@@ -17,7 +17,7 @@ n_cfg=$(( $# > 0 ? $# : 1 ))
   python3 - "$@" <<'EOF'
 import json, sys
 import torch
-from colocate.benchmarks.kernel import make_inputs
+from benchmarks.kernel import make_inputs
 from colocate.kernels.triton_grpo import grpo_rows
 
 _, pristine, f, _ = make_inputs(16, 1024, 152064)

@@ -4,7 +4,7 @@
 
 Reads torch.profiler Chrome traces (the role traces of `metrics.profile`, vLLM's engine-core trace,
 the trainer benchmark's `--trace-dir` files) and prints a JSON list, one summary per file
-(`colocate.benchmarks.common.summarize_trace`): over the span of the GPU work, the time at least one
+(`benchmarks.common.summarize_trace`): over the span of the GPU work, the time at least one
 kernel ran, the idle fraction, time per kernel family (GEMM, attention, NCCL, the GRPO loss,
 inductor's Triton kernels, other), the top kernels, and under "host" the CPU side's annotated
 regions (e.g. vLLM's "gpu_model_runner: forward") and CUDA runtime calls (cudaGraphLaunch or not).
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from colocate.benchmarks.common import summarize_trace  # noqa: E402
+from benchmarks.common import summarize_trace  # noqa: E402
 
 
 def main(paths: list[str]) -> int:

@@ -1,7 +1,7 @@
 """The e2e profile's steady-state figures, from synthetic role timelines with known answers."""
 import pytest
 
-from colocate.benchmarks.e2e import steady_state
+from benchmarks.e2e import steady_state
 
 
 def learner_rows(step_s: float, train_s: float, steps: int, lag: float = 1.0):
@@ -59,7 +59,7 @@ def test_steady_state_needs_more_steps_than_warmup():
 
 
 def test_job_settings_with_variants():
-    from colocate.benchmarks.e2e import job_settings, parse_variants
+    from benchmarks.e2e import job_settings, parse_variants
     variants = parse_variants(["nocheck:engine.validate_grammars=false",
                                "os4:rollout.oversample_groups=4, learner.max_policy_lag=2"])
     assert variants == {"nocheck": ["engine.validate_grammars=false"],
@@ -80,7 +80,7 @@ def test_job_settings_with_variants():
 
 
 def test_repeated_jobs_get_their_own_keys():
-    from colocate.benchmarks.e2e import job_keys
+    from benchmarks.e2e import job_keys
     assert job_keys("async-stream, async-stream+os8,async-stream+os8,async-stream,") == [
         ("async-stream", "async-stream"), ("async-stream+os8", "async-stream+os8"),
         ("async-stream+os8#2", "async-stream+os8"), ("async-stream#2", "async-stream")]

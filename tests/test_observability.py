@@ -118,7 +118,7 @@ def test_nonfinite_loss_skips_the_update_then_stops_after_k(tmp_path):
 
 
 def test_kernel_summary_counts_overlapping_streams_once_and_sorts_families():
-    from colocate.benchmarks.common import kernel_family, kernel_summary
+    from benchmarks.common import kernel_family, kernel_summary
     kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32", 0.0, 10.0),          # compute stream
                ("ncclDevKernel_AllGather_RING_LL", 5.0, 20.0),           # overlaps it on another stream
                ("pytorch_flash::flash_fwd_kernel", 30.0, 35.0),
@@ -177,7 +177,7 @@ def test_trainer_profile_traces_a_variant_step(tmp_path):
 
 
 def test_gap_host_context_names_what_the_host_did_in_the_longest_gaps():
-    from colocate.benchmarks.common import gap_host_context, idle_gaps
+    from benchmarks.common import gap_host_context, idle_gaps
     kernels = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 120.0, 130.0), ("d", 135.0, 140.0)]
     busy, gaps = idle_gaps(kernels)
     assert busy == 35.0 and [(s, e) for s, e, _, _ in gaps] == [(20.0, 120.0), (130.0, 135.0)]
@@ -193,7 +193,7 @@ def test_gap_host_context_names_what_the_host_did_in_the_longest_gaps():
 def test_profiler_gpu_work_leaves_out_annotation_spans():
     from types import SimpleNamespace as NS
     from torch.autograd import DeviceType
-    from colocate.benchmarks.common import profiler_gpu_work
+    from benchmarks.common import profiler_gpu_work
 
     def ev(name, start, end, device, annotation=False):
         return NS(name=name, time_range=NS(start=start, end=end), device_type=device, is_user_annotation=annotation)
@@ -206,7 +206,7 @@ def test_profiler_gpu_work_leaves_out_annotation_spans():
 def test_gc_pauses_are_timed_and_annotated_in_a_profile():
     import gc
     from torch.profiler import ProfilerActivity, profile
-    from colocate.benchmarks.common import GcPauses
+    from benchmarks.common import GcPauses
     with profile(activities=[ProfilerActivity.CPU]) as prof, GcPauses() as pauses:
         gc.collect()
     assert pauses.summary()["count"] >= 1 and pauses.summary()["gen2"] >= 1
@@ -218,7 +218,7 @@ def test_gc_pauses_are_timed_and_annotated_in_a_profile():
 
 def test_summarize_trace_reads_the_gpu_events_of_a_chrome_trace(tmp_path):
     import gzip
-    from colocate.benchmarks.common import summarize_trace
+    from benchmarks.common import summarize_trace
     events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},          # host side: ignored
               {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_256x160", "ts": 100, "dur": 40},
               {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 120, "dur": 40},

@@ -71,7 +71,7 @@ def test_profiled_run_writes_the_engine_cores_trace(tmp_path):
     """metrics.profile with vLLM: the role traces, plus the engine core's own trace (its GPU work
     runs in that child process) under <profile_dir>/<run>/inference-engine/, with GPU kernels."""
     import glob
-    from colocate.benchmarks.common import summarize_trace
+    from benchmarks.common import summarize_trace
     run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "colocate.train",
          "--config", "configs/cpu-tiny.yaml", "--model.shape=qwen2.5-0.5b", "--model.dtype=bfloat16",
          f"--model.cache_dir={tmp_path / 'cache'}", "--engine.kind=vllm", "--engine.gpu_memory_utilization=0.5",

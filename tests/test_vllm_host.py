@@ -476,7 +476,7 @@ def test_lora_spec_for_matches_the_learners(tiny_cfg, tiny_tokenizer):
 
 
 def test_synthetic_workload_shapes(tiny_tokenizer):
-    from colocate.benchmarks.vllm_session import synthetic_requests
+    from benchmarks.vllm_session import synthetic_requests
     reqs = synthetic_requests(16, len(tiny_tokenizer), EOS, seed=0)
     assert all(len(r.prompt_ids) == 440 and r.prompt_ids[:300] == reqs[0].prompt_ids[:300] for r in reqs)
     assert reqs[0].constraint is reqs[7].constraint and reqs[8].constraint is not reqs[0].constraint

@@ -23,7 +23,7 @@ import json
 
 import torch
 
-from colocate.benchmarks.common import median_time
+from benchmarks.common import median_time
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 

@@ -40,7 +40,7 @@ import random
 import statistics
 import time
 
-from colocate.benchmarks.common import median_time
+from benchmarks.common import median_time
 
 
 def add_args(parser) -> None:

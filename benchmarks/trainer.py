@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from colocate.benchmarks.trainer_workload import (PEAK_FLOPS, SyntheticVocab, batch_stats,
+from benchmarks.trainer_workload import (PEAK_FLOPS, SyntheticVocab, batch_stats,
                                                  diplomacy_like_batch, step_flops)
 
 # Variants that differ from packed only in the learner's settings, each run last at its own budget:
@@ -352,7 +352,7 @@ def _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, de
 
 def _trace_step(learner, batch, device, trace_out: str, host: bool = False) -> dict:
     """One learner step (as timed before it) under torch.profiler: `common.trace_call`'s summary."""
-    from colocate.benchmarks.common import trace_call
+    from benchmarks.common import trace_call
     batch.versions[:] = learner.version
     return trace_call(lambda: learner.train_step(batch), device.type == "cuda", trace_out, host)
 

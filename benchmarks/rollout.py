@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from colocate.benchmarks import vllm_session as vs
-from colocate.benchmarks.vllm_session import Session, add_session_args, log, run_profile, sync_learner, synthetic_requests
+from benchmarks import vllm_session as vs
+from benchmarks.vllm_session import Session, add_session_args, log, run_profile, sync_learner, synthetic_requests
 
 
 def add_args(parser) -> None:

@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from colocate.benchmarks.vllm_session import Session, synthetic_requests
+from benchmarks.vllm_session import Session, synthetic_requests
 
 
 @torch.no_grad()

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from colocate.benchmarks.common import median_time
-from colocate.benchmarks.vllm_session import Session, add_session_args, run_profile, sync_learner, synthetic_requests
+from benchmarks.common import median_time
+from benchmarks.vllm_session import Session, add_session_args, run_profile, sync_learner, synthetic_requests
 from colocate.data import Request
 
 
@@ -120,7 +120,7 @@ def trace_first_tokens(s: Session, cycles: int = 5) -> dict:
     annotations ("execute_context_1(64)_generation_0(0)": one request's 64-token prefill) and
     whether its steps replayed a CUDA graph (cudaGraphLaunch) or launched kernel by kernel."""
     import glob
-    from colocate.benchmarks.common import summarize_trace
+    from benchmarks.common import summarize_trace
     probe = first_token_probe(s)
     pattern = os.path.join(s.engine.profile_dir, "**", "*.json*")
     before = set(glob.glob(pattern, recursive=True))

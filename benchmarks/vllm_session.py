@@ -199,13 +199,13 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
             continue
         try:  # each part lives in its own module, which imports this one
             if part == "sync":
-                from colocate.benchmarks.sync import measure_sync
+                from benchmarks.sync import measure_sync
                 figures.update(measure_sync(s, iters=sync_iters))
             elif part == "parity":
-                from colocate.benchmarks.parity import measure_parity
+                from benchmarks.parity import measure_parity
                 figures.update(measure_parity(s))
             elif part == "rollout":
-                from colocate.benchmarks.rollout import measure_rollout
+                from benchmarks.rollout import measure_rollout
                 figures.update(measure_rollout(s, num_seqs=num_seqs, deadline=deadline - 30))
             log(f"{shape}: {part} done")
         except Exception as exc:
@@ -214,7 +214,7 @@ def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_se
             figures[f"{part}/error"] = f"{type(exc).__name__}: {exc}"[:500]
     if trace_dir:  # after every part: vLLM's engine stays slower after its profiler window
         try:
-            from colocate.benchmarks.sync import trace_first_tokens
+            from benchmarks.sync import trace_first_tokens
             figures.update(trace_first_tokens(s))
         except Exception as exc:  # noqa: BLE001 - keep the parts' figures
             figures["sync/trace_error"] = f"{type(exc).__name__}: {exc}"[:500]
