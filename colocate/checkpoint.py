@@ -24,6 +24,7 @@ import shutil
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 REQUIRED = ("adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "optimizer.json",
@@ -69,8 +70,7 @@ def from_peft_name(key: str, adapter: str = "default") -> str:
 
 # -- optimizer state <-> (tensors, json) -----------------------------------------------------------
 def _full(t: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(t, "full_tensor", None)  # DTensor under FSDP2
-    return (full_tensor() if full_tensor is not None else t).detach().cpu().contiguous()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().contiguous()  # FSDP2: gathered
 
 
 def flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -99,8 +99,7 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict, params: li
         for name, value in per_param.items():
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
                 continue  # scalars such as Adam's step stay as saved
-            if hasattr(param, "device_mesh"):
-                from torch.distributed.tensor import distribute_tensor
+            if isinstance(param, DTensor):
                 per_param[name] = distribute_tensor(value.to(param.device_mesh.device_type).to(param.dtype),
                                                     param.device_mesh, param.placements)
             else:

@@ -128,6 +128,13 @@ class TrajectoryBatch:
         return TrajectoryBatch(**{f.name: cat(f.name) for f in fields(TrajectoryBatch)})
 
 
+def shard_batch(batch: TrajectoryBatch, num_shards: int) -> list[TrajectoryBatch]:
+    """Contiguous split by sequence into `num_shards` (sizes differ by at most one): one per learner."""
+    n = batch.num_sequences
+    bounds = [round(i * n / num_shards) for i in range(num_shards + 1)]
+    return [batch.select(list(range(bounds[i], bounds[i + 1]))) for i in range(num_shards)]
+
+
 def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBatch:
     """Samples (host lists) -> one packed TrajectoryBatch."""
     tokens, logprobs, allowed = [], [], []

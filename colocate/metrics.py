@@ -196,7 +196,7 @@ class EngineProfileWindow:
     profile_dir; the HF engine runs in the role's process, where the role profiler sees its kernels)."""
 
     def __init__(self, metrics_cfg, engine):
-        self.engine = engine if getattr(engine, "can_profile", False) else None
+        self.engine = engine if engine.can_profile else None
         self.first = metrics_cfg.profile_wait + metrics_cfg.profile_warmup
         self.last = self.first + metrics_cfg.profile_active
         self.steps, self.running = 0, False

@@ -1,8 +1,8 @@
 """`torchrun --nproc-per-node N -m colocate.train --config CFG [--section.key=value ...]`
 
-The composition root: config -> topology -> tokenizer + model -> engine + env or learner (+ the
-adapter sender that fits the engine) -> the role loop of this rank (`rollout/loop.py`,
-`learner/loop.py`).
+The composition root: config -> topology -> tokenizer + model -> engine + env + adapter receiver,
+or learner + adapter sender -> the role loop of this rank (`rollout/loop.py`, `learner/loop.py`).
+The adapter channel (`channel.py`) is chosen here, from the engine kind.
 
 Step protocol (deterministic, so no rank ever waits on a message that will not come):
   * inference rank, batch k = 0..S-1: receive adapters until its version >= k - sampling lag (below),
@@ -16,8 +16,8 @@ oversampled groups (rollout.oversample_groups > 0, L >= 2) batch k is sampled wi
 max(0, k - L + 1): a group carried over to batch k + 1 is then trained exactly L steps after its
 version (`config.sampling_lag`).
 
-Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main module (see
-notes/vllm-in-torchrun.md).
+Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main module
+(docs/design.md, "Traps").
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from colocate.channel import AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, NoSender
 from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config
+from colocate.engine.base import Engine
 from colocate.envs import env_corpus, make_env
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
@@ -36,6 +38,7 @@ from colocate.lifecycle import StopSignal
 from colocate.models import add_lora, build_model, load_tokenizer, materialize
 from colocate.rollout.loop import run_inference
 from colocate.topology import Topology, build_topology, split_cpu_threads
+from colocate.wire import LoraSpec
 
 
 def parse_config(argv: list[str]) -> tuple[Config, bool]:
@@ -68,12 +71,28 @@ def engine_kind(cfg: Config, topo: Topology) -> str:
     return kind
 
 
-def make_engine(cfg: Config, topo: Topology, model, tokenizer):
+def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, AdapterReceiver]:
+    """The inference rank's engine and the receiving end of the adapter channel that fits it."""
     if engine_kind(cfg, topo) == "vllm":
+        from colocate.engine import vllm_channel
         from colocate.engine.vllm import VLLMEngine
-        return VLLMEngine.from_config(cfg, topo, tokenizer)
+        port = vllm_channel.receive_port(topo)  # learner rank 0 publishes it, then waits for the engines
+        engine = VLLMEngine.from_config(cfg, topo, tokenizer)
+        return engine, vllm_channel.join_receiver(cfg, topo, engine, port)
     from colocate.engine.hf import HFEngine
-    return HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
+    engine = HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
+    spec = LoraSpec.of(engine.lora_state())
+    return engine, BroadcastReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, device=topo.device)
+
+
+def make_sender(cfg: Config, topo: Topology, spec: LoraSpec) -> AdapterSender:
+    """The sending end of the adapter channel: learner rank 0 sends, the other learners do not."""
+    if topo.rank != topo.sync_src:
+        return NoSender()
+    if engine_kind(cfg, topo) == "vllm":  # waits until every engine's worker has joined
+        from colocate.engine import vllm_channel
+        return vllm_channel.open_sender(cfg, topo, spec)
+    return BroadcastSender(spec, src=topo.sync_src, group=topo.sync_group, with_checksum=cfg.sync.check_checksum)
 
 
 def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
@@ -117,17 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()
     try:
         if topo.role == "inference":
-            engine = make_engine(cfg, topo, model, tokenizer)
+            engine, receiver = make_engine(cfg, topo, model, tokenizer)
             env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank)
-            run_inference(cfg, topo, engine, env, resume=resume, stop=stop)
+            run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop)
         else:
             learner = Learner(cfg, topo, model, tokenizer)
-            spec = learner.lora_spec  # global shapes; no collective
-            sender = None  # vLLM engines receive in their worker, over a stateless NCCL group (waits for them)
-            if topo.rank == topo.sync_src and engine_kind(cfg, topo) == "vllm":
-                from colocate.engine.vllm_sync import join_timeout_s, open_sender
-                sender = open_sender(topo, spec, cfg.sync.fanout, timeout_s=join_timeout_s(cfg))
-            run_learner(cfg, topo, learner, spec, sender=sender, resume=resume, stop=stop)
+            sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
+            run_learner(cfg, topo, learner, sender, resume=resume, stop=stop)
     except BaseException as e:
         # One line that names the rank; torchrun then stops the other ranks (their collectives
         # time out after topology.timeout_s at the latest).

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from colocate.data import Completion, Request, Sample
-from colocate.engine.base import GenerateStream
+from colocate.engine.base import Engine
 from colocate.rollout.worker import RolloutWorker
 
 
@@ -41,7 +41,7 @@ class SlowGroupEnv:
         return {}
 
 
-class CountingEngine(GenerateStream):
+class CountingEngine(Engine):
     version = 0
 
     def __init__(self):
@@ -93,7 +93,7 @@ def legal_choice(request: Request) -> Completion:
     return random_legal_completion(request, random.Random(seed))
 
 
-class BarrierEngine(GenerateStream):
+class BarrierEngine(Engine):
     version = 0
 
     def generate(self, requests):

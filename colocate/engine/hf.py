@@ -16,7 +16,7 @@ import torch
 
 from colocate.constraint import ConstraintState
 from colocate.data import Completion, Request
-from colocate.engine.base import GenerateStream
+from colocate.engine.base import Engine
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ def sample_one_no_sync(probs: torch.Tensor, generator: torch.Generator | None) -
     return torch.argmax(probs / q, dim=-1)
 
 
-class HFEngine(GenerateStream):
+class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", seed: int = 0,
                  max_batch_size: int = 256):
         self.model = model.eval()  # peft model with the adapter enabled

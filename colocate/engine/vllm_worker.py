@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from colocate.sync import LoraSpec, unflatten_lora
+from colocate.wire import ADAPTER_HEADER_NUMEL, LoraSpec, checksum, parse_adapter_header, unflatten_lora
 
 SLOT_ID = 1
 """The one adapter id every request uses (vLLM ids start at 1)."""
@@ -50,6 +50,25 @@ _PEFT_PREFIX = "base_model.model."
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+class StatelessGroup:
+    """A PyNccl communicator over a vLLM `StatelessProcessGroup` (imported lazily: needs vLLM).
+    Learner rank 0 is rank 0 (and serves the rendezvous store); each engine's worker joins it."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device,
+                 listen=None, timeout_s: float = 900.0):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+        pg = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
+                                          listen_socket=listen, store_timeout=int(timeout_s))
+        self.comm = PyNcclCommunicator(pg, device=self.device)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0 sends, every other rank receives into `tensor` (on the current stream)."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.comm.broadcast(tensor, src=0, stream=stream)
 
 
 def lora_module_name(name: str) -> tuple[str, bool]:
@@ -236,7 +255,6 @@ class ColocateWorkerExtension:
                 "modules": len({p[0] for p in plan}), "base_copy_gib": need / 2**30}
 
     def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 900.0) -> str:
-        from colocate.engine.vllm_sync import StatelessGroup
         self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device, timeout_s=timeout_s)
         return str(self.device)
 
@@ -244,20 +262,17 @@ class ColocateWorkerExtension:
         """One broadcast from learner rank 0 -> slot.
 
         -> [version, sent checksum, checksum ok, slot ok, flags, apply ms] (plain values: RPC results)."""
-        from colocate.engine.vllm_sync import HEADER_NUMEL, chunked_checksum
         slot, group = self.colocate_slot, self.colocate_group
-        header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
+        header = torch.empty(ADAPTER_HEADER_NUMEL, dtype=torch.int64, device=self.device)
         group.broadcast(header)
-        version, numel, sent, flags = (int(v) for v in header.tolist())
-        if numel != slot.spec.numel:
-            raise RuntimeError(f"adapter size mismatch: learner sent {numel} elements, the engine expects "
-                               f"{slot.spec.numel}; the lora config differs between roles")
+        head = parse_adapter_header(header, slot.spec)
+        version, sent, flags = head.version, head.checksum, int(head.flags)
         group.broadcast(slot.flat)
         t0 = time.perf_counter()
         slot.apply()
         synchronize(self.device)
         apply_ms = (time.perf_counter() - t0) * 1e3
-        checksum_ok = chunked_checksum(slot.flat) == sent if sent else None
+        checksum_ok = checksum(slot.flat) == sent if sent else None
         slot_ok = slot.matches() if verify else None
         return [version, sent, checksum_ok, slot_ok, flags, apply_ms]
 
@@ -273,10 +288,3 @@ class ColocateWorkerExtension:
     def colocate_adapter_bytes(self) -> bytes:
         """The adapter last received, in the learner's dtype and layout (for checksums)."""
         return self.colocate_slot.flat.cpu().view(torch.uint8).numpy().tobytes()
-
-    def colocate_ping(self) -> int:
-        """Nothing: the round trip of one `collective_rpc` (the sync benchmark's breakdown)."""
-        return 0
-
-    def colocate_slot_matches(self) -> bool:
-        return self.colocate_slot.matches()

@@ -14,6 +14,7 @@ from typing import Hashable
 
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
+from colocate.envs.base import Env
 
 
 def corpus(max_operand: int) -> list[str]:
@@ -37,7 +38,7 @@ def parse_answer(text: str) -> int | None:
         return None
 
 
-class ArithmeticEnv:
+class ArithmeticEnv(Env):
     def __init__(self, tokenizer, *, group_size: int, max_operand: int, max_new_tokens: int,
                  temperature: float, use_constraint: bool, seed: int):
         self.tokenizer = tokenizer

@@ -1,4 +1,4 @@
-"""The `Env` protocol: what the rollout worker needs from an environment.
+"""The `Env` base: what the rollout worker needs from an environment.
 
 An environment owns many groups at once (continuous batching across games). The worker loop is:
 
@@ -11,29 +11,45 @@ An environment owns many groups at once (continuous batching across games). The 
 
 Samples carry `group_key`: the worker normalizes advantages over the anchors of each key (the GRPO
 group; per power within the group for Diplomacy). The env never sees the engine or the learner.
+An env implements the first four methods; `metrics` and the resume state have defaults here, so
+the role loops call them unconditionally.
 """
 from __future__ import annotations
 
-from typing import Hashable, Protocol
+from typing import Hashable
 
 from colocate.data import Completion, Request, Sample
 
 
-class Env(Protocol):
-    group_size: int
+class Env:
+    group_size: int = 1
     """G: continuations per group."""
 
     def start_group(self, group_id: int) -> None:
         """Begin G continuations sharing one start state."""
+        raise NotImplementedError
 
     def requests(self) -> list[tuple[Hashable, Request]]:
         """All prompts now waiting for a completion, keyed."""
+        raise NotImplementedError
 
     def step(self, completions: dict[Hashable, Completion]) -> None:
         """Apply the completions of (a subset of) the keys from `requests`."""
+        raise NotImplementedError
 
     def pop_finished(self) -> list[Sample]:
         """Samples of groups whose every continuation has finished; each group is returned once."""
+        raise NotImplementedError
+
+    # ---- optional, with defaults ---------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
         """Counters since the last call (e.g. invalid-order rate), namespaced by the caller."""
+        return {}
+
+    def state_dict(self) -> dict | None:
+        """What a resumed run needs to continue this env's sampling exactly (JSON-able; None: nothing)."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output."""

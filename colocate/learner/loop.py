@@ -1,10 +1,11 @@
-"""The learner role loop: receive trajectory shards, train, broadcast the adapter, checkpoint.
+"""The learner role loop: receive trajectory shards, train, send the adapter, checkpoint.
 
 Per step s: receive one shard from every inference rank -> `Learner.train_step` -> every learner
-joins the adapter gather -> learner rank 0 broadcasts version s + 1 with run-control flags ->
-(on schedule, at the end or on a stop) a checkpoint. A non-finite loss skips the update (the
-Learner does that) and `metrics.max_nonfinite_steps` in a row end the run. This module never
-imports an engine: how adapters reach vLLM is the `sender` the composition root passes in.
+joins the adapter gather -> the adapter sender puts version s + 1 on the wire with run-control
+flags -> (on schedule, at the end or on a stop) a checkpoint. A non-finite loss skips the update
+(the Learner does that) and `metrics.max_nonfinite_steps` in a row end the run. This module never
+imports an engine: how adapters reach the engines is the `AdapterSender` the composition root
+passes in.
 """
 from __future__ import annotations
 
@@ -16,137 +17,170 @@ import time
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
+from colocate.channel import AdapterSender
 from colocate.config import Config, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
 from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_poison, maybe_raise, parse_fault
 from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
 from colocate.models import canonical_name
-from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
-from colocate.rollout.transport import recv_batch, recv_batch_with_flags, recv_json
-from colocate.sync import FLAG_CHECKPOINT, FLAG_STOP, LoraSpec, broadcast_lora, unflatten_lora
 from colocate.topology import Topology, gpu_index
+from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
 
 
-def run_learner(cfg: Config, topo: Topology, learner, spec: LoraSpec, *, sender=None, resume: dict | None,
+class LearnerRank:
+    """One learner rank's state across steps: the `Learner`, its adapter sender, history and timers."""
+
+    def __init__(self, cfg: Config, topo: Topology, learner, sender: AdapterSender, stop: StopSignal):
+        self.cfg, self.topo, self.learner, self.sender, self.stop = cfg, topo, learner, sender, stop
+        self.writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0,
+                                    tensorboard=cfg.metrics.tensorboard)
+        self.fault = parse_fault()
+        self.history: dict[str, list[float]] = {"reward": [], "loss": []}
+        self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
+        # Per step: [wait start, train start, train end, step end (unix s), policy lag mean, adapter
+        # gather s, adapter send s]; the e2e benchmark takes steady-state figures from it.
+        self.timeline: list[list[float]] = []
+        self.block_params = sum(p.numel() for n, p in learner.model.named_parameters()
+                                if ".layers." in n and "lora_" not in n)
+
+    def receive(self) -> tuple[TrajectoryBatch, bool, dict]:
+        """One shard from every inference rank -> (batch, a stop was requested there, wait times)."""
+        t0, u0 = time.perf_counter(), time.time()
+        received = [recv_batch(src, self.topo.transport_group) for src in self.topo.inference_ranks]
+        # the last adapter's sends to the engines count as waiting, not training
+        send_wait_s = self.sender.wait_sent()
+        waits = {"t0": t0, "u0": u0, "wait_s": time.perf_counter() - t0, "send_wait_s": send_wait_s}
+        return TrajectoryBatch.concat([b for b, _ in received]), any(f & RunFlags.STOP for _, f in received), waits
+
+    def train(self, batch: TrajectoryBatch, step: int, waits: dict) -> dict[str, float]:
+        """`Learner.train_step` -> its stats (+ MFU); the train start and end go into `waits`."""
+        maybe_poison(self.fault, step, batch)
+        lags = (self.learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
+        self.writer.histogram("learner/policy_lag", lags, step)
+        t_train, waits["u_train"] = time.perf_counter(), time.time()
+        with record_function("learner/train_step"):
+            stats = self.learner.train_step(batch)
+        self.busy_s += time.perf_counter() - t_train
+        waits["u_trained"] = time.time()
+        self.dropped += stats["dropped_stale"]
+        # Model FLOPs utilization of the decoder-block GEMMs (forward + input-gradient: 4 x params x
+        # tokens; frozen base, no weight gradients), over the configured per-device peak. The trainer
+        # benchmark adds attention and the lm_head (profiles/README.md).
+        stats["mfu"] = 4 * self.block_params * stats["model_tokens"] / max(
+            stats["step_s"] * self.topo.num_learners * self.cfg.metrics.peak_tflops * 1e12, 1e-9)
+        self.check_finite(stats["loss"], step)
+        self.history["reward"].append(stats["reward"])
+        self.history["loss"].append(stats["loss"])
+        return stats
+
+    def check_finite(self, loss: float, step: int) -> None:
+        """The learner skipped a non-finite update; `metrics.max_nonfinite_steps` in a row are fatal."""
+        if math.isfinite(loss):
+            self.nonfinite_run = 0
+            return
+        self.nonfinite_run += 1
+        limit = self.cfg.metrics.max_nonfinite_steps
+        self.writer.alert("nonfinite_loss", f"loss {loss} at step {step + 1}: update skipped "
+                          f"({self.nonfinite_run} in a row, limit {limit})", step)
+        if self.nonfinite_run >= limit:
+            raise RuntimeError(f"{self.nonfinite_run} non-finite losses in a row (metrics.max_nonfinite_steps); "
+                               f"last at step {step + 1}: lower learner.lr or check the data")
+
+    def agree_to_stop(self, requested_elsewhere: bool) -> bool:
+        """Stop when any rank saw a signal; every learner must agree (one all-reduce)."""
+        stop_now = torch.tensor([float(self.stop.requested or requested_elsewhere)], device=self.topo.device)
+        if self.topo.num_learners > 1:
+            dist.all_reduce(stop_now, op=dist.ReduceOp.MAX, group=self.topo.learner_group)
+        return bool(stop_now.item())
+
+    def publish(self, flags: RunFlags) -> tuple[dict[str, torch.Tensor], float, float]:
+        """Every learner joins the gather; the sender puts the new version on the wire (enqueued:
+        later kernels on this stream wait for it) -> (adapter views, gather s, send s)."""
+        t_gather = time.perf_counter()
+        flat = self.learner.lora_flat()  # [numel] full adapter from the shards
+        gather_s = time.perf_counter() - t_gather
+        sync_s = self.sender.send(flat, self.learner.version, flags)
+        return unflatten_lora(flat, self.learner.lora_spec), gather_s, sync_s
+
+    def log(self, step: int, stats: dict, waits: dict, gather_s: float, sync_s: float) -> None:
+        last = step == self.cfg.learner.num_steps - 1
+        wait_s = waits["wait_s"]
+        self.writer.scalars("learner", {**stats, "wait_s": wait_s,
+                                        "idle_fraction": wait_s / max(time.perf_counter() - waits["t0"], 1e-9)}, step)
+        self.writer.scalars("rollout", {"reward": stats["reward"], "policy_lag": stats["policy_lag_mean"]}, step)
+        self.writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3,
+                                     "send_wait_ms": waits["send_wait_s"] * 1e3}, step)
+        if step % self.cfg.metrics.log_every == 0 or last:
+            self.writer.print(f"step {step + 1}/{self.cfg.learner.num_steps} reward {stats['reward']:.3f} "
+                              f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
+                              f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
+                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s")
+        self.timeline.append([waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
+                              stats["policy_lag_mean"], gather_s, sync_s])
+
+    def drain(self, step: int) -> None:
+        """After a stop at `step`: batches step+1 .. step+lag were already sampled and sent; receive
+        and drop them, so no inference rank is left blocked in a send."""
+        for _ in range(min(step + 1 + sampling_lag(self.cfg), self.cfg.learner.num_steps) - (step + 1)):
+            for src in self.topo.inference_ranks:
+                recv_batch(src, self.topo.transport_group)
+
+
+def learner_step(rank: LearnerRank, step: int) -> bool:
+    """One step of the protocol (module docstring) -> whether the run stops after it."""
+    cfg = rank.cfg
+    maybe_raise(rank.fault, rank.topo.rank, step)
+    batch, stop_elsewhere, waits = rank.receive()
+    stats = rank.train(batch, step, waits)
+    stop_requested = rank.agree_to_stop(stop_elsewhere)
+    last = step == cfg.learner.num_steps - 1
+    stopping = stop_requested and not last
+    checkpointing = cfg.checkpoint.enabled and (
+        stop_requested or last or (cfg.checkpoint.every > 0 and (step + 1) % cfg.checkpoint.every == 0))
+    flags = (RunFlags.CHECKPOINT if checkpointing else RunFlags.NONE) | (RunFlags.STOP if stopping else RunFlags.NONE)
+    adapter, gather_s, sync_s = rank.publish(flags)
+    if checkpointing:
+        write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.fault)
+    rank.log(step, stats, waits, gather_s, sync_s)
+    if stopping:
+        rank.drain(step)
+        rank.writer.print(f"stop requested (signal): checkpoint at step {step + 1}, exiting")
+    return stopping
+
+
+def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, resume: dict | None,
                 stop: StopSignal) -> None:
-    """The learner role: receive shards, train, hand the adapter to the inference ranks.
-
-    `sender` (learner rank 0 only, optional) replaces the torch.distributed broadcast, e.g. the
-    stateless NCCL group into vLLM workers; it is built by the composition root."""
-    if learner.lora_spec != spec:  # the flat buffer goes out unlabelled: its layout must be the spec's
-        raise ValueError("the learner's adapter layout differs from the sync spec (names, shapes or dtype)")
-    is_source = topo.rank == topo.sync_src
-    writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0,
-                           tensorboard=cfg.metrics.tensorboard)
-    fault = parse_fault()
-    history: dict[str, list[float]] = {"reward": [], "loss": []}
+    """The learner role: receive shards, train, hand the adapter to the inference ranks."""
+    rank = LearnerRank(cfg, topo, learner, sender, stop)
     start = 0
     if resume is not None:
         start = restore_learner(learner, resume)
-        history = {k: list(v) for k, v in resume["trainer_state"]["history"].items()}
-    # the inference ranks run up to `lag` batches ahead of this loop (what a stop must drain)
-    num_steps, lag, ckpt = cfg.learner.num_steps, sampling_lag(cfg), cfg.checkpoint
-    # Daemon threads and a profiler window; an exception ends the process, so no try/finally needed.
-    monitors = contextlib.ExitStack()
-    role = monitors.enter_context(role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo),
+        rank.history = {k: list(v) for k, v in resume["trainer_state"]["history"].items()}
+    monitors = contextlib.ExitStack()  # daemon threads and a profiler window
+    role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
                                                 what="trajectory consumed"))
-    watchdog = role.watchdog
     profiler = make_profiler(cfg.metrics, "learner", topo.rank, enabled=topo.role_rank == 0)
     monitors.callback(profiler.stop)
-    nonfinite_run, busy_s, dropped = 0, 0.0, 0.0
-    # Per step: [wait start, train start, train end, step end (unix s), policy lag mean, adapter
-    # gather s, adapter send s]; the e2e benchmark takes steady-state figures from it.
-    timeline: list[list[float]] = []
-    block_params = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
     t_start = time.perf_counter()
-    for step in range(start, num_steps):
-        maybe_raise(fault, topo.rank, step)
-        t0, u0 = time.perf_counter(), time.time()
-        received = [recv_batch_with_flags(src, topo.transport_group) for src in topo.inference_ranks]
-        batch = TrajectoryBatch.concat([b for b, _ in received])
-        # the last adapter's sends to vLLM engines (wait=False below) count as waiting, not training
-        send_wait_s = sender.wait_sent() if sender is not None else 0.0
-        wait_s = time.perf_counter() - t0
-        maybe_poison(fault, step, batch)
-        lags = (learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
-        t_train, u_train = time.perf_counter(), time.time()
-        with record_function("learner/train_step"):
-            stats = learner.train_step(batch)
-        busy_s += time.perf_counter() - t_train
-        u_trained = time.time()
-        dropped += stats["dropped_stale"]
-        # Model FLOPs utilization of the decoder-block GEMMs (forward + input-gradient: 4 x params x
-        # tokens; frozen base, no weight gradients), over the configured per-device peak. The trainer
-        # benchmark adds attention and the lm_head (profiles/trainer.md).
-        stats["mfu"] = 4 * block_params * stats["model_tokens"] / max(
-            stats["step_s"] * topo.num_learners * cfg.metrics.peak_tflops * 1e12, 1e-9)
-        writer.histogram("learner/policy_lag", lags, step)
-        watchdog.beat(step)
-        if not math.isfinite(stats["loss"]):  # the learner skipped the update; K in a row is fatal
-            nonfinite_run += 1
-            writer.alert("nonfinite_loss", f"loss {stats['loss']} at step {step + 1}: update skipped "
-                         f"({nonfinite_run} in a row, limit {cfg.metrics.max_nonfinite_steps})", step)
-            if nonfinite_run >= cfg.metrics.max_nonfinite_steps:
-                raise RuntimeError(f"{nonfinite_run} non-finite losses in a row (metrics.max_nonfinite_steps); "
-                                   f"last at step {step + 1}: lower learner.lr or check the data")
-        else:
-            nonfinite_run = 0
-        # Stop when any rank saw a signal; every learner must agree (one all-reduce).
-        stop_now = torch.tensor([float(stop.requested or any(f & STOP_REQUESTED for _, f in received))],
-                                device=topo.device)
-        if topo.num_learners > 1:
-            dist.all_reduce(stop_now, op=dist.ReduceOp.MAX, group=topo.learner_group)
-        stopping = bool(stop_now.item())
-        last = step == num_steps - 1
-        checkpointing = ckpt.enabled and (stopping or last or (ckpt.every > 0 and (step + 1) % ckpt.every == 0))
-        flags = (FLAG_CHECKPOINT if checkpointing else 0) | (FLAG_STOP if stopping and not last else 0)
-        t_gather = time.perf_counter()
-        flat = learner.lora_flat()  # [numel] full adapter from the shards: all learners join the gather
-        gather_s, sync_s = time.perf_counter() - t_gather, 0.0
-        if sender is not None:
-            sync_s = sender.send(flat, learner.version, with_checksum=cfg.sync.check_checksum, flags=flags,
-                                 wait=False)  # like dist.broadcast: later kernels on this stream wait for it
-        elif is_source:
-            sync_s = broadcast_lora(flat, spec, learner.version, src=topo.sync_src,
-                                    group=topo.sync_group, with_checksum=cfg.sync.check_checksum, flags=flags)
-        adapter = unflatten_lora(flat, spec)  # views, for the checkpoint
-        history["reward"].append(stats["reward"])
-        history["loss"].append(stats["loss"])
-        if checkpointing:
-            write_checkpoint(cfg, topo, learner, adapter, history, step + 1, fault)
-        writer.scalars("learner", {**stats, "wait_s": wait_s,
-                                   "idle_fraction": wait_s / max(time.perf_counter() - t0, 1e-9)}, step)
-        writer.scalars("rollout", {"reward": stats["reward"], "policy_lag": stats["policy_lag_mean"]}, step)
-        writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3,
-                                "send_wait_ms": send_wait_s * 1e3}, step)
-        if step % cfg.metrics.log_every == 0 or last:
-            writer.print(f"step {step + 1}/{num_steps} reward {stats['reward']:.3f} "
-                         f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
-                         f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
-                         f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s")
-        timeline.append([u0, u_train, u_trained, time.time(), stats["policy_lag_mean"], gather_s, sync_s])
-        if stopping and not last:
-            # Batches step+1 .. step+lag were already sampled and sent: receive and drop them, so no
-            # inference rank is left blocked in a send.
-            for _ in range(min(step + 1 + lag, num_steps) - (step + 1)):
-                for src in topo.inference_ranks:
-                    recv_batch(src, topo.transport_group)
-            writer.print(f"stop requested (signal): checkpoint at step {step + 1}, exiting")
+    for step in range(start, cfg.learner.num_steps):
+        stopping = learner_step(rank, step)
+        role.watchdog.beat(step)
+        if stopping:
             break
         profiler.step()
-    if sender is not None:  # every engine asks for the last version; exiting first would strand it
-        sender.wait_sent()
+    sender.wait_sent()  # every engine asks for the last version; exiting first would strand it
     gpu_util = role.gpu_util()
     monitors.close()
     if topo.role_rank == 0:
         wall = time.perf_counter() - t_start
-        write_summary(cfg, topo, history, wall, writer, {
-            "learner_busy_fraction": busy_s / max(wall, 1e-9), "dropped_stale": dropped,
-            "steps_per_hour": (len(history["reward"]) - start) / max(wall, 1e-9) * 3600,
-            "timeline": timeline, "gpu_util": gpu_util})
-    writer.close()
+        write_summary(cfg, topo, rank.history, wall, rank.writer, {
+            "learner_busy_fraction": rank.busy_s / max(wall, 1e-9), "dropped_stale": rank.dropped,
+            "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
+            "timeline": rank.timeline, "gpu_util": gpu_util})
+    rank.writer.close()
 
 
 def restore_learner(learner, resume: dict) -> int:
@@ -157,8 +191,7 @@ def restore_learner(learner, resume: dict) -> int:
     with torch.no_grad():
         for name, param in live.items():
             src = resume["adapter"][name]
-            if hasattr(param, "device_mesh"):
-                from torch.distributed.tensor import distribute_tensor
+            if isinstance(param, DTensor):  # an FSDP2 shard
                 src = distribute_tensor(src.to(param.dtype), param.device_mesh, param.placements)
             param.copy_(src)
     params = [p for group in learner.optimizer.param_groups for p in group["params"]]
@@ -187,16 +220,25 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
     print(f"[learner] checkpoint written: {path}", flush=True)
 
 
+def reward_windows(rewards: list[float]) -> tuple[float, float]:
+    """Mean reward of the first and last windows of up to 10 steps (single batches are noisy); on
+    short runs each window is at most half the run, so the two never overlap."""
+    k = max(1, min(10, len(rewards) // 2))
+    if not rewards:
+        return 0.0, 0.0
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
 def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, writer: MetricsWriter,
                   extra: dict) -> None:
     rewards = history["reward"]
-    k = min(10, len(rewards))  # windows of 10 steps: single batches are noisy
+    reward_start, reward_end = reward_windows(rewards)
     summary = {
         "steps": len(rewards),
-        "reward_start": sum(rewards[:k]) / max(k, 1),
-        "reward_end": sum(rewards[-k:]) / max(k, 1),
+        "reward_start": reward_start,
+        "reward_end": reward_end,
         "reward_target": cfg.env.reward_target,
-        "reached_target": bool(rewards) and sum(rewards[-k:]) / k >= cfg.env.reward_target,
+        "reached_target": bool(rewards) and reward_end >= cfg.env.reward_target,
         "wall_time_s": wall_s,
         "rewards": rewards,
         "losses": history["loss"],

@@ -1,13 +1,12 @@
 """The inference role loop: play games with the engine, ship trajectories, take new adapters.
 
 Protocol (deterministic, so no rank waits on a message that will not come): for batch k = 0..S-1,
-receive adapters until the engine's version >= k - lag (`config.sampling_lag`: max_policy_lag, or
-one less with oversampled groups, which may be trained a step after their batch), play this
-rank's share of groups, send one shard of the batch to every learner (from a sender thread); at
-the end receive the remaining versions up to S. Adapter headers carry run-control flags: FLAG_CHECKPOINT (send this
-rank's sampler/env state to learner rank 0) and FLAG_STOP (a signal was seen somewhere: stop).
-The engine and env are built by the composition root (`train.py`); nothing here knows which
-engine it drives, beyond an optional `receive_lora` that lets vLLM take the broadcast in its worker.
+take adapters until the engine's version >= k - lag (`config.sampling_lag`), play this rank's share
+of groups, send one shard of the batch to every learner (from a sender thread); at the end take
+the remaining versions up to S. Adapter headers carry run control (`wire.RunFlags`): CHECKPOINT
+(send this rank's sampler/env state to learner rank 0) and STOP (a signal was seen somewhere).
+The engine, env and adapter receiver are built by the composition root (`train.py`); nothing here
+knows which engine it drives.
 """
 from __future__ import annotations
 
@@ -16,68 +15,16 @@ import time
 
 from torch.profiler import record_function
 
+from colocate.channel import AdapterReceiver
 from colocate.config import Config, sampling_lag
+from colocate.data import shard_batch
+from colocate.engine.base import Engine
+from colocate.envs.base import Env
 from colocate.lifecycle import StopSignal
-from colocate.metrics import (EngineProfileWindow, MetricsWriter, Profilers, make_profiler, role_monitors,
-                              write_json_atomic)
-from colocate.rollout.transport import FLAG_STOP as STOP_REQUESTED
-from colocate.rollout.transport import TrajectorySender, send_json, shard_batch
+from colocate.metrics import EngineProfileWindow, MetricsWriter, Profilers, make_profiler, role_monitors, write_json_atomic
 from colocate.rollout.worker import RolloutWorker
-from colocate.sync import FLAG_CHECKPOINT, FLAG_STOP, LoraSpec, checksum, flatten_lora, receive_lora
 from colocate.topology import Topology, gpu_index
-
-
-def run_inference(cfg: Config, topo: Topology, engine, env, *, resume: dict | None, stop: StopSignal) -> None:
-    """The inference role: play batches, send them to the learners, take adapters as they come."""
-    worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
-                           first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
-                           stream=cfg.rollout.stream)
-    spec = getattr(engine, "spec", None) or LoraSpec.of(engine.lora_state())
-    writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
-                           tensorboard=cfg.metrics.tensorboard)
-    start = 0
-    if resume is not None:  # the adapter and this rank's sampler/env state as of the checkpoint
-        start = resume["trainer_state"]["step"]
-        engine.load_lora(resume["trainer_state"]["version"], resume["adapter"])
-        restore_inference_state(resume["trainer_state"]["inference"].get(str(topo.rank)), worker, env, engine)
-    stopped = False
-
-    def receive() -> None:
-        nonlocal stopped
-        t0 = time.perf_counter()
-        if hasattr(engine, "receive_lora"):  # vLLM: the broadcast lands in its worker, which applies it
-            got = engine.receive_lora(verify=cfg.sync.check_checksum)  # raises on a checksum/slot mismatch
-            version, sent_sum, flags = got["version"], 0, got["flags"]
-            sync = {"receive_apply_ms": (time.perf_counter() - t0) * 1e3, "apply_ms": got["apply_ms"],
-                    "version": version, **({"checksum_ok": 1.0} if got["checksum_ok"] else {})}
-        else:
-            version, tensors, sent_sum, flags = receive_lora(spec, src=topo.sync_src, group=topo.sync_group,
-                                                             device=topo.device)
-            t1 = time.perf_counter()
-            engine.load_lora(version, tensors)
-            t2 = time.perf_counter()
-            sync = {"receive_ms": (t1 - t0) * 1e3, "apply_ms": (t2 - t1) * 1e3, "version": version}
-        if sent_sum:  # prove the engine now samples with exactly the learner's bytes
-            sync["checksum_ok"] = float(checksum(flatten_lora(engine.lora_state(), spec)) == sent_sum)
-            if not sync["checksum_ok"]:
-                raise RuntimeError(f"rank {topo.rank}: adapter version {version} differs from the learner's")
-        writer.scalars("sync", sync, version)
-        if flags & FLAG_CHECKPOINT:  # this rank's part of the checkpoint, taken at this version
-            send_json(inference_state(topo.rank, worker, env, engine), topo.sync_src, topo.transport_group)
-        stopped = stopped or bool(flags & FLAG_STOP)
-
-    with role_monitors(cfg.metrics, writer, gpu_index=gpu_index(topo), what="trajectory produced") as role:
-        profiler = make_profiler(cfg.metrics, "inference", topo.rank, enabled=topo.role_rank == 0)
-        try:
-            # vLLM built with a profile_dir (metrics.profile, role rank 0): the engine core traces its
-            # own GPU work over the same window; a no-op for any other engine
-            profiler = Profilers(profiler, EngineProfileWindow(cfg.metrics, engine))
-            rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive,
-                         is_stopped=lambda: stopped)
-        finally:
-            profiler.stop()
-    writer.close()
-
+from colocate.wire import RunFlags, TrajectorySender, send_json
 
 BATCH_STATS = ("polls", "samples", "latency_s", "poll_latency_s_p50", "poll_latency_s_p95", "request_latency_s_p50",
                "request_latency_s_p95", "group_latency_s_p95",
@@ -86,63 +33,111 @@ BATCH_STATS = ("polls", "samples", "latency_s", "poll_latency_s_p50", "poll_late
 """Rollout and engine scalars kept per batch in `inference-rank<r>.json` (TensorBoard has them all)."""
 
 
-def rollout_loop(cfg, topo, engine, worker, writer, role, profiler, stop, start, receive, is_stopped) -> None:
-    """Batches start..S-1 of one inference rank (see the module docstring for the protocol)."""
-    num_steps, lag = cfg.learner.num_steps, sampling_lag(cfg)
-    # Sends of batch j complete once the learners start step j, which needs version j to have been
-    # received here; so only sends older than k - lag may be waited on at batch k (at most lag + 1
-    # batches in flight: bounded memory, no deadlock).
-    sender = TrajectorySender(topo.transport_group, first_index=start)
-    busy_s, t_start = 0.0, time.perf_counter()
-    t_batch = t_start
-    # Per batch (e2e profile): collect start/end (unix s), where the rank waited, what the rollout did.
-    batches: list[dict] = []
-    for k in range(start, num_steps):
+class InferenceRank:
+    """One inference rank's state across batches: its engine, env, worker and adapter receiver."""
+
+    def __init__(self, cfg: Config, topo: Topology, engine: Engine, env: Env, receiver: AdapterReceiver,
+                 stop: StopSignal):
+        self.cfg, self.topo, self.engine, self.env, self.receiver, self.stop = cfg, topo, engine, env, receiver, stop
+        self.worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
+                                    first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
+                                    stream=cfg.rollout.stream)
+        self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
+                                    tensorboard=cfg.metrics.tensorboard)
+        self.stopped = False  # a STOP flag arrived in an adapter header
+        self.batches: list[dict] = []  # per batch: where the rank waited, what the rollout did (e2e profile)
+
+    def take_adapters_through(self, version: int) -> None:
+        """Receive adapter updates until the engine samples with `version` (or a stop arrives)."""
+        while self.engine.version < version and not self.stopped:
+            update = self.receiver.receive()
+            self.writer.scalars("sync", update.metrics, update.version)
+            if update.flags & RunFlags.CHECKPOINT:  # this rank's part of the checkpoint, at this version
+                send_json(self.resume_state(), self.topo.sync_src, self.topo.transport_group)
+            self.stopped = self.stopped or bool(update.flags & RunFlags.STOP)
+
+    def resume_state(self) -> dict:
+        """What this rank needs to resume sampling exactly (JSON)."""
+        return {"rank": self.topo.rank, "next_group": self.worker.next_group, "env": self.env.state_dict(),
+                "engine_rng": self.engine.rng_state()}
+
+    def restore(self, resume: dict) -> int:
+        """The adapter and this rank's sampler/env state as of the checkpoint -> the first batch."""
+        trainer_state = resume["trainer_state"]
+        self.engine.load_lora(trainer_state["version"], resume["adapter"])
+        state = trainer_state["inference"].get(str(self.topo.rank))
+        if state is not None:
+            self.worker.next_group = state["next_group"]
+            if state.get("env") is not None:
+                self.env.load_state_dict(state["env"])
+            if state.get("engine_rng") is not None:
+                self.engine.set_rng_state(state["engine_rng"])
+        return trainer_state["step"]
+
+    def play_batch(self, k: int, sender: TrajectorySender, lag: int) -> tuple[dict, dict] | None:
+        """Batch k: wait for its version and for old sends, collect, queue the shards -> (rollout
+        stats, engine stats), or None when a stop arrived first."""
         t_wait = time.perf_counter()
-        while engine.version < k - lag and not is_stopped():
-            receive()
-        if is_stopped():
-            break
+        self.take_adapters_through(k - lag)
+        if self.stopped:
+            return None
         t_version = time.perf_counter()
+        # Sends of batch j complete once the learners start step j, which needs version j to have
+        # been taken here; so only sends older than k - lag may be waited on (at most lag + 1
+        # batches in flight: bounded memory, no deadlock).
         sender.wait_through(k - lag - 1)
         t_collect, u_collect = time.perf_counter(), time.time()
         with record_function("rollout/collect"):
-            batch, stats, engine_stats = worker.collect()
-        busy_s += time.perf_counter() - t_collect
-        batches.append({"collect_start": u_collect, "collect_end": time.time(),
-                        "wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
-                        **{key: float(v) for key, v in {**stats, **engine_stats}.items()
-                           if key in BATCH_STATS}})
-        flags = STOP_REQUESTED if stop.requested else 0  # a signal here reaches the learners in the header
-        sender.submit(k, list(zip(shard_batch(batch, topo.num_learners), topo.learner_ranks)), flags)
-        stats["idle_fraction"] = 1.0 - (time.perf_counter() - t_collect) / max(time.perf_counter() - t_batch, 1e-9)
+            batch, stats, engine_stats = self.worker.collect()
+        self.batches.append({"collect_start": u_collect, "collect_end": time.time(),
+                             "wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
+                             "collect_s": time.perf_counter() - t_collect,
+                             **{key: float(v) for key, v in {**stats, **engine_stats}.items() if key in BATCH_STATS}})
+        flags = RunFlags.STOP if self.stop.requested else RunFlags.NONE  # reaches the learners in the header
+        sender.submit(k, list(zip(shard_batch(batch, self.topo.num_learners), self.topo.learner_ranks)), flags)
         stats["queue_depth"] = sender.in_flight(k)
+        return stats, engine_stats
+
+
+def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
+    """Batches start..S-1 of one inference rank, then the last versions -> seconds spent collecting."""
+    cfg = rank.cfg
+    num_steps, lag = cfg.learner.num_steps, sampling_lag(cfg)
+    sender = TrajectorySender(rank.topo.transport_group, first_index=start)
+    t_batch = time.perf_counter()
+    for k in range(start, num_steps):
+        played = rank.play_batch(k, sender, lag)
+        if played is None:
+            break
+        stats, engine_stats = played
+        stats["idle_fraction"] = 1.0 - rank.batches[-1]["collect_s"] / max(time.perf_counter() - t_batch, 1e-9)
         t_batch = time.perf_counter()
-        writer.scalars("rollout", stats, k)
-        writer.scalars("engine", engine_stats, k)
+        rank.writer.scalars("rollout", stats, k)
+        rank.writer.scalars("engine", engine_stats, k)
         role.watchdog.beat(k)
         profiler.step()
-    while engine.version < num_steps and not is_stopped():
-        receive()
+    rank.take_adapters_through(num_steps)  # finish on the final adapter
     sender.close()  # after a stop the learners drain what is in flight
-    wall = time.perf_counter() - t_start
-    write_json_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
-                      {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9),
-                       "batches": batches, "gpu_util": role.gpu_util()})
+    return sum(b["collect_s"] for b in rank.batches)
 
 
-def inference_state(rank: int, worker: RolloutWorker, env, engine) -> dict:
-    """What an inference rank needs to resume sampling exactly (JSON)."""
-    return {"rank": rank, "next_group": worker.next_group,
-            "env": env.state_dict() if hasattr(env, "state_dict") else None,
-            "engine_rng": engine.rng_state() if hasattr(engine, "rng_state") else None}
-
-
-def restore_inference_state(state: dict | None, worker: RolloutWorker, env, engine) -> None:
-    if state is None:
-        return
-    worker.next_group = state["next_group"]
-    if state.get("env") is not None and hasattr(env, "load_state_dict"):
-        env.load_state_dict(state["env"])
-    if state.get("engine_rng") is not None and hasattr(engine, "set_rng_state"):
-        engine.set_rng_state(state["engine_rng"])
+def run_inference(cfg: Config, topo: Topology, engine: Engine, env: Env, receiver: AdapterReceiver, *,
+                  resume: dict | None, stop: StopSignal) -> None:
+    """The inference role: play batches, send them to the learners, take adapters as they come."""
+    rank = InferenceRank(cfg, topo, engine, env, receiver, stop)
+    start = rank.restore(resume) if resume is not None else 0
+    t_start = time.perf_counter()
+    with role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo), what="trajectory produced") as role:
+        # A vLLM engine built with a profile_dir traces its own GPU work over the role profiler's
+        # window; a no-op for any other engine.
+        profiler = Profilers(make_profiler(cfg.metrics, "inference", topo.rank, enabled=topo.role_rank == 0),
+                             EngineProfileWindow(cfg.metrics, engine))
+        try:
+            busy_s = rollout_loop(rank, start, role, profiler)
+        finally:
+            profiler.stop()
+        wall = time.perf_counter() - t_start
+        write_json_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
+                          {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9),
+                           "batches": rank.batches, "gpu_util": role.gpu_util()})
+    rank.writer.close()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from colocate.data import Completion, Request, Sample
+from colocate.envs.base import Env
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import parse_orders
 from colocate.envs.diplomacy.prompt import (PowerOrders, TokenCache, board_lines, instruction,
@@ -84,7 +85,7 @@ class Group:
     continuations: list[Continuation]
 
 
-class DiplomacyEnv:
+class DiplomacyEnv(Env):
     def __init__(self, tokenizer, *, group_size: int, horizon_years: int = 1, stall_years: int = 2,
                  train_later_phases: bool = False, use_constraint: bool = True, unit_labels: bool = True,
                  list_supports: bool = True,
@@ -114,15 +115,11 @@ class DiplomacyEnv:
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "DiplomacyEnv":
         env_cfg = cfg.env
-        path = getattr(env_cfg, "state_cache", "")
-        return cls(tokenizer, group_size=cfg.rollout.group_size,
-                   horizon_years=getattr(env_cfg, "horizon_years", 1),
-                   stall_years=getattr(env_cfg, "stall_years", 2),
-                   train_later_phases=getattr(env_cfg, "train_later_phases", False),
-                   use_constraint=getattr(env_cfg, "use_constraint", True),
-                   unit_labels=getattr(env_cfg, "unit_labels", True),
-                   list_supports=getattr(env_cfg, "list_supports", True),
-                   max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
+        path = env_cfg.state_cache
+        return cls(tokenizer, group_size=cfg.rollout.group_size, horizon_years=env_cfg.horizon_years,
+                   stall_years=env_cfg.stall_years, train_later_phases=env_cfg.train_later_phases,
+                   use_constraint=env_cfg.use_constraint, unit_labels=env_cfg.unit_labels,
+                   list_supports=env_cfg.list_supports, max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
                    start_states=dg.load_state_cache(path) if path else None)
 
     # ------------------------------------------------------------------ Env protocol

@@ -1,7 +1,7 @@
 """Game-state mechanics on top of the `diplomacy` package: fork, legal orders, state cache, SC counts.
 
-What the package gets wrong for RL, and what this module does instead (measured, see
-`profiles/env.md` and `/work/shared/notes/diplomacy.md`):
+What the package gets wrong for RL, and what this module does instead (measured: the env profile,
+`scripts/benchmark.py --profile env`, figures in `profiles/`):
   * `copy.deepcopy(game)` is slow (~0.4 s mid-game: history entries drag the map along) and wrong
     without `clear_cache()` (the unit-owner cache points at the source's powers). `fork_game` copies
     only the per-phase state, shares the immutable map, rules and written history entries, and

@@ -1,0 +1,103 @@
+"""The adapter channel: how each new adapter version goes from the learners to the inference ranks.
+
+One interface with two sides, so the role loops never ask which engine is on the other end:
+  * `AdapterSender`, on every learner rank: `send(flat, version, flags)` once per step, after the
+    adapter gather every learner joins. Only the sync source (learner rank 0) puts bytes on the
+    wire; the other learners hold a `NoSender`.
+  * `AdapterReceiver`, on every inference rank: `receive()` takes the next version into the
+    engine and returns it with the run-control flags of its header.
+
+Implementations, chosen by the composition root (`train.py`) from the engine kind:
+  * `BroadcastSender` / `BroadcastReceiver` (here): two torch.distributed broadcasts on the sync
+    group (header, then the flat buffer; `colocate.wire`), then `engine.load_lora`. For engines
+    that live in the inference rank's own process: the HF reference engine (gloo on CPU).
+  * `engine/vllm_channel.py`: vLLM runs its engine core in a child process outside the torchrun
+    world, so learner rank 0 broadcasts on a stateless NCCL group the vLLM workers joined, and the
+    worker applies the update in place.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from colocate.wire import (ADAPTER_HEADER_NUMEL, LoraSpec, RunFlags, adapter_header, checksum, flatten_lora,
+                           parse_adapter_header, unflatten_lora)
+
+
+@dataclass(frozen=True)
+class AdapterUpdate:
+    version: int
+    flags: RunFlags
+    metrics: dict[str, float]
+    """TensorBoard `sync/...` scalars of this update (times in ms, checksum_ok when verified)."""
+
+
+class AdapterSender:
+    """Learner side. `send` returns the seconds it spent; `wait_sent` blocks until every inference
+    rank holds the last version (seconds spent)."""
+
+    def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
+        raise NotImplementedError
+
+    def wait_sent(self) -> float:
+        return 0.0
+
+
+class AdapterReceiver:
+    """Inference side: take the next version into the engine."""
+
+    def receive(self) -> AdapterUpdate:
+        raise NotImplementedError
+
+
+class NoSender(AdapterSender):
+    """Learner ranks other than the sync source: they join the gather, the source sends."""
+
+    def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
+        return 0.0
+
+
+class BroadcastSender(AdapterSender):
+    """Learner rank 0: header + flat buffer as two broadcasts on the torch sync group."""
+
+    def __init__(self, spec: LoraSpec, *, src: int, group, with_checksum: bool = False):
+        self.spec, self.src, self.group, self.with_checksum = spec, src, group, with_checksum
+
+    def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
+        t0 = time.perf_counter()
+        flat = flatten_lora(flat, self.spec)  # checks the layout, no copy
+        header = adapter_header(version, self.spec, flat if self.with_checksum else None, flags)
+        dist.broadcast(header.to(flat.device), src=self.src, group=self.group)
+        dist.broadcast(flat, src=self.src, group=self.group)
+        return time.perf_counter() - t0
+
+
+class BroadcastReceiver(AdapterReceiver):
+    """Inference rank with an in-process engine: receive both broadcasts, then `engine.load_lora`.
+    With a checksum in the header it proves the engine then samples with the learner's bytes."""
+
+    def __init__(self, engine, spec: LoraSpec, *, src: int, group, device):
+        self.engine, self.spec, self.src, self.group = engine, spec, src, group
+        self.header = torch.zeros(ADAPTER_HEADER_NUMEL, dtype=torch.int64, device=device)
+        self.flat = torch.empty(spec.numel, dtype=spec.dtype, device=device)
+
+    def receive(self) -> AdapterUpdate:
+        t0 = time.perf_counter()
+        dist.broadcast(self.header, src=self.src, group=self.group)
+        head = parse_adapter_header(self.header, self.spec)
+        dist.broadcast(self.flat, src=self.src, group=self.group)
+        if head.checksum and checksum(self.flat) != head.checksum:
+            raise RuntimeError(f"adapter version {head.version} arrived corrupted (checksum mismatch)")
+        t1 = time.perf_counter()
+        self.engine.load_lora(head.version, unflatten_lora(self.flat, self.spec))
+        metrics = {"receive_ms": (t1 - t0) * 1e3, "apply_ms": (time.perf_counter() - t1) * 1e3,
+                   "version": head.version}
+        if head.checksum:
+            live = checksum(flatten_lora(self.engine.lora_state(), self.spec))
+            if live != head.checksum:
+                raise RuntimeError(f"adapter version {head.version}: the engine's adapter differs from the learner's")
+            metrics["checksum_ok"] = 1.0
+        return AdapterUpdate(head.version, head.flags, metrics)

@@ -1,0 +1,169 @@
+"""The layout holds: imports run one way, kernels stand alone, functions fit a screen, docs live
+in the repo, and a non-editable install ships `colocate.kernels` but not the benchmarks."""
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+MAX_FUNCTION_LINES = 60
+
+
+def python_files(*folders: str) -> list[str]:
+    out = []
+    for folder in folders:
+        for root, _, files in os.walk(os.path.join(REPO, folder)):
+            out += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def module_name(path: str) -> str:
+    rel = os.path.relpath(path, REPO)[:-3].split(os.sep)
+    if rel[0] == "kernels":  # installed as colocate.kernels
+        rel = ["colocate"] + rel
+    if rel[-1] == "__init__":
+        rel = rel[:-1]
+    return ".".join(rel)
+
+
+def resolve(module: str, path: str, node: ast.ImportFrom) -> str:
+    """The absolute module an `import from` names (relative imports resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+    package = package[:len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module of colocate/, kernels/ or benchmarks/ -> the modules of those it imports (at any depth)."""
+    files = {module_name(p): p for p in python_files("colocate", "kernels", "benchmarks")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = resolve(module, path, node)
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                while t and t not in files:  # `from colocate.x import name` -> colocate.x
+                    t = t.rpartition(".")[0]
+                if t and t != module:
+                    graph[module].add(t)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + "."):  # a package importing its own submodule is not a circle
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if state.get(nxt) is None and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for n in sorted(graph):
+        if state.get(n) is None and (found := visit(n)):
+            return found
+    return None
+
+
+def test_import_graph_has_no_circle():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_rollout_and_learner_never_import_each_other():
+    graph = import_graph()
+    for module, imports in graph.items():
+        for side, other in (("colocate.rollout", "colocate.learner"), ("colocate.learner", "colocate.rollout")):
+            if module.startswith(side):
+                assert not [i for i in imports if i.startswith(other)], (module, imports)
+
+
+def test_kernels_import_nothing_of_colocate():
+    for module, imports in import_graph().items():
+        if module.startswith("colocate.kernels"):
+            assert all(i.startswith("colocate.kernels") for i in imports), (module, imports)
+
+
+def test_config_sits_at_the_bottom():
+    graph = import_graph()
+    assert graph["colocate.config_schema"] == set()
+    assert graph["colocate.config"] <= {"colocate.config_schema"}
+
+
+def test_no_function_over_sixty_lines():
+    long = []
+    for path in python_files("colocate", "kernels", "benchmarks", "scripts"):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            is_kernel = any("jit" in ast.unparse(d) for d in node.decorator_list)  # Triton kernel sources
+            size = node.end_lineno - node.lineno + 1
+            if size > MAX_FUNCTION_LINES and not is_kernel:
+                long.append(f"{os.path.relpath(path, REPO)}:{node.lineno} {node.name} ({size} lines)")
+    assert not long, long
+
+
+OUTSIDE = re.compile(r"\.\./shared|DESIGN\.md|\bnotes/[\w-]+\.md|\banchors/|[Ss]ession \d+")
+
+
+def tracked_text_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    keep = (".py", ".md", ".sh", ".yaml", ".yml", ".cu", ".txt", ".ini", ".cfg", ".toml", "")
+    return [f for f in out if os.path.splitext(f)[1] in keep and not f.startswith(".git")]
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(REPO, ".git")), reason="needs a git checkout")
+def test_docs_live_in_the_repo():
+    """No file refers to notes outside the clone or numbers past work periods (history: HISTORY.md)."""
+    this = os.path.relpath(__file__, REPO)
+    hits = []
+    for rel in tracked_text_files():
+        if rel in ("profiles/HISTORY.md", this) or not os.path.isfile(os.path.join(REPO, rel)):
+            continue
+        with open(os.path.join(REPO, rel), errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                if OUTSIDE.search(line):
+                    hits.append(f"{rel}:{i}: {line.strip()[:100]}")
+    assert not hits, hits
+
+
+def test_readme_is_short():
+    with open(os.path.join(REPO, "README.md")) as f:
+        assert len(f.readlines()) <= 300
+
+
+@pytest.mark.slow
+def test_non_editable_install_ships_kernels_not_benchmarks(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), REPO], check=True, cwd=tmp_path)
+    probe = ("import importlib.util, colocate, colocate.kernels, colocate.kernels.reference\n"
+             "assert colocate.kernels.__file__.startswith(%r), colocate.kernels.__file__\n"
+             "assert importlib.util.find_spec('benchmarks') is None\n"
+             "try:\n    import colocate.benchmarks\nexcept ImportError:\n    print('ok')\n") % str(target)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert (target / "colocate" / "kernels" / "grpo_rows_sm90.cu").is_file()
