@@ -49,6 +49,9 @@ def add_args(parser) -> None:
                              "(rollout.stream on / off; plain: the config's), then any +VARIANT (see --variant), "
                              "e.g. async-stream,async-stream+nocheck; a job may repeat (A,B,B,A: its later "
                              "runs are keyed JOB#2, ...)")
+    parser.add_argument("--baseline-tree", default="",
+                        help="a source tree of another commit (e.g. `git archive`); a job ending in @base runs "
+                             "from it, so the same job compares two versions of the code in one run")
     parser.add_argument("--job-timeout-s", type=float, default=3600.0, help="a job running longer is killed")
     parser.add_argument("--partial", default="", help="also write the record here after each job")
     parser.add_argument("--set", nargs="*", default=[],
@@ -78,7 +81,7 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
     settings); lag None keeps the config's. A sync job also turns oversampling off (a group carried
     to the next batch would be one version too old). A variant's settings come last, so they may
     override the lag too."""
-    head, *names = job.split("+")
+    head, *names = job.partition("@")[0].split("+")
     base, _, variant = head.partition("-")
     if base not in ("async", "sync") or variant not in ("", "stream", "barrier"):
         raise SystemExit(f"--order: unknown job {job!r}; choose from async, sync, each optionally -stream or -barrier")
@@ -95,7 +98,9 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
     return (async_lag if base == "async" else 0), extra
 
 
-def run_job(args, lag: int | None, run_dir: str, extra: list[str] = ()) -> dict:
+def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: str = "") -> dict:
+    """One torchrun job of the config; `tree`: run another source tree's code (cwd and PYTHONPATH)."""
+    env = {**os.environ, **({"PYTHONPATH": os.path.abspath(tree)} if tree else {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "colocate.train", "--config", args.config, f"--learner.num_steps={args.steps}",
            *([] if lag is None else [f"--learner.max_policy_lag={lag}"]), f"--metrics.run_dir={run_dir}",
@@ -103,7 +108,8 @@ def run_job(args, lag: int | None, run_dir: str, extra: list[str] = ()) -> dict:
     t0 = time.time()
     log_path = os.path.join(os.path.dirname(run_dir), f"{os.path.basename(run_dir)}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.job_timeout_s)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.job_timeout_s,
+                              cwd=os.path.abspath(tree) if tree else None, env=env)
     if proc.returncode != 0:
         with open(log_path) as f:
             raise RuntimeError(f"e2e run (lag {lag}) failed, log {log_path}:\n{f.read()[-3000:]}")
@@ -202,7 +208,10 @@ def run(args) -> dict:
     for job in jobs:
         lag, extra = settings[job]
         run_dir = os.path.join(root, job.replace("+", "_").replace("#", "_"))
-        record["runs"][job] = {**run_job(args, lag, run_dir, extra), "settings": extra}
+        tree = args.baseline_tree if job.partition("#")[0].endswith("@base") else ""
+        if job.partition("#")[0].endswith("@base") and not tree:
+            raise SystemExit(f"--order: job {job!r} runs from --baseline-tree, which is not given")
+        record["runs"][job] = {**run_job(args, lag, run_dir, extra, tree), "settings": extra}
         print(f"[e2e] {job}: " + json.dumps(record["runs"][job]), flush=True)
         if args.partial:
             with open(args.partial, "w") as f:
@@ -219,6 +228,9 @@ def run(args) -> dict:
                        ("async-stream", "async-barrier"), ("sync-stream", "sync-barrier")):
         if fast in runs and slow in runs:
             ratios[f"steps_per_hour_{fast}_over_{slow}"] = runs[fast]["steps_per_hour"] / runs[slow]["steps_per_hour"]
+    for job in jobs:  # each job against the same job run from the baseline tree
+        if f"{job}@base" in runs:
+            ratios[f"steps_per_hour_{job}_over_{job}@base"] = runs[job]["steps_per_hour"] / runs[f"{job}@base"]["steps_per_hour"]
     for job in jobs:  # each variant against the same job without it
         plain = job.split("+")[0]
         if "+" in job and plain in runs:

@@ -8,14 +8,18 @@ Layout of `<run_dir>/checkpoints/step-000042/`:
     rng.safetensors             learner torch RNG state(s)
     trainer_state.json          step, version, metric history, each inference rank's state
     config.yaml                 the resolved config of the run that wrote it
+    manifest.json               every other file's size and BLAKE2b hash, written last
 
 A checkpoint is built in `.tmp-step-…` (every file fsynced) and renamed into place: a process
 killed mid-write leaves only a temp directory, which `latest_checkpoint` ignores and the next
-save removes. Every load error names the file and raises `CheckpointError`; `train.py` turns it
-into exit code 2 before any process group does work.
+save removes. Loading verifies the manifest first, so a flipped byte anywhere is caught. Every
+load error names the file and raises `CheckpointError`; `train.py` turns it into exit code 2
+before any process group does work. `--resume` (auto) takes the newest checkpoint that verifies
+and names each newer one it skipped, and why.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -39,23 +43,80 @@ def checkpoint_root(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """Newest complete `step-*` directory under root (temp directories are never complete)."""
+def checkpoints(root: str) -> list[str]:
+    """`step-*` directories under root, newest first (temp directories are never listed)."""
     if not os.path.isdir(root):
-        return None
-    steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name)))
-    return os.path.join(root, steps[-1][1]) if steps else None
+        return []
+    steps = sorted(((int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name))), reverse=True)
+    return [os.path.join(root, name) for _, name in steps]
 
 
-def resolve_resume(resume: str, run_dir: str) -> str | None:
-    """'' -> None; 'auto' -> newest checkpoint of run_dir (None if there is none); else a path."""
+def latest_checkpoint(root: str) -> str | None:
+    """Newest `step-*` directory under root, verified or not."""
+    return next(iter(checkpoints(root)), None)
+
+
+def resolve_resume(resume: str, run_dir: str) -> tuple[str | None, list[str]]:
+    """-> (checkpoint to resume from, why each newer one was skipped).
+
+    '' -> nothing; 'auto' -> the newest checkpoint of run_dir that verifies (None if there is
+    none); else that path, which must verify."""
     if not resume:
-        return None
-    if resume == "auto":
-        return latest_checkpoint(checkpoint_root(run_dir))
-    if not os.path.isdir(resume):
-        raise CheckpointError(f"{resume}: resume checkpoint directory does not exist")
-    return resume
+        return None, []
+    if resume != "auto":
+        if not os.path.isdir(resume):
+            raise CheckpointError(f"{resume}: resume checkpoint directory does not exist")
+        return resume, []
+    skipped = []
+    for path in checkpoints(checkpoint_root(run_dir)):
+        try:
+            verify_checkpoint(path)
+            return path, skipped
+        except CheckpointError as e:
+            skipped.append(f"skipped {path}: {e}")
+    if skipped:  # checkpoints exist, none verifies: starting over would silently discard the run
+        raise CheckpointError(f"no checkpoint under {checkpoint_root(run_dir)} verifies; " + "; ".join(skipped))
+    return None, skipped
+
+
+# -- manifest --------------------------------------------------------------------------------------
+MANIFEST = "manifest.json"
+
+
+def file_digest(path: str) -> tuple[int, str]:
+    """(bytes, BLAKE2b hex digest) of a file, read in 1 MiB blocks."""
+    h, size = hashlib.blake2b(digest_size=32), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def write_manifest(directory: str) -> None:
+    """Size and hash of every file in `directory`, as `manifest.json` (written last)."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name != MANIFEST:
+            size, digest = file_digest(os.path.join(directory, name))
+            files[name] = {"bytes": size, "blake2b": digest}
+    _write_json(os.path.join(directory, MANIFEST), {"format": 1, "files": files})
+
+
+def verify_checkpoint(path: str) -> None:
+    """Raise `CheckpointError` naming the first file that is missing, resized or changed."""
+    manifest = _read_json(os.path.join(path, MANIFEST))
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not set(REQUIRED) <= set(files):
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: does not list every checkpoint file")
+    for name, want in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing from checkpoint")
+        size, digest = file_digest(file)
+        if size != want.get("bytes") or digest != want.get("blake2b"):
+            raise CheckpointError(f"{file}: content differs from the manifest ({size} bytes, expected "
+                                  f"{want.get('bytes')}): the checkpoint is damaged")
 
 
 # -- peft names ------------------------------------------------------------------------------------
@@ -154,6 +215,9 @@ def save_checkpoint(root: str, step: int, *, adapter: dict[str, torch.Tensor], p
     _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)
     with open(os.path.join(tmp, "config.yaml"), "w") as f:
         f.write(config_yaml)
+        f.flush()
+        os.fsync(f.fileno())
+    write_manifest(tmp)
     _fsync_dir(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -185,10 +249,12 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(path: str) -> dict:
-    """Read and validate every file; -> {adapter, peft_config, optimizer_tensors, optimizer_meta, rng, trainer_state}."""
+    """Verify, then read and validate every file; -> {adapter, peft_config, optimizer_tensors,
+    optimizer_meta, rng, trainer_state}."""
     for name in REQUIRED:
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"{os.path.join(path, name)}: missing from checkpoint")
+    verify_checkpoint(path)
     out = {
         "adapter": {from_peft_name(k): v for k, v in
                     _read_tensors(os.path.join(path, "adapter_model.safetensors")).items()},

@@ -1,4 +1,5 @@
-"""Run lifecycle: graceful stop on SIGTERM/SIGINT, and explicit fault injection for tests.
+"""Run lifecycle: graceful stop on SIGTERM/SIGINT, death with the launcher, and explicit fault
+injection for tests.
 
 A first SIGTERM or SIGINT only sets `StopSignal.requested`; the role loops carry the request to
 every rank inside messages they exchange anyway (the trajectory header, the adapter header), so
@@ -12,8 +13,12 @@ advantages are NaN from step S on, so the loss is non-finite).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
+import threading
+import time
 
 
 class StopSignal:
@@ -32,6 +37,30 @@ class StopSignal:
             signal.raise_signal(signum)
             return
         self.requested, self.signum = True, signum
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """End this rank when its launcher dies (a supervisor's kill -9 of torchrun must not leave ranks
+    training on): the kernel sends SIGKILL at the parent's death (Linux `prctl`), elsewhere a
+    thread polls the parent pid. A parent that died before the call is caught by the pid check."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent:
+                os._exit(1)
+            return
+    threading.Thread(target=_watch_parent, args=(parent,), name="colocate-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    print(f"colocate: launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def parse_fault(spec: str | None = None) -> dict:

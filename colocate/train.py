@@ -34,7 +34,7 @@ from colocate.engine.base import Engine
 from colocate.envs import env_corpus, make_env
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
-from colocate.lifecycle import StopSignal
+from colocate.lifecycle import StopSignal, die_with_parent
 from colocate.models import add_lora, build_model, load_tokenizer, materialize
 from colocate.rollout.loop import run_inference
 from colocate.topology import Topology, build_topology, split_cpu_threads
@@ -98,8 +98,11 @@ def make_sender(cfg: Config, topo: Topology, spec: LoraSpec) -> AdapterSender:
 def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
     """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto."""
     from colocate.checkpoint import check_same_task, load_checkpoint, resolve_resume
-    path = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
-                          cfg.metrics.run_dir)
+    path, skipped = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
+                                   cfg.metrics.run_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in skipped:
+            print(f"colocate: resume: {line}", file=sys.stderr, flush=True)
     if path is None:
         return None
     state = load_checkpoint(path)
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"colocate: {kind} error: {e}", file=sys.stderr)
         sys.exit(2)
     split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it
+        die_with_parent()
     stop = StopSignal().install()
     topo = build_topology(cfg)
     if topo.rank == 0:

@@ -92,6 +92,49 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, tiny_policy, vi
         load_checkpoint(path)
 
 
+CHECKPOINT_FILES = ("adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "optimizer.json",
+                    "rng.safetensors", "trainer_state.json", "config.yaml")
+
+
+def flip_byte(path: str, at: float = 0.5) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[int(len(data) * at)] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("victim", CHECKPOINT_FILES)
+def test_a_flipped_byte_in_any_file_is_detected(tmp_path, tiny_policy, victim):
+    from colocate.checkpoint import verify_checkpoint
+    path = _save(str(tmp_path), 1, tiny_policy)
+    verify_checkpoint(path)
+    flip_byte(os.path.join(path, victim), at=0.9)  # inside the tensor data of a safetensors file
+    with pytest.raises(CheckpointError, match=victim.replace(".", r"\.") + ".*differs from the manifest"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete", "no-manifest"])
+def test_auto_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path, tiny_policy, damage):
+    from colocate.checkpoint import resolve_resume
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        _save(str(root), step, tiny_policy, keep=3)
+    newest = root / "step-000002"
+    if damage == "flip":
+        flip_byte(str(newest / "adapter_model.safetensors"), at=0.9)
+    elif damage == "delete":
+        os.remove(newest / "optimizer.json")
+    else:
+        os.remove(newest / "manifest.json")
+    path, skipped = resolve_resume("auto", str(tmp_path))
+    assert path == str(root / "step-000001")
+    assert len(skipped) == 1 and str(newest) in skipped[0], skipped
+    load_checkpoint(path)
+    flip_byte(str(root / "step-000001" / "rng.safetensors"))  # nothing verifies: refused, not a fresh start
+    with pytest.raises(CheckpointError, match="no checkpoint .* verifies"):
+        resolve_resume("auto", str(tmp_path))
+    assert resolve_resume("auto", str(tmp_path / "elsewhere")) == (None, [])
+
+
 # -- multi-process behaviour (2 ranks, gloo) --------------------------------------------------------
 BASE = ["--config", "configs/cpu-tiny.yaml", "--learner.max_policy_lag=0", "--checkpoint.enabled=true"]
 
@@ -184,4 +227,25 @@ def test_resume_from_corrupt_checkpoint_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "colocate.train", *BASE, f"--metrics.run_dir={run}", "--resume"],
                           cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "WORLD_SIZE": "2"})
     assert proc.returncode == 2
-    assert str(target) in proc.stderr and "truncated" in proc.stderr
+    assert str(target) in proc.stderr and "differs from the manifest" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_leaves_no_rank_alive(tmp_path):
+    import psutil
+    proc = launch(["--learner.num_steps=5000", f"--metrics.run_dir={tmp_path / 'run'}"], tmp_path)
+    for line in proc.stdout:  # wait until training is under way
+        if "step 2/5000" in line:
+            break
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    assert len(ranks) >= 2, ranks
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher only, as a supervisor would
+    proc.wait(timeout=10)
+    deadline = time.time() + 5
+    alive = ranks
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:  # do not leave them behind whatever the assertion says
+        p.kill()
+    assert not alive, [p.cmdline()[-3:] for p in alive]

@@ -84,3 +84,11 @@ def test_repeated_jobs_get_their_own_keys():
     assert job_keys("async-stream, async-stream+os8,async-stream+os8,async-stream,") == [
         ("async-stream", "async-stream"), ("async-stream+os8", "async-stream+os8"),
         ("async-stream+os8#2", "async-stream+os8"), ("async-stream#2", "async-stream")]
+
+
+def test_a_baseline_tree_job_has_the_settings_of_the_same_job():
+    from benchmarks.e2e import job_keys, job_settings
+    assert job_settings("async@base", 2) == job_settings("async", 2)
+    assert job_settings("sync-stream@base", None) == job_settings("sync-stream", None)
+    assert job_keys("async,async@base,async@base") == [("async", "async"), ("async@base", "async@base"),
+                                                       ("async@base#2", "async@base")]

@@ -10,6 +10,7 @@ It exists to prove the trainer learns in minutes on a CPU; it deliberately has n
 from __future__ import annotations
 
 import random
+import re
 from typing import Hashable
 
 from colocate.constraint import Constraint
@@ -30,12 +31,13 @@ def prompt_text(a: int, b: int) -> str:
     return f"add {a} and {b} ; answer :"
 
 
+ANSWER = re.compile(r"-?[0-9]+")
+
+
 def parse_answer(text: str) -> int | None:
+    """An optional minus and ASCII digits only (`int()` also takes '७' or '７'), else None."""
     text = text.strip()
-    try:
-        return int(text)
-    except ValueError:
-        return None
+    return int(text) if ANSWER.fullmatch(text) else None
 
 
 class ArithmeticEnv(Env):
