@@ -1,7 +1,7 @@
 """Benchmark profile `kernel`: the GRPO loss fwd+bwd on bf16 logits, ours against the baselines.
 
 Same inputs, same process, one GPU:
-  naive     fp32 log_softmax + gather + clip + k3 KL (as /work/shared/anchors/loss_probe.py)
+  naive     fp32 log_softmax + gather + clip + k3 KL, as plain PyTorch writes it
   compiled  torch.compile of `reference.grpo_loss_reference`
   liger     liger-kernel 0.8.5 `triton_grpo_loss` in place and not (optional; "unavailable" if absent)
   ours      `triton_grpo.grpo_loss_triton` in place and not (its default backend: the bulk-copy CUDA
@@ -14,18 +14,18 @@ In-place calls get their logits copied back from a pristine buffer, untimed, bef
 Loss values and gradients are compared on pristine logits.
 `ours_kernel_only_inplace_ms` times the row kernel alone (no autograd) to show the wrapper's cost.
 `--sweep` first times launch configurations of ours (kernel only) and then measures the fastest.
-
-Left out: the fused-head mode (its cost is the head GEMMs, measured with the trainer profile).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
 from benchmarks.common import median_time
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
+LOSS_KW = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
 
 
 def add_args(parser) -> None:
@@ -97,7 +97,7 @@ def gpu_time_ms(step, setup, iters):
 def measure(loss_fn, x, pristine, inplace, iters):
     """(median fwd+bwd wall ms, peak GB above the allocation before the call, median fwd+bwd device
     ms) of loss_fn(x).backward(). Wall: synchronized before and after, so it includes the Python
-    launch overhead (0.1-0.45 ms per call on the H200 hosts seen); device: CUDA events (gpu_time_ms)."""
+    launch overhead (its size per host: profiles/kernel.md); device: CUDA events (gpu_time_ms)."""
     def setup():
         restore(x, pristine, inplace)
 
@@ -142,92 +142,148 @@ def rel_diff(a, b, chunk=1024):
     return (num / max(den, 1e-30)) ** 0.5
 
 
+@dataclass
+class Bench:
+    """One run's inputs: pristine logits, the working copies the timed calls write over, the
+    per-token inputs and ours' launch overrides (--config, over the best of --sweep)."""
+    pristine: torch.Tensor  # [N, V] bf16, N = B * L
+    logits3d: torch.Tensor  # [B, L+1, V] bf16 (Liger's layout)
+    x: torch.Tensor         # [N, V] working copy for naive / compiled / ours
+    x3d: torch.Tensor       # [B, L+1, V] working copy for Liger
+    f: dict                 # [N] per-token inputs (targets, weights, behaviour, ref, advantages)
+    seq: dict               # [B, L] / [B] inputs for Liger
+    shape: str
+    iters: int
+    config: dict
+
+
 def run(args) -> dict:
     if not torch.cuda.is_available():
         return {"figures": {"skipped": "needs CUDA"}, "baseline": {}, "ratios": {}}
-    from colocate.kernels.reference import grpo_loss_reference
-    from colocate.kernels.triton_grpo import default_config, grpo_loss_triton, grpo_rows, row_backend
+    b = make_bench(args)
+    figures, baseline = {}, {}
+    if args.sweep:
+        b.config = {**sweep_best(b, figures), **b.config}
+    impls = implementations(b, compile_reference=not args.no_compile)
+    time_implementations(b, impls, figures, baseline)
+    time_kernel_only(b, figures)
+    liger = time_liger(b, baseline)
+    compare_outputs(b, impls, liger, figures)
+    return {"figures": figures, "baseline": baseline, "ratios": ratios_to_ours(figures, baseline)}
 
+
+def make_bench(args) -> Bench:
+    """The inputs at the asked shape (the defaults, or small ones with --quick)."""
     batch = args.batch or (4 if args.quick else 16)
     seq_len = args.seq_len or (256 if args.quick else 1024)
     vocab = args.vocab or (32000 if args.quick else 152064)
     logits3d, pristine, f, seq = make_inputs(batch, seq_len, vocab)
-    x = pristine.clone().requires_grad_()       # [N, V] working copy for naive / compiled / ours
-    x3d = logits3d.clone().requires_grad_()     # [B, L+1, V] working copy for Liger
-    kw = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
-    figures, baseline, ratios = {}, {}, {}
+    return Bench(pristine=pristine, logits3d=logits3d, x=pristine.clone().requires_grad_(),
+                 x3d=logits3d.clone().requires_grad_(), f=f, seq=seq,
+                 shape=f"N={batch * seq_len} (B={batch} x L={seq_len}) V={vocab} bf16", iters=args.iters,
+                 config=json.loads(args.config) if args.config else {})
 
-    config = json.loads(args.config) if args.config else {}
-    if args.sweep:
-        results = sweep(x, pristine, f, kw)
-        figures.update({name: text for name, (_, text) in results.items()})
-        best = min((r for r in results.values() if r[0] is not None), key=lambda r: float(r[1].split()[3]))
-        config = {**best[0], **config}
 
-    def ours(inplace):
-        return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
-                                          inplace_backward=inplace, config=config or None, **kw)[0]
+def sweep_best(b: Bench, figures: dict) -> dict:
+    """Time every sweep configuration (one figure each) and return the fastest in place."""
+    results = sweep(b.x, b.pristine, b.f, LOSS_KW)
+    figures.update({name: text for name, (_, text) in results.items()})
+    return min((r for r in results.values() if r[0] is not None), key=lambda r: float(r[1].split()[3]))[0]
 
+
+def triton_only(config: dict) -> dict:
+    return {**config, "backend": "triton"}
+
+
+def ours(f: dict, inplace: bool, config: dict | None = None):
+    """Our loss through autograd, as a function of the logits (config None: the library default)."""
+    from colocate.kernels.triton_grpo import grpo_loss_triton
+
+    return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
+                                      inplace_backward=inplace, config=config, **LOSS_KW)[0]
+
+
+def implementations(b: Bench, compile_reference: bool) -> dict:
+    """name -> (loss as a function of the logits, whether it writes over them)."""
+    from colocate.kernels.reference import grpo_loss_reference
+
+    f = b.f
     impls = {"naive": (lambda t: naive_loss(t, f["targets"], f["weights"], f["behaviour"], f["ref"],
                                             f["advantages"]), False)}
-    if not args.no_compile:
+    if compile_reference:
         compiled = torch.compile(grpo_loss_reference, dynamic=False)
         impls["compiled"] = (lambda t: compiled(t, f["targets"], f["weights"], f["behaviour"], f["advantages"],
-                                                f["ref"], **kw)[0], False)
-    impls["ours_inplace"] = (ours(True), True)
-    impls["ours"] = (ours(False), False)
-    triton_only = {**config, "backend": "triton"}
-    impls["ours_triton_inplace"] = (lambda t: grpo_loss_triton(
-        t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], inplace_backward=True,
-        config=triton_only, **kw)[0], True)
+                                                f["ref"], **LOSS_KW)[0], False)
+    impls["ours_inplace"] = (ours(f, True, b.config or None), True)
+    impls["ours"] = (ours(f, False, b.config or None), False)
+    impls["ours_triton_inplace"] = (ours(f, True, triton_only(b.config)), True)
+    return impls
 
-    figures.update({"shape": f"N={batch * seq_len} (B={batch} x L={seq_len}) V={vocab} bf16",
-                    "logits_GB": round(pristine.numel() * 2 / 1e9, 3),
-                    "ours_config": str({**default_config(vocab, x.device), **config})})
+
+def time_implementations(b: Bench, impls: dict, figures: dict, baseline: dict) -> None:
+    """The shape, ours' config and the copy floor, then wall ms, extra GB and device ms of each one."""
+    from colocate.kernels.triton_rows import default_config
+
+    figures.update({"shape": b.shape, "logits_GB": round(b.pristine.numel() * 2 / 1e9, 3),
+                    "ours_config": str({**default_config(b.pristine.shape[1], b.x.device), **b.config})})
     # The floor: a read and a write of [N, V] (what ours moves), timed as a device copy.
-    figures["copy_NV_ms"] = copy_time_ms(pristine, args.iters)
-
+    figures["copy_NV_ms"] = copy_time_ms(b.pristine, b.iters)
     for name, (fn, inplace) in impls.items():
-        ms, gb, gpu_ms = measure(fn, x, pristine, inplace, args.iters)
+        ms, gb, gpu_ms = measure(fn, b.x, b.pristine, inplace, b.iters)
         (figures if name.startswith("ours") else baseline).update(
             {f"{name}_ms": ms, f"{name}_extra_GB": gb, f"{name}_gpu_ms": gpu_ms})
-    if config:  # the library default in the same run, for old-vs-new (fwd+bwd through autograd, in place)
-        default = lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"],
-                                             f["ref"], inplace_backward=True, **kw)[0]
-        figures["ours_default_config_inplace_ms"], _, _ = measure(default, x, pristine, True, args.iters)
-    xd = x.detach()
-    for name, cfg in (("ours", config or None), ("ours_triton", triton_only)):
+    if b.config:  # the library default in the same run, for old-vs-new (fwd+bwd through autograd, in place)
+        figures["ours_default_config_inplace_ms"], _, _ = measure(ours(b.f, True), b.x, b.pristine, True, b.iters)
+
+
+def time_kernel_only(b: Bench, figures: dict) -> None:
+    """The row kernel alone (no autograd, in place), ours and the Triton one; and which one ours ran."""
+    from colocate.kernels.triton_rows import default_config, grpo_rows, row_backend
+
+    f, xd = b.f, b.x.detach()
+    for name, cfg in (("ours", b.config or None), ("ours_triton", triton_only(b.config))):
         figures[f"{name}_kernel_only_inplace_ms"] = round(1e3 * median_time(
             lambda: grpo_rows(xd, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], xd,
-                              config=cfg, **kw),
-            iters=args.iters, setup=lambda: restore(x, pristine)), 3)
-    figures["ours_backend"] = row_backend(xd, xd, {**default_config(vocab, xd.device), **config})
+                              config=cfg, **LOSS_KW),
+            iters=b.iters, setup=lambda: restore(b.x, b.pristine)), 3)
+    figures["ours_backend"] = row_backend(xd, xd, {**default_config(xd.shape[1], xd.device), **b.config})
 
+
+def time_liger(b: Bench, baseline: dict):
+    """Liger in place and not, when it is installed; returns its loss (None when absent)."""
     liger, why = load_liger()
     if liger is None:
         baseline["liger"] = f"unavailable ({why})"
-    else:
-        for name, inplace in (("liger_inplace", True), ("liger", False)):
-            ms, gb, gpu_ms = measure(liger_loss(liger, seq, inplace), x3d, logits3d, inplace, args.iters)
-            baseline.update({f"{name}_ms": ms, f"{name}_extra_GB": gb, f"{name}_gpu_ms": gpu_ms})
+        return None
+    for name, inplace in (("liger_inplace", True), ("liger", False)):
+        ms, gb, gpu_ms = measure(liger_loss(liger, b.seq, inplace), b.x3d, b.logits3d, inplace, b.iters)
+        baseline.update({f"{name}_ms": ms, f"{name}_extra_GB": gb, f"{name}_gpu_ms": gpu_ms})
+    return liger
 
-    # Values on pristine logits (in-place calls above left garbage): every implementation vs naive.
-    restore(x, pristine)
-    restore(x3d, logits3d)
+
+def compare_outputs(b: Bench, impls: dict, liger, figures: dict) -> None:
+    """Every implementation's loss and ours' gradient against naive, on pristine logits (the
+    in-place calls timed before left garbage)."""
+    x = b.x
+    restore(x, b.pristine)
+    restore(b.x3d, b.logits3d)
     with torch.no_grad():
         values = {name: float(fn(x)) for name, (fn, _) in impls.items()}
         if liger is not None:
-            values["liger"] = float(liger_loss(liger, seq, False)(x3d))
+            values["liger"] = float(liger_loss(liger, b.seq, False)(b.x3d))
     figures["loss_values"] = {k: round(v, 7) for k, v in values.items()}
     figures["ours_loss_rel_diff_vs_naive"] = abs(values["ours"] - values["naive"]) / max(abs(values["naive"]), 1e-12)
-    # Gradients: ours vs naive on the same pristine logits.
-    restore(x, pristine)
+    restore(x, b.pristine)
     impls["naive"][0](x).backward()
     g_naive, x.grad = x.grad, None
-    ours(False)(x).backward()
+    impls["ours"][0](x).backward()
     figures["ours_grad_rel_diff_vs_naive"] = rel_diff(x.grad, g_naive)
-    x.grad = g_naive = None
+    x.grad = None
 
+
+def ratios_to_ours(figures: dict, baseline: dict) -> dict:
+    """Wall and device ms of each baseline (and the copy floor) over ours in place."""
+    ratios = {}
     for name in ("naive", "compiled", "liger_inplace", "liger"):
         if isinstance(baseline.get(f"{name}_ms"), float):
             ratios[f"{name}_ms_over_ours_inplace"] = round(baseline[f"{name}_ms"] / figures["ours_inplace_ms"], 3)
@@ -239,7 +295,7 @@ def run(args) -> dict:
             ratios[f"{name}_gpu_ms_over_ours_inplace"] = round(source[f"{name}_gpu_ms"] / figures["ours_inplace_gpu_ms"], 3)
     ratios["copy_ms_over_ours_inplace_gpu"] = round(figures["copy_NV_ms"] / figures["ours_inplace_gpu_ms"], 3)
     ratios["copy_ms_over_ours_inplace"] = round(figures["copy_NV_ms"] / figures["ours_inplace_ms"], 3)
-    return {"figures": figures, "baseline": baseline, "ratios": ratios}
+    return ratios
 
 
 def copy_time_ms(pristine: torch.Tensor, iters: int) -> float:
@@ -252,12 +308,10 @@ def sweep_configs():
     """Launch configurations to time: overrides of a base, the default (block_v 16384, 32 warps,
     one program per SM, pass-1 group 8, register prefetch in both passes, refmax pass 1).
 
-    One row in flight per SM, read twice (pass 2 mostly from L1 with plain loads); the kernel
-    streams at 65-67 % of peak DRAM bandwidth. Measured slower: fewer programs than SMs (0.75 per
-    SM: +20 %), 2-4 programs per row exchanging partial sums (+14-48 %, commit 26f7670 has it),
-    blocks of 32768 (+76-89 %), two blocks prefetched in registers (0-3 % at 32 warps, +60 % at 16;
-    commit 26d45d4 has it). (Staggered, flat and whole-row split schedules were swept too, all
-    slower: profiles/kernel.md.)
+    One row in flight per SM, read twice (pass 2 mostly from L1 with plain loads). Fewer programs
+    than SMs, several programs per row, blocks of 32768, two blocks prefetched in registers and
+    staggered, flat and whole-row split schedules were swept too and measured slower
+    (profiles/HISTORY.md), so they are no longer rows here.
     """
     base = {"block_v": 16384, "num_warps": 32, "programs_per_sm": 1, "group": 8, "stages": 0, "stages_pass2": 0,
             "pass1": "refmax"}
@@ -266,7 +320,7 @@ def sweep_configs():
             {"block_v": 8192}, {"block_v": 8192, "num_warps": 16}]
     triton = [{**base, **r, "backend": "triton"} for r in rows]
     # The bulk-copy CUDA kernel (cuda_grpo): overrides of its DEFAULT_CONFIG.
-    bulk = [{}, {"reg_chunks": 7}, {"reg_chunks": 4}, {"prefetch": 2}, {"hints": 0}, {"tma_store": 1},
+    bulk = [{}, {"reg_chunks": 7}, {"reg_chunks": 4}, {"prefetch": 2}, {"hints": 0},
             {"consumer_warps": 8, "reg_chunks": 8}, {"reg_chunks": 0, "slots": 13}]
     return triton + [{"backend": "bulk", "bulk": b} for b in bulk]
 
@@ -282,7 +336,7 @@ def sweep(x, pristine, f, kw, iters=10):
 
     fwd: forward only; inplace: fused, writing over the logits (restored untimed); copy: fused
     into a separate buffer."""
-    from colocate.kernels.triton_grpo import grpo_rows
+    from colocate.kernels.triton_rows import grpo_rows
 
     x = x.detach()
     grad_buf = torch.empty_like(pristine)

@@ -1,6 +1,7 @@
 """The `parity` part of a vLLM session (`--also parity` of the sync and rollout profiles): vLLM's
 sampled-token log-probs against the learner's on the same completions, same adapter, same mask.
-Not a profile of its own; `vllm_session.run_session` runs it in an open engine session.
+Not a profile of its own: the sync and rollout profiles hand `part` to `vllm_session.run_session`,
+which runs it in an open engine session.
 """
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import statistics
 
 import torch
 
-from benchmarks.vllm_session import Session, synthetic_requests
+from benchmarks.vllm_session import Part, Session, synthetic_requests
+
+
+def part(args) -> Part:
+    return lambda s, deadline: measure_parity(s)
 
 
 @torch.no_grad()
@@ -86,8 +91,7 @@ def measure_parity(s: Session, n: int = 64) -> dict:
             env.start_group(g)
         dreqs = [r for _, r in env.requests()][:n]
         out.update(parity_stats("parity_diplomacy", s, dreqs, s.engine.generate(dreqs)))
-        # Engine steps for one answer alone: one per token in plain decoding; with jump-forward the
-        # grammar-forced tokens ride along as drafts, so fewer steps than tokens.
+        # Engine steps for one answer alone: one per token in plain decoding.
         longest = max(dreqs, key=lambda r: sum(max(len(c) for c in slot) for slot in r.constraint.slots))
         steps = s.engine.counters["steps"]
         s.engine.submit([longest])

@@ -4,10 +4,11 @@ path, and HF `generate`, in one process (engine on GPU 1, HF on cuda:0).
   vLLM alone  `LLM.generate` on prompts and SamplingParams (grammar, logprobs) built beforehand
   ours        `VLLMEngine.generate(requests)`: grammar from each Constraint, SamplingParams, generate,
               allowed_ids replay, then each completion decoded as an env's parser would
-  HF          peft `generate`, 64 sequences, 32 new tokens, unconstrained (the anchor's baseline)
+  HF          peft `generate`, 64 sequences, 32 new tokens, unconstrained (the baseline)
 Synthetic 440-token prompts (300 shared) with 32-token constrained completions; also one Diplomacy
 fork phase (env prompt building and order parsing included) and the text-grammar mismatch count.
-Needs 2 GPUs and vllm; `--also sync,parity` adds those to the same session.
+Needs 2 GPUs and vllm; `--also parity` adds that part to the same session (the sync profile,
+`--profile sync --also rollout`, runs every part).
 """
 from __future__ import annotations
 
@@ -16,16 +17,23 @@ import time
 
 import torch
 
+from benchmarks import parity
 from benchmarks import vllm_session as vs
-from benchmarks.vllm_session import Session, add_session_args, log, run_profile, sync_learner, synthetic_requests
+from benchmarks.vllm_session import (Part, Session, add_session_args, log, run_profile, sync_learner,
+                                     synthetic_requests)
 
 
 def add_args(parser) -> None:
-    add_session_args(parser, others="sync, parity")
+    add_session_args(parser, others="parity")
 
 
 def run(args) -> dict:
-    return run_profile(args, "rollout", first=False)
+    return run_profile(args, "rollout", {"rollout": part(args), "parity": parity.part(args)}, first=False)
+
+
+def part(args) -> Part:
+    """Leaves 30 s of the budget for the session's later steps (trace, shutdown)."""
+    return lambda s, deadline: measure_rollout(s, num_seqs=args.num_seqs, deadline=deadline - 30)
 
 
 def _vllm_inputs(engine, requests, constrained: bool = True):

@@ -6,7 +6,8 @@ the disk path (save adapter + LoRARequest(path) + first generate), same engine, 
   disk  learner step end -> peft `save_pretrained` -> LoRARequest with a new id -> first token
 Also checks one update bit for bit (checksum of the received bytes, slot read-back, engine bytes
 == learner bytes). Needs 2 GPUs and vllm; `--also parity,rollout` adds those measurements to the
-same session (one engine start, ~1 minute, serves them all). See `vllm_session.py`.
+same session (one engine start, ~1 minute, serves them all), and `--trace-dir` traces the engine
+core over a few updates after them. See `vllm_session.py`.
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import time
 
 import torch
 
+from benchmarks import parity, rollout
 from benchmarks.common import median_time
-from benchmarks.vllm_session import Session, add_session_args, run_profile, sync_learner, synthetic_requests
+from benchmarks.vllm_session import Part, Session, add_session_args, run_profile, sync_learner, synthetic_requests
 from colocate.data import Request
+from colocate.wire import checksum, flatten_lora
 
 
 def add_args(parser) -> None:
@@ -27,7 +30,12 @@ def add_args(parser) -> None:
 
 
 def run(args) -> dict:
-    return run_profile(args, "sync", first=True)
+    parts = {"sync": part(args), "parity": parity.part(args), "rollout": rollout.part(args)}
+    return run_profile(args, "sync", parts, first=True, trace=lambda s, deadline: trace_first_tokens(s))
+
+
+def part(args) -> Part:
+    return lambda s, deadline: measure_sync(s, iters=args.iters)
 
 
 def first_token_probe(s: Session) -> list[Request]:
@@ -60,15 +68,13 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     # Correctness first: one update with checksum and slot read-back.
     s.step_adapter()
     got = s.push(with_checksum=True, verify=True)
-    from colocate.engine.vllm_sync import chunked_checksum
-    from colocate.sync import flatten_lora
     engine_bytes = flatten_lora(s.engine.lora_state(), s.spec)
     learner_bytes = flatten_lora({k: v.detach().cpu() for k, v in s.lora().items()}, s.spec)
     out["sync/checksum_ok"] = bool(got["checksum_ok"])
     out["sync/slot_matches_received"] = bool(got["slot_ok"])
     out["sync/engine_bytes_equal_learner"] = bool(torch.equal(engine_bytes.view(torch.uint8),
                                                               learner_bytes.view(torch.uint8)))
-    out["sync/checksum"] = chunked_checksum(learner_bytes)
+    out["sync/checksum"] = checksum(learner_bytes)
     out["sync/adapter_mb"] = s.spec.numel * s.spec.dtype.itemsize / 1e6
     # Ours: step end -> enqueue send -> worker receive+apply -> first token with the new version.
     runs = [timed_update(s, probe) for _ in range(warmup + iters)][warmup:]
@@ -114,8 +120,7 @@ def measure_disk(s: Session, probe: list[Request], iters: int) -> dict:
 def trace_first_tokens(s: Session, cycles: int = 5) -> dict:
     """vLLM's engine-core trace over `cycles` updates, each followed by its first token (the part of
     the sync path inside vLLM). The session runs it after every other part: after vLLM's profiler
-    window the engine's steps stayed slower (session 10: a first token without update took 18.2 ms
-    after the window, 12.0 ms with an update before it). Summarized per trace file
+    window the engine's steps stay slower (docs/design.md, Traps). Summarized per trace file
     (`common.summarize_trace`): GPU busy and idle time, kernel families, vLLM's per-step
     annotations ("execute_context_1(64)_generation_0(0)": one request's 64-token prefill) and
     whether its steps replayed a CUDA graph (cudaGraphLaunch) or launched kernel by kernel."""
@@ -136,7 +141,8 @@ def trace_first_tokens(s: Session, cycles: int = 5) -> dict:
 
 def first_token_breakdown(s: Session, probe: list[Request], iters: int) -> dict:
     """Where the one-token generate after an update goes, each part timed on its own (medians):
-      rpc_roundtrip_ms       one `collective_rpc` that does nothing (client -> engine core -> worker -> back)
+      rpc_roundtrip_ms       one `collective_rpc` that does nothing (client -> engine core -> worker -> back):
+                             the worker's own no-op `check_health`, called by name
       first_token_stream_ms  the probe through `submit` + `poll` (`LLM.enqueue` + `llm_engine.step()`,
                              what streamed rollouts use) instead of `LLM.generate`
       first_token_16_ms      a 16-token prompt instead of 64 (how much is prefill)
@@ -152,7 +158,7 @@ def first_token_breakdown(s: Session, probe: list[Request], iters: int) -> dict:
     two = synthetic_requests(1, vocab, eos, seed=7, prompt_len=64, shared=0, max_new_tokens=2, constrained=False)
     prompt = [{"prompt_token_ids": probe[0].prompt_ids}]
     out = {
-        "sync/rpc_roundtrip_ms": median_ms(lambda: s.engine.llm.collective_rpc("colocate_ping")),
+        "sync/rpc_roundtrip_ms": median_ms(lambda: s.engine.llm.collective_rpc("check_health")),
         "sync/first_token_stream_ms": median_ms(lambda: (s.engine.submit(probe), s.engine.poll(wait_all=True))),
         "sync/first_token_16_ms": median_ms(lambda: s.engine.generate(short)),
         "sync/two_tokens_ms": median_ms(lambda: s.engine.generate(two)),

@@ -4,12 +4,12 @@ padded layout, on the 7B shape with random weights, in one run.
 Launch: `python scripts/benchmark.py --profile trainer [--num-gpus 2]`. The profile spawns one worker
 process per GPU itself (torch.multiprocessing, NCCL); `--quick` runs the tiny shape on 2 CPU
 processes (gloo) as a smoke test. Every worker is a learner rank: same model, same step code
-(`colocate.learner.Learner`), its own synthetic trajectories.
+(`colocate.learner.Learner`, through `padded.PaddedLearner`), its own synthetic trajectories.
 
 Variants, measured in this order (the model is built once without and once with activation
 checkpointing):
-  padded    the old setting: micro-batches of `--padded-batch` sequences left-padded to the
-            longest, SDPA with a padding mask, peft's own LoRA forward (the baseline;
+  padded    the old setting (`padded.py`): micro-batches of `--padded-batch` sequences left-padded
+            to the longest, SDPA with a padding mask, peft's own LoRA forward (the baseline;
             `--baseline-fused` gives it our fused LoRA epilogue too)
   packed-B  token-budget packing to B tokens, varlen flash attention (`--budgets`)
   sdpa-B    packed, but SDPA with a dense block-diagonal mask (`--sdpa-budget`; 0 skips)
@@ -18,8 +18,6 @@ checkpointing):
             first steps compile and are not timed)
   gathered-B packed, each block's weights kept gathered from forward to backward
             (`learner.reshard_after_forward: false`, `--gathered-budget`; 0 skips)
-  prefetch-B packed, FSDP2 all-gathers issued `--prefetch-blocks` blocks ahead
-            (`learner.prefetch_blocks`, `--prefetch-budget`; 0 skips)
 Per variant: `--warmup` untimed steps, then the median of `--steps` timed steps; peak memory per
 rank (max_memory_allocated) over the variant.
 
@@ -33,18 +31,17 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.trainer_workload import (PEAK_FLOPS, SyntheticVocab, batch_stats,
-                                                 diplomacy_like_batch, step_flops)
+from benchmarks.trainer_workload import PEAK_FLOPS, SyntheticVocab, batch_stats, diplomacy_like_batch, step_flops
 
 # Variants that differ from packed only in the learner's settings, each run last at its own budget:
-# kind -> (budget argument, learner settings beyond packed's, from the benchmark's arguments)
+# kind -> (budget argument, learner settings beyond packed's)
 LEARNER_VARIANTS = {
-    "compiled": ("compile_budget", lambda args: {"compile": True}),
-    "gathered": ("gathered_budget", lambda args: {"reshard_after_forward": False}),
-    "prefetch": ("prefetch_budget", lambda args: {"prefetch_blocks": args.get("prefetch_blocks", 2)}),
+    "compiled": ("compile_budget", {"compile": True}),
+    "gathered": ("gathered_budget", {"reshard_after_forward": False}),
 }
 
 
@@ -66,9 +63,6 @@ def add_args(parser) -> None:
     parser.add_argument("--gathered-budget", type=int, default=0,
                         help="packed with learner.reshard_after_forward=false (blocks stay gathered from forward to "
                              "backward: half the all-gathers) at this budget, run last (0 skips)")
-    parser.add_argument("--prefetch-budget", type=int, default=0,
-                        help="packed with learner.prefetch_blocks=--prefetch-blocks at this budget, run last (0 skips)")
-    parser.add_argument("--prefetch-blocks", type=int, default=2, help="blocks prefetched by the prefetch variant")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--loss-impl", default="auto", choices=("auto", "triton", "torch"))
@@ -125,14 +119,14 @@ def _worker(rank: int, world: int, port: int, args: dict, result_path: str) -> N
     if cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        split_cpu_threads(world)  # as train.py: the cores split among the ranks (session 11 trap)
+        split_cpu_threads(world)  # as train.py: the cores split among the ranks
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180), device_id=device if cuda else None)
     try:
-        record = _measure(rank, world, device, args, result_path)
+        record = _measure(rank, world, device, args)
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(record, f)
@@ -145,110 +139,169 @@ def _log0(rank: int, msg: str) -> None:
         print(f"[trainer-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _measure(rank: int, world: int, device: torch.device, args: dict, result_path: str) -> dict:
-    import torch.distributed as dist
-    from colocate.config import load_config
-    from colocate.topology import Topology
-    quick, cuda = args["quick"], device.type == "cuda"
-    shape = args["shape"] or ("tiny" if quick else "qwen2.5-7b")
-    budgets = [int(b) for b in (args["budgets"] or ("256,512" if quick else "8192,12288")).split(",") if b]
-    sdpa_budget = args["sdpa_budget"] if args["sdpa_budget"] >= 0 else (256 if quick else 8192)
-    ac_budget = args["ac_budget"] if args["ac_budget"] >= 0 else (512 if quick else 16384)
-    scale = 0.05 if quick else 1.0  # --quick: sequences 20x shorter
-    vocab = SyntheticVocab(512 if shape == "tiny" else 151646)
-    t_start = time.perf_counter()
-    loss_impl = _pick_loss_impl(args["loss_impl"], device)
-    packed_attention, probe = _pick_packed_attention(device)
-    _log0(rank, f"flash varlen probe: {probe} -> packed attention {packed_attention}")
-    group = dist.new_group(list(range(world)))
-    topo = Topology(rank=rank, world_size=world, local_rank=rank, num_inference=0, num_learners=world,
-                    device=device, backend="nccl" if cuda else "gloo", learner_group=group)
-    batch = diplomacy_like_batch(args["seqs_per_rank"], len(vocab), args["group_size"], seed=1000 + rank,
-                                 scale=scale)
-    stats = batch_stats(batch)
+# ---- one run: the variants in order ------------------------------------------------------------
 
-    def config(ac: bool, budget: int, **learner):
+@dataclass
+class _Run:
+    """What every variant of one benchmark run shares, on one rank."""
+    rank: int
+    world: int
+    device: torch.device
+    args: dict
+    shape: str
+    budgets: list[int]
+    loss_impl: str
+    packed_attention: str
+    topo: object
+    vocab: SyntheticVocab
+    batch: object   # this rank's TrajectoryBatch, the same every step
+    stats: dict     # batch_stats(batch)
+    t_start: float
+    record: dict = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def trace_names(self) -> list[str]:
+        return [n.strip() for n in (self.args.get("trace_variant") or "").split(",") if n.strip()]
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() - self.t_start > self.args["time_limit_s"]
+
+    def log(self, msg: str) -> None:
+        _log0(self.rank, msg)
+
+    def save_partial(self) -> None:
+        if self.rank == 0 and self.args["partial"]:
+            with open(self.args["partial"], "w") as f:
+                json.dump(self.record, f, indent=2)
+
+    def config(self, ac: bool, budget: int, **learner):
+        from colocate.config import load_config
         return load_config(None, {
-            "model": {"shape": shape, "dtype": "bfloat16" if cuda else "float32", "seed": 0},
-            "lora": {"rank": args["lora_rank"], "alpha": 2.0 * args["lora_rank"]},
+            "model": {"shape": self.shape, "dtype": "bfloat16" if self.cuda else "float32", "seed": 0},
+            "lora": {"rank": self.args["lora_rank"], "alpha": 2.0 * self.args["lora_rank"]},
             "engine": {"max_new_tokens": 100, "temperature": 1.0},
             "learner": {"lr": 1e-5, "micro_batch_tokens": budget, "activation_checkpointing": ac, "fsdp": True,
                         "attention": "auto", "max_policy_lag": 1_000_000, **learner},
-            "loss": {"beta": 0.0, "norm": "dapo", "impl": loss_impl},
+            "loss": {"beta": 0.0, "norm": "dapo", "impl": self.loss_impl},
         })
 
-    record = {"figures": {}, "baseline": {}, "ratios": {}, "variants": [], "skipped": [],
-              "setup": {"shape": shape, "num_ranks": world, "lora_rank": args["lora_rank"], "loss_impl": loss_impl,
-                        "batch_per_rank": {k: v for k, v in stats.items()}, "peak_flops": PEAK_FLOPS,
-                        "torch": torch.__version__, "varlen_probe": probe, "packed_attention": packed_attention,
-                        "lora_epilogue": {"baseline": "fused" if args["baseline_fused"] else "peft",
-                                          "ours": "fused" if config(False, 1).lora.fused_epilogue else "peft"}}}
 
-    def save_partial():
-        if rank == 0 and args["partial"]:
-            with open(args["partial"], "w") as f:
-                json.dump(record, f, indent=2)
+def _measure(rank: int, world: int, device: torch.device, args: dict) -> dict:
+    run = _start_run(rank, world, device, args)
+    for ac, variants in _plans(args, run.budgets):
+        if run.out_of_time():
+            run.record["skipped"] += [f"{k}-{b}" for k, b in variants]
+            continue
+        _run_plan(run, ac, variants)
+    run.record["skipped"] += [f"trace {n}: no variant of that name ran" for n in run.trace_names
+                              if n not in {v["name"] for v in run.record["variants"]}]
+    _summarize(run.record)
+    run.save_partial()
+    return run.record
 
-    trace_names = [n.strip() for n in (args.get("trace_variant") or "").split(",") if n.strip()]
+
+def _start_run(rank: int, world: int, device: torch.device, args: dict) -> _Run:
+    """Pick the loss and the packed attention that run here, and make this rank's batch."""
+    import torch.distributed as dist
+    from colocate.topology import Topology
+    t_start = time.perf_counter()
+    quick = args["quick"]
+    shape = args["shape"] or ("tiny" if quick else "qwen2.5-7b")
+    budgets = [int(b) for b in (args["budgets"] or ("256,512" if quick else "8192,12288")).split(",") if b]
+    vocab = SyntheticVocab(512 if shape == "tiny" else 151646)
+    loss_impl = _pick_loss_impl(args["loss_impl"], device)
+    packed_attention, probe = _pick_packed_attention(device)
+    _log0(rank, f"flash varlen probe: {probe} -> packed attention {packed_attention}")
+    cuda = device.type == "cuda"
+    topo = Topology(rank=rank, world_size=world, local_rank=rank, num_inference=0, num_learners=world,
+                    device=device, backend="nccl" if cuda else "gloo", learner_group=dist.new_group(list(range(world))))
+    batch = diplomacy_like_batch(args["seqs_per_rank"], len(vocab), args["group_size"], seed=1000 + rank,
+                                 scale=0.05 if quick else 1.0)  # --quick: sequences 20x shorter
+    run = _Run(rank, world, device, args, shape, budgets, loss_impl, packed_attention, topo, vocab, batch,
+               batch_stats(batch), t_start)
+    run.record = {"figures": {}, "baseline": {}, "ratios": {}, "variants": [], "skipped": [],
+                  "setup": _setup_record(run, probe)}
+    return run
+
+
+def _setup_record(run: _Run, probe: dict) -> dict:
+    ours = "fused" if run.config(False, 1).lora.fused_epilogue else "peft"
+    return {"shape": run.shape, "num_ranks": run.world, "lora_rank": run.args["lora_rank"],
+            "loss_impl": run.loss_impl, "batch_per_rank": dict(run.stats), "peak_flops": PEAK_FLOPS,
+            "torch": torch.__version__, "varlen_probe": probe, "packed_attention": run.packed_attention,
+            "lora_epilogue": {"baseline": "fused" if run.args["baseline_fused"] else "peft", "ours": ours}}
+
+
+def _plans(args: dict, budgets: list[int]) -> list[tuple[bool, list[tuple[str, int]]]]:
+    """One entry per model build, in run order: (activation checkpointing, [(kind, budget)])."""
+    quick = args["quick"]
+    sdpa_budget = args["sdpa_budget"] if args["sdpa_budget"] >= 0 else (256 if quick else 8192)
+    ac_budget = args["ac_budget"] if args["ac_budget"] >= 0 else (512 if quick else 16384)
     plans = [(False, [("padded", 0)] + [("packed", b) for b in budgets]
               + ([("sdpa", sdpa_budget)] if sdpa_budget else [])),
              (True, [("ac", ac_budget)] if ac_budget else []),
              (False, [("packed", args["extra_budget"])] if args["extra_budget"] else []),
              *[(False, [(kind, args[arg])]) for kind, (arg, _) in LEARNER_VARIANTS.items() if args.get(arg)]]
-    for ac, variants in plans:
-        if not variants:
+    return [(ac, variants) for ac, variants in plans if variants]
+
+
+def _run_plan(run: _Run, ac: bool, variants: list[tuple[str, int]]) -> None:
+    """Build the model once, time each of `variants` on it, free it."""
+    t0 = time.perf_counter()
+    kind0, budget0 = variants[0]
+    settings = LEARNER_VARIANTS[kind0][1] if kind0 in LEARNER_VARIANTS else {}
+    learner, p_blocks = _build(run.config(ac, budget0 or run.budgets[0], **settings), run.topo, run.vocab)
+    build_s = time.perf_counter() - t0
+    run.log(f"built {run.shape} (ac={ac}) in {build_s:.1f}s")
+    if "check" not in run.record:
+        run.record["check"] = _check_packed_equals_padded(learner, run.batch, run.device, run.packed_attention)
+        run.log(f"packed vs padded log-probs: {run.record['check']}")
+    for kind, budget in variants:
+        if run.out_of_time():
+            run.record["skipped"].append(f"{kind}-{budget}")
             continue
-        if time.perf_counter() - t_start > args["time_limit_s"]:
-            record["skipped"] += [f"{k}-{b}" for k, b in variants]
-            continue
-        t0 = time.perf_counter()
-        kind0 = variants[0][0]
-        settings = LEARNER_VARIANTS[kind0][1](args) if kind0 in LEARNER_VARIANTS else {}
-        learner, p_blocks = _build(config(ac, variants[0][1] or budgets[0], **settings), topo, vocab)
-        build_s = time.perf_counter() - t0
-        _log0(rank, f"built {shape} (ac={ac}) in {build_s:.1f}s")
-        if "check" not in record:
-            record["check"] = _check_packed_equals_padded(learner, batch, device, packed_attention)
-            _log0(rank, f"packed vs padded log-probs: {record['check']}")
-        for kind, budget in variants:
-            if time.perf_counter() - t_start > args["time_limit_s"]:
-                record["skipped"].append(f"{kind}-{budget}")
-                continue
-            try:
-                result = _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, device,
-                                       packed_attention)
-            except Exception as e:  # noqa: BLE001 - e.g. a compiler failure: the same on every rank
-                record["skipped"].append(f"{kind}-{budget}: {type(e).__name__}: {str(e)[:300]}")
-                _log0(rank, f"{kind}-{budget} failed: {type(e).__name__}: {str(e)[:300]}")
-                save_partial()
-                continue
-            result.update(name=f"{kind}-{budget}" if budget else kind, build_s=build_s,
-                          prefetch_blocks=learner.cfg.learner.prefetch_blocks)
-            record["variants"].append(result)
-            if result["name"] in trace_names:  # one more step, profiled; every rank steps (FSDP)
-                out = ""
-                if rank == 0 and args.get("trace_dir"):
-                    os.makedirs(args["trace_dir"], exist_ok=True)
-                    out = os.path.join(args["trace_dir"], f"trace-{result['name']}-rank0.json.gz")
-                try:
-                    traced = _trace_step(learner, batch, device, out, host=bool(args.get("trace_host")))
-                    trace = {"median_step_ms": result["step_s"] * 1e3, **traced}
-                    record.setdefault("traces", {})[result["name"]] = trace
-                    _log0(rank, f"trace of {result['name']}: {json.dumps(trace)[:600]}")
-                except Exception as e:  # noqa: BLE001 - e.g. out of memory under the profiler: keep the rest
-                    record["skipped"].append(f"trace {result['name']}: {type(e).__name__}: {str(e)[:300]}")
-            _log0(rank, f"{result['name']}: {result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
-                        f"step {result['step_s']:.2f}s, peak {max(result['peak_gb']):.1f} GB")
-            save_partial()
-        del learner
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    record["skipped"] += [f"trace {n}: no variant of that name ran" for n in trace_names
-                          if n not in {v["name"] for v in record["variants"]}]
-    _summarize(record)
-    save_partial()
-    return record
+        _run_variant(run, learner, kind, budget, p_blocks, build_s)
+    del learner
+    gc.collect()
+    if run.cuda:
+        torch.cuda.empty_cache()
+
+
+def _run_variant(run: _Run, learner, kind: str, budget: int, p_blocks: int, build_s: float) -> None:
+    """Time one variant into the record (a failure is recorded as skipped), then trace it if asked."""
+    try:
+        result = _time_variant(run, learner, kind, budget, p_blocks)
+    except Exception as e:  # noqa: BLE001 - e.g. a compiler failure: the same on every rank
+        reason = f"{type(e).__name__}: {str(e)[:300]}"
+        run.record["skipped"].append(f"{kind}-{budget}: {reason}")
+        run.log(f"{kind}-{budget} failed: {reason}")
+        run.save_partial()
+        return
+    result.update(name=f"{kind}-{budget}" if budget else kind, build_s=build_s)
+    run.record["variants"].append(result)
+    if result["name"] in run.trace_names:  # one more step, profiled; every rank steps (FSDP)
+        _trace_variant(run, learner, result)
+    run.log(f"{result['name']}: {result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.3f}, "
+            f"step {result['step_s']:.2f}s, peak {max(result['peak_gb']):.1f} GB")
+    run.save_partial()
+
+
+def _trace_variant(run: _Run, learner, result: dict) -> None:
+    out = ""
+    if run.rank == 0 and run.args.get("trace_dir"):
+        os.makedirs(run.args["trace_dir"], exist_ok=True)
+        out = os.path.join(run.args["trace_dir"], f"trace-{result['name']}-rank0.json.gz")
+    try:
+        traced = _trace_step(learner, run.batch, run.device, out, host=bool(run.args.get("trace_host")))
+        trace = {"median_step_ms": result["step_s"] * 1e3, **traced}
+        run.record.setdefault("traces", {})[result["name"]] = trace
+        run.log(f"trace of {result['name']}: {json.dumps(trace)[:600]}")
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory under the profiler: keep the rest
+        run.record["skipped"].append(f"trace {result['name']}: {type(e).__name__}: {str(e)[:300]}")
 
 
 def _pick_loss_impl(choice: str, device: torch.device) -> str:
@@ -282,72 +335,76 @@ def _pick_packed_attention(device: torch.device) -> tuple[str, dict]:
 
 
 def _build(cfg, topo, vocab):
-    from colocate.learner.learner import Learner
+    from benchmarks.padded import PaddedLearner
     from colocate.train import build_policy
-    learner = Learner(cfg, topo, build_policy(cfg, vocab, "meta"), vocab)
+    learner = PaddedLearner(cfg, topo, build_policy(cfg, vocab, "meta"), vocab)
     p_blocks = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
     return learner, p_blocks
 
 
-def _padded_micro_batches(learner, per_micro_batch: int):
-    """The old layout for the baseline: consecutive chunks, left-padded, SDPA with a mask."""
-    from colocate.learner.packing import chunk_sequences, padded_micro_batch
+# ---- one variant --------------------------------------------------------------------------------
 
-    def micro_batches(batch):
-        return [(sub, padded_micro_batch(sub, learner.pad_id, learner.device))
-                for sub in (batch.select(c) for c in chunk_sequences(batch.num_sequences, per_micro_batch))]
-    return micro_batches
-
-
-def _time_variant(learner, kind, budget, batch, args, p_blocks, stats, world, device, packed_attention) -> dict:
-    import torch.distributed as dist
-    from colocate.learner.packing import set_attention
-    cuda = device.type == "cuda"
-    # Select the layout on this learner (instance attributes shadow the class's packing).
-    learner.__dict__.pop("micro_batches", None)
-    from colocate.models import set_fused_lora
-    set_fused_lora(learner.model, learner.cfg.lora.fused_epilogue and (kind != "padded" or args["baseline_fused"]))
-    if kind == "padded":
-        learner.micro_batches = _padded_micro_batches(learner, args["padded_batch"])
-        learner.attention = "sdpa"
-    else:
-        learner.attention = "sdpa" if kind == "sdpa" else packed_attention
-        learner.cfg.learner.micro_batch_tokens = budget
-    set_attention(learner.model, learner.attention)
-    if cuda:
+def _time_variant(run: _Run, learner, kind: str, budget: int, p_blocks: int) -> dict:
+    """Median step time, throughput, MFU and peak memory per rank of one variant."""
+    _select_layout(run, learner, kind, budget)
+    if run.cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times, micro = [], 0
-    warmup = max(args["warmup"], 2) if kind == "compiled" else args["warmup"]  # compile, then recompiles
-    t_first, first_step_s = time.perf_counter(), None
-    for i in range(warmup + args["steps"]):
-        batch.versions[:] = learner.version
-        if cuda:
+    t_first = time.perf_counter()
+    times, first_step_s, out = _timed_steps(run, learner, kind)
+    peaks = _peak_memory(run, learner)
+    step_s = statistics.median(times)
+    total = {k: run.stats[k] * run.world for k in ("tokens", "completion_tokens", "sum_sq_len")}
+    flops = step_flops(learner.model.config, p_blocks, total)
+    return {"kind": kind, "budget": budget, "step_s": step_s, "step_times": times, "first_step_s": first_step_s,
+            "variant_s": time.perf_counter() - t_first,
+            "tokens_per_s": total["tokens"] / step_s, "completion_tokens_per_s": total["completion_tokens"] / step_s,
+            "mfu": flops / (step_s * run.world * PEAK_FLOPS), "tflops_per_gpu": flops / step_s / run.world / 1e12,
+            "micro_batches_per_rank": out["micro_batches"], "peak_gb": [float(p[0]) for p in peaks],
+            "reserved_gb": [float(p[1]) for p in peaks], "loss": out["loss"], "grad_norm": out["grad_norm"]}
+
+
+def _select_layout(run: _Run, learner, kind: str, budget: int) -> None:
+    """Point the one learner at this variant: padded chunks (the baseline) or packing at `budget`."""
+    from colocate.models import set_fused_lora
+    set_fused_lora(learner.model, learner.cfg.lora.fused_epilogue and (kind != "padded" or run.args["baseline_fused"]))
+    if kind != "padded":
+        learner.cfg.learner.micro_batch_tokens = budget
+    learner.use_layout(run.args["padded_batch"] if kind == "padded" else 0,
+                       "sdpa" if kind == "sdpa" else run.packed_attention)
+
+
+def _timed_steps(run: _Run, learner, kind: str) -> tuple[list[float], float | None, dict]:
+    """Warm-up then timed steps -> (timed step seconds, the first warm-up step's, the last step's stats).
+    A step's time is the slowest rank's."""
+    import torch.distributed as dist
+    warmup = max(run.args["warmup"], 2) if kind == "compiled" else run.args["warmup"]  # compile, then recompiles
+    times, first_step_s, out = [], None, {}
+    for i in range(warmup + run.args["steps"]):
+        run.batch.versions[:] = learner.version
+        if run.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = learner.train_step(batch)
-        if cuda:
+        out = learner.train_step(run.batch)
+        if run.cuda:
             torch.cuda.synchronize()
-        dt = torch.tensor([time.perf_counter() - t0], device=device)
+        dt = torch.tensor([time.perf_counter() - t0], device=run.device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=learner.topology.learner_group)
         if i >= warmup:
             times.append(float(dt))
         elif i == 0:
             first_step_s = float(dt)
-        micro = out["micro_batches"]
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                         torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0], device=device)
-    peaks = [torch.zeros_like(peak) for _ in range(world)]
+    return times, first_step_s, out
+
+
+def _peak_memory(run: _Run, learner) -> list[torch.Tensor]:
+    """Per rank: [2] GB peak allocated, peak reserved (zeros on CPU)."""
+    import torch.distributed as dist
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if run.cuda else 0.0,
+                         torch.cuda.max_memory_reserved() / 2**30 if run.cuda else 0.0], device=run.device)
+    peaks = [torch.zeros_like(peak) for _ in range(run.world)]
     dist.all_gather(peaks, peak, group=learner.topology.learner_group)
-    step_s = statistics.median(times)
-    total = {k: stats[k] * world for k in ("tokens", "completion_tokens", "sum_sq_len")}
-    flops = step_flops(learner.model.config, p_blocks, total)
-    return {"kind": kind, "budget": budget, "step_s": step_s, "step_times": times, "first_step_s": first_step_s,
-            "variant_s": time.perf_counter() - t_first,
-            "tokens_per_s": total["tokens"] / step_s, "completion_tokens_per_s": total["completion_tokens"] / step_s,
-            "mfu": flops / (step_s * world * PEAK_FLOPS), "tflops_per_gpu": flops / step_s / world / 1e12,
-            "micro_batches_per_rank": micro, "peak_gb": [float(p[0]) for p in peaks],
-            "reserved_gb": [float(p[1]) for p in peaks], "loss": out["loss"], "grad_norm": out["grad_norm"]}
+    return peaks
 
 
 def _trace_step(learner, batch, device, trace_out: str, host: bool = False) -> dict:
@@ -360,8 +417,9 @@ def _trace_step(learner, batch, device, trace_out: str, host: bool = False) -> d
 @torch.no_grad()
 def _check_packed_equals_padded(learner, batch, device, attention) -> dict:
     """Log-probs of 8 sequences: packed (varlen) against padded (SDPA + mask), same sharded model."""
+    from benchmarks.padded import padded_micro_batch
     from colocate.kernels.reference import per_token_logprobs
-    from colocate.learner.packing import completion_logits, packed_micro_batch, padded_micro_batch, set_attention
+    from colocate.learner.packing import completion_logits, packed_micro_batch, set_attention
     sub = batch.select(list(range(min(8, batch.num_sequences))))
     packed = packed_micro_batch(sub, device, attention)
     set_attention(learner.model, attention)

@@ -1,24 +1,26 @@
-"""One GPU session for the vLLM profiles (`sync`, `rollout`) and the vLLM GPU tests.
+"""One GPU session for the vLLM profiles (`sync`, `rollout`) and the vLLM GPU tests: the shared
+base of the vLLM benchmark modules (it imports none of them; they import it).
 
 Two GPUs, one process, the same code paths as a torchrun job: the learner side (peft policy,
-`AdapterSender`) on cuda:0 in this process; `VLLMEngine` with its engine core in a child process on
+`NcclSender`) on cuda:0 in this process; `VLLMEngine` with its engine core in a child process on
 GPU 1, joined to the learner by the stateless NCCL group. An engine start costs ~1 minute, so one
-session serves every measurement of a shape (each in its own module):
+session serves every measurement of a shape. Each measurement is a *part* (`Part`), defined in its
+own module and handed in by the profile that runs it:
 
-  measure_sync     (sync.py) learner step end -> first token sampled with the new version (ours) against
-                   save adapter + LoRARequest(path) + first token (disk), same engine, same prompt;
-                   plus a checksum / slot read-back check of one update.
-  measure_parity   (parity.py) vLLM's sampled-token log-probs against the learner's (same adapter, same
-                   `allowed_ids` mask, same temperature): synthetic, Diplomacy, unconstrained.
-  measure_rollout  (rollout.py) the same requests through vLLM alone (pre-built prompts and grammars), our
-                   inference-rank path (requests -> grammar -> engine -> replay -> parse), and HF
-                   `generate` (peft, 64 sequences, unconstrained, as the anchor); optional
-                   Diplomacy phase and text-grammar mismatch count.
+  sync     (sync.py) learner step end -> first token sampled with the new version (ours) against
+           save adapter + LoRARequest(path) + first token (disk), same engine, same prompt;
+           plus a checksum / slot read-back check of one update.
+  parity   (parity.py) vLLM's sampled-token log-probs against the learner's (same adapter, same
+           `allowed_ids` mask, same temperature): synthetic, Diplomacy, unconstrained.
+  rollout  (rollout.py) the same requests through vLLM alone (pre-built prompts and grammars), our
+           inference-rank path (requests -> grammar -> engine -> replay -> parse), and HF
+           `generate` (peft, 64 sequences, unconstrained, as the baseline); optional Diplomacy
+           phase and text-grammar mismatch count.
 
-Synthetic workload (anchors/vllm_probe.py): prompts of 440 tokens sharing their first 300, random
-ids of the embedded tokenizer; a constraint of 4 slots x 16 choices of 8/8/8/7 tokens (2-token
-shared prefix per slot, as orders share "A PAR"), so every completion is 31 tokens + EOS = 32.
-The prefix cache is reset before every timed run, so no run reuses another's prompts.
+Synthetic workload: prompts of 440 tokens sharing their first 300, random ids of the embedded
+tokenizer; a constraint of 4 slots x 16 choices of 8/8/8/7 tokens (2-token shared prefix per slot,
+as orders share "A PAR"), so every completion is 31 tokens + EOS = 32. The prefix cache is reset
+before every timed run, so no run reuses another's prompts.
 
 `--learner-device cpu` with a stand-in `vllm` package runs all of it on a CPU (a dry run of the
 code paths; the figures mean nothing there).
@@ -31,6 +33,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -98,7 +101,7 @@ class Session:
     policy: object            # peft model on cuda:0 (the learner's weights)
     spec: object
     engine: object
-    sender: object
+    sender: object            # engine/vllm_channel.NcclSender: learner rank 0's end of the group
     model_dir: str
     figures: dict = field(default_factory=dict)
     version: int = 0
@@ -118,21 +121,56 @@ class Session:
 
     def push(self, *, with_checksum: bool = False, verify: bool = False) -> dict:
         """Learner -> engine over NCCL, as train.py does (the send is enqueued, the worker completes it)."""
-        self.sender.send(self.gather(), self.version, with_checksum=with_checksum, wait=False)
+        sender = self.sender
+        if with_checksum:
+            from colocate.engine.vllm_channel import NcclSender
+            sender = NcclSender(self.sender.group, self.spec, with_checksum=True)
+        sender.send(self.gather(), self.version)
         got = self.engine.receive_lora(verify=verify)
         sync_learner()
         return got
 
 
+Part = Callable[[Session, float], dict]
+"""One measurement in an open session: (session, deadline as a `time.time()`) -> figures."""
+
+
+def learner_policy(cfg, tokenizer, lora_b_std: float):
+    """The learner's peft policy on LEARNER, with a non-trivial adapter (peft starts B at 0, which
+    would hide a wrong A)."""
+    from colocate.train import build_policy
+    policy = build_policy(cfg, tokenizer, LEARNER).eval()
+    with torch.no_grad():
+        g = torch.Generator(device=LEARNER).manual_seed(1)
+        for n, p in policy.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g, device=LEARNER) * lora_b_std)
+    return policy
+
+
+def connect_sender(engine, spec):
+    """The stateless NCCL group of the learner (rank 0) and the engine's worker (rank 1). Both ends
+    live in this process: the learner's end joins from a thread while the worker joins."""
+    from colocate.engine.vllm_channel import LOCAL_HOST, NcclSender, listen_socket
+    from colocate.engine.vllm_worker import StatelessGroup
+    sock, port = listen_socket(LOCAL_HOST)
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(
+        group=StatelessGroup(LOCAL_HOST, port, 0, 2, torch.device(LEARNER), listen=sock)))
+    thread.start()
+    engine.join_sync(LOCAL_HOST, port, world_size=2, rank=1)
+    thread.join()
+    return NcclSender(box["group"], spec)
+
+
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
                  cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 jump_forward: int = 0, trace_dir: str = "", compile_kw: dict | None = None) -> Session:
+                 trace_dir: str = "", compile_kw: dict | None = None) -> Session:
     from colocate.config import load_config
     from colocate.engine.model_dir import ensure_model_dir
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
-    from colocate.engine.vllm_sync import HOST, AdapterSender, StatelessGroup, listen_socket
-    from colocate.train import build_policy
+    from colocate.learner.fsdp import LoraGather
     if torch.device(LEARNER).type == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("the vLLM session needs 2 GPUs (learner on cuda:0, engine on GPU 1) and vllm")
     cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "colocate-models")
@@ -141,12 +179,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     figures = {}
     t0 = time.perf_counter()
     tokenizer = embedded_tokenizer(cfg)
-    policy = build_policy(cfg, tokenizer, LEARNER).eval()
-    with torch.no_grad():  # a non-trivial adapter (peft starts B at 0, which would hide a wrong A)
-        g = torch.Generator(device=LEARNER).manual_seed(1)
-        for n, p in policy.named_parameters():
-            if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=g, device=LEARNER) * lora_b_std)
+    policy = learner_policy(cfg, tokenizer, lora_b_std)
     spec = lora_spec_for(cfg, tokenizer)
     model_dir = ensure_model_dir(cfg, tokenizer, LEARNER, is_writer=True)
     figures["setup/policy_and_model_dir_s"] = time.perf_counter() - t0
@@ -154,19 +187,11 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1,
-                        lora_mode=lora_mode, async_scheduling=async_scheduling, jump_forward=jump_forward,
+                        lora_mode=lora_mode, async_scheduling=async_scheduling,
                         profile_dir=trace_dir, profile_steps=TRACE_STEPS, **(compile_kw or {}))
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
-    # Both ends of the stateless group live in this process: the learner's end joins from a thread.
-    sock, port = listen_socket()
-    box = {}
-    thread = threading.Thread(target=lambda: box.update(group=StatelessGroup(HOST, port, 0, 2, LEARNER, listen=sock)))
-    thread.start()
-    engine.join_sync(HOST, port, world_size=2, rank=1)
-    thread.join()
-    from colocate.learner.fsdp import LoraGather
-    session = Session(shape, cfg, tokenizer, policy, spec, engine, AdapterSender(box["group"], spec), model_dir,
+    session = Session(shape, cfg, tokenizer, policy, spec, engine, connect_sender(engine, spec), model_dir,
                       figures, gather=LoraGather(policy))
     if session.gather.spec != spec:
         raise RuntimeError("the policy's adapter layout differs from the engine's LoraSpec")
@@ -176,57 +201,55 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
 
 # ---------------------------------------------------------------------------------- entry
 
-def run_session(shape: str, parts: list[str], *, budget_s: float = 480.0, num_seqs: int = 512,
-                sync_iters: int = 10, lora_mode: str = "slot", async_scheduling: bool | None = None,
-                jump_forward: int = 0, trace_dir: str = "", compile_kw: dict | None = None) -> dict:
-    """Open one engine for `shape`, run `parts` (sync, parity, rollout) in that order of priority."""
-    deadline = time.time() + budget_s
+def run_parts(s: Session, parts: dict[str, Part], figures: dict, deadline: float) -> None:
+    """Each part in order into `figures`; a part past the deadline is skipped, a failing one
+    leaves its error and the next runs."""
     partial = os.environ.get("COLOCATE_PARTIAL_JSON", "")  # figures so far, rewritten after each part
-    # merged keeps a copy of the adapted base weights on the engine's GPU: leave room for it
-    s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode,
-                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75, async_scheduling=async_scheduling,
-                     jump_forward=jump_forward, trace_dir=trace_dir, compile_kw=compile_kw)
-    figures = dict(s.figures)
-    figures["engine/compilation"] = dict(compile_kw or {})
-    figures["engine/jump_forward"] = jump_forward
-    figures["engine/lora_mode"] = lora_mode
-    figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
-    for part in parts:
+    for name, part in parts.items():
         if partial:
-            write_json_atomic(partial, {"shape": shape, "figures": figures})
+            write_json_atomic(partial, {"shape": s.shape, "figures": figures})
         if time.time() > deadline:
-            figures[f"{part}/skipped"] = "budget"
+            figures[f"{name}/skipped"] = "budget"
             continue
-        try:  # each part lives in its own module, which imports this one
-            if part == "sync":
-                from benchmarks.sync import measure_sync
-                figures.update(measure_sync(s, iters=sync_iters))
-            elif part == "parity":
-                from benchmarks.parity import measure_parity
-                figures.update(measure_parity(s))
-            elif part == "rollout":
-                from benchmarks.rollout import measure_rollout
-                figures.update(measure_rollout(s, num_seqs=num_seqs, deadline=deadline - 30))
-            log(f"{shape}: {part} done")
+        try:
+            figures.update(part(s, deadline))
+            log(f"{s.shape}: {name} done")
         except Exception as exc:
             import traceback
             traceback.print_exc()
-            figures[f"{part}/error"] = f"{type(exc).__name__}: {exc}"[:500]
-    if trace_dir:  # after every part: vLLM's engine stays slower after its profiler window
+            figures[f"{name}/error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+
+def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, num_seqs: int = 512,
+                lora_mode: str = "slot", async_scheduling: bool | None = None, trace: Part | None = None,
+                trace_dir: str = "", compile_kw: dict | None = None) -> dict:
+    """Open one engine for `shape`, run `parts` in their order (of priority), then `trace` when
+    `trace_dir` is set (last: vLLM's engine stays slower after its profiler window)."""
+    deadline = time.time() + budget_s
+    # merged keeps a copy of the adapted base weights on the engine's GPU: leave room for it
+    s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode,
+                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75, async_scheduling=async_scheduling,
+                     trace_dir=trace_dir, compile_kw=compile_kw)
+    figures = dict(s.figures)
+    figures["engine/compilation"] = dict(compile_kw or {})
+    figures["engine/lora_mode"] = lora_mode
+    figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
+    run_parts(s, parts, figures, deadline)
+    if trace_dir and trace is not None:
         try:
-            from benchmarks.sync import trace_first_tokens
-            figures.update(trace_first_tokens(s))
+            figures.update(trace(s, deadline))
         except Exception as exc:  # noqa: BLE001 - keep the parts' figures
             figures["sync/trace_error"] = f"{type(exc).__name__}: {exc}"[:500]
     figures["engine/stats"] = dict(s.engine.counters)
-    if partial:
-        write_json_atomic(partial, {"shape": shape, "figures": figures})
+    if os.environ.get("COLOCATE_PARTIAL_JSON"):
+        write_json_atomic(os.environ["COLOCATE_PARTIAL_JSON"], {"shape": shape, "figures": figures})
     s.engine.shutdown()
     return figures
 
 
 # -- the `sync` and `rollout` profiles share one session and one argument list --------------------
 def add_session_args(parser, *, others: str) -> None:
+    from colocate.config_schema import CUDAGRAPH_MODES
     parser.add_argument("--shape", default="7b", choices=("0.5b", "7b", "tiny"))
     parser.add_argument("--learner-device", default="cuda:0", help="cpu: dry run against a stand-in vllm")
     parser.add_argument("--iters", type=int, default=10, help="sync iterations")
@@ -237,30 +260,31 @@ def add_session_args(parser, *, others: str) -> None:
                         help="engine.lora_mode (merged: the sync part skips its disk baseline)")
     parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                         help="vLLM's async scheduling (auto: vLLM's default, on in 0.25)")
-    parser.add_argument("--jump-forward", type=int, default=0,
-                        help="engine.jump_forward: grammar-forced tokens per step as exact speculative drafts "
-                             "(0 = off; needs synchronous scheduling, which it selects)")
-    from colocate.engine.vllm_settings import CUDAGRAPH_MODES
     parser.add_argument("--cudagraph-mode", default="", choices=CUDAGRAPH_MODES,
                         help="engine.cudagraph_mode (default: vLLM's FULL_AND_PIECEWISE)")
     parser.add_argument("--max-capture-tokens", type=int, default=2048,
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
     parser.add_argument("--trace-dir", default="",
-                        help="after the parts, trace vLLM's engine core over 5 updates, each with its first token, "
-                             "into this folder; the record gets each trace's summary (scripts/trace_summary.py)")
+                        help="sync profile: after the parts, trace vLLM's engine core over 5 updates, each with its "
+                             "first token, into this folder; the record gets each trace's summary")
 
 
-def run_profile(args, part: str, *, first: bool) -> dict:
-    """Run `part` plus `--also` parts in one engine session (`part` first or last)."""
+def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: Part | None = None) -> dict:
+    """Run `part` plus the `--also` parts (of `parts`) in one engine session (`part` first or last)."""
     global LEARNER
     LEARNER = args.learner_device
     shape = "0.5b" if args.quick else args.shape
     also = [p for p in args.also.split(",") if p and p != part]
-    parts = [part] + also if first else also + [part]
-    figures = run_session(shape, parts, budget_s=args.budget_s, num_seqs=args.num_seqs, sync_iters=args.iters,
-                          lora_mode=args.lora_mode,
+    unknown = sorted(set(also) - set(parts))
+    if unknown:  # the sync profile runs every part
+        raise SystemExit(f"--also {','.join(unknown)}: --profile {part} runs only {', '.join(parts)}")
+    if args.trace_dir and trace is None:
+        raise SystemExit(f"--trace-dir: --profile {part} does not trace (the sync profile does)")
+    order = [part] + also if first else also + [part]
+    figures = run_session(shape, {name: parts[name] for name in order}, budget_s=args.budget_s,
+                          num_seqs=args.num_seqs, lora_mode=args.lora_mode,
                           async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-                          jump_forward=args.jump_forward, trace_dir=args.trace_dir,
+                          trace=trace, trace_dir=args.trace_dir,
                           compile_kw={"cudagraph_mode": args.cudagraph_mode,
                                       "max_capture_tokens": args.max_capture_tokens})
     return split(figures)

@@ -1,10 +1,16 @@
-"""Run configuration: YAML files, `--section.key=value` overrides, validation.
+"""Run configuration: YAML files (composed with `base:`), `--section.key=value` overrides, validation.
 
 The schema (one dataclass per component, each field documented) is `colocate.config_schema`; its
 classes are importable from here too. `load_config` is the only entry: it merges YAML and
 overrides, rejects unknown keys (naming the nearest valid one) and wrong types, then `validate`
 runs the cross-field checks. Everything here runs before any model is built or any process group
 exists; a `ConfigError` ends the job with exit code 2 and one line (see `train.py`).
+
+A YAML file may start from another: `base: other.yaml` (relative to the file; chains allowed,
+cycles refused). The base is applied first and the file over it, section by section and key by
+key (a list is replaced whole), then the overrides. `configs/gpu-*.yaml` share `configs/gpu.yaml`.
+
+This module imports nothing of colocate but `config_schema`: every other module may import it.
 
 Deliberately absent: environment-variable magic, `exec`, registries. What a run used is written to
 `<run_dir>/config.yaml` by the composition root.
@@ -13,20 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from typing import Any
 
 import yaml
 
-from colocate.config_schema import (CheckpointConfig, Config, EngineConfig, EnvConfig, LearnerConfig, LoraConfig,
+from colocate.config_schema import (ATTENTIONS, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS, ENV_NAMES, LORA_MODES,
+                                    LOSS_IMPLS, MODEL_SHAPES, NORM_MODES, PLACEMENTS, SYNC_BACKENDS,
+                                    CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
-from colocate.engine.vllm_settings import CUDAGRAPH_MODES, LORA_MODES  # no vLLM import there
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "validate", "resolve_roles", "to_dict", "save_config",
            "field_docs", "Config", "ModelConfig", "LoraConfig", "EngineConfig", "EnvConfig", "RolloutConfig",
-           "LearnerConfig", "LossConfig", "SyncConfig", "TopologyConfig", "MetricsConfig", "CheckpointConfig"]
+           "LearnerConfig", "LossConfig", "SyncConfig", "TopologyConfig", "MetricsConfig", "CheckpointConfig",
+           "EvalConfig"]
 
 
 class ConfigError(ValueError):
@@ -34,22 +43,24 @@ class ConfigError(ValueError):
 
 
 _CHOICES = {
-    ("model", "shape"): ("tiny", "qwen2.5-0.5b", "qwen2.5-7b"),
-    ("model", "dtype"): ("float32", "bfloat16"),
-    ("engine", "kind"): ("auto", "hf", "vllm"),
+    ("model", "shape"): MODEL_SHAPES,
+    ("model", "dtype"): DTYPES,
+    ("engine", "kind"): ENGINE_KINDS,
     ("engine", "lora_mode"): LORA_MODES,
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
-    ("env", "name"): ("arithmetic", "diplomacy"),
-    ("loss", "norm"): ("grpo", "dapo", "dr_grpo"),
-    ("loss", "impl"): ("auto", "triton", "torch"),
-    ("learner", "attention"): ("auto", "varlen", "sdpa"),
-    ("sync", "backend"): ("auto", "nccl", "gloo"),
-    ("sync", "fanout"): ("broadcast", "per_engine"),
+    ("env", "name"): ENV_NAMES,
+    ("loss", "norm"): NORM_MODES,
+    ("loss", "impl"): LOSS_IMPLS,
+    ("learner", "attention"): ATTENTIONS,
+    ("sync", "backend"): SYNC_BACKENDS,
+    ("topology", "placement"): PLACEMENTS,
 }
+BASE_KEY = "base"
+"""Top-level YAML key naming the file this one starts from."""
 
 
 def nearest_key(key: str, valid: list[str]) -> str:
-    """The valid key closest to a misspelt one (config keys; the loss kernel's launch keys)."""
+    """The valid key closest to a misspelt one."""
     match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
     return match[0] if match else valid[0]
 
@@ -120,17 +131,52 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict, bool]:
     return config_path, nested, resume
 
 
-def load_config(path: str | None = None, overrides: dict | None = None, *, world_size: int | None = None) -> Config:
-    """YAML file, then overrides (nested dict, string leaves allowed), then `validate`."""
-    cfg = Config()
-    if path:
-        if not os.path.exists(path):
-            raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
+def _read_yaml(path: str, named_by: str | None) -> dict:
+    """One YAML file's top-level mapping (its `base:` key included)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}" + (f" (the base of {named_by})" if named_by else ""))
+    try:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-        _merge(cfg, data, "")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file (a YAML config is expected)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def config_chain(path: str) -> list[tuple[str, dict]]:
+    """[(file, its sections)] from the root base to `path` itself, following `base:` keys.
+
+    A base path is relative to the file naming it. A file reached twice is a cycle (refused)."""
+    chain, seen, named_by = [], [], None
+    while path is not None:
+        real = os.path.realpath(path)
+        if real in seen:
+            cycle = " -> ".join([p for p, _ in chain] + [path])
+            raise ConfigError(f"config base cycle: {cycle} (each file names the next as its base)")
+        seen.append(real)
+        data = _read_yaml(path, named_by)
+        has_base, base = BASE_KEY in data, data.pop(BASE_KEY, "")
+        if has_base and (not isinstance(base, str) or not base):
+            raise ConfigError(f"{path}: base: expected a file name, got {base!r}")
+        chain.append((path, data))
+        named_by, path = path, (os.path.normpath(os.path.join(os.path.dirname(path), base)) if base else None)
+    return chain[::-1]
+
+
+def load_config(path: str | None = None, overrides: dict | None = None, *, world_size: int | None = None) -> Config:
+    """YAML file over its bases, then overrides (nested dict, string leaves allowed), then `validate`."""
+    cfg = Config()
+    for file, data in config_chain(path) if path else []:
+        try:
+            _merge(cfg, data, "")
+        except ConfigError as e:
+            raise ConfigError(f"{file}: {e}") from None
     if overrides:
         _merge(cfg, overrides, "")
     validate(cfg, world_size=world_size)
@@ -145,12 +191,81 @@ def resolve_roles(cfg: Config, world_size: int) -> tuple[int, int]:
     return num_inference, num_learners
 
 
-def validate(cfg: Config, *, world_size: int | None = None) -> None:
-    """Cross-field checks. Each failure is one line naming the fields involved."""
+_POSITIVE, _NON_NEGATIVE = "must be > 0", "must be >= 0"
+_RANGES = {
+    # (section, key): (the rule a valid value keeps, its wording); every float must also be finite
+    ("lora", "rank"): (lambda v: v >= 1, "must be >= 1"),
+    ("lora", "alpha"): (lambda v: v > 0, _POSITIVE),
+    ("lora", "dropout"): (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("engine", "max_new_tokens"): (lambda v: v >= 1, "must be >= 1 (tokens sampled per completion)"),
+    ("engine", "temperature"): (lambda v: v > 0, _POSITIVE),
+    ("engine", "max_num_seqs"): (lambda v: v >= 1, "must be >= 1"),
+    ("engine", "gpu_memory_utilization"): (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("engine", "max_model_len"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 sizes it from the workload)"),
+    ("engine", "max_num_batched_tokens"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 keeps vLLM's default)"),
+    ("engine", "max_capture_tokens"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("env", "max_operand"): (lambda v: v >= 1, "must be >= 1 (operands are drawn from 0..max_operand)"),
+    ("env", "horizon_years"): (lambda v: v >= 1, "must be >= 1"),
+    ("env", "stall_years"): (lambda v: v >= 1, "must be >= 1"),
+    ("rollout", "groups_per_step"): (lambda v: v >= 1, "must be >= 1"),
+    ("rollout", "oversample_groups"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("learner", "lr"): (lambda v: v > 0, _POSITIVE),
+    ("learner", "weight_decay"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("learner", "max_grad_norm"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 disables clipping)"),
+    ("learner", "num_steps"): (lambda v: v >= 1, "must be >= 1"),
+    ("learner", "micro_batch_tokens"): (lambda v: v >= 1, "must be >= 1 (the packing budget in tokens)"),
+    ("learner", "max_policy_lag"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("loss", "eps_low"): (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("loss", "eps_high"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("loss", "beta"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("topology", "num_inference"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = half the world)"),
+    ("topology", "num_learners"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = the rest)"),
+    ("topology", "timeout_s"): (lambda v: v > 0, _POSITIVE),
+    ("metrics", "log_every"): (lambda v: v >= 1, "must be >= 1"),
+    ("metrics", "profile_wait"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("metrics", "profile_warmup"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("metrics", "profile_active"): (lambda v: v >= 1, "must be >= 1"),
+    ("metrics", "profile_engine_steps"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("metrics", "nvml_interval_s"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 disables the sampler)"),
+    ("metrics", "stall_timeout_s"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 disables the alert)"),
+    ("metrics", "max_nonfinite_steps"): (lambda v: v >= 1, "must be >= 1"),
+    ("metrics", "peak_tflops"): (lambda v: v > 0, _POSITIVE),
+    ("checkpoint", "every"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = only at exit)"),
+    ("checkpoint", "keep"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 keeps every checkpoint)"),
+    ("eval", "every"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = only at the end)"),
+    ("eval", "temperature"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = greedy)"),
+    ("eval", "games"): (lambda v: v >= 1, "must be >= 1"),
+    ("eval", "horizon_years"): (lambda v: v >= 1, "must be >= 1"),
+    ("eval", "max_samples"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = all)"),
+}
+
+
+def check_values(cfg: Config) -> None:
+    """Each key on its own: a choice from its tuple, a finite float, a value in its range."""
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
         if value not in allowed:
-            raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(allowed)}")
+            near = nearest_key(str(value), [a for a in allowed if a]) if any(allowed) else ""
+            raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(map(repr, allowed))}"
+                              + (f"; did you mean {near!r}?" if near else ""))
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        for g in dataclasses.fields(section):
+            value = getattr(section, g.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{f.name}.{g.name}={value!r} must be a finite number")
+    for (section, key), (ok, rule) in _RANGES.items():
+        value = getattr(getattr(cfg, section), key)
+        if not ok(value):
+            raise ConfigError(f"{section}.{key}={value!r} {rule}")
+    if not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty: at least one linear layer needs an adapter")
+
+
+def validate(cfg: Config, *, world_size: int | None = None) -> None:
+    """Value checks (`check_values`), then cross-field checks. Each failure is one line naming the
+    fields involved."""
+    check_values(cfg)
     r = cfg.rollout
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per group")
@@ -159,29 +274,10 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     if r.groups_per_step * r.group_size != r.batch_size:
         raise ConfigError(f"rollout.batch_size={r.batch_size} must equal rollout.groups_per_step * rollout.group_size "
                           f"= {r.groups_per_step * r.group_size}")
-    if cfg.learner.max_policy_lag < 0:
-        raise ConfigError(f"learner.max_policy_lag={cfg.learner.max_policy_lag} must be >= 0")
-    if r.oversample_groups < 0:
-        raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} must be >= 0")
     if r.oversample_groups > 0 and cfg.learner.max_policy_lag < 2:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
                           "a group carried over to the next batch is trained a step later, so batches start one "
                           "version fresher than the budget (lag 1 would make rollouts wait for every learner step)")
-    if cfg.learner.num_steps < 1:
-        raise ConfigError("learner.num_steps must be >= 1")
-    if cfg.loss.eps_low < 0 or cfg.loss.eps_high < 0 or cfg.loss.beta < 0:
-        raise ConfigError("loss.eps_low, loss.eps_high and loss.beta must be >= 0")
-    if cfg.engine.jump_forward < 0:
-        raise ConfigError(f"engine.jump_forward={cfg.engine.jump_forward} must be >= 0 (0 = off)")
-    if cfg.engine.jump_forward > 0 and cfg.engine.cudagraph_mode:
-        raise ConfigError("engine.cudagraph_mode cannot be set with engine.jump_forward, which captures its own "
-                          "piecewise graphs")
-    if cfg.engine.max_capture_tokens < 0:
-        raise ConfigError(f"engine.max_capture_tokens={cfg.engine.max_capture_tokens} must be >= 0")
-    if cfg.learner.prefetch_blocks < 0:
-        raise ConfigError(f"learner.prefetch_blocks={cfg.learner.prefetch_blocks} must be >= 0 (0 = FSDP2's own)")
-    if cfg.engine.temperature <= 0:
-        raise ConfigError(f"engine.temperature={cfg.engine.temperature} must be > 0")
     if cfg.model.path and not os.path.isdir(cfg.model.path):
         raise ConfigError(f"model.path={cfg.model.path!r} is not a local directory (nothing is downloaded)")
     if cfg.model.path and not os.path.exists(os.path.join(cfg.model.path, "config.json")):
@@ -195,7 +291,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         if r.groups_per_step < num_inference:  # uneven shares are fine (Topology.share); empty ones are not
             raise ConfigError(f"rollout.groups_per_step={r.groups_per_step} leaves some of the {num_inference} "
                               "inference ranks without a group")
-        # learners may get shards one sequence apart (transport.shard_batch) and run as many
+        # learners may get shards one sequence apart (data.shard_batch) and run as many
         # micro-batches as the busiest one, so the batch need not divide by the learner count
 
 

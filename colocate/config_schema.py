@@ -1,12 +1,26 @@
 """The run configuration's schema: one dataclass per component, each field documented by the string
-literal under it (the torchtitan habit; `field_docs` reads them for `--help` and the README).
+literal under it (the torchtitan habit; `field_docs` reads them for `--help` and the README), and
+the choice tuples the string fields take their values from.
 
 Only what the fields are and their defaults; how a run's config is built from YAML and overrides,
-and checked, is `colocate.config`.
+and checked, is `colocate.config`. This module imports nothing of colocate: it sits at the bottom
+of the import graph, so the engine, topology and loss code import their choices from here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+MODEL_SHAPES = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b")  # keys of colocate.models.SHAPES
+DTYPES = ("float32", "bfloat16")
+ENGINE_KINDS = ("auto", "hf", "vllm")
+LORA_MODES = ("slot", "merged")
+CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
+ENV_NAMES = ("arithmetic", "diplomacy")
+NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
+LOSS_IMPLS = ("auto", "triton", "torch")
+ATTENTIONS = ("auto", "varlen", "sdpa")
+SYNC_BACKENDS = ("auto", "nccl", "gloo")
+PLACEMENTS = ("by_node", "interleaved")
 
 
 @dataclass
@@ -35,8 +49,8 @@ class LoraConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Linear layers that get an adapter."""
     fused_epilogue: bool = True
-    """Add the LoRA term inside the up-projection GEMM (`addmm`, beta=1, alpha=scaling) instead of
-    peft's separate `* scaling` and `+` over [tokens, out] (`models.set_fused_lora`)."""
+    """Add the LoRA term inside the up-projection GEMM (`addmm`) instead of peft's separate scale and
+    add over [tokens, out] (`models.set_fused_lora`); false is the reference path."""
 
 
 @dataclass
@@ -59,37 +73,23 @@ class EngineConfig:
     """vLLM: share KV blocks of common prompt prefixes."""
     max_num_batched_tokens: int = 0
     """vLLM: most tokens (prefill chunks + one per decoding sequence) in one engine step; 0 keeps
-    vLLM's default (16384 on an H200). Streaming rollouts want it small, so that prefills of new
-    phases do not slow every other game's decode steps."""
+    vLLM's default. Streaming rollouts want it small, so new phases' prefills do not slow every
+    other game's decode steps."""
     max_capture_tokens: int = 2048
     """vLLM: CUDA graphs for mixed steps (prefill chunks + decodes) up to min(max_num_batched_tokens,
-    this) tokens; larger steps run every kernel from Python. Decode sizes (up to max_num_seqs) are
-    always captured; 0 captures only those, which left the mixed steps of streamed rollouts
-    without graphs, host-bound (profiles/e2e.md, session 10: 1.20x end to end). jump_forward
-    captures its own sizes."""
+    this) tokens; larger steps run eagerly. Decode sizes are always captured; 0 captures only those."""
     cudagraph_mode: str = ""
-    """vLLM: "" keeps vLLM's FULL_AND_PIECEWISE (full graphs for decode steps, piecewise ones with
-    eager attention for mixed steps); FULL replays mixed steps as full graphs too; PIECEWISE. Not
-    with jump_forward."""
+    """vLLM: "" keeps vLLM's FULL_AND_PIECEWISE (full graphs for decode steps, piecewise for mixed
+    ones); FULL replays mixed steps as full graphs too; PIECEWISE. For trying graph modes."""
     lora_mode: str = "slot"
     """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
-    update (no LoRA kernels; keeps a copy of the adapted base weights, ~12 GiB at 7B; bf16 rounds
-    away updates below half an ulp of W0, see engine/vllm_worker.py)."""
-    jump_forward: int = 0
-    """vLLM: most grammar-forced tokens taken in one engine step (0 = off). Each constrained
-    request's next forced tokens go to vLLM as a speculative draft; with token grammars (the
-    default) the rejection sampler always accepts them, and sampling stays exact for any draft
-    (engine/vllm_ff.py). Needs vLLM's synchronous scheduling and V1 model runner, which it selects;
-    with lora_mode=slot, max_num_batched_tokens >= max_num_seqs * (1 + jump_forward). Not yet
-    measured on GPUs."""
+    update (no LoRA kernels; keeps a copy of the adapted base weights; bf16 rounds away updates
+    below half an ulp of W0, see engine/vllm_worker.py)."""
     validate_grammars: bool = True
-    """vLLM: let vLLM's client check every request's grammar with llguidance before it queues the
-    request (~1 ms of the inference rank's host time per request at a 152k vocabulary). Our
-    grammars are generated (engine/vllm_grammar.py, checked against llguidance in the tests) and
-    the engine core compiles each one anyway. false skips the check in the inference rank's
-    process: a grammar the core could not compile would then surface when its completion's replay
-    disagrees with the Constraint (an error either way; with the check, at submit)."""
+    """vLLM: let vLLM's client check every request's grammar with llguidance before queueing it.
+    false skips that host time: our grammars are generated and tested, and the engine core
+    compiles each one anyway (a bad one then fails at replay instead of at submit)."""
 
 
 @dataclass
@@ -107,15 +107,13 @@ class EnvConfig:
     train_later_phases: bool = False
     """diplomacy: also train the phases after the fork with the continuation's advantage (multi-turn)."""
     unit_labels: bool = True
-    """diplomacy: each order line starts with its unit (A PAR - BUR). false: the line leaves the unit
-    out (- BUR) and its position names it; under the constraint those tokens are forced, so this
-    saves about a third of the decode steps (envs/diplomacy/prompt.py). Meant for constrained
-    sampling: in free text one stray line shifts the positions of all later ones."""
+    """diplomacy: each order line starts with its unit (A PAR - BUR). false: the line's position
+    names the unit (- BUR), saving the forced unit tokens' decode steps (envs/diplomacy/prompt.py).
+    Meant for constrained sampling: in free text one stray line shifts all later ones."""
     list_supports: bool = True
     """diplomacy: the prompt lists each unit's legal supports and convoys. false: only moves, holds,
-    convoyed moves and retreats are listed (the constraint still allows every legal order). Supports
-    are 70 % of a power's own part, which is what the engine prefills per request: false cuts the
-    prefill per request by about two thirds, at the cost of a less informed policy."""
+    convoyed moves and retreats are listed (the constraint still allows every legal order): a much
+    shorter prefill per request, for a less informed policy (profiles/env.md)."""
     state_cache: str = ""
     """diplomacy: JSON-lines file of mid-game states to fork from; empty starts from the opening."""
     reward_target: float = 0.9
@@ -163,21 +161,15 @@ class LearnerConfig:
     compile: bool = False
     """torch.compile each decoder block (dynamic shapes); the first step pays the compilation."""
     reshard_after_forward: bool = True
-    """FSDP2: free each decoder block's gathered weights after its forward and gather them again in
-    backward (FSDP2's default). false keeps them from forward to backward: half the all-gathers per
-    micro-batch, for one unsharded copy of the blocks' weights per learner GPU (+11.4 GiB at 7B with 2
-    learners), measured 1.02x on 2 x H200 (profiles/trainer.md, run 9)."""
-    prefetch_blocks: int = 0
-    """FSDP2: all-gather this many decoder blocks ahead in forward (and behind in backward),
-    explicitly; 0 keeps FSDP2's implicit one-block prefetch. Each costs one more gathered block per
-    GPU (~0.47 GB at 7B). 2 measured 1.003x on 4 x H200 (profiles/trainer.md, run 11)."""
+    """FSDP2: free each decoder block's gathered weights after its forward (FSDP2's default). false
+    keeps them until backward: half the all-gathers, for one unsharded copy of the blocks per
+    learner GPU; for learners with memory to spare (profiles/HISTORY.md)."""
     fsdp: bool = True
-    """Shard base model and adapter over the learner ranks with FSDP2 (one learner too: same code path,
-    and bf16 compute with fp32 reductions on GPU). False: a full replica per learner, adapter gradients
-    all-reduced (the reference path)."""
+    """Shard base model and adapter over the learner ranks with FSDP2 (one learner too). false: a full
+    replica per learner, adapter gradients all-reduced (the reference path, for checking)."""
     attention: str = "auto"
-    """Attention over packed micro-batches: varlen (flash-attention varlen kernel, sequence boundaries
-    from cu_seqlens), sdpa (block-diagonal causal mask), auto (varlen on CUDA, sdpa elsewhere)."""
+    """Attention over packed micro-batches: varlen (flash-attention's varlen kernel on CUDA, causal SDPA
+    per sequence length elsewhere), sdpa (block-diagonal causal mask, for comparison), auto (varlen)."""
     max_policy_lag: int = 0
     """A trajectory sampled with version v is trained at step s only if s - v <= this; 0 = synchronous."""
 
@@ -201,14 +193,7 @@ class SyncConfig:
     backend: str = "auto"
     """auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
     check_checksum: bool = False
-    """Broadcast a checksum with every adapter and verify it on the receivers."""
-    fanout: str = "broadcast"
-    """vLLM engines: how each adapter version reaches them. broadcast: one NCCL group of learner
-    rank 0 and every engine, so every engine takes a version at the same moment (one that finished
-    its batch first waits at the broadcast for the others). per_engine: one group per engine, each
-    send on its own CUDA stream, so each engine takes a version when it is ready; the learner's
-    later kernels still wait until every engine has it. The HF engine always takes the broadcast
-    on the torch sync group."""
+    """Broadcast a checksum with every adapter and verify it on the receivers (debugging a sync)."""
 
 
 @dataclass
@@ -219,6 +204,10 @@ class TopologyConfig:
     """Learner ranks; 0 = the rest of the world."""
     timeout_s: float = 300.0
     """Collective timeout: a dead peer ends the job instead of hanging it."""
+    placement: str = "by_node"
+    """Roles over several nodes: by_node (inference ranks fill the first nodes, learners the rest:
+    FSDP traffic stays inside nodes) or interleaved (every node holds both roles in the same
+    proportion). One node: the first num_inference ranks infer either way."""
 
 
 @dataclass
@@ -240,9 +229,8 @@ class MetricsConfig:
     profile_dir: str = "profiles"
     """Profiler traces go to <profile_dir>/<run name>/ (one trace file per role)."""
     profile_engine_steps: int = 40
-    """vLLM inference rank 0: engine steps recorded in the engine core's own trace, from the first
-    batch the role profiler records (the engine's GPU work runs in that child process, out of the
-    role profiler's sight); written to <profile_dir>/<run name>/inference-engine/. 0 = none."""
+    """vLLM inference rank 0: engine steps traced inside the engine core process (out of the role
+    profiler's sight), from the profiled batch on, to <profile_dir>/<run name>/inference-engine/; 0 = none."""
     nvml_interval_s: float = 5.0
     """Seconds between NVML / CPU samples; 0 disables the sampler."""
     stall_timeout_s: float = 600.0
@@ -250,7 +238,8 @@ class MetricsConfig:
     max_nonfinite_steps: int = 3
     """A NaN/inf loss skips the update; this many in a row stop the run with an error."""
     peak_tflops: float = 790.0
-    """Per-device dense bf16 peak for learner/mfu (790 = measured H200 matmul peak)."""
+    """Per-device dense bf16 peak for learner/mfu; the default is an H200's measured matmul peak,
+    set it for other GPUs."""
 
 
 @dataclass
@@ -258,11 +247,30 @@ class CheckpointConfig:
     every: int = 0
     """Write a checkpoint every this many steps (and at exit); 0 = only at exit."""
     keep: int = 2
-    """Checkpoints kept (oldest removed)."""
+    """Checkpoints kept (oldest removed); 0 keeps every one."""
     resume: str = ""
     """'' = fresh run, 'auto' = newest complete checkpoint in <run_dir>/checkpoints, or a path."""
     enabled: bool = False
     """Write checkpoints at all."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate on the inference ranks every this many learner steps, between training batches;
+    0 = only at the end of the run (when `at_end`)."""
+    at_end: bool = False
+    """Evaluate once more after the last step (results also go to summary.json)."""
+    temperature: float = 0.0
+    """Sampling temperature of evaluation; 0 = greedy."""
+    games: int = 8
+    """diplomacy: games per opponent kind (each power in turn plays the policy)."""
+    opponents: list = field(default_factory=lambda: ["random", "greedy"])
+    """diplomacy: the fixed opponent kinds the policy plays against."""
+    horizon_years: int = 2
+    """diplomacy: years played from the opening before an evaluation game is scored."""
+    max_samples: int = 0
+    """dataset envs: rows of the eval split scored (0 = all)."""
 
 
 @dataclass
@@ -278,6 +286,7 @@ class Config:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def field_docs(section_cls: type) -> dict[str, str]:

@@ -66,12 +66,30 @@ def percentiles(values: list[float], prefix: str) -> dict[str, float]:
     return {f"{prefix}_p50": pick(0.50), f"{prefix}_p95": pick(0.95)}
 
 
-class SystemSampler(threading.Thread):
+class MonitorThread(threading.Thread):
+    """A daemon thread whose failure is kept for the role loop (`RoleMonitors.check`) instead of
+    dying unseen: a full disk under the TensorBoard writer must end the rank with one clear line."""
+
+    def __init__(self, name: str):
+        super().__init__(name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.loop()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self.error = e
+
+    def loop(self) -> None:
+        raise NotImplementedError
+
+
+class SystemSampler(MonitorThread):
     """Samples NVML (GPU util %, SM clock MHz, memory used GiB) and CPU % every `interval_s`."""
     MAX_TRACE = 100_000
 
     def __init__(self, writer: MetricsWriter, interval_s: float, gpu_index: int | None):
-        super().__init__(name="colocate-system-sampler", daemon=True)
+        super().__init__("colocate-system-sampler")
         self.writer, self.interval_s, self.gpu_index = writer, interval_s, gpu_index
         self._stop = threading.Event()
         self._t0 = time.time()
@@ -89,7 +107,7 @@ class SystemSampler(threading.Thread):
         except Exception:  # no driver / no library: CPU metrics only
             return None
 
-    def run(self) -> None:
+    def loop(self) -> None:
         import psutil
         proc = psutil.Process()
         proc.cpu_percent(None)
@@ -113,11 +131,11 @@ class SystemSampler(threading.Thread):
         self._stop.set()
 
 
-class StallWatchdog(threading.Thread):
+class StallWatchdog(MonitorThread):
     """Alerts (once per stall) when `beat()` has not been called for `timeout_s` seconds."""
 
     def __init__(self, writer: MetricsWriter, timeout_s: float, what: str):
-        super().__init__(name="colocate-stall-watchdog", daemon=True)
+        super().__init__("colocate-stall-watchdog")
         self.writer, self.timeout_s, self.what = writer, timeout_s, what
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -127,7 +145,7 @@ class StallWatchdog(threading.Thread):
     def beat(self, step: int) -> None:
         self._last, self._alerted, self.step = time.monotonic(), False, step
 
-    def run(self) -> None:
+    def loop(self) -> None:
         while not self._stop.wait(min(self.timeout_s / 4, 5.0)):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s and not self._alerted:
@@ -146,6 +164,13 @@ class RoleMonitors:
     def gpu_util(self) -> list[list[float]]:
         """NVML samples [[unix time, util %], ...] so far (empty without a GPU or a sampler)."""
         return list(self.sampler.gpu_util) if self.sampler is not None else []
+
+    def check(self) -> None:
+        """Raise, in the role loop, the error a monitor thread died of."""
+        for thread in (self.watchdog, self.sampler):
+            if thread is not None and thread.error is not None:
+                raise RuntimeError(f"{thread.name} failed: {type(thread.error).__name__}: {thread.error}") \
+                    from thread.error
 
 
 @contextlib.contextmanager

@@ -1,6 +1,9 @@
 """Topology: the torchrun world split into inference and learner ranks, built once, passed explicitly.
 
-Global ranks [0, num_inference) are inference ranks; the rest are learners. Process groups:
+Which global ranks take which role is the placement (`place_roles`): on one node the first
+num_inference ranks infer and the rest learn; over several nodes `topology.placement` decides
+whether inference ranks fill the first nodes (`by_node`) or every node holds both roles
+(`interleaved`). Process groups:
   * learner_group   - all learner ranks (gradient reduction / FSDP2 mesh);
   * sync_group      - learner rank 0 (the adapter source) + every inference rank;
   * transport_group - every rank, always gloo (inference -> learner trajectories, host tensors).
@@ -40,23 +43,29 @@ class Topology:
     learner_group: object = field(default=None, repr=False)
     sync_group: object = field(default=None, repr=False)
     transport_group: object = field(default=None, repr=False)
+    roles: tuple[str, ...] = ()
+    """The role of every global rank; () means the first num_inference ranks infer."""
+
+    def __post_init__(self):
+        if not self.roles:
+            self.roles = ("inference",) * self.num_inference + ("learner",) * (self.world_size - self.num_inference)
 
     @property
     def role(self) -> str:
-        return "inference" if self.rank < self.num_inference else "learner"
+        return self.roles[self.rank]
 
     @property
     def inference_ranks(self) -> list[int]:
-        return list(range(self.num_inference))
+        return [r for r, role in enumerate(self.roles) if role == "inference"]
 
     @property
     def learner_ranks(self) -> list[int]:
-        return list(range(self.num_inference, self.world_size))
+        return [r for r, role in enumerate(self.roles) if role == "learner"]
 
     @property
     def role_rank(self) -> int:
         """Index within the role (0 = the role's logging rank)."""
-        return self.rank if self.role == "inference" else self.rank - self.num_inference
+        return (self.inference_ranks if self.role == "inference" else self.learner_ranks).index(self.rank)
 
     def share(self, total: int) -> int:
         """This inference rank's part of `total` (groups per step) split as evenly as possible: the
@@ -69,7 +78,39 @@ class Topology:
     @property
     def sync_src(self) -> int:
         """Global rank that broadcasts adapters: learner rank 0."""
-        return self.num_inference
+        return self.learner_ranks[0]
+
+
+PLACEMENTS = ("interleaved", "by_node")
+
+
+def place_roles(cfg: Config, world: int, local_world: int) -> list[str]:
+    """The role of every global rank (torchrun numbers ranks node by node).
+
+    One node: the first num_inference ranks infer. Several nodes (`world // local_world`):
+      * by_node: inference ranks fill the first nodes and learners the rest, so the learners'
+        FSDP traffic stays inside nodes; num_inference must fill whole nodes;
+      * interleaved: every node holds both roles in the same proportion (its first local ranks
+        infer); both counts must divide by the number of nodes.
+    A layout that cannot work raises ValueError (one line naming the keys)."""
+    num_inference, num_learners = resolve_roles(cfg, world)
+    placement = cfg.topology.placement
+    if local_world < 1 or world % local_world:
+        raise ValueError(f"topology: world size {world} is not a whole number of nodes of {local_world} processes")
+    nodes = world // local_world
+    if nodes == 1:
+        return ["inference"] * num_inference + ["learner"] * num_learners
+    if placement == "by_node":
+        if num_inference % local_world:
+            raise ValueError(f"topology.placement=by_node: {num_inference} inference ranks do not fill whole nodes "
+                             f"of {local_world} processes; set topology.num_inference to a multiple of {local_world} "
+                             "or use topology.placement=interleaved")
+        return ["inference"] * num_inference + ["learner"] * num_learners
+    if num_inference % nodes or num_learners % nodes:
+        raise ValueError(f"topology.placement=interleaved: {num_inference} inference and {num_learners} learner ranks "
+                         f"do not split evenly over {nodes} nodes; use topology.placement=by_node or other counts")
+    per_node = ["inference"] * (num_inference // nodes) + ["learner"] * (num_learners // nodes)
+    return per_node * nodes
 
 
 def resolve_backend(cfg: Config) -> str:
@@ -84,6 +125,7 @@ def build_topology(cfg: Config) -> Topology:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     num_inference, num_learners = resolve_roles(cfg, world)
+    roles = tuple(place_roles(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     backend = resolve_backend(cfg)
     if backend == "nccl":
         # More ranks than GPUs (the 1-GPU preset) share GPUs round-robin.
@@ -95,15 +137,16 @@ def build_topology(cfg: Config) -> Topology:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timeout,
                                 device_id=device if backend == "nccl" else None)
-    learners = list(range(num_inference, world))
+    learners = [r for r, role in enumerate(roles) if role == "learner"]
+    inference = [r for r, role in enumerate(roles) if role == "inference"]
     # Every rank creates every group, in the same order (a torch.distributed requirement).
     learner_group = dist.new_group(learners, timeout=timeout, backend=backend)
-    sync_group = dist.new_group([learners[0]] + list(range(num_inference)), timeout=timeout, backend=backend)
+    sync_group = dist.new_group(sorted([learners[0]] + inference), timeout=timeout, backend=backend)
     # Trajectories are small host tensors (ids, log-probs): gloo moves them without touching GPUs.
     transport_group = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
     return Topology(rank=rank, world_size=world, local_rank=local_rank, num_inference=num_inference,
                     num_learners=num_learners, device=device, backend=backend, learner_group=learner_group,
-                    sync_group=sync_group, transport_group=transport_group)
+                    sync_group=sync_group, transport_group=transport_group, roles=roles)
 
 
 def gpu_index(topo: Topology) -> int | None:

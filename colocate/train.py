@@ -23,28 +23,49 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import sys
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from colocate.channel import AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, NoSender
-from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config
+from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config, to_dict
 from colocate.engine.base import Engine
 from colocate.envs import env_corpus, make_env
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
 from colocate.lifecycle import StopSignal, die_with_parent
 from colocate.models import add_lora, build_model, load_tokenizer, materialize
+from colocate.preflight import preflight
 from colocate.rollout.loop import run_inference
-from colocate.topology import Topology, build_topology, split_cpu_threads
+from colocate.topology import Topology, build_topology, place_roles, split_cpu_threads
 from colocate.wire import LoraSpec
 
 
-def parse_config(argv: list[str]) -> tuple[Config, bool]:
+def parse_config(argv: list[str], world: int) -> tuple[Config, bool]:
     path, overrides, resume = parse_overrides(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     return load_config(path, overrides, world_size=world), resume
+
+
+def split_check_flags(argv: list[str]) -> tuple[list[str], bool, int]:
+    """`--check [--world-size=N]` -> (the other arguments, check only, world size). Under torchrun
+    the world size is torchrun's; a check before launch assumes N processes (default 2)."""
+    check_only, world, rest = False, None, []
+    for arg in argv:
+        if arg == "--check":
+            check_only = True
+        elif arg.startswith("--world-size="):
+            value = arg.partition("=")[2]
+            if not value.isdigit() or int(value) < 2:
+                raise ConfigError(f"--world-size={value!r}: expected an integer >= 2 (one rank of each role)")
+            world = int(value)
+        else:
+            rest.append(arg)
+    if "WORLD_SIZE" in os.environ:
+        return rest, check_only, int(os.environ["WORLD_SIZE"])
+    return rest, check_only, world or (2 if check_only else 1)
 
 
 def build_policy(cfg: Config, tokenizer, device):
@@ -76,9 +97,9 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, 
     if engine_kind(cfg, topo) == "vllm":
         from colocate.engine import vllm_channel
         from colocate.engine.vllm import VLLMEngine
-        port = vllm_channel.receive_port(topo)  # learner rank 0 publishes it, then waits for the engines
+        endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
         engine = VLLMEngine.from_config(cfg, topo, tokenizer)
-        return engine, vllm_channel.join_receiver(cfg, topo, engine, port)
+        return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
     from colocate.engine.hf import HFEngine
     engine = HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
     spec = LoraSpec.of(engine.lora_state())
@@ -111,20 +132,29 @@ def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
     return state
 
 
-def main(argv: list[str] | None = None) -> None:
+def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
+    """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
+    process group or model). Under torchrun every rank exits; only rank 0 prints the line."""
     from colocate.checkpoint import CheckpointError
     try:
-        cfg, resume_flag = parse_config(sys.argv[1:] if argv is None else argv)
-        resume = load_resume(cfg, resume_flag)  # a corrupt checkpoint is refused before any group forms
+        argv, check_only, world = split_check_flags(argv)
+        cfg, resume_flag = parse_config(argv, world)
+        preflight(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        resume = None if check_only else load_resume(cfg, resume_flag)  # refused before any group forms
     except (ConfigError, CheckpointError) as e:
-        kind = "config" if isinstance(e, ConfigError) else "checkpoint"
-        print(f"colocate: {kind} error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:
+            kind = "config" if isinstance(e, ConfigError) else "checkpoint"
+            print(f"colocate: {kind} error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it
-        die_with_parent()
-    stop = StopSignal().install()
+    return cfg, resume, check_only
+
+
+def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> None:
+    """Topology, tokenizer, model, then this rank's role loop."""
     topo = build_topology(cfg)
+    if topo.role_rank == 0:  # where each role runs, once per role (several nodes: which node)
+        print(f"colocate: {topo.role} rank 0 is global rank {topo.rank} on node {os.environ.get('GROUP_RANK', '0')} "
+              f"({socket.gethostname()})", flush=True)
     if topo.rank == 0:
         save_config(cfg, os.path.join(cfg.metrics.run_dir, "config.yaml"))
         if resume is not None:
@@ -139,23 +169,42 @@ def main(argv: list[str] | None = None) -> None:
     # passes from walking it (one took ~0.3 s at random points of the rollout loop).
     gc.collect()
     gc.freeze()
-    try:
-        if topo.role == "inference":
-            engine, receiver = make_engine(cfg, topo, model, tokenizer)
-            env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank)
-            run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop)
-        else:
-            learner = Learner(cfg, topo, model, tokenizer)
-            sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
-            run_learner(cfg, topo, learner, sender, resume=resume, stop=stop)
-    except BaseException as e:
-        # One line that names the rank; torchrun then stops the other ranks (their collectives
-        # time out after topology.timeout_s at the latest).
-        print(f"colocate: rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
-        raise
+    if topo.role == "inference":
+        engine, receiver = make_engine(cfg, topo, model, tokenizer)
+        env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank)
+        run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop)
+    else:
+        learner = Learner(cfg, topo, model, tokenizer)
+        sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
+        run_learner(cfg, topo, learner, sender, resume=resume, stop=stop)
     dist.destroy_process_group()
     gc.unfreeze()  # let interpreter shutdown release the frozen heap (else nanobind reports leaks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
+    if check_only:  # `--check`: the resolved config, exit 0
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return
+    split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it
+        die_with_parent()
+    stop = StopSignal().install()
+    try:
+        run_rank(cfg, resume, stop)
+    except BaseException as e:
+        # One line that names the rank and the cause; torchrun then stops the other ranks (their
+        # collectives time out after topology.timeout_s at the latest).
+        rank, role = int(os.environ.get("RANK", "0")), rank_role(cfg)
+        print(f"colocate: rank {rank} ({role}) failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+
+
+def rank_role(cfg: Config) -> str:
+    """This rank's role from the environment alone (also before the topology exists)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    roles = place_roles(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return roles[int(os.environ.get("RANK", "0"))]
 
 
 if __name__ == "__main__":

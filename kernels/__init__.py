@@ -5,14 +5,18 @@ The learner calls only `grpo_loss`. It
      gathering those logits into a small [N, K] problem: the same masked log-softmax the engine
      sampled from, at a fraction of the cost;
   2. turns the normalization mode into per-token weights (`token_weights`);
-  3. dispatches to the fused kernel (CUDA, `impl` auto/triton: `triton_grpo`, which runs the
-     bulk-copy CUDA row kernel `cuda_grpo` on sm_90 with bf16 logits) or the reference (`impl` torch).
+  3. dispatches to the fused kernel (CUDA, `impl` auto/triton: `triton_grpo`, whose row launch
+     `triton_rows` runs the bulk-copy CUDA row kernel `cuda_grpo` on sm_90 with bf16 logits) or the
+     reference (`impl` torch).
+
+This package imports nothing from the rest of colocate (it is installed as `colocate.kernels` but
+stands alone); Triton is imported only when the fused kernel runs.
 """
 from __future__ import annotations
 
 import torch
 
-from colocate.kernels.reference import NORM_MODES, grpo_loss_reference, token_weights
+from .reference import NORM_MODES, grpo_loss_reference, token_weights
 
 __all__ = ["grpo_loss", "grpo_loss_reference", "token_weights", "NORM_MODES", "restrict_to_allowed"]
 
@@ -68,7 +72,7 @@ def grpo_loss(
         inplace_backward = False  # the gathered copy is ours; writing into it saves nothing
     kwargs = dict(temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta)
     if _use_triton(logits, impl):
-        from colocate.kernels.triton_grpo import grpo_loss_triton
+        from .triton_grpo import grpo_loss_triton
         return grpo_loss_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
                                 inplace_backward=inplace_backward, **kwargs)
     return grpo_loss_reference(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, **kwargs)

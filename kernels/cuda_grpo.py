@@ -1,15 +1,15 @@
 """The GRPO row kernel on Hopper through bulk copies: `grpo_rows_sm90.cu`, compiled at first use by NVRTC.
 
-Role: the fused-gradient path of `triton_grpo.grpo_rows` on sm_90+ with bf16 logits and 16-byte
+Role: the fused-gradient path of `triton_rows.grpo_rows` on sm_90+ with bf16 logits and 16-byte
 aligned rows. The Triton row kernel stays the reference twin, the CPU (interpreter) path, the
 forward-only path and the fallback for everything else. Same outputs: [N, 5] per-row terms, and
 d(logits) written into `grad` (which may be the logits themselves).
 
-Why a CUDA source: the Triton kernel reads each row twice and streams at 65-67 % of peak DRAM
-bandwidth whatever its launch (profiles/kernel.md: eight designs over six sessions). Moving only
-the ideal bytes needs what Triton does not expose: most of a row held on chip between the two passes
-(a shared-memory ring filled by bulk copies on mbarriers, plus a few chunks in registers), with
-one thread streaming the next row while the others write the gradient. NVRTC (through
+Why a CUDA source: the Triton kernel reads each row twice and streams well below peak DRAM
+bandwidth whatever its launch (the designs tried: profiles/HISTORY.md). Moving only the ideal
+bytes needs what Triton does not expose: most of a row held on chip between the two passes (a
+shared-memory ring filled by bulk copies on mbarriers, plus a few chunks in registers), with one
+thread streaming the next row while the others write the gradient. NVRTC (through
 `torch.cuda._compile_kernel`, which ships with PyTorch's CUDA wheels) compiles it in about a
 second, with no nvcc or ninja; when it cannot, `unsupported()` says why and the caller uses Triton.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .launch_keys import check_keys
+
 __all__ = ["DEFAULT_CONFIG", "unsupported", "grpo_rows_bulk", "row_inputs"]
 
 _SOURCE = Path(__file__).with_name("grpo_rows_sm90.cu")
@@ -30,11 +32,8 @@ _ROW_OUTPUTS = 5
 # prefetch: slots never held by resident chunks (the next row streams into them); consumer_warps:
 # warps that compute (the chunk must split evenly over them); reg_chunks: chunks of each row
 # held in consumer registers between the passes; hints: L2 hints on the copies (chunks read twice
-# evict_last, the rest evict_first); tma_store: 1 writes ring chunks' gradient back through shared
-# memory and bulk copies (measured slower, the producer serializes on them), 0 with 16-byte stores.
-# Tuned on an H200 at V=152064 (profiles/kernel.md, session 12).
-DEFAULT_CONFIG = {"chunk": 8192, "slots": 14, "prefetch": 3, "consumer_warps": 16, "reg_chunks": 6, "hints": 1,
-                  "tma_store": 0}
+# evict_last, the rest evict_first). Tuned on an H200 at V=152064 (profiles/kernel.md).
+DEFAULT_CONFIG = {"chunk": 8192, "slots": 14, "prefetch": 3, "consumer_warps": 16, "reg_chunks": 6, "hints": 1}
 
 
 def _smem_bytes(cfg: dict) -> int:
@@ -45,12 +44,8 @@ def _smem_bytes(cfg: dict) -> int:
 
 def unsupported(logits: torch.Tensor, grad: torch.Tensor | None, config: dict | None = None) -> str | None:
     """Why the bulk kernel cannot take this call, or None when it can. A misspelt config key raises."""
+    check_keys("bulk kernel config", config or {}, list(DEFAULT_CONFIG))
     cfg = {**DEFAULT_CONFIG, **(config or {})}
-    unknown = sorted(set(cfg) - set(DEFAULT_CONFIG))
-    if unknown:
-        from colocate.config import nearest_key
-        raise ValueError(f"bulk kernel config: unknown key {unknown[0]!r} "
-                         f"(did you mean {nearest_key(unknown[0], list(DEFAULT_CONFIG))!r}?)")
     if grad is None:
         return "forward only (the Triton row kernel reads each row once already)"
     if not logits.is_cuda or not grad.is_cuda:
@@ -132,7 +127,7 @@ def grpo_rows_bulk(
     eps_high: float,
     beta: float,
     config: dict | None = None,
-) -> torch.Tensor:                     # [N, 5] fp32 per-row outputs, as triton_grpo.grpo_rows
+) -> torch.Tensor:                     # [N, 5] fp32 per-row outputs, as triton_rows.grpo_rows
     """Launch the bulk-copy row kernel (after `unsupported` said None). One CTA per SM, persistent."""
     num_rows, vocab = logits.shape
     weights, behaviour_logprobs, advantages, ref, has_kl, row_out = row_inputs(

@@ -1,9 +1,9 @@
 // Fused GRPO loss rows on Hopper (sm_90+): each row read from DRAM once, held on chip between the
-// two passes. Compiled at first use by NVRTC (colocate/kernels/cuda_grpo.py), which prepends the
-// #defines below; the same row semantics and outputs as `_grpo_rows_kernel` in triton_grpo.py.
+// two passes. Compiled at first use by NVRTC (kernels/cuda_grpo.py), which prepends the #defines
+// below; the same row semantics and outputs as `_grpo_rows_kernel` in triton_rows.py.
 //
 // Why: the Triton row kernel reads each row twice (pass 2 from L1/L2) with plain loads, one block
-// ahead in registers, and streams at 65-67 % of peak DRAM bandwidth (profiles/kernel.md). Here, per
+// ahead in registers, and streams well below peak DRAM bandwidth (profiles/kernel.md). Here, per
 // CTA (one per SM, persistent):
 //   * one producer thread streams rows in CHUNK-element bulk copies (cp.async.bulk, completing on an
 //     mbarrier) into a FIFO ring of SLOTS chunks in shared memory: many bytes in flight, no registers;
@@ -27,14 +27,9 @@
 // #define CONSUMER_WARPS 16   a chunk's CHUNK / 8 vectors must split evenly over their threads
 // #define REG_CHUNKS 6        chunks of each row held in consumer registers
 // #define HINTS 1             L2 hints: chunks read twice evict_last, the rest evict_first
-// #define TMA_STORE 0         1: ring chunks' gradient leaves through shared memory and bulk copies
-//                             issued by the producer (measured slower: it serializes on them)
 
 #ifndef REG_CHUNKS
 #define REG_CHUNKS 6
-#endif
-#ifndef TMA_STORE
-#define TMA_STORE 0
 #endif
 #define NT (CONSUMER_WARPS * 32)                 // consumer threads
 #define ROW_QUEUE 4                              // row ids in flight from the producer to the consumers
@@ -98,14 +93,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes,
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 #endif
-}
-
-// Shared -> global bulk copy; returns once the source has been read (the slot may then be reloaded).
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 :: "l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 }
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x, one MUFU op; ex2(-inf) = 0
@@ -237,13 +224,6 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
         if (lane != 0) return;
         const u64 keep = policy_evict_last(), stream = policy_evict_first();
         u32 idx = 0;  // ring index of the next copy
-#if TMA_STORE
-        // A slot whose chunk got its gradient in shared memory (ring chunks in pass 2) is stored from
-        // there by this thread, with a bulk copy, before the slot is loaded again.
-        unsigned short* pend_dst[SLOTS];
-        u32 pend_bytes[SLOTS];
-        for (int i = 0; i < SLOTS; ++i) pend_bytes[i] = 0;
-#endif
         // Rows are handed out one at a time (atomicAdd): a static split leaves CTAs with different
         // numbers of unmasked rows, and the kernel ends with the slowest. Each row id goes through a
         // small queue to the consumers; a row id >= num_rows tells them to stop.
@@ -264,43 +244,18 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
             }
             if (!(weights[row] > 0.0f)) continue;
             const unsigned short* x_row = logits + (long long)row * stride_logits;
-            unsigned short* g_row = grad + (long long)row * stride_grad;
             for (int k = 0; k < num_chunks + reread; ++k, ++idx) {  // pass 1: 0..K-1; pass 2: the re-read ones
                 const int c = k < num_chunks ? k : held + (k - num_chunks);
                 const u32 slot = idx % SLOTS;
-                if (idx >= SLOTS) {
-                    mbar_wait(&empty[slot], ((idx / SLOTS) - 1) & 1);
-#if TMA_STORE
-                    if (pend_bytes[slot]) {
-                        bulk_store(pend_dst[slot], ring + slot * CHUNK_BYTES, pend_bytes[slot]);
-                        pend_bytes[slot] = 0;
-                    }
-#endif
-                }
+                if (idx >= SLOTS) mbar_wait(&empty[slot], ((idx / SLOTS) - 1) & 1);
                 const int len = min(CHUNK, vocab - c * CHUNK);
                 mbar_arrive_expect_tx(&full[slot], (u32)len * 2);
                 // Chunks read twice: keep them in L2 until pass 2. Nothing else is read again.
                 const bool again = k < num_chunks && c >= held && c < held + reread;
                 bulk_load(ring + slot * CHUNK_BYTES, x_row + (long long)c * CHUNK, (u32)len * 2, &full[slot],
                           again ? keep : stream);
-#if TMA_STORE
-                if (k >= num_chunks || c >= num_chunks - resident) {  // pass 2 reads it from the ring
-                    pend_dst[slot] = g_row + (long long)c * CHUNK;
-                    pend_bytes[slot] = (u32)len * 2;
-                }
-#endif
             }
         }
-#if TMA_STORE
-        for (u32 i = idx; i < idx + SLOTS; ++i) {  // the last gradients still in the ring
-            const u32 slot = i % SLOTS;
-            if (pend_bytes[slot]) {
-                mbar_wait(&empty[slot], ((i / SLOTS) - 1) & 1);
-                bulk_store(pend_dst[slot], ring + slot * CHUNK_BYTES, pend_bytes[slot]);
-            }
-        }
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // writes done before the CTA exits
-#endif
         return;
     }
 
@@ -430,11 +385,7 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
             const u32 slot = ring_idx % SLOTS;
             if (j >= resident) mbar_wait(&full[slot], (ring_idx / SLOTS) & 1);
             const uint4* chunk = reinterpret_cast<const uint4*>(ring + slot * CHUNK_BYTES);
-#if TMA_STORE
-            uint4* g_chunk = reinterpret_cast<uint4*>(ring + slot * CHUNK_BYTES);  // in place; stored by the producer
-#else
             uint4* g_chunk = reinterpret_cast<uint4*>(g_row + (long long)k * CHUNK);
-#endif
             const int nvec = min(CHUNK, vocab - k * CHUNK) / 8;
             const int tgt_col = tgt - k * CHUNK;  // the target's column within this chunk (if any)
             if (k < full_chunks) {
@@ -447,9 +398,6 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
             } else {
                 for (int i = t; i < nvec; i += NT) g_chunk[i] = grad_vec(chunk[i], i, tgt_col, scale, lse2, neg_coef, g_tgt);
             }
-#if TMA_STORE
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // our stores, before the bulk copy reads them
-#endif
             __syncwarp();
             if (lane == 0) mbar_arrive(&empty[slot]);
         }

@@ -2,7 +2,8 @@
 # py-spy flame graphs of every rank of a torchrun job: one SVG per rank, and one per vLLM engine core.
 #
 #   scripts/flamegraph.sh [--duration S] [--delay S] [--native] [--rate HZ] [--format F[,F]] [--out DIR] --pid PID
-#       record the ranks of a running job; PID is the torchrun launcher (or any ancestor of the ranks)
+#       record the ranks of a running job; PID is the torchrun launcher (or any ancestor of the ranks):
+#       start the job with `&` and pass `$!` (a `pgrep -f` pattern also matches the shell running it)
 #   scripts/flamegraph.sh [options] -- COMMAND...
 #       start COMMAND (e.g. torchrun --nproc-per-node 2 -m colocate.train ...), record its ranks
 #

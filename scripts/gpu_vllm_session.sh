@@ -4,8 +4,8 @@
 #   2. Qwen2.5-7B shape, the same (headline figures) - only when step 1 produced its sync figures
 #   3. tests/test_vllm_gpu.py (torchrun train with VLLMEngine; the session test when time is left)
 # Writes under $OUT: session.log (everything), vllm-0.5b.json, vllm-7b.json, pytest-gpu.log, summary.txt,
-# and prints a short table last. Expects vllm & co. on PYTHONPATH (the GPU bundle, see
-# /work/shared/gpu/make-bundle.sh) and runs from the repository root.
+# and prints a short table last. Expects vllm & co. on PYTHONPATH (the GPU bundle: DEVELOPERS.md,
+# "Measuring on GPUs") and runs from the repository root.
 #   usage: BUDGET=520 bash scripts/gpu_vllm_session.sh
 set -u
 OUT=${OUT:-/tmp/colocate-gpu}

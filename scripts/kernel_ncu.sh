@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# Hardware counters of the fused GRPO loss kernel (issue 4) with Nsight Compute, on one GPU.
+# Hardware counters of the fused GRPO loss row kernels with Nsight Compute, on one GPU.
 #   bash scripts/kernel_ncu.sh OUTDIR ['{"block_v": 16384, ...}' ...]
-# Profiles, per launch configuration (JSON overrides of triton_grpo.default_config; none = the
-# default), one forward-only launch and one fused in-place launch at 16384 x 152064 bf16 (the
-# benchmark's inputs), after a warm-up of each. Writes OUTDIR/ncu.ncu-rep, its details and raw pages
-# as CSV, and prints the headline metrics, stall reasons and pipe use per profiled launch.
-# Clocks are left alone (--clock-control none), as the device notes ask.
+# Profiles, per launch configuration (JSON overrides of triton_rows.default_config; none = the
+# default), one forward-only launch (the Triton kernel) and one fused in-place launch (the bulk-copy
+# CUDA kernel where the config's backend picks it) at 16384 x 152064 bf16 (the benchmark's inputs),
+# after a warm-up of each. Writes OUTDIR/ncu.ncu-rep, its details and raw pages as CSV, and prints
+# the headline metrics, stall reasons and pipe use per profiled launch.
+# Clocks are left alone (--clock-control none).
 set -eu
 out=${1:?usage: kernel_ncu.sh OUTDIR [CONFIG_JSON ...]}
 shift
 mkdir -p "$out"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
 n_cfg=$(( $# > 0 ? $# : 1 ))
-"$ncu" --clock-control none --set full --import-source yes --kernel-name regex:_grpo_rows_kernel \
+"$ncu" --clock-control none --set full --import-source yes --kernel-name regex:grpo_rows \
   --launch-count $((4 * n_cfg)) -f -o "$out/ncu" \
   python3 - "$@" <<'EOF'
 import json, sys
 import torch
 from benchmarks.kernel import make_inputs
-from colocate.kernels.triton_grpo import grpo_rows
+from colocate.kernels.triton_rows import grpo_rows
 
 _, pristine, f, _ = make_inputs(16, 1024, 152064)
 x = pristine.clone()

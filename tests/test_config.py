@@ -1,5 +1,6 @@
 """Config: parsing, overrides, and every bad config exits with code 2 and one line, fast."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,18 +64,12 @@ def test_bad_config_exits_2(args, env, message):
 
 
 def test_choice_and_range_fields_are_checked():
-    with pytest.raises(ConfigError, match=r"sync.fanout='ring' is not one of broadcast, per_engine"):
-        load_config(None, {"sync": {"fanout": "ring"}})
-    with pytest.raises(ConfigError, match=r"engine.jump_forward=-1 must be >= 0"):
-        load_config(None, {"engine": {"jump_forward": -1}})
     with pytest.raises(ConfigError, match=r"engine.cudagraph_mode='full' is not one of"):
         load_config(None, {"engine": {"cudagraph_mode": "full"}})
-    with pytest.raises(ConfigError, match=r"cudagraph_mode cannot be set with engine.jump_forward"):
-        load_config(None, {"engine": {"cudagraph_mode": "FULL", "jump_forward": 4}})
+    with pytest.raises(ConfigError, match=r"topology.placement='by_host' is not one of 'by_node', 'interleaved'"):
+        load_config(None, {"topology": {"placement": "by_host"}})
     with pytest.raises(ConfigError, match=r"engine.max_capture_tokens=-1 must be >= 0"):
         load_config(None, {"engine": {"max_capture_tokens": -1}})
-    with pytest.raises(ConfigError, match=r"learner.prefetch_blocks=-2 must be >= 0"):
-        load_config(None, {"learner": {"prefetch_blocks": -2}})
     assert load_config(None, {"engine": {"cudagraph_mode": "FULL"}}).engine.cudagraph_mode == "FULL"
     for lag in (0, 1):  # lag 1 would leave the batches no overlap with training
         with pytest.raises(ConfigError, match=r"rollout.oversample_groups=4 needs learner.max_policy_lag >= 2"):
@@ -98,3 +93,70 @@ def test_world_of_one_does_not_fit():
 def test_shipped_configs_validate(name, world):
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=world)
     assert cfg.rollout.batch_size == cfg.rollout.groups_per_step * cfg.rollout.group_size
+
+
+def test_choice_tuples_match_their_users():
+    """config_schema imports nothing of colocate, so the tuples it shares with the loss and the
+    models are checked here."""
+    from colocate.config_schema import MODEL_SHAPES, NORM_MODES
+    from colocate.kernels.reference import NORM_MODES as KERNEL_NORM_MODES
+    from colocate.models import SHAPES
+    assert NORM_MODES == KERNEL_NORM_MODES
+    assert MODEL_SHAPES == tuple(SHAPES)
+
+
+@pytest.mark.parametrize("section,key", [("engine", "jump_forward"), ("sync", "fanout"),
+                                         ("learner", "prefetch_blocks")])
+def test_levers_not_adopted_are_unknown_keys(section, key):
+    with pytest.raises(ConfigError, match=f"unknown config key '{section}.{key}'"):
+        load_config(None, {section: {key: 1}})
+
+
+def write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_base_file_is_merged_under_the_file_and_overrides(tmp_path):
+    write(tmp_path / "base.yaml", "learner:\n  lr: 0.5\n  num_steps: 7\nlora:\n  target_modules: [q_proj, v_proj]\n")
+    (tmp_path / "presets").mkdir()
+    path = write(tmp_path / "presets" / "run.yaml",  # the base path is relative to the file naming it
+                 "base: ../base.yaml\nlearner:\n  num_steps: 9\nlora:\n  target_modules: [o_proj]\n")
+    cfg = load_config(path, {"learner": {"max_policy_lag": "2"}})
+    assert cfg.learner.lr == 0.5                        # from the base
+    assert cfg.learner.num_steps == 9                   # the file over its base, key by key
+    assert cfg.learner.max_policy_lag == 2              # the overrides over both
+    assert cfg.lora.target_modules == ["o_proj"]        # a list is replaced whole
+    assert load_config(path, {"learner": {"lr": "0.25"}}).learner.lr == 0.25
+
+
+def test_base_chain(tmp_path):
+    write(tmp_path / "a.yaml", "learner:\n  lr: 0.5\n  num_steps: 3\nrollout:\n  seed: 4\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\nlearner:\n  num_steps: 5\n")
+    cfg = load_config(write(tmp_path / "c.yaml", "base: b.yaml\nrollout:\n  seed: 6\n"))
+    assert (cfg.learner.lr, cfg.learner.num_steps, cfg.rollout.seed) == (0.5, 5, 6)
+
+
+def test_base_cycle_is_refused(tmp_path):
+    write(tmp_path / "a.yaml", "base: b.yaml\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"config base cycle: .*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_config(str(tmp_path / "a.yaml"))
+    with pytest.raises(ConfigError, match=r"config base cycle: .*self\.yaml -> .*self\.yaml"):
+        load_config(write(tmp_path / "self.yaml", "base: self.yaml\n"))
+
+
+def test_base_errors_name_the_file(tmp_path):
+    base = write(tmp_path / "base.yaml", "learner:\n  lrr: 0.5\n")
+    path = write(tmp_path / "run.yaml", "base: base.yaml\nlearner:\n  lr: 0.5\n")
+    message = rf"^{re.escape(base)}: unknown config key 'learner.lrr'; did you mean 'learner.lr'\?"
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    write(tmp_path / "good.yaml", "learner:\n  lr: 0.5\n")
+    child = write(tmp_path / "child.yaml", "base: good.yaml\nrolout:\n  seed: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(child)}: unknown config key 'rolout'; did you mean 'rollout'"):
+        load_config(child)
+    with pytest.raises(ConfigError, match=r"config file not found: .*missing\.yaml \(the base of .*run2\.yaml\)"):
+        load_config(write(tmp_path / "run2.yaml", "base: missing.yaml\n"))
+    with pytest.raises(ConfigError, match=r"base: expected a file name"):
+        load_config(write(tmp_path / "run3.yaml", "base: [a.yaml]\n"))

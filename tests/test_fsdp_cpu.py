@@ -83,11 +83,10 @@ def _single_rank(cache_dir: str, extra: dict):
 
 
 def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):
-    """Plain, with activation checkpointing (the wrapper must not leak into the names), with the
-    blocks kept gathered from forward to backward (`reshard_after_forward: false`), and with explicit
-    prefetch of two blocks (`prefetch_blocks: 2`)."""
-    variants = [{}, {"activation_checkpointing": True}, {"reshard_after_forward": False}, {"prefetch_blocks": 2}]
-    cache = tiny_cfg.model.cache_dir  # the session's tokenizer, already built
+    """Plain, with activation checkpointing (the wrapper must not leak into the names), and with the
+    blocks kept gathered from forward to backward (`reshard_after_forward: false`)."""
+    variants = [{}, {"activation_checkpointing": True}, {"reshard_after_forward": False}]
+    cache = tiny_cfg.model.cache_dir  # the tokenizer the fixtures already built
     result = str(tmp_path / "result.pt")
     references = [_single_rank(cache, extra) for extra in variants]
     # fork: the children inherit the modules imported above (spawn would re-import them: +20 s)
@@ -153,30 +152,6 @@ def test_reshard_after_forward_false_keeps_every_block_gathered_until_backward(t
         gathered = json.load(f)
     assert gathered["False"] == [False, False, True]  # default: only the last block (backward starts there)
     assert gathered["True"] == [True, True, True]
-
-
-def test_set_prefetch_names_the_next_blocks_forward_and_the_previous_ones_backward():
-    from colocate.learner.fsdp import set_prefetch
-
-    class Block:
-        def __init__(self, i):
-            self.i, self.forward, self.backward = i, None, None
-
-        def set_modules_to_forward_prefetch(self, modules):
-            self.forward = [m.i for m in modules]
-
-        def set_modules_to_backward_prefetch(self, modules):
-            self.backward = [m.i for m in modules]
-
-    blocks = [Block(i) for i in range(4)]
-    set_prefetch(blocks, 2)
-    assert [b.forward for b in blocks] == [[1, 2], [2, 3], [3], None]      # the last prefetches nothing
-    assert [b.backward for b in blocks] == [None, [0], [1, 0], [2, 1]]     # backward runs 3, 2, 1, 0
-    untouched = [Block(i) for i in range(2)]
-    set_prefetch(untouched, 0)  # FSDP2's implicit prefetch
-    assert all(b.forward is None and b.backward is None for b in untouched)
-    with pytest.raises(ValueError, match="prefetch_blocks must be >= 0"):
-        set_prefetch(blocks, -1)
 
 
 def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, tiny_tokenizer):

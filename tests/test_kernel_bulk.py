@@ -32,7 +32,7 @@ def test_unsupported_says_why_on_cpu():
 
 
 def test_forced_bulk_backend_raises_with_the_reason():
-    from colocate.kernels.triton_grpo import grpo_rows
+    from colocate.kernels.triton_rows import grpo_rows
 
     x = _bf16()
     args = (torch.zeros(4, dtype=torch.long), torch.ones(4), torch.zeros(4), torch.ones(4), None, x)
@@ -57,8 +57,8 @@ def test_bulk_small_shapes_match_float64(case, vocab):
     check_kernel_case(name, kernel_case(*args, device="cuda", num_rows=301, vocab=vocab, seed=5))
 
 
-VARIANTS = [None, {"reg_chunks": 0, "slots": 13}, {"consumer_warps": 8, "reg_chunks": 8}, {"tma_store": 1},
-            {"hints": 0}, {"reg_chunks": 4, "prefetch": 2}]
+VARIANTS = [None, {"reg_chunks": 0, "slots": 13}, {"consumer_warps": 8, "reg_chunks": 8}, {"hints": 0},
+            {"reg_chunks": 4, "prefetch": 2}]
 
 
 @pytest.mark.gpu
@@ -89,7 +89,7 @@ def test_bulk_strided_rows_and_auto_dispatch():
     """Rows with a padded stride (a view), the default backend choosing the bulk kernel, and a
     vocabulary it refuses (not a multiple of 8) falling back to Triton with the same values."""
     from colocate.kernels import cuda_grpo
-    from colocate.kernels.triton_grpo import grpo_rows
+    from colocate.kernels.triton_rows import grpo_rows
 
     num_rows, vocab = 512, 152064
     b = cuda_batch(num_rows, vocab, 0.04, 1.0, seed=11)

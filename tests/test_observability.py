@@ -56,6 +56,27 @@ def test_stall_watchdog_alerts_once(capsys):
     assert err.count("ALERT stalled: no trajectory produced") == 1
 
 
+class FailingWriter(MetricsWriter):
+    """A TensorBoard writer on a disk that filled up."""
+
+    def scalars(self, namespace, values, step):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_monitor_thread_failure_reaches_the_role_loop():
+    from types import SimpleNamespace
+
+    from colocate.metrics import role_monitors
+    cfg = SimpleNamespace(nvml_interval_s=0.05, stall_timeout_s=0.0)
+    writer = FailingWriter("unused", "learner", enabled=True, tensorboard=False)
+    with role_monitors(cfg, writer, gpu_index=None, what="x") as role:
+        deadline = time.time() + 5
+        while role.sampler.error is None and time.time() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="colocate-system-sampler failed: OSError.*No space left"):
+            role.check()
+
+
 def test_percentiles():
     assert percentiles([], "x") == {}
     p = percentiles([float(i) for i in range(101)], "lat")

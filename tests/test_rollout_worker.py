@@ -7,10 +7,11 @@ import pytest
 
 from colocate.data import Completion, Request, Sample
 from colocate.engine.base import Engine
+from colocate.envs.base import Env
 from colocate.rollout.worker import RolloutWorker
 
 
-class SlowGroupEnv:
+class SlowGroupEnv(Env):
     """Groups of 2; group g needs `rounds(g)` engine rounds; reward = g (so batches are traceable)."""
     group_size = 2
 
@@ -36,9 +37,6 @@ class SlowGroupEnv:
         out = [Sample([1, 2], Completion([3], [-0.5], None, 0), float(g), g) for g in self.done for _ in range(2)]
         self.done = []
         return out
-
-    def metrics(self):
-        return {}
 
 
 class CountingEngine(Engine):
@@ -100,7 +98,7 @@ class BarrierEngine(Engine):
         return [legal_choice(r) for r in requests]
 
 
-class ShuffledStreamEngine:
+class ShuffledStreamEngine(Engine):
     """Streams like vLLM: each poll hands back a random non-empty subset of what is pending, in a
     random order; checks that no request is submitted twice and that updates find it idle."""
     version = 0

@@ -36,6 +36,43 @@ def sample_one_no_sync(probs: torch.Tensor, generator: torch.Generator | None) -
     return torch.argmax(probs / q, dim=-1)
 
 
+class BatchDecode:
+    """Per-sequence progress of one decoded batch: sampled ids, their log-probs, the allowed ids of
+    each step (constrained sequences only), which sequences finished and why."""
+
+    def __init__(self, requests: list[Request], eos_id: int):
+        self.requests, self.eos_id = requests, eos_id
+        self.states = [ConstraintState(r.constraint) if r.constraint is not None else None for r in requests]
+        self.tokens: list[list[int]] = [[] for _ in requests]
+        self.logprobs: list[list[float]] = [[] for _ in requests]
+        self.allowed: list[list[list[int]] | None] = [[] if s is not None else None for s in self.states]
+        self.finished = [False] * len(requests)
+        self.reasons = ["length"] * len(requests)
+
+    def record(self, step: int, choices: list[int], logps: list[float], allowed_now: list) -> None:
+        """Append step `step`'s sampled id of every unfinished sequence; a constrained one finishes
+        when its constraint is done, a free one on EOS."""
+        for i, request in enumerate(self.requests):
+            if self.finished[i] or step >= request.max_new_tokens:
+                self.finished[i] = True
+                continue
+            tok = choices[i]
+            self.tokens[i].append(tok)
+            self.logprobs[i].append(logps[i])
+            state = self.states[i]
+            if state is not None:
+                self.allowed[i].append(allowed_now[i])
+                state.advance(tok)
+                if state.done:
+                    self.finished[i], self.reasons[i] = True, "stop"
+            elif tok == self.eos_id:
+                self.finished[i], self.reasons[i] = True, "stop"
+
+    def completions(self, version: int) -> list[Completion]:
+        return [Completion(token_ids=t, logprobs=lp, allowed_ids=a, version=version, finish_reason=r)
+                for t, lp, a, r in zip(self.tokens, self.logprobs, self.allowed, self.reasons)]
+
+
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", seed: int = 0,
                  max_batch_size: int = 256):
@@ -94,13 +131,8 @@ class HFEngine(Engine):
         batch = len(requests)
         ids, attn = left_pad([r.prompt_ids for r in requests], self.pad_id, self.device)
         temps = torch.tensor([r.temperature for r in requests], device=self.device).unsqueeze(1)  # [B, 1]
-        states = [ConstraintState(r.constraint) if r.constraint is not None else None for r in requests]
+        run = BatchDecode(requests, self.eos_id)
         max_new = max(r.max_new_tokens for r in requests)
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        allowed_log: list[list[list[int]] | None] = [[] if s is not None else None for s in states]
-        finished = [False] * batch
-        reasons = ["length"] * batch
 
         cache = DynamicCache()
         positions = (attn.cumsum(1) - 1).clamp(min=0)
@@ -113,35 +145,19 @@ class HFEngine(Engine):
         c["sequences"] += batch
         c["batches"] += 1
         for step in range(max_new):
-            mask, allowed_now = self._constraint_mask(states, finished, logits.shape[-1])
-            scaled = logits.float() / temps + mask
-            logp = torch.log_softmax(scaled, dim=-1)
+            mask, allowed_now = self._constraint_mask(run.states, run.finished, logits.shape[-1])
+            logp = torch.log_softmax(logits.float() / temps + mask, dim=-1)
             choice = sample_one_no_sync(logp.exp(), self.generator)  # [B]
             chosen_logp = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
-            choice_l, logp_l = choice.tolist(), chosen_logp.tolist()
-            for i in range(batch):
-                if finished[i] or step >= requests[i].max_new_tokens:
-                    finished[i] = True
-                    continue
-                tok = choice_l[i]
-                tokens[i].append(tok)
-                logprobs[i].append(logp_l[i])
-                if states[i] is not None:
-                    allowed_log[i].append(allowed_now[i])
-                    states[i].advance(tok)
-                    if states[i].done:
-                        finished[i], reasons[i] = True, "stop"
-                elif tok == self.eos_id:
-                    finished[i], reasons[i] = True, "stop"
-            if all(finished) or step == max_new - 1:
+            run.record(step, choice.tolist(), chosen_logp.tolist(), allowed_now)
+            if all(run.finished) or step == max_new - 1:
                 break
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], 1)
             positions = positions[:, -1:] + 1
             logits = self._forward(choice.unsqueeze(1), attn, positions, cache)
-        c["decode_tokens"] += sum(len(t) for t in tokens)
+        c["decode_tokens"] += sum(len(t) for t in run.tokens)
         c["decode_s"] += time.perf_counter() - t1
-        return [Completion(token_ids=tokens[i], logprobs=logprobs[i], allowed_ids=allowed_log[i],
-                           version=self.version, finish_reason=reasons[i]) for i in range(batch)]
+        return run.completions(self.version)
 
     def _forward(self, ids, attn, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,

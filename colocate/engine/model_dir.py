@@ -20,7 +20,9 @@ def model_dir_key(cfg, tokenizer) -> str:
 
 
 def save_model_dir(path: str, model, tokenizer) -> None:
-    """Write an HF directory vLLM can load (weights on every rank: is_main_process, trap 3).
+    """Write an HF directory vLLM can load. `is_main_process=True` because under torch.distributed
+    `save_pretrained` otherwise writes the weights only on global rank 0, and the writer here is
+    inference rank 0 (vLLM then refused a folder holding only the tokenizer).
 
     It must hold the weights the learner holds. A model whose config says "tied" but whose lm_head
     is its own tensor would lose lm_head on save, and vLLM would tie it back to the embeddings,

@@ -8,13 +8,14 @@ What it does beyond `LLM.generate`:
   * log-probs are `logprobs_mode="processed_logprobs"`: after temperature and the grammar mask, i.e.
     what the learner computes over `allowed_ids`;
   * `lora_mode="slot"`: the adapter sits in one pinned LoRA slot and is overwritten in place, from
-    an NCCL broadcast of learner rank 0 (`vllm_sync.py`) or from tensors (`load_lora`); no files
+    an NCCL broadcast of learner rank 0 (`vllm_channel.py`) or from tensors (`load_lora`); no files
     (`vllm_worker.py`). Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache
     blocks by that name, so blocks computed with an older adapter are never reused;
   * `lora_mode="merged"`: the engine runs without LoRA and each update is merged into its base
     weights in place (`vllm_worker.MergedAdapter`); the prefix cache is reset after each update;
-  * start-up inside torchrun follows notes/vllm-in-torchrun.md: the child sees only this rank's
-    GPU and none of torchrun's variables (`engine_environment`); `train.py` keeps its entry guarded.
+  * start-up inside a torchrun rank: the engine core is a child process that sees only this rank's
+    GPU and none of torchrun's variables (`engine_environment`), and re-imports the main module, so
+    `train.py` keeps its entry guarded (docs/design.md, Traps).
 
 Deliberately absent: tensor parallelism, several adapters, sleep mode, speculative decoding.
 """
@@ -27,18 +28,19 @@ import time
 import torch
 
 from colocate.data import Completion, Request
+from colocate.engine.base import Engine
 from colocate.engine.model_dir import ensure_model_dir
 from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
-from colocate.engine.vllm_settings import (check_engine_args, compilation_settings, engine_settings,
-                                           jump_forward_settings, profiler_settings)
+from colocate.engine.vllm_settings import engine_settings, llm_arguments
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
-from colocate.sync import LoraSpec, flatten_lora, unflatten_lora
+from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
-WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
 TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                       "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COUNTERS = ("requests", "walk_failures", "eos_appended", "engine_errors", "host_s", "generate_s",
+            "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps")
 
 
 # ---------------------------------------------------------------------------------- start-up
@@ -137,7 +139,7 @@ def completion_from_output(output, request: Request, version: int, eos_id: int) 
 
 # ---------------------------------------------------------------------------------- engine
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """`Engine` over `vllm.LLM`; see the module docstring."""
 
     def __init__(self, model_dir: str, spec: LoraSpec, eos_id: int, *, max_num_seqs: int = 512,
@@ -145,76 +147,52 @@ class VLLMEngine:
                  enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
                  max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
                  dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 max_num_batched_tokens: int = 0, validate_grammars: bool = True, jump_forward: int = 0,
+                 max_num_batched_tokens: int = 0, validate_grammars: bool = True,
                  profile_dir: str = "", profile_steps: int = 40, max_capture_tokens: int = 2048,
                  cudagraph_mode: str = ""):
-        check_engine_args(lora_mode, jump_forward, async_scheduling, max_num_seqs, max_num_batched_tokens,
-                          cudagraph_mode)
-        from vllm import LLM
-        if not validate_grammars:
-            skip_client_grammar_validation()
-        self.spec = spec
-        self.lora_mode = lora_mode
-        self.eos_id = eos_id
-        self.grammar_mode = grammar_mode
-        self.max_num_seqs = max_num_seqs
-        self.version = 0
-        self.counters = {"requests": 0, "walk_failures": 0, "eos_appended": 0, "engine_errors": 0, "host_s": 0.0, "generate_s": 0.0,
-                         "prompt_tokens": 0, "cached_prompt_tokens": 0, "out_tokens": 0, "steps": 0}
+        self.spec, self.eos_id, self.lora_mode, self.grammar_mode = spec, eos_id, lora_mode, grammar_mode
+        self.max_num_seqs, self.profile_dir, self.version = max_num_seqs, profile_dir, 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self._reported = dict(self.counters)
         self._pending: dict[str, tuple[int, Request]] = {}  # streaming: vLLM request id -> (ticket, request)
         self._next_ticket = 0
         self._busy_since = 0.0
+        kwargs = llm_arguments(
+            model_dir, lora_mode=lora_mode, lora_rank=lora_rank, max_loras=max_loras, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_capture_tokens=max_capture_tokens,
+            cudagraph_mode=cudagraph_mode, async_scheduling=async_scheduling, profile_dir=profile_dir,
+            profile_steps=profile_steps, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching)  # refuses bad arguments before vLLM starts
+        from vllm import LLM
+        if not validate_grammars:
+            skip_client_grammar_validation()
         t0 = time.perf_counter()
-        extra = {} if async_scheduling is None else {"async_scheduling": async_scheduling}  # None: vLLM's default
-        if max_num_batched_tokens > 0:
-            extra["max_num_batched_tokens"] = max_num_batched_tokens
-        compilation = compilation_settings(max_num_seqs, max_num_batched_tokens, max_capture_tokens, cudagraph_mode)
-        if jump_forward > 0:
-            settings = jump_forward_settings(jump_forward, max_num_seqs, max_num_batched_tokens)
-            compilation = settings.pop("compilation_config")
-            extra.update(settings)
-        self.profile_dir = profile_dir
-        if profile_dir:  # `start_profile` / `stop_profile` then trace the engine core's worker
-            extra["profiler_config"] = profiler_settings(profile_dir, profile_steps)
-        lora_args = dict(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras) \
-            if lora_mode == "slot" else dict(enable_lora=False)
         with engine_environment(local_rank):
-            self.llm = LLM(
-                model=model_dir, tokenizer=model_dir, dtype=dtype, seed=seed, **lora_args,
-                enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                gpu_memory_utilization=gpu_memory_utilization,
-                logprobs_mode="processed_logprobs",
-                structured_outputs_config={"backend": "guidance"},
-                compilation_config=compilation,
-                worker_extension_cls=WORKER_EXTENSION, **extra)
+            self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
-        names, shapes = list(spec.names), [list(s) for s in spec.shapes]
-        dtype_name = str(spec.dtype).removeprefix("torch.")
-        if lora_mode == "slot":
-            self.slot_info = self.llm.collective_rpc(
-                "colocate_init_adapter", args=(names, shapes, dtype_name, lora_rank, lora_alpha / lora_rank))[0]
-        else:
-            self.slot_info = self.llm.collective_rpc(
-                "colocate_init_merged", args=(names, shapes, dtype_name, lora_alpha / lora_rank))[0]
+        self.slot_info = self._init_adapter(lora_rank, lora_alpha / lora_rank)
         self._lora_request = self._make_lora_request()
 
     @classmethod
     def from_config(cls, cfg, topo, tokenizer) -> "VLLMEngine":
-        """Inference rank of a torchrun job: port from learner rank 0, model dir, engine, sync group."""
-        from colocate.engine.vllm_sync import HOST, exchange_ports, group_membership, join_timeout_s
-        spec = lora_spec_for(cfg, tokenizer)
-        ports = exchange_ports(topo)  # matches learner rank 0's `open_sender`
-        _, world, rank = group_membership(cfg.sync.fanout, topo.num_inference, topo.role_rank)
-        model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
+        """The engine of an inference rank of a torchrun job (its adapter channel is joined after:
+        `vllm_channel.join_receiver`)."""
         from colocate.metrics import engine_profile_dir
-        engine = cls(model_dir, spec, tokenizer.eos_token_id, local_rank=topo.local_rank,
-                     **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank),
-                     profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
-                     profile_steps=cfg.metrics.profile_engine_steps)
-        engine.join_sync(HOST, ports[topo.role_rank], world_size=world, rank=rank, timeout_s=join_timeout_s(cfg))
-        return engine
+        model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
+        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, local_rank=topo.local_rank,
+                   **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank),
+                   profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
+                   profile_steps=cfg.metrics.profile_engine_steps)
+
+    def _init_adapter(self, lora_rank: int, scaling: float) -> dict:
+        """The worker's adapter: the pinned LoRA slot, or W0 kept for merging (`vllm_worker.py`)."""
+        names, shapes = list(self.spec.names), [list(s) for s in self.spec.shapes]
+        dtype_name = str(self.spec.dtype).removeprefix("torch.")
+        if self.lora_mode == "slot":
+            return self.llm.collective_rpc("colocate_init_adapter", args=(names, shapes, dtype_name, lora_rank,
+                                                                          scaling))[0]
+        return self.llm.collective_rpc("colocate_init_merged", args=(names, shapes, dtype_name, scaling))[0]
 
     @property
     def can_profile(self) -> bool:
@@ -274,9 +252,6 @@ class VLLMEngine:
         data = self.llm.collective_rpc("colocate_adapter_bytes")[0]
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.spec.dtype)
         return unflatten_lora(flat, self.spec)
-
-    def slot_matches(self) -> bool:
-        return bool(self.llm.collective_rpc("colocate_slot_matches")[0])
 
     def _set_version(self, version: int) -> None:
         self._require_idle(f"adapter version {version}")

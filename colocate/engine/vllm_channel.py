@@ -4,8 +4,10 @@ vLLM runs its engine core (and the GPU worker holding the adapter) in a child pr
 inference rank, outside the torchrun world, so a broadcast on the torch sync group cannot reach
 it. Instead:
 
-  * learner rank 0 opens a listening socket on a free port and broadcasts the port on the torch
-    sync group (`publish_port` / `receive_port`, the only torch.distributed message here);
+  * learner rank 0 opens a listening socket on a free port of its node's address and broadcasts
+    the address and port on the torch sync group (`exchange_endpoint`, the only torch.distributed
+    message here). The address is 127.0.0.1 when the whole job runs on one node, else the address
+    of learner rank 0's node as the other nodes reach it (`node_address`);
   * each inference rank builds its engine, then has the engine's worker join a vLLM
     `StatelessProcessGroup` + `PyNcclCommunicator` as rank 1 + its inference index;
   * each update is `colocate.wire`'s adapter format over that communicator: the int64 header and
@@ -20,6 +22,7 @@ start-up included), so learner rank 0 opens it before its training loop.
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -30,7 +33,19 @@ from colocate.channel import AdapterReceiver, AdapterSender, AdapterUpdate
 from colocate.engine.vllm_worker import StatelessGroup, synchronize
 from colocate.wire import LoraSpec, RunFlags, adapter_header, flatten_lora
 
-HOST = "127.0.0.1"  # one node: learner rank 0 and the vLLM workers share it
+LOCAL_HOST = "127.0.0.1"
+ADDRESS_BYTES = 64
+
+
+def node_address(environ=os.environ) -> str:
+    """The address other nodes reach this one at: 127.0.0.1 when every rank of the job is on this
+    node, else the source address of this node's route to the rendezvous host (MASTER_ADDR), which
+    is the interface the job's own traffic already uses."""
+    if int(environ.get("LOCAL_WORLD_SIZE", "1")) >= int(environ.get("WORLD_SIZE", "1")):
+        return LOCAL_HOST
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing
+        probe.connect((environ.get("MASTER_ADDR", LOCAL_HOST), int(environ.get("MASTER_PORT", "29500"))))
+        return probe.getsockname()[0]
 
 
 def join_timeout_s(cfg) -> float:
@@ -38,21 +53,30 @@ def join_timeout_s(cfg) -> float:
     return max(900.0, cfg.topology.timeout_s)
 
 
-def listen_socket() -> tuple[socket.socket, int]:
-    """A listening socket on a free port (the OS picks it: no hard-coded ports, no race)."""
+def listen_socket(host: str) -> tuple[socket.socket, int]:
+    """A listening socket on a free port of `host` (the OS picks it: no hard-coded ports, no race)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, 0))
+    sock.bind((host, 0))
     sock.listen()
     return sock, sock.getsockname()[1]
 
 
-def exchange_port(topo, port: int | None = None) -> int:
-    """Learner rank 0 passes its port; every inference rank receives it (one broadcast on the
-    torch sync group, which every rank of that group joins)."""
-    t = torch.tensor([port or 0], dtype=torch.int64, device=topo.device)
+def exchange_endpoint(topo, endpoint: tuple[str, int] | None = None) -> tuple[str, int]:
+    """Learner rank 0 passes its (address, port); every inference rank receives it: one broadcast
+    of [port, address bytes...] on the torch sync group, which every rank of that group joins."""
+    t = torch.zeros(1 + ADDRESS_BYTES, dtype=torch.int64)
+    if endpoint is not None:
+        host, port = endpoint
+        raw = host.encode()
+        if len(raw) > ADDRESS_BYTES:
+            raise ValueError(f"sync address {host!r} is longer than {ADDRESS_BYTES} bytes")
+        t[0] = port
+        t[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.int64)
+    t = t.to(topo.device)
     dist.broadcast(t, src=topo.sync_src, group=topo.sync_group)
-    return int(t.item())
+    values = t.tolist()
+    return bytes(v for v in values[1:] if v).decode(), int(values[0])
 
 
 class NcclSender(AdapterSender):
@@ -100,20 +124,22 @@ class VLLMReceiver(AdapterReceiver):
 
 def open_sender(cfg, topo, spec: LoraSpec) -> NcclSender:
     """Learner rank 0 (`train.py`): publish the port, then wait until every engine's worker joined."""
-    sock, port = listen_socket()
-    exchange_port(topo, port)
-    group = StatelessGroup(HOST, port, 0, 1 + topo.num_inference, topo.device, listen=sock,
+    host = node_address()
+    sock, port = listen_socket(host)
+    exchange_endpoint(topo, (host, port))
+    group = StatelessGroup(host, port, 0, 1 + topo.num_inference, topo.device, listen=sock,
                            timeout_s=join_timeout_s(cfg))
     return NcclSender(group, spec, with_checksum=cfg.sync.check_checksum)
 
 
-def receive_port(topo) -> int:
+def receive_endpoint(topo) -> tuple[str, int]:
     """Inference ranks, before building the engine (learner rank 0 waits in this broadcast)."""
-    return exchange_port(topo)
+    return exchange_endpoint(topo)
 
 
-def join_receiver(cfg, topo, engine, port: int) -> VLLMReceiver:
+def join_receiver(cfg, topo, engine, endpoint: tuple[str, int]) -> VLLMReceiver:
     """Inference ranks, once the engine is up: its worker joins learner rank 0's group."""
-    engine.join_sync(HOST, port, world_size=1 + topo.num_inference, rank=1 + topo.role_rank,
+    host, port = endpoint
+    engine.join_sync(host, port, world_size=1 + topo.num_inference, rank=1 + topo.role_rank,
                      timeout_s=join_timeout_s(cfg))
     return VLLMReceiver(engine, verify=cfg.sync.check_checksum)

@@ -1,12 +1,15 @@
 """What `VLLMEngine` passes to `vllm.LLM`, decided before vLLM is imported (no vLLM here):
 engine sizes from the config and the workload, CUDA-graph capture sizes, the profiler's settings,
-jump-forward's speculative settings, and the argument combinations refused before a minute of
-start-up. Pure functions, tested on CPU (tests/test_vllm_host.py)."""
+and the arguments refused before a minute of start-up. Pure functions, tested on CPU
+(tests/test_vllm_settings.py)."""
 from __future__ import annotations
 
 import os
 
-LORA_MODES = ("slot", "merged")
+from colocate.config_schema import CUDAGRAPH_MODES, LORA_MODES
+
+WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
+"""vLLM imports it by dotted path inside its GPU worker (the adapter slot: `vllm_worker.py`)."""
 PROMPT_BOUND = {"arithmetic": 64, "diplomacy": 1536}
 """Upper bound of prompt tokens per environment, for max_model_len when the config leaves it 0."""
 
@@ -27,16 +30,13 @@ def capture_sizes(max_num_seqs: int, max_tokens: int = 0) -> list[int]:
     return sizes
 
 
-CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
-
-
 def compilation_settings(max_num_seqs: int, max_num_batched_tokens: int, max_capture_tokens: int,
                          cudagraph_mode: str = "") -> dict:
     """vLLM's `compilation_config`. Graphs are captured up to the step's token budget
     (`max_num_batched_tokens`, vLLM's default when 0) but at most `max_capture_tokens`: a mixed step
     larger than the largest graph runs every layer's kernels from Python, and with a small prefill
-    chunk (the streaming presets' 1,024 tokens) that is most steps of a rollout (session 10's engine
-    trace: 25-36 ms of host time for 8-21 ms of GPU work). `cudagraph_mode` "" keeps vLLM's
+    chunk (the streaming presets' 1,024 tokens) that is most steps of a rollout, host-bound
+    (docs/design.md, Traps; profiles/vllm.md). `cudagraph_mode` "" keeps vLLM's
     FULL_AND_PIECEWISE (full graphs for decode steps, piecewise for mixed ones, attention between
     the pieces run eagerly); FULL replays mixed steps as full graphs too (FlashAttention 3)."""
     if cudagraph_mode not in CUDAGRAPH_MODES:
@@ -65,8 +65,8 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
-                validate_grammars=cfg.engine.validate_grammars, jump_forward=cfg.engine.jump_forward,
-                max_capture_tokens=cfg.engine.max_capture_tokens, cudagraph_mode=cfg.engine.cudagraph_mode)
+                validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
+                cudagraph_mode=cfg.engine.cudagraph_mode)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
@@ -81,36 +81,33 @@ def profiler_settings(profile_dir: str, steps: int) -> dict:
             "max_iterations": steps}
 
 
-def check_engine_args(lora_mode: str, jump_forward: int, async_scheduling: bool | None, max_num_seqs: int,
-                      max_num_batched_tokens: int, cudagraph_mode: str = "") -> None:
-    """Refuse combinations vLLM would reject later (after minutes of start-up) or run wrongly."""
+def check_engine_args(lora_mode: str) -> None:
+    """Refuse what vLLM would reject only after a minute of start-up, before vLLM is imported."""
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
-    if jump_forward and cudagraph_mode:  # jump_forward_settings captures its own piecewise graphs
-        raise ValueError("engine.cudagraph_mode cannot be set with engine.jump_forward")
-    if jump_forward < 0:
-        raise ValueError(f"engine.jump_forward={jump_forward} must be >= 0 (0 = off)")
-    if jump_forward and async_scheduling:
-        raise ValueError("engine.jump_forward needs vLLM's synchronous scheduling (async_scheduling off)")
-    if jump_forward and lora_mode == "slot" and 0 < max_num_batched_tokens < max_num_seqs * (1 + jump_forward):
-        # vLLM refuses LoRA with speculative decoding when a step of full drafts cannot fit the budget
-        raise ValueError(f"engine.jump_forward={jump_forward} with lora_mode=slot needs "
-                         f"engine.max_num_batched_tokens >= max_num_seqs * (1 + jump_forward) = "
-                         f"{max_num_seqs * (1 + jump_forward)} (or lora_mode=merged)")
 
 
-def jump_forward_settings(max_forced: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
-    """`LLM` arguments for `engine.jump_forward` (engine/vllm_ff.py): drafts of up to `max_forced`
-    grammar-forced tokens per request and step, through vLLM's custom-class speculative decoding,
-    which runs only with synchronous scheduling. A step now carries up to 1 + max_forced tokens per
-    sequence, so the CUDA graphs are captured by tokens, up to the step's token budget."""
-    if max_forced < 1:
-        raise ValueError(f"engine.jump_forward={max_forced} must be >= 1 to turn it on")
-    # Drafts vary in length per request, so vLLM's full decode graphs (all requests K drafts) would
-    # never replay: capture piecewise graphs only, by tokens, up to the step's token budget.
-    tokens = min(max_num_seqs * (1 + max_forced), max_num_batched_tokens if max_num_batched_tokens > 0 else 2048)
-    return {"speculative_config": {"method": "custom_class", "model": "colocate.engine.vllm_ff.NoDraft",
-                                   "num_speculative_tokens": max_forced},
-            "scheduler_cls": "colocate.engine.vllm_ff.ForcedDraftScheduler",
-            "async_scheduling": False,
-            "compilation_config": {"cudagraph_capture_sizes": capture_sizes(tokens), "cudagraph_mode": "PIECEWISE"}}
+def llm_arguments(model_dir: str, *, lora_mode: str, lora_rank: int, max_loras: int, max_num_seqs: int,
+                  max_num_batched_tokens: int, max_capture_tokens: int, cudagraph_mode: str,
+                  async_scheduling: bool | None, profile_dir: str, profile_steps: int, **plain) -> dict:
+    """Every keyword argument of `vllm.LLM` for one engine; `plain` (dtype, seed, max_model_len,
+    gpu_memory_utilization, enforce_eager, enable_prefix_caching) passes through unchanged.
+    Log-probs are the processed ones (after temperature and the grammar mask: what the learner
+    computes); grammars go to llguidance (token-id terminals, `vllm_grammar.py`)."""
+    check_engine_args(lora_mode)
+    kw = dict(model=model_dir, tokenizer=model_dir, max_num_seqs=max_num_seqs, **plain,
+              logprobs_mode="processed_logprobs", structured_outputs_config={"backend": "guidance"},
+              compilation_config=compilation_settings(max_num_seqs, max_num_batched_tokens, max_capture_tokens,
+                                                      cudagraph_mode),
+              worker_extension_cls=WORKER_EXTENSION)
+    if lora_mode == "slot":
+        kw.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras)
+    else:  # merged: the adapter is written into the base weights
+        kw.update(enable_lora=False)
+    if async_scheduling is not None:  # None: vLLM's default
+        kw["async_scheduling"] = async_scheduling
+    if max_num_batched_tokens > 0:  # 0: vLLM's default
+        kw["max_num_batched_tokens"] = max_num_batched_tokens
+    if profile_dir:  # `start_profile` / `stop_profile` then trace the engine core's worker
+        kw["profiler_config"] = profiler_settings(profile_dir, profile_steps)
+    return kw

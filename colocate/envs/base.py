@@ -53,3 +53,10 @@ class Env:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`'s output."""
+
+    def evaluate(self, engine, eval_cfg, out_dir: str | None = None) -> dict[str, float]:
+        """Held-out evaluation with `engine` (its current adapter), on the inference rank between
+        training batches and from `python -m colocate.eval`: -> metrics named below `eval/` (e.g.
+        "accuracy", "diplomacy/greedy/mean_centres"). `eval_cfg` is `config.EvalConfig`; files a person
+        may look at (saved games, pictures) go under `out_dir`. Default: nothing to evaluate."""
+        return {}

@@ -25,7 +25,8 @@ from colocate.models import canonical_name
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a (peft-wrapped) transformers causal LM."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    from peft import PeftModel
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
     return base.model.layers
 
 
@@ -56,15 +57,14 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
-               prefetch_blocks: int = 0) -> list[nn.Module]:
+               reduce_dtype: torch.dtype | None = None, reshard_after_forward: bool = True) -> list[nn.Module]:
     """FSDP2 per decoder block, then the root; returns the FSDP modules (root last).
 
     `param_dtype`/`reduce_dtype`: compute and gradient-reduction dtypes (bf16 / fp32 on GPU; None keeps
     the stored dtype, e.g. fp32 on CPU). The root stays gathered between forward and backward (FSDP2's
     default for the root); the last block too, since backward starts with it; every block when
     `reshard_after_forward` is False (`learner.reshard_after_forward`: no re-gather in backward).
-    `prefetch_blocks` > 0: explicit prefetch (`set_prefetch`)."""
+    Prefetch is FSDP2's implicit one (the next block's all-gather issued when the CPU reaches it)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = decoder_layers(model)
@@ -73,7 +73,6 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
         sharded.append(layer)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    set_prefetch(sharded, prefetch_blocks)
     sharded.append(model)
     for module in sharded:
         # sum, not mean, over ranks: the loss already carries the global normalizers
@@ -84,24 +83,6 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return sharded
-
-
-def set_prefetch(blocks: list[nn.Module], depth: int) -> None:
-    """Explicit FSDP2 prefetch: each block issues the all-gathers of the next `depth` blocks in
-    forward, and of the `depth` blocks before it in backward, as soon as its own are copied out.
-    0 keeps FSDP2's implicit prefetch (one block ahead, issued when the CPU reaches it), which
-    already hides the all-gathers: 2 blocks measured 1.003x on 4 learners (profiles/trainer.md,
-    run 11). Each block of depth costs one more gathered block per GPU (~0.47 GB bf16 at 7B)."""
-    if depth < 0:
-        raise ValueError(f"learner.prefetch_blocks must be >= 0, got {depth}")
-    if depth == 0:
-        return
-    for i, block in enumerate(blocks):
-        ahead, behind = blocks[i + 1:i + 1 + depth], blocks[max(0, i - depth):i][::-1]
-        if ahead:
-            block.set_modules_to_forward_prefetch(ahead)
-        if behind:  # backward runs the blocks last to first
-            block.set_modules_to_backward_prefetch(behind)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -126,14 +107,15 @@ class LoraGather:
     none). Per call: one multi-tensor copy of the local shards into a padded send buffer, one
     all-gather over the learner mesh, one multi-tensor copy from the gathered [world, shard] layout
     into the flat buffer; unsharded parameters are copied straight in. Every buffer and copy list is
-    built once: rebuilding them per step (392 tensors at 7B: pad, cat, slice, clone) cost 26-36 ms.
+    built once: rebuilding them per step (hundreds of tensors at 7B: pad, cat, slice, clone) cost
+    tens of milliseconds a step.
 
     Every learner rank calls it; every rank gets the flat buffer. The result is overwritten by the
     next call (the sender broadcasts it on the same stream first)."""
 
     def __init__(self, model: nn.Module):
         from torch.distributed.tensor import DTensor, Shard
-        from colocate.sync import LoraSpec, unflatten_lora
+        from colocate.wire import LoraSpec, unflatten_lora
         named = sorted((canonical_name(n), p) for n, p in model.named_parameters() if "lora_" in n)
         self.spec = LoraSpec.of(dict(named))                   # global shapes (DTensor.shape)
         local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]

@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from colocate.data import TrajectoryBatch
@@ -37,7 +38,7 @@ from colocate.learner.packing import (MicroBatch, dummy_micro_batch, pack_by_bud
                                       resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
-from colocate.sync import unflatten_lora
+from colocate.wire import unflatten_lora
 
 
 class Learner:
@@ -61,8 +62,7 @@ class Learner:
             self.fsdp_modules = fsdp.apply_fsdp(model, fsdp.learner_mesh(topology),
                                                 param_dtype=torch.bfloat16 if on_gpu else None,
                                                 reduce_dtype=torch.float32 if on_gpu else None,
-                                                reshard_after_forward=lc.reshard_after_forward,
-                                                prefetch_blocks=lc.prefetch_blocks)
+                                                reshard_after_forward=lc.reshard_after_forward)
         if any(p.is_meta for p in model.parameters()):
             materialize(model, cfg.model, self.device)
         elif not self.use_fsdp:
@@ -100,7 +100,8 @@ class Learner:
     # ---- micro-batches ----------------------------------------------------------------------------
 
     def micro_batches(self, batch: TrajectoryBatch) -> list[tuple[TrajectoryBatch, MicroBatch]]:
-        """Token-budget packing (the benchmark's baseline overrides this with padded chunks)."""
+        """Whole sequences packed first-fit-decreasing into micro-batches of at most
+        `learner.micro_batch_tokens` tokens -> (sub-batch, its model inputs) per micro-batch."""
         groups = pack_by_budget(batch.seq_lens.tolist(), self.cfg.learner.micro_batch_tokens)
         return [(sub, packed_micro_batch(sub, self.device, self.attention))
                 for sub in (batch.select(g) for g in groups)]
@@ -148,27 +149,54 @@ class Learner:
     # ---- the step ---------------------------------------------------------------------------------
 
     def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """One optimizer step. Every learner rank calls it, and every rank runs the same collectives
+        in the same order whatever its share of the batch (which ones: the comments)."""
         t0 = time.perf_counter()
-        cfg = self.cfg
-        lag = self.version - batch.versions.long()
-        keep = (lag <= cfg.learner.max_policy_lag).nonzero().flatten().tolist()
-        dropped = batch.num_sequences - len(keep)
-        if dropped:
-            batch = batch.select(keep)
+        batch, lag_sum, dropped = self._drop_stale(batch)
         with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
-            work = self.micro_batches(batch) if keep else []
-        # Global normalizers over all learner ranks.
-        counts = self._all_reduce(torch.tensor(
-            [float(batch.num_completion_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
-             float(lag[keep].float().sum()) if keep else 0.0, float(dropped)], device=self.device))
+            work = self.micro_batches(batch) if batch.num_sequences else []
+        counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
         num_tokens, num_seqs = counts[0].item(), int(counts[1].item())
-        num_micro = len(work)
-        if self.use_fsdp:  # every rank must run the same number of forward/backward passes
-            num_micro = int(self._all_reduce(torch.tensor([float(num_micro)], device=self.device),
-                                             op=dist.ReduceOp.MAX).item())
+        num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
+        # FSDP: all-gathers and reduce-scatters per micro-batch
+        totals, model_tokens = self._forward_backward(work, num_micro, num_seqs, num_tokens)
+        self._sum_gradients_without_fsdp()  # no FSDP, several ranks: one all-reduce per adapter tensor
+        with record_function("learner/optimizer"):
+            # FSDP: the grad norm's all-reduce; then the stats' all-reduce
+            sums, grad_norm, skipped = self._optimizer_step(totals, model_tokens)
+        self.version += 1
+        return self._step_stats(counts, sums, grad_norm, skipped, num_micro, t0)
 
+    def _drop_stale(self, batch: TrajectoryBatch) -> tuple[TrajectoryBatch, float, int]:
+        """Drop sequences sampled more than `max_policy_lag` versions ago -> (the kept batch, the sum
+        of the kept sequences' lags, how many were dropped)."""
+        lag = self.version - batch.versions.long()
+        keep = (lag <= self.cfg.learner.max_policy_lag).nonzero().flatten().tolist()
+        dropped = batch.num_sequences - len(keep)
+        lag_sum = float(lag[keep].float().sum()) if keep else 0.0
+        return (batch.select(keep) if dropped else batch), lag_sum, dropped
+
+    def _global_counts(self, batch: TrajectoryBatch, lag_sum: float, dropped: int) -> torch.Tensor:
+        """[5] summed over the learner ranks: completion tokens, sequences, reward sum, lag sum,
+        dropped sequences. The first two are the loss's global normalizers."""
+        return self._all_reduce(torch.tensor(
+            [float(batch.num_completion_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
+             lag_sum, float(dropped)], device=self.device))
+
+    def _num_micro_batches(self, local: int) -> int:
+        """Under FSDP every rank must run the same number of forward/backward passes: the busiest
+        rank's count."""
+        if not self.use_fsdp:
+            return local
+        return int(self._all_reduce(torch.tensor([float(local)], device=self.device),
+                                    op=dist.ReduceOp.MAX).item())
+
+    def _forward_backward(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_micro: int, num_seqs: int,
+                          num_tokens: float) -> tuple[torch.Tensor, int]:
+        """`num_micro` passes (dummies past this rank's own) -> ([5] on the device: loss, clip*n, kl*n,
+        ratio*n, n, with n the completion tokens; model tokens run)."""
         self.model.train()
-        totals = torch.zeros(5, device=self.device)  # loss, clip*n, kl*n, ratio*n, n (n: completion tokens)
+        totals = torch.zeros(5, device=self.device)
         model_tokens = 0
         for i in range(num_micro):
             with record_function("learner/micro_batch"):
@@ -176,27 +204,39 @@ class Learner:
             model_tokens += tokens
             if sums_i is not None:
                 totals += sums_i
-        if not self.use_fsdp and self.topology.num_learners > 1:
-            # Sum adapter gradients over learner ranks (the loss is already globally normalized).
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.topology.learner_group)
-        with record_function("learner/optimizer"):
-            max_norm = cfg.learner.max_grad_norm
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
-            if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP: the global norm
-                grad_norm = grad_norm.full_tensor()
-            sums = self._all_reduce(torch.cat([totals, torch.tensor([float(model_tokens)], device=self.device)]))
-            # A non-finite loss or gradient skips the update on every rank alike (both values are
-            # global); the version still advances, so the step protocol with the inference ranks is
-            # unchanged.
-            skipped = not (torch.isfinite(sums[0]) and torch.isfinite(grad_norm))
-            if not skipped:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        return totals, model_tokens
 
+    def _sum_gradients_without_fsdp(self) -> None:
+        """Without FSDP, sum the adapter gradients over the learner ranks by hand (the loss is already
+        globally normalized); FSDP reduce-scatters them itself during backward."""
+        if self.use_fsdp or self.topology.num_learners == 1:
+            return
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.topology.learner_group)
+
+    def _optimizer_step(self, totals: torch.Tensor, model_tokens: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Clip the global grad norm, sum the stats over the ranks, step AdamW -> ([6] global sums:
+        `totals` then model tokens, the grad norm, whether the update was skipped).
+
+        A non-finite loss or gradient skips the update on every rank alike (both values are global);
+        the version still advances, so the step protocol with the inference ranks is unchanged."""
+        max_norm = self.cfg.learner.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
+        if isinstance(grad_norm, DTensor):  # under FSDP: the global norm
+            grad_norm = grad_norm.full_tensor()
+        sums = self._all_reduce(torch.cat([totals, torch.tensor([float(model_tokens)], device=self.device)]))
+        skipped = not (torch.isfinite(sums[0]) and torch.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return sums, grad_norm, skipped
+
+    @staticmethod
+    def _step_stats(counts: torch.Tensor, sums: torch.Tensor, grad_norm: torch.Tensor, skipped: bool,
+                    num_micro: int, t0: float) -> dict[str, float]:
+        num_seqs = int(counts[1].item())
         denom = max(float(sums[4]), 1.0)
         elapsed = time.perf_counter() - t0
         return {

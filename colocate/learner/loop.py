@@ -168,6 +168,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
     for step in range(start, cfg.learner.num_steps):
         stopping = learner_step(rank, step)
         role.watchdog.beat(step)
+        role.check()
         if stopping:
             break
         profiler.step()

@@ -1,22 +1,19 @@
 """Micro-batch layouts for the learner's forward, and the attention that respects them.
 
-Packed (what the learner trains on): whole sequences, first-fit-decreasing into micro-batches of at
-most `token_budget` tokens, concatenated into one row [1, T] with position ids restarting at 0 for
-each sequence. No padding. Sequence boundaries reach the attention in one of two ways:
+Packed: whole sequences, first-fit-decreasing into micro-batches of at most `token_budget` tokens,
+concatenated into one row [1, T] with position ids restarting at 0 for each sequence. No padding.
+Sequence boundaries reach the attention in one of two ways:
   * varlen - `cu_seqlens` [B+1] go to a flash-attention varlen kernel (`torch.nn.attention.varlen`,
              registered with transformers as the attention implementation "colocate_varlen"); no mask
              is built and no work is spent across sequences. Without that kernel (CPU) the same
              function runs causal SDPA on the sequences grouped by length, one batched call per
              distinct length. The default (learner.attention auto).
   * sdpa   - transformers detects the restarting position ids and builds a block-diagonal causal
-             mask [1, 1, T, T] for SDPA: correct everywhere, but O(T^2) memory and compute (on CPU,
-             cpu-tiny's 128 x 16-token sequences: 0.50 s a step, varlen 0.06 s, the old padded 0.09 s).
-Padded (the reference, and the benchmark's baseline): sequences left-padded to the longest in the
-micro-batch, SDPA with a mask; every row then ends at the last column, so the completion positions
-of all rows fall in the last `max completion` columns.
+             mask [1, 1, T, T] for SDPA: correct everywhere, but O(T^2) memory and compute
+             (profiles/trainer.md compares the layouts).
 
-Either way the lm_head runs only on rows whose hidden state predicts a completion token (HF's
-`logits_to_keep` with an index tensor): logits [N, V], N = completion tokens.
+The lm_head runs only on rows whose hidden state predicts a completion token (HF's `logits_to_keep`
+with an index tensor): logits [N, V], N = completion tokens.
 """
 from __future__ import annotations
 
@@ -50,12 +47,6 @@ def pack_by_budget(seq_lens: list[int], token_budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def chunk_sequences(num_sequences: int, per_micro_batch: int) -> list[list[int]]:
-    """The old micro-batching: consecutive groups of `per_micro_batch` sequences (to be padded)."""
-    return [list(range(i, min(i + per_micro_batch, num_sequences)))
-            for i in range(0, num_sequences, per_micro_batch)]
-
-
 @dataclass
 class MicroBatch:
     """Model inputs of one micro-batch plus what the loss needs, on the learner's device."""
@@ -66,8 +57,9 @@ class MicroBatch:
     seq_ids: torch.Tensor
     """[N] int64 index of each completion token's sequence within the micro-batch."""
     row_index: torch.Tensor | None = None
-    """[N] int64 rows of the [R, V] logits the model returns that hold the completion logits (padded
-    layout); None when the model returns exactly the N rows in order (packed layout)."""
+    """[N] int64 rows of the [R, V] logits the model returns that hold the completion logits, for a
+    layout whose model output has more rows than completion tokens (a padded one: every row keeps the
+    same columns); None when the model returns exactly the N rows in order (packed)."""
     attention: str = "sdpa"
     """Attention implementation the layout needs (VARLEN or sdpa)."""
     num_tokens: int = 0
@@ -101,36 +93,6 @@ def packed_micro_batch(mb: TrajectoryBatch, device, attention: str) -> MicroBatc
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     return MicroBatch(inputs=inputs, targets=tokens[token_pos].to(device), seq_ids=seq_ids.to(device),
                       attention=attention, num_tokens=total)
-
-
-def padded_micro_batch(mb: TrajectoryBatch, pad_id: int, device) -> MicroBatch:
-    """[B, W] left-padded to the longest sequence; SDPA with a [B, 1, W, W] mask.
-
-    The padding of a row is a segment of its own (position ids restart at the first real token), so
-    transformers builds a causal mask within segments: real tokens see only their sequence, and no
-    padding row is fully masked (some CUDA SDPA kernels return NaN for those, which would then
-    leak through the zero attention weights into real tokens)."""
-    lens = mb.seq_lens.tolist()
-    comp = (mb.seq_lens - mb.prompt_lens).tolist()
-    width, keep = max(lens), max(comp)
-    input_ids = torch.full((len(lens), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(lens), width), dtype=torch.long)
-    offset, targets, seq_ids, row_index = 0, [], [], []
-    for r, (n, c) in enumerate(zip(lens, comp)):
-        input_ids[r, width - n:] = mb.tokens[offset:offset + n].long()
-        position_ids[r, :width - n] = torch.arange(width - n)
-        position_ids[r, width - n:] = torch.arange(n)
-        offset += n
-        targets.append(input_ids[r, width - c:])
-        seq_ids += [r] * c
-        # the model returns rows [B * keep] (columns width-1-keep .. width-2 of each row)
-        row_index += [r * keep + keep - c + j for j in range(c)]
-    inputs = {"input_ids": input_ids.to(device), "position_ids": position_ids.to(device),
-              "logits_to_keep": torch.arange(width - 1 - keep, width - 1, device=device)}
-    return MicroBatch(inputs=inputs, targets=torch.cat(targets).to(device),
-                      seq_ids=torch.tensor(seq_ids, dtype=torch.long, device=device),
-                      row_index=torch.tensor(row_index, dtype=torch.long, device=device),
-                      attention="sdpa", num_tokens=sum(lens))
 
 
 def dummy_micro_batch(device, attention: str) -> MicroBatch:

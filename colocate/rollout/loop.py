@@ -115,6 +115,7 @@ def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
         rank.writer.scalars("rollout", stats, k)
         rank.writer.scalars("engine", engine_stats, k)
         role.watchdog.beat(k)
+        role.check()
         profiler.step()
     rank.take_adapters_through(num_steps)  # finish on the final adapter
     sender.close()  # after a stop the learners drain what is in flight

@@ -15,8 +15,11 @@ memory stays bounded. With `oversample` = 0 every call plays exactly its own gro
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from colocate.data import Sample, TrajectoryBatch, build_batch, group_advantages
+from colocate.engine.base import Engine
+from colocate.envs.base import Env
 from colocate.metrics import percentiles
 
 
@@ -27,9 +30,21 @@ def group_of(sample: Sample):
     return key[0] if isinstance(key, tuple) else key
 
 
+@dataclass
+class _Play:
+    """What one `collect` call has in flight, and its timings."""
+    t0: float = field(default_factory=time.perf_counter)
+    in_flight: dict = field(default_factory=dict)     # ticket -> (env key, submit time)
+    poll_s: list = field(default_factory=list)        # one engine poll (barrier: one phase of every live game)
+    request_s: list = field(default_factory=list)     # per request: submit -> completion handed back
+    group_s: dict = field(default_factory=dict)       # group key -> seconds until its samples were complete
+    out_tokens: int = 0
+    requests: int = 0
+
+
 class RolloutWorker:
-    def __init__(self, env, engine, *, groups_per_batch: int, first_group_id: int = 0, oversample: int = 0,
-                 stream: bool = False):
+    def __init__(self, env: Env, engine: Engine, *, groups_per_batch: int, first_group_id: int = 0,
+                 oversample: int = 0, stream: bool = False):
         self.env = env
         self.engine = engine
         self.groups_per_batch = groups_per_batch
@@ -48,72 +63,91 @@ class RolloutWorker:
         game. Streaming: a poll returns as soon as any request finished, so a game moves on
         without waiting for the slowest completion of the round. Either way nothing is in flight
         when this returns (adapter updates happen between batches)."""
-        t0 = time.perf_counter()
+        play = _Play()
+        self._start_groups()
+        while len(self._complete) < self.groups_per_batch or play.in_flight:
+            if len(self._complete) < self.groups_per_batch:  # past it: only drain what is in flight
+                self._submit_waiting(play)
+            self._file_finished(self._advance(play), play)
+        samples = self._take_samples()
+        batch = build_batch(samples, group_advantages(samples))
+        elapsed = time.perf_counter() - play.t0
+        return batch, self._rollout_stats(batch, samples, play, elapsed), self._engine_stats(play, elapsed)
+
+    def _start_groups(self) -> None:
+        """Keep `groups_per_batch + oversample` groups in play (live or complete and waiting)."""
         while len(self._live) + len(self._complete) < self.groups_per_batch + self.oversample:
             self.env.start_group(self.next_group)
             self._live.add(self.next_group)
             self.next_group += 1
-        poll_s: list[float] = []      # one engine poll (barrier: one phase of every live game)
-        request_s: list[float] = []   # per request: submit -> completion handed back
-        group_s: dict = {}            # group key -> seconds until its samples were complete
-        in_flight: dict = {}          # ticket -> (env key, submit time)
-        out_tokens, requests = 0, 0
-        while len(self._complete) < self.groups_per_batch or in_flight:
-            if len(self._complete) < self.groups_per_batch:  # past it: only drain what is in flight
-                keys = {k for k, _ in in_flight.values()}
-                waiting = [(k, r) for k, r in self.env.requests() if k not in keys]
-                if waiting:
-                    now = time.perf_counter()
-                    for ticket, (k, _) in zip(self.engine.submit([r for _, r in waiting]), waiting):
-                        in_flight[ticket] = (k, now)
-                    requests += len(waiting)
-            if not in_flight:
-                finished = self.env.pop_finished()
-                if not finished:
-                    raise RuntimeError(f"env has no requests and {len(self._live)} unfinished groups")
-            else:
-                t = time.perf_counter()
-                done = self.engine.poll(wait_all=not self.stream)
-                now = time.perf_counter()
-                poll_s.append(now - t)
-                answers = {}
-                for ticket, completion in done:
-                    key, t_submit = in_flight.pop(ticket)
-                    answers[key] = completion
-                    request_s.append(now - t_submit)
-                    out_tokens += len(completion.token_ids)
-                self.env.step(answers)
-                finished = self.env.pop_finished()
-            now = time.perf_counter() - t0
-            for s in finished:
-                group_s.setdefault(s.group_key, now)
-                self._complete.setdefault(group_of(s), []).append(s)
-                self._live.discard(group_of(s))
-        gen_time = sum(poll_s)  # time blocked in the engine (host work overlaps it when streaming)
+
+    def _submit_waiting(self, play: _Play) -> None:
+        """Submit every request the env has waiting that is not already in flight."""
+        keys = {k for k, _ in play.in_flight.values()}
+        waiting = [(k, r) for k, r in self.env.requests() if k not in keys]
+        if not waiting:
+            return
+        now = time.perf_counter()
+        for ticket, (k, _) in zip(self.engine.submit([r for _, r in waiting]), waiting):
+            play.in_flight[ticket] = (k, now)
+        play.requests += len(waiting)
+
+    def _advance(self, play: _Play) -> list[Sample]:
+        """Poll the engine and step the env with what it answered -> samples of groups that finished
+        (with nothing in flight, only what the env has finished without the engine)."""
+        if not play.in_flight:
+            finished = self.env.pop_finished()
+            if not finished:
+                raise RuntimeError(f"env has no requests and {len(self._live)} unfinished groups")
+            return finished
+        t = time.perf_counter()
+        done = self.engine.poll(wait_all=not self.stream)
+        now = time.perf_counter()
+        play.poll_s.append(now - t)
+        answers = {}
+        for ticket, completion in done:
+            key, t_submit = play.in_flight.pop(ticket)
+            answers[key] = completion
+            play.request_s.append(now - t_submit)
+            play.out_tokens += len(completion.token_ids)
+        self.env.step(answers)
+        return self.env.pop_finished()
+
+    def _file_finished(self, finished: list[Sample], play: _Play) -> None:
+        now = time.perf_counter() - play.t0
+        for s in finished:
+            play.group_s.setdefault(s.group_key, now)
+            self._complete.setdefault(group_of(s), []).append(s)
+            self._live.discard(group_of(s))
+
+    def _take_samples(self) -> list[Sample]:
+        """The samples of the first `groups_per_batch` complete groups (the rest wait for a later batch)."""
         taken = list(self._complete)[: self.groups_per_batch]
-        samples = [s for g in taken for s in self._complete.pop(g)]
-        advantages = group_advantages(samples)
-        batch = build_batch(samples, advantages)
-        elapsed = time.perf_counter() - t0
-        stats = {
+        return [s for g in taken for s in self._complete.pop(g)]
+
+    def _rollout_stats(self, batch: TrajectoryBatch, samples: list[Sample], play: _Play,
+                       elapsed: float) -> dict[str, float]:
+        return {
             "reward": float(batch.rewards.mean()) if samples else 0.0,
             "samples": float(len(samples)),
-            "polls": float(len(poll_s)),
+            "polls": float(len(play.poll_s)),
             "latency_s": elapsed,
-            "games_per_s": self.groups_per_batch * getattr(self.env, "group_size", 1) / max(elapsed, 1e-9),
-            **percentiles(poll_s, "poll_latency_s"),
-            **percentiles(request_s, "request_latency_s"),
-            **percentiles(list(group_s.values()), "group_latency_s"),
+            "games_per_s": self.groups_per_batch * self.env.group_size / max(elapsed, 1e-9),
+            **percentiles(play.poll_s, "poll_latency_s"),
+            **percentiles(play.request_s, "request_latency_s"),
+            **percentiles(list(play.group_s.values()), "group_latency_s"),
             "groups_carried_over": float(len(self._live) + len(self._complete)),
             **{k: float(v) for k, v in self.env.metrics().items()},
         }
-        # Streamed, the engine (its own process) keeps working while this thread steps the env: its
-        # tokens/s are over the whole collect, and generate_fraction is the share spent blocked in poll.
-        engine_stats = {
-            "out_tokens": float(out_tokens),
-            "out_tokens_per_s": out_tokens / max(elapsed if self.stream else gen_time, 1e-9),
-            "requests_per_call": requests / max(len(poll_s), 1),  # streamed: submissions per poll
+
+    def _engine_stats(self, play: _Play, elapsed: float) -> dict[str, float]:
+        """Streamed, the engine (its own process) keeps working while this thread steps the env: its
+        tokens/s are over the whole collect, and generate_fraction is the share spent blocked in poll."""
+        gen_time = sum(play.poll_s)  # time blocked in the engine (host work overlaps it when streaming)
+        return {
+            "out_tokens": float(play.out_tokens),
+            "out_tokens_per_s": play.out_tokens / max(elapsed if self.stream else gen_time, 1e-9),
+            "requests_per_call": play.requests / max(len(play.poll_s), 1),  # streamed: submissions per poll
             "generate_fraction": gen_time / max(elapsed, 1e-9),
-            **(self.engine.stats() if hasattr(self.engine, "stats") else {}),
+            **self.engine.stats(),
         }
-        return batch, stats, engine_stats

@@ -1,0 +1,178 @@
+"""Every bad input is one clear line and exit code 2 before any process group or model exists.
+
+`CASES` is the catalogue: (id, config file text or None for the shipped cpu-tiny.yaml, overrides,
+text the message must contain). Each runs through `train.configure`, what every rank and
+`--check` run first; `docs/errors.md` lists the same cases with their messages
+(`python scripts/bad_inputs.py` rewrites it).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+TINY = os.path.join(REPO, "configs", "cpu-tiny.yaml")
+
+CASES = [
+    # the file itself
+    ("missing file", "<missing>", [], "config file not found"),
+    ("corrupt YAML", "model: [unclosed\n", [], "YAML"),
+    ("binary file", b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", [], "not a UTF-8 text file"),
+    ("YAML list at the top", "- a\n- b\n", [], "mapping"),
+    ("unknown section", "modle:\n  shape: tiny\n", [], "did you mean 'model'"),
+    ("unknown key", "model:\n  shap: tiny\n", [], "did you mean 'model.shape'"),
+    ("section not a mapping", "model: 3\n", [], "model"),
+    ("unknown override key", None, ["--learner.lrr=1"], "did you mean 'learner.lr'"),
+    ("override without section", None, ["--lr=1"], "--section.key=value"),
+    ("override without value", None, ["--learner.lr"], "no value"),
+    ("bare argument", None, ["learner.lr=1"], "--section.key=value"),
+    ("wrong type int", None, ["--learner.num_steps=ten"], "learner.num_steps"),
+    ("wrong type bool", None, ["--checkpoint.enabled=maybe"], "checkpoint.enabled"),
+    # model
+    ("model dir missing", None, ["--model.path=/nonexistent/model"], "model.path"),
+    ("model dir without config.json", None, ["--model.path=<emptydir>"], "config.json"),
+    ("model config.json invalid", None, ["--model.path=<badmodel>"], "config.json does not parse"),
+    ("unknown shape", None, ["--model.shape=llama-70b"], "model.shape"),
+    ("unknown dtype", None, ["--model.dtype=float8"], "model.dtype"),
+    # lora
+    ("lora rank 0", None, ["--lora.rank=0"], "lora.rank"),
+    ("lora rank negative", None, ["--lora.rank=-4"], "lora.rank"),
+    ("lora alpha 0", None, ["--lora.alpha=0"], "lora.alpha"),
+    ("lora alpha nan", None, ["--lora.alpha=nan"], "lora.alpha"),
+    ("lora dropout 1.5", None, ["--lora.dropout=1.5"], "lora.dropout"),
+    ("lora dropout negative", None, ["--lora.dropout=-0.1"], "lora.dropout"),
+    ("lora unknown target", None, ["--lora.target_modules=no_such_proj"], "did you mean"),
+    ("lora no targets", None, ["--lora.target_modules=[]"], "lora.target_modules"),
+    # engine
+    ("engine kind", None, ["--engine.kind=tgi"], "engine.kind"),
+    ("temperature nan", None, ["--engine.temperature=.nan"], "engine.temperature"),
+    ("temperature inf", None, ["--engine.temperature=inf"], "engine.temperature"),
+    ("temperature 0", None, ["--engine.temperature=0"], "engine.temperature"),
+    ("temperature negative", None, ["--engine.temperature=-1"], "engine.temperature"),
+    ("max_new_tokens 0", None, ["--engine.max_new_tokens=0"], "engine.max_new_tokens"),
+    ("max_new_tokens negative", None, ["--engine.max_new_tokens=-1"], "engine.max_new_tokens"),
+    ("gpu memory over 1", None, ["--engine.gpu_memory_utilization=1.5"], "engine.gpu_memory_utilization"),
+    ("gpu memory 0", None, ["--engine.gpu_memory_utilization=0"], "engine.gpu_memory_utilization"),
+    ("max_num_seqs 0", None, ["--engine.max_num_seqs=0"], "engine.max_num_seqs"),
+    ("max_model_len negative", None, ["--engine.max_model_len=-5"], "engine.max_model_len"),
+    ("lora mode", None, ["--engine.lora_mode=fused"], "engine.lora_mode"),
+    ("cudagraph mode", None, ["--engine.cudagraph_mode=SOMETIMES"], "engine.cudagraph_mode"),
+    ("max_capture_tokens negative", None, ["--engine.max_capture_tokens=-1"], "engine.max_capture_tokens"),
+    ("batched tokens negative", None, ["--engine.max_num_batched_tokens=-1"], "engine.max_num_batched_tokens"),
+    # env
+    ("env name", None, ["--env.name=chess"], "env.name"),
+    ("max_operand negative", None, ["--env.max_operand=-1"], "env.max_operand"),
+    ("horizon 0", None, ["--env.name=diplomacy", "--env.horizon_years=0"], "env.horizon_years"),
+    ("stall years 0", None, ["--env.name=diplomacy", "--env.stall_years=0"], "env.stall_years"),
+    ("state cache missing", None, ["--env.name=diplomacy", "--env.state_cache=/nonexistent.jsonl"],
+     "env.state_cache"),
+    ("state cache garbage", None, ["--env.name=diplomacy", "--env.state_cache=<garbage>"], "env.state_cache"),
+    ("reward target nan", None, ["--env.reward_target=nan"], "env.reward_target"),
+    # rollout
+    ("group size 1", None, ["--rollout.group_size=1", "--rollout.batch_size=16"], "rollout.group_size"),
+    ("batch not divisible", None, ["--rollout.batch_size=130"], "rollout.batch_size"),
+    ("groups per step 0", None, ["--rollout.groups_per_step=0"], "rollout.groups_per_step"),
+    ("oversample negative", None, ["--rollout.oversample_groups=-1"], "rollout.oversample_groups"),
+    ("oversample with lag 1", None, ["--rollout.oversample_groups=2"], "learner.max_policy_lag"),
+    # learner
+    ("lr negative", None, ["--learner.lr=-1"], "learner.lr"),
+    ("lr nan", None, ["--learner.lr=nan"], "learner.lr"),
+    ("lr 0", None, ["--learner.lr=0"], "learner.lr"),
+    ("weight decay negative", None, ["--learner.weight_decay=-0.1"], "learner.weight_decay"),
+    ("max grad norm negative", None, ["--learner.max_grad_norm=-1"], "learner.max_grad_norm"),
+    ("num steps 0", None, ["--learner.num_steps=0"], "learner.num_steps"),
+    ("micro batch tokens 0", None, ["--learner.micro_batch_tokens=0"], "learner.micro_batch_tokens"),
+    ("max policy lag negative", None, ["--learner.max_policy_lag=-1"], "learner.max_policy_lag"),
+    ("attention", None, ["--learner.attention=flash9"], "learner.attention"),
+    # loss
+    ("eps low negative", None, ["--loss.eps_low=-0.1"], "loss.eps_low"),
+    ("eps high nan", None, ["--loss.eps_high=nan"], "loss.eps_high"),
+    ("beta negative", None, ["--loss.beta=-1"], "loss.beta"),
+    ("norm", None, ["--loss.norm=l2"], "loss.norm"),
+    ("impl", None, ["--loss.impl=cuda"], "loss.impl"),
+    # sync, topology
+    ("sync backend", None, ["--sync.backend=mpi"], "sync.backend"),
+    ("timeout 0", None, ["--topology.timeout_s=0"], "topology.timeout_s"),
+    ("too many inference ranks", None, ["--topology.num_inference=5"], "topology"),
+    ("no learner", None, ["--topology.num_inference=2"], "topology"),
+    # metrics
+    ("log every 0", None, ["--metrics.log_every=0"], "metrics.log_every"),
+    ("run dir unwritable", None, ["--metrics.run_dir=/proc/colocate-run"], "metrics.run_dir"),
+    ("run dir under a file", None, ["--metrics.run_dir=<file>/run"], "metrics.run_dir"),
+    ("nvml interval negative", None, ["--metrics.nvml_interval_s=-1"], "metrics.nvml_interval_s"),
+    ("stall timeout negative", None, ["--metrics.stall_timeout_s=-1"], "metrics.stall_timeout_s"),
+    ("max nonfinite 0", None, ["--metrics.max_nonfinite_steps=0"], "metrics.max_nonfinite_steps"),
+    ("peak tflops 0", None, ["--metrics.peak_tflops=0"], "metrics.peak_tflops"),
+    ("profile active 0", None, ["--metrics.profile=true", "--metrics.profile_active=0"], "metrics.profile_active"),
+    # checkpoint
+    ("checkpoint every negative", None, ["--checkpoint.every=-1"], "checkpoint.every"),
+    ("checkpoint keep negative", None, ["--checkpoint.keep=-1"], "checkpoint.keep"),
+    ("resume dir missing", None, ["--checkpoint.resume=/nonexistent/step-000001"], "does not exist"),
+]
+
+
+def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
+    """Write the case's config file and fixtures; -> (config path, overrides with paths filled in)."""
+    if text == "<missing>":
+        path = str(tmp_path / "missing.yaml")
+    elif text is None:
+        path = TINY
+    else:
+        path = str(tmp_path / "config.yaml")
+        with open(path, "wb") as f:
+            f.write(text if isinstance(text, bytes) else text.encode())
+    (tmp_path / "emptydir").mkdir(exist_ok=True)
+    (tmp_path / "badmodel").mkdir(exist_ok=True)
+    (tmp_path / "badmodel" / "config.json").write_text("{not json")
+    (tmp_path / "garbage.jsonl").write_text("this is not a saved game\n")
+    (tmp_path / "afile").write_text("x")
+    fill = {"<emptydir>": str(tmp_path / "emptydir"), "<badmodel>": str(tmp_path / "badmodel"),
+            "<garbage>": str(tmp_path / "garbage.jsonl"), "<file>": str(tmp_path / "afile")}
+    out = []
+    for o in overrides:
+        for k, v in fill.items():
+            o = o.replace(k, v)
+        out.append(o)
+    return path, out
+
+
+def run_case(path: str, overrides: list[str], tmp_path, monkeypatch, capsys) -> tuple[int, str]:
+    from colocate.train import configure
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    argv = ["--config", path, f"--metrics.run_dir={tmp_path / 'run'}", f"--model.cache_dir={tmp_path / 'cache'}",
+            *overrides]
+    with pytest.raises(SystemExit) as exit_info:
+        configure(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,overrides,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(text, overrides, expected, tmp_path, monkeypatch, capsys):
+    path, overrides = materialize(text, overrides, tmp_path)
+    code, err = run_case(path, overrides, tmp_path, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("colocate: ") and expected in lines[0], lines[0]
+
+
+def test_the_shipped_configs_pass_the_check(tmp_path):
+    for name, world in (("cpu-tiny.yaml", 2), ("cpu-diplomacy-tiny.yaml", 2)):
+        out = subprocess.run([sys.executable, "-m", "colocate.train", "--config", os.path.join("configs", name),
+                              "--check", f"--world-size={world}", f"--metrics.run_dir={tmp_path / 'run'}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+        assert out.returncode == 0 and "learner:" in out.stdout, out.stderr
+        assert not os.path.exists(tmp_path / "run")  # a check writes nothing
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_line_is_printed_once(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "colocate.train",
+           "--config", "configs/cpu-tiny.yaml", "--engine.temperature=.nan", f"--metrics.run_dir={tmp_path}"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0  # torchrun's own code: 1 whatever the ranks returned
+    assert (out.stdout + out.stderr).count("colocate: config error: engine.temperature") == 1, out.stderr
+    assert "exitcode  : 2" in out.stderr, out.stderr[-2000:]

@@ -1,0 +1,72 @@
+"""Several nodes, simulated: two torchrun agents on this machine, each one node of one process,
+meeting through a c10d rendezvous on 127.0.0.1 (what `srun torchrun` does on a cluster)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, free_port
+
+
+def start_nodes(tmp_path, run_dir, extra: list[str]) -> list[subprocess.Popen]:
+    endpoint, run_id = f"127.0.0.1:{free_port()}", f"mn{os.getpid()}"
+    nodes = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+               "-m", "colocate.train", "--config", "configs/cpu-tiny.yaml", "--topology.placement=by_node",
+               f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}", *extra]
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    return nodes
+
+
+def role_nodes(outputs: list[str]) -> dict[str, int]:
+    """{role: node} from each role's start-up line."""
+    found = {}
+    for out in outputs:
+        for role, node in re.findall(r"colocate: (inference|learner) rank 0 is global rank \d+ on node (\d+)", out):
+            found[role] = int(node)
+    return found
+
+
+@pytest.mark.slow
+def test_two_nodes_train_to_the_target_with_roles_by_node(tmp_path):
+    run = tmp_path / "run"
+    nodes = start_nodes(tmp_path, run, [])
+    outputs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert role_nodes(outputs) == {"inference": 0, "learner": 1}, outputs
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["reached_target"] and summary["world_size"] == 2, summary
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_node_stops_both_with_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    nodes = start_nodes(tmp_path, run, ["--learner.num_steps=5000", "--checkpoint.enabled=true"])
+    learner = None
+    deadline = time.time() + 300
+    lines: dict[int, list[str]] = {0: [], 1: []}
+    while learner is None and time.time() < deadline:  # the node whose learner is under way
+        for i, p in enumerate(nodes):
+            line = p.stdout.readline()
+            lines[i].append(line)
+            if "step 10/5000" in line:
+                learner = i
+                break
+    assert learner is not None, lines
+    other = 1 - learner
+    os.killpg(nodes[other].pid, signal.SIGTERM)  # the inference node's agent, as a scheduler would
+    outputs = ["".join(lines[i]) + nodes[i].communicate(timeout=120)[0] for i in (0, 1)]
+    assert "stop requested" in outputs[learner] and "checkpoint written" in outputs[learner], outputs[learner][-3000:]
+    assert nodes[learner].returncode == 0, outputs[learner][-3000:]
+    assert "failed" not in outputs[learner], outputs[learner][-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert 10 <= summary["steps"] < 5000
+    assert any(n.startswith("step-") for n in os.listdir(run / "checkpoints"))

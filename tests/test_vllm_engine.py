@@ -1,0 +1,214 @@
+"""`VLLMEngine`'s host side without vLLM: output conversion (log-probs, replayed `allowed_ids`, the
+appended EOS, answers vLLM cut short), SamplingParams fields, what reaches `vllm.LLM` (a stand-in
+vllm module records it), the spawn environment, the adapter layout, and streaming over a fake
+`LLM`. The GPU tests are tests/test_vllm_gpu.py."""
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from colocate.constraint import Constraint
+from colocate.data import Request
+from colocate.engine.vllm import (REPO_ROOT, completion_from_output, engine_environment, lora_spec_for,
+                                  sampled_logprobs, sampling_kwargs, visible_device)
+from colocate.engine.vllm_settings import capture_sizes, engine_settings
+from colocate.wire import LoraSpec
+from tests.test_vllm_grammar import EOS, prefix_constraint
+
+
+# ------------------------------------------------------------------------------- outputs
+
+def fake_output(ids, lps, reason="stop", flat=True):
+    if flat:
+        logprobs = SimpleNamespace(logprobs=list(lps))
+    else:
+        logprobs = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)]
+    return SimpleNamespace(token_ids=list(ids), logprobs=logprobs, finish_reason=reason)
+
+
+def test_sampled_logprobs_flat_and_per_position():
+    assert sampled_logprobs(fake_output([5, 6], [-0.5, -1.0])) == [-0.5, -1.0]
+    assert sampled_logprobs(fake_output([5, 6], [-0.5, -1.0], flat=False)) == [-0.5, -1.0]
+
+
+def test_completion_keeps_sampled_eos_and_replays_allowed():
+    c = prefix_constraint()
+    req = Request(prompt_ids=[2, 3], max_new_tokens=8, constraint=c)
+    comp, counts = completion_from_output(fake_output([7, 8, 9, 10, 12, EOS], [-1.1, 0, 0, 0, -0.7, 0]), req, 4, EOS)
+    assert comp.token_ids[-1] == EOS and comp.version == 4 and comp.finish_reason == "stop"
+    assert comp.allowed_ids == [[5, 7], [8], [9], [10], [11, 12], [EOS]]
+    assert counts == {"walk_failures": 0, "eos_appended": 0, "engine_errors": 0}
+
+
+def test_completion_appends_forced_eos_when_vllm_omits_it():
+    c = prefix_constraint()
+    req = Request(prompt_ids=[2], max_new_tokens=8, constraint=c)
+    comp, counts = completion_from_output(fake_output([5, 10, 11], [-0.3, -0.2, -0.6]), req, 0, EOS)
+    assert comp.token_ids == [5, 10, 11, EOS] and comp.logprobs[-1] == 0.0 and comp.allowed_ids[-1] == [EOS]
+    assert counts["eos_appended"] == 1
+
+
+def test_completion_length_and_walk_failure_and_unconstrained():
+    c = prefix_constraint()
+    req = Request(prompt_ids=[2], max_new_tokens=2, constraint=c)
+    comp, counts = completion_from_output(fake_output([7, 8], [-1, 0], reason="length"), req, 0, EOS)
+    assert comp.finish_reason == "length" and len(comp.allowed_ids) == 2 and counts["walk_failures"] == 0
+    comp, counts = completion_from_output(fake_output([7, 3, 9], [-1, -2, -3]), req, 0, EOS)
+    assert counts["walk_failures"] == 1 and comp.allowed_ids == [[5, 7], [3], [9]]
+    # vLLM cut the answer short (e.g. its grammar refused a token, which it appended): counted, kept
+    # up to the last allowed token, reported as truncated
+    comp, counts = completion_from_output(fake_output([7, 8, 3], [-1, 0, -2], reason="error"), req, 0, EOS)
+    assert counts == {"walk_failures": 0, "eos_appended": 0, "engine_errors": 1}
+    assert comp.token_ids == [7, 8] and comp.logprobs == [-1, 0] and comp.allowed_ids == [[5, 7], [8]]
+    assert comp.finish_reason == "length"
+    free = Request(prompt_ids=[2], max_new_tokens=3)
+    comp, _ = completion_from_output(fake_output([4, 4, EOS], [-1, -1, -1]), free, 2, EOS)
+    assert comp.allowed_ids is None and comp.token_ids == [4, 4, EOS]
+
+
+def test_sampling_kwargs():
+    kw = sampling_kwargs(Request(prompt_ids=[1], max_new_tokens=9, temperature=0.7), EOS)
+    assert kw == dict(n=1, temperature=0.7, max_tokens=9, logprobs=0, flat_logprobs=True, detokenize=False)
+    only_eos = sampling_kwargs(Request(prompt_ids=[1], max_new_tokens=9, constraint=Constraint([], EOS)), EOS)
+    assert only_eos["max_tokens"] == 1 and only_eos["allowed_token_ids"] == [EOS]
+
+
+# ------------------------------------------------------------------------------- start-up
+
+def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg):
+    """config -> engine_settings -> VLLMEngine -> the kwargs `vllm.LLM` receives (a stand-in vllm
+    module records them): CUDA graphs up to the step's token budget, the configured graph mode."""
+    import dataclasses
+    import sys
+    import types
+    from colocate.engine.vllm import VLLMEngine
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def collective_rpc(self, method, args=()):
+            return [{"method": method}]
+
+    lora_request = types.ModuleType("vllm.lora.request")
+    lora_request.LoRARequest = lambda **kw: SimpleNamespace(**kw)
+    for name, module in (("vllm", types.ModuleType("vllm")), ("vllm.lora", types.ModuleType("vllm.lora")),
+                         ("vllm.lora.request", lora_request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["vllm"].LLM = LLM
+    cfg = dataclasses.replace(tiny_cfg, engine=dataclasses.replace(
+        tiny_cfg.engine, max_num_batched_tokens=1024, max_capture_tokens=2048, cudagraph_mode="FULL"))
+    settings = engine_settings(cfg, num_inference=2, seed=0)
+    spec = LoraSpec.of({"a": torch.zeros(2, 3)})
+    engine = VLLMEngine("/nowhere", spec, eos_id=2, **settings)
+    compilation = seen["compilation_config"]
+    assert compilation["cudagraph_mode"] == "FULL" and seen["max_num_batched_tokens"] == 1024
+    assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings["max_num_seqs"], 1024)
+    assert compilation["cudagraph_capture_sizes"][-1] == 1024 and engine.slot_info["method"] == "colocate_init_adapter"
+    # max_capture_tokens 0: decode sizes only
+    VLLMEngine("/nowhere", spec, eos_id=2, **{**settings, "max_capture_tokens": 0, "cudagraph_mode": ""})
+    assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings["max_num_seqs"])}
+
+
+def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert visible_device(1) == "5"
+    with engine_environment(2):
+        assert "RANK" not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == REPO_ROOT  # the worker extension imports colocate
+    assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+
+
+def test_lora_spec_for_matches_the_learners(tiny_cfg, tiny_tokenizer):
+    from colocate.models import lora_state
+    from colocate.train import build_policy
+    spec = lora_spec_for(tiny_cfg, tiny_tokenizer)
+    assert spec == LoraSpec.of(lora_state(build_policy(tiny_cfg, tiny_tokenizer, torch.device("cpu"))))
+
+
+# ------------------------------------------------------------------------------- streaming
+
+class FakeLLM:
+    """`LLM.enqueue` + `llm_engine.step()` as vLLM 0.25 behaves: enqueue returns internal ids
+    "<n>-<random>", outputs carry "<n>"; each step finishes a random subset (FINAL_ONLY outputs)."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.counter = 100
+        self.running: dict[str, list[int]] = {}
+        self.llm_engine = SimpleNamespace(step=self._step, has_unfinished_requests=lambda: bool(self.running))
+
+    def enqueue(self, prompts, params, lora_request=None, use_tqdm=True):
+        ids = []
+        for p in prompts:
+            self.running[str(self.counter)] = p["prompt_token_ids"]
+            ids.append(f"{self.counter}-{self.rng.getrandbits(32):08x}")
+            self.counter += 1
+        return ids
+
+    def _step(self):
+        names = list(self.running)
+        self.rng.shuffle(names)
+        out = []
+        for name in names[:self.rng.randint(0, 3)]:
+            prompt = self.running.pop(name)
+            tok = prompt[-1] + 1  # the "sampled" token names the prompt it answers
+            result = SimpleNamespace(token_ids=[tok, EOS], logprobs=SimpleNamespace(logprobs=[-0.5, -0.1]),
+                                     finish_reason="stop")
+            out.append(SimpleNamespace(request_id=name, finished=True, outputs=[result], num_cached_tokens=1))
+        return out
+
+
+def _streaming_engine(monkeypatch, seed=0):
+    from colocate.engine.vllm import VLLMEngine
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the host side only
+    engine.llm, engine.version, engine.eos_id, engine.grammar_mode = FakeLLM(seed), 3, EOS, "tokens"
+    engine.lora_mode, engine._lora_request = "slot", None
+    engine._pending, engine._next_ticket, engine._busy_since = {}, 0, 0.0
+    engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "engine_errors", "host_s", "generate_s",
+                                     "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps"), 0)
+    monkeypatch.setattr(engine, "_params", lambda requests: ([{"prompt_token_ids": r.prompt_ids} for r in requests],
+                                                             [None] * len(requests)))
+    return engine
+
+
+def test_vllm_submit_poll_maps_outputs_to_tickets(monkeypatch):
+    engine = _streaming_engine(monkeypatch)
+    requests = [Request(prompt_ids=[7, 10 * i], max_new_tokens=2) for i in range(12)]
+    tickets = engine.submit(requests[:5]) + engine.submit(requests[5:])
+    assert tickets == list(range(12))
+    got = {}
+    while len(got) < 12:
+        done = engine.poll()
+        assert done  # a poll returns at least one completion while any is pending
+        got.update(done)
+    assert engine.poll() == [] and not engine._pending
+    for t, r in zip(tickets, requests):
+        assert got[t].token_ids == [r.prompt_ids[-1] + 1, EOS] and got[t].version == 3
+    assert engine.counters["requests"] == 12 and engine.counters["out_tokens"] == 24
+    assert engine.counters["steps"] >= 4  # at most 3 finish per fake step
+
+
+def test_vllm_poll_wait_all_and_no_update_while_streaming(monkeypatch):
+    engine = _streaming_engine(monkeypatch, seed=1)
+    engine.submit([Request(prompt_ids=[1, i], max_new_tokens=2) for i in range(8)])
+    for update in (lambda: engine._set_version(4), lambda: engine.receive_lora(),
+                   lambda: engine.generate([Request(prompt_ids=[1], max_new_tokens=1)])):
+        with pytest.raises(RuntimeError, match="in flight"):
+            update()  # weights must not change under running requests (checked before any RPC)
+    assert len(engine.poll(wait_all=True)) == 8 and not engine._pending
+    assert engine.counters["generate_s"] > 0  # first submit -> last answer
+
+
+def test_vllm_poll_refuses_requests_vllm_does_not_know(monkeypatch):
+    engine = _streaming_engine(monkeypatch, seed=2)
+    engine.submit([Request(prompt_ids=[1, 2], max_new_tokens=2)])
+    engine.llm.running.clear()  # lost inside vLLM: step() would block forever
+    with pytest.raises(RuntimeError, match="unknown to vLLM"):
+        engine.poll()

@@ -1,0 +1,59 @@
+"""What `VLLMEngine` passes to `vllm.LLM` (`engine/vllm_settings.py`): CUDA-graph capture sizes,
+the compilation config, engine sizes from config and workload, the profiler's settings, and the
+arguments refused before vLLM starts. Pure functions, no vLLM."""
+import os
+
+import pytest
+
+from colocate.engine.vllm_settings import capture_sizes, engine_settings
+
+
+def test_capture_sizes_cover_the_batch():
+    assert capture_sizes(512)[:5] == [1, 2, 4, 8, 16] and capture_sizes(512)[-1] == 512
+    assert capture_sizes(100)[-1] == 100 and capture_sizes(3) == [1, 2, 3]
+    # mixed steps: every 64 tokens past the decode sizes, up to the step's token budget
+    sizes = capture_sizes(224, 1024)
+    assert sizes == sorted(set(sizes)) and sizes[:15] == capture_sizes(224)
+    assert sizes[15:] == list(range(256, 1025, 64))
+    assert capture_sizes(224, 1000)[-2:] == [960, 1000] and capture_sizes(224, 100) == capture_sizes(224)
+
+
+def test_compilation_settings_capture_mixed_steps_up_to_the_token_budget():
+    from colocate.engine.vllm_settings import compilation_settings
+    # the streaming preset: 224 sequences, 1,024-token steps -> graphs up to 1,024 tokens
+    assert compilation_settings(224, 1024, 2048)["cudagraph_capture_sizes"][-1] == 1024
+    # vLLM's default budget (0): up to max_capture_tokens; 0 keeps decode sizes only
+    assert compilation_settings(224, 0, 2048)["cudagraph_capture_sizes"][-1] == 2048
+    assert compilation_settings(224, 1024, 0)["cudagraph_capture_sizes"] == capture_sizes(224)
+    assert "cudagraph_mode" not in compilation_settings(8, 0, 64)  # vLLM's default mode
+    assert compilation_settings(8, 0, 64, "FULL")["cudagraph_mode"] == "FULL"
+    with pytest.raises(ValueError, match="cudagraph_mode='full'"):
+        compilation_settings(8, 0, 64, "full")
+
+
+def test_engine_settings_from_config(tiny_cfg):
+    s = engine_settings(tiny_cfg, num_inference=2, seed=5)
+    assert s["max_num_seqs"] == (16 // 2) * 8 and s["max_model_len"] == 128
+    assert s["lora_rank"] == tiny_cfg.lora.rank and s["seed"] == 5 and s["lora_mode"] == "slot"
+    assert s["validate_grammars"] is True  # vLLM's own check stays on unless the config turns it off
+    # 16 groups on 3 ranks: 6, 5, 5; the engine is sized for the largest share
+    assert engine_settings(tiny_cfg, num_inference=3, seed=0)["max_num_seqs"] == 6 * 8
+
+
+def test_engine_args_refused_before_vllm_starts():
+    from colocate.engine.vllm_settings import check_engine_args
+    check_engine_args("slot")
+    check_engine_args("merged")
+    with pytest.raises(ValueError, match="lora_mode"):
+        check_engine_args("lora")
+
+
+def test_profiler_settings_trace_the_engine_core_for_a_bounded_number_of_steps():
+    from colocate.engine.vllm_settings import profiler_settings
+    s = profiler_settings("profiles/run/inference-engine", 40)
+    assert s["profiler"] == "torch" and os.path.isabs(s["torch_profiler_dir"])  # vLLM requires an absolute path
+    assert s["torch_profiler_dir"].endswith(os.path.join("profiles", "run", "inference-engine"))
+    assert s["max_iterations"] == 40 and s["torch_profiler_use_gzip"] and not s["torch_profiler_with_stack"]
+    assert not s["torch_profiler_dump_cuda_time_total"]  # no table built mid-batch when the window ends
+    with pytest.raises(ValueError, match=">= 1"):
+        profiler_settings("d", 0)  # vLLM would read 0 as "no limit"
