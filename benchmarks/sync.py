@@ -52,7 +52,7 @@ def timed_update(s: Session, probe: list[Request]) -> dict:
     t0 = time.perf_counter()                                   # learner step end
     s.sender.send(s.gather(), s.version, wait=False)
     t1 = time.perf_counter()
-    got = s.engine.receive_lora()
+    got = s.receive()
     t2 = time.perf_counter()
     (c,) = s.engine.generate(probe)
     t3 = time.perf_counter()

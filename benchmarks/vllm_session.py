@@ -3,7 +3,9 @@ base of the vLLM benchmark modules (it imports none of them; they import it).
 
 Two GPUs, one process, the same code paths as a torchrun job: the learner side (peft policy,
 `NcclSender`) on cuda:0 in this process; `VLLMEngine` with its engine core in a child process on
-GPU 1, joined to the learner by the stateless NCCL group. An engine start costs ~1 minute, so one
+GPU 1, joined to the learner by the stateless NCCL group. `--one-gpu`: the engine shares cuda:0
+and the adapter goes by CUDA IPC (`LocalIpcSender`, the one-GPU channel of a torchrun job less its
+gloo header message, which is handed over in-process here). An engine start costs ~1 minute, so one
 session serves every measurement of a shape. Each measurement is a *part* (`Part`), defined in its
 own module and handed in by the profile that runs it:
 
@@ -120,15 +122,43 @@ class Session:
         self.version += 1
 
     def push(self, *, with_checksum: bool = False, verify: bool = False) -> dict:
-        """Learner -> engine over NCCL, as train.py does (the send is enqueued, the worker completes it)."""
-        sender = self.sender
-        if with_checksum:
-            from colocate.engine.vllm_channel import NcclSender
-            sender = NcclSender(self.sender.group, self.spec, with_checksum=True)
-        sender.send(self.gather(), self.version)
-        got = self.engine.receive_lora(verify=verify)
+        """Learner -> engine as train.py does (NCCL: the send is enqueued, the worker completes it;
+        IPC: a copy into the shared buffer, then the worker copies it out)."""
+        self.sender.with_checksum = with_checksum
+        try:
+            self.sender.send(self.gather(), self.version)
+        finally:
+            self.sender.with_checksum = False
+        got = self.receive(verify=verify)
         sync_learner()
         return got
+
+    def receive(self, verify: bool = False) -> dict:
+        """The engine takes the update just sent (with the IPC header when the channel is IPC)."""
+        return self.engine.receive_lora(verify=verify, header=self.sender.header_list())
+
+
+class LocalIpcSender:
+    """The one-GPU channel (`channel.IpcSender`) with both ends in this process: the buffer is
+    shared with the engine's worker once, each send is a device copy into it, and the [4] header
+    goes to `receive_lora` directly instead of over a gloo group."""
+
+    def __init__(self, engine, spec, device):
+        from colocate.wire import share_cuda_buffer
+        self.spec, self.with_checksum, self.header = spec, False, None
+        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=device)
+        engine.attach_ipc(share_cuda_buffer(self.buffer))
+
+    def send(self, flat, version: int, flags: int = 0, *, wait: bool = False) -> float:
+        from colocate.wire import adapter_header, flatten_lora
+        t0 = time.perf_counter()
+        self.buffer.copy_(flatten_lora(flat, self.spec))
+        sync_learner()  # the bytes are in the buffer before the worker reads them
+        self.header = adapter_header(version, self.spec, self.buffer if self.with_checksum else None, flags).tolist()
+        return time.perf_counter() - t0
+
+    def header_list(self) -> list | None:
+        return self.header
 
 
 Part = Callable[[Session, float], dict]
@@ -166,13 +196,14 @@ def connect_sender(engine, spec):
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
                  cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 trace_dir: str = "", compile_kw: dict | None = None) -> Session:
+                 trace_dir: str = "", compile_kw: dict | None = None, one_gpu: bool = False) -> Session:
     from colocate.config import load_config
     from colocate.engine.model_dir import ensure_model_dir
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
     from colocate.learner.fsdp import LoraGather
-    if torch.device(LEARNER).type == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit("the vLLM session needs 2 GPUs (learner on cuda:0, engine on GPU 1) and vllm")
+    if torch.device(LEARNER).type == "cuda" and torch.cuda.device_count() < 2 and not one_gpu:
+        raise SystemExit("the vLLM session needs 2 GPUs (learner on cuda:0, engine on GPU 1; --one-gpu: both "
+                         "on cuda:0) and vllm")
     cache_dir = cache_dir or os.path.join(tempfile.gettempdir(), "colocate-models")
     cfg = load_config(None, {"model": {"shape": SHAPES[shape], "dtype": "bfloat16", "cache_dir": cache_dir},
                              "lora": {"rank": 16, "alpha": 32.0}, "env": {"name": "diplomacy"}})
@@ -186,13 +217,15 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     log(f"{shape}: policy on {LEARNER}, model dir {model_dir} ({figures['setup/policy_and_model_dir_s']:.0f}s)")
     engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras, local_rank=1,
+                        lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras,
+                        gpu=0 if one_gpu else 1,
                         lora_mode=lora_mode, async_scheduling=async_scheduling,
                         profile_dir=trace_dir, profile_steps=TRACE_STEPS, **(compile_kw or {}))
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
-    session = Session(shape, cfg, tokenizer, policy, spec, engine, connect_sender(engine, spec), model_dir,
-                      figures, gather=LoraGather(policy))
+    sender = LocalIpcSender(engine, spec, LEARNER) if one_gpu else connect_sender(engine, spec)
+    session = Session(shape, cfg, tokenizer, policy, spec, engine, sender, model_dir, figures,
+                      gather=LoraGather(policy))
     if session.gather.spec != spec:
         raise RuntimeError("the policy's adapter layout differs from the engine's LoraSpec")
     session.push()  # version 0 = the learner's initial adapter (non-zero B)
@@ -222,14 +255,14 @@ def run_parts(s: Session, parts: dict[str, Part], figures: dict, deadline: float
 
 def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, num_seqs: int = 512,
                 lora_mode: str = "slot", async_scheduling: bool | None = None, trace: Part | None = None,
-                trace_dir: str = "", compile_kw: dict | None = None) -> dict:
+                trace_dir: str = "", compile_kw: dict | None = None, one_gpu: bool = False) -> dict:
     """Open one engine for `shape`, run `parts` in their order (of priority), then `trace` when
     `trace_dir` is set (last: vLLM's engine stays slower after its profiler window)."""
     deadline = time.time() + budget_s
-    # merged keeps a copy of the adapted base weights on the engine's GPU: leave room for it
-    s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode,
-                     gpu_memory_utilization=0.85 if lora_mode == "slot" else 0.75, async_scheduling=async_scheduling,
-                     trace_dir=trace_dir, compile_kw=compile_kw)
+    # merged keeps a copy of the adapted base weights; one GPU also holds the learner's policy
+    share = (0.85 if lora_mode == "slot" else 0.75) - (0.4 if one_gpu else 0.0)
+    s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode, gpu_memory_utilization=share,
+                     async_scheduling=async_scheduling, trace_dir=trace_dir, compile_kw=compile_kw, one_gpu=one_gpu)
     figures = dict(s.figures)
     figures["engine/compilation"] = dict(compile_kw or {})
     figures["engine/lora_mode"] = lora_mode
@@ -264,6 +297,8 @@ def add_session_args(parser, *, others: str) -> None:
                         help="engine.cudagraph_mode (default: vLLM's FULL_AND_PIECEWISE)")
     parser.add_argument("--max-capture-tokens", type=int, default=2048,
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
+    parser.add_argument("--one-gpu", action="store_true",
+                        help="the engine shares cuda:0 with the learner; the adapter goes by CUDA IPC")
     parser.add_argument("--trace-dir", default="",
                         help="sync profile: after the parts, trace vLLM's engine core over 5 updates, each with its "
                              "first token, into this folder; the record gets each trace's summary")
@@ -286,7 +321,7 @@ def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: 
                           async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                           trace=trace, trace_dir=args.trace_dir,
                           compile_kw={"cudagraph_mode": args.cudagraph_mode,
-                                      "max_capture_tokens": args.max_capture_tokens})
+                                      "max_capture_tokens": args.max_capture_tokens}, one_gpu=args.one_gpu)
     return split(figures)
 
 

@@ -11,6 +11,11 @@ Implementations, chosen by the composition root (`train.py`) from the engine kin
   * `BroadcastSender` / `BroadcastReceiver` (here): two torch.distributed broadcasts on the sync
     group (header, then the flat buffer; `colocate.wire`), then `engine.load_lora`. For engines
     that live in the inference rank's own process: the HF reference engine (gloo on CPU).
+  * `IpcSender` / `IpcReceiver` (here), for roles that share one GPU (NCCL refuses two ranks of
+    one communicator on one device): learner rank 0 shares one flat CUDA buffer with every engine
+    once (CUDA IPC, `wire.share_cuda_buffer`); an update is a device copy into it, then the header
+    on the gloo sync group; the engine copies it into its adapter and answers with a barrier, which
+    the learner waits for before it overwrites the buffer (`wait_sent`). No bytes leave the GPU.
   * `engine/vllm_channel.py`: vLLM runs its engine core in a child process outside the torchrun
     world, so learner rank 0 broadcasts on a stateless NCCL group the vLLM workers joined, and the
     worker applies the update in place.
@@ -23,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from colocate.wire import (ADAPTER_HEADER_NUMEL, LoraSpec, RunFlags, adapter_header, checksum, flatten_lora,
-                           parse_adapter_header, unflatten_lora)
+from colocate.wire import (ADAPTER_HEADER_NUMEL, LoraSpec, RunFlags, adapter_header, broadcast_json, checksum,
+                           flatten_lora, open_cuda_buffer, parse_adapter_header, share_cuda_buffer, unflatten_lora)
 
 
 @dataclass(frozen=True)
@@ -100,4 +105,63 @@ class BroadcastReceiver(AdapterReceiver):
             if live != head.checksum:
                 raise RuntimeError(f"adapter version {head.version}: the engine's adapter differs from the learner's")
             metrics["checksum_ok"] = 1.0
+        return AdapterUpdate(head.version, head.flags, metrics)
+
+
+class IpcSender(AdapterSender):
+    """Learner rank 0 on a GPU it shares with the engines: the update is a copy into a buffer they
+    mapped at start-up, then the [4] header on the gloo sync group."""
+
+    def __init__(self, spec: LoraSpec, *, src: int, group, device, with_checksum: bool = False):
+        self.spec, self.src, self.group, self.with_checksum = spec, src, group, with_checksum
+        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=device)
+        self.pending = False
+        broadcast_json(share_cuda_buffer(self.buffer), src=src, group=group, rank=src)
+
+    def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
+        t0 = time.perf_counter()
+        self.wait_sent()  # the engines are done reading the last version
+        self.buffer.copy_(flatten_lora(flat, self.spec))
+        torch.cuda.current_stream(self.buffer.device).synchronize()  # the bytes are there before the header
+        header = adapter_header(version, self.spec, self.buffer if self.with_checksum else None, flags)
+        dist.broadcast(header, src=self.src, group=self.group)
+        self.pending = True
+        return time.perf_counter() - t0
+
+    def wait_sent(self) -> float:
+        """Block until every engine has copied the last version out of the shared buffer."""
+        t0 = time.perf_counter()
+        if self.pending:
+            dist.barrier(group=self.group)
+            self.pending = False
+        return time.perf_counter() - t0
+
+
+def receive_ipc_buffer(*, src: int, group, rank: int) -> dict:
+    """Inference ranks, at start-up: learner rank 0's buffer description (`IpcSender.__init__`)."""
+    return broadcast_json(None, src=src, group=group, rank=rank)
+
+
+class IpcReceiver(AdapterReceiver):
+    """An inference rank whose in-process engine (HF) shares learner rank 0's GPU: copy the shared
+    buffer into the engine (`load_lora` copies), then release the buffer with the barrier."""
+
+    def __init__(self, engine, spec: LoraSpec, *, src: int, group, rank: int, device):
+        self.engine, self.spec, self.src, self.group = engine, spec, src, group
+        self.shared = open_cuda_buffer(receive_ipc_buffer(src=src, group=group, rank=rank), device)
+        self.header = torch.zeros(ADAPTER_HEADER_NUMEL, dtype=torch.int64)
+
+    def receive(self) -> AdapterUpdate:
+        t0 = time.perf_counter()
+        dist.broadcast(self.header, src=self.src, group=self.group)
+        head = parse_adapter_header(self.header, self.spec)
+        t1 = time.perf_counter()
+        self.engine.load_lora(head.version, unflatten_lora(self.shared, self.spec))
+        live = checksum(flatten_lora(self.engine.lora_state(), self.spec)) if head.checksum else 0
+        torch.cuda.current_stream(self.shared.device).synchronize()
+        dist.barrier(group=self.group)  # the learner may overwrite the buffer now
+        if head.checksum and live != head.checksum:
+            raise RuntimeError(f"adapter version {head.version}: the engine's adapter differs from the learner's")
+        metrics = {"receive_ms": (t1 - t0) * 1e3, "apply_ms": (time.perf_counter() - t1) * 1e3,
+                   "version": head.version, **({"checksum_ok": 1.0} if head.checksum else {})}
         return AdapterUpdate(head.version, head.flags, metrics)

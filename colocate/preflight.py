@@ -57,8 +57,8 @@ def check_state_cache(cfg: Config) -> None:
         raise ConfigError(f"env.state_cache={cfg.env.state_cache!r}: {e}") from None
 
 
-def model_module_names(cfg: Config) -> set[str]:
-    """The last name component of every module of the base model (built on the meta device)."""
+def meta_model(cfg: Config):
+    """The base model on the meta device (no memory): its module names and sizes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,8 +66,12 @@ def model_module_names(cfg: Config) -> set[str]:
     config = AutoConfig.from_pretrained(cfg.model.path) if cfg.model.path else \
         model_config(cfg.model.shape, 1024, cfg.model.dtype)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name.rpartition(".")[2] for name, _ in model.named_modules()}
+        return AutoModelForCausalLM.from_config(config)
+
+
+def model_module_names(cfg: Config) -> set[str]:
+    """The last name component of every module of the base model."""
+    return {name.rpartition(".")[2] for name, _ in meta_model(cfg).named_modules()}
 
 
 def check_lora_targets(cfg: Config) -> None:
@@ -82,18 +86,32 @@ def check_lora_targets(cfg: Config) -> None:
 
 
 def check_placement(cfg: Config, world: int | None, local_world: int | None) -> None:
-    """topology.placement against the world torchrun gives (WORLD_SIZE, LOCAL_WORLD_SIZE)."""
-    from colocate.topology import place_roles
+    """topology.placement against the world torchrun gives (WORLD_SIZE, LOCAL_WORLD_SIZE), and which
+    ranks share a GPU (`topology.check_shared_gpus`)."""
+    from colocate.topology import check_shared_gpus, place_roles, rank_devices
     if world is None:
         return
     try:
-        place_roles(cfg, world, local_world or world)
+        roles = place_roles(cfg, world, local_world or world)
+        if gpu_count(cfg):
+            check_shared_gpus(roles, rank_devices(world, local_world or world, gpu_count(cfg)))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
+def gpu_count(cfg: Config) -> int:
+    """GPUs the ranks will use (0: the job runs on CPUs)."""
+    import torch
+    if cfg.sync.backend == "gloo" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
 def preflight(cfg: Config, world: int | None = None, local_world: int | None = None) -> None:
     check_placement(cfg, world, local_world)
+    if world is not None and gpu_count(cfg) and (local_world or world) > gpu_count(cfg):
+        from colocate.gpu_budget import check_gpu_budget
+        check_gpu_budget(cfg, meta_model(cfg), processes_per_gpu=-(-(local_world or world) // gpu_count(cfg)))
     check_run_dir(cfg.metrics.run_dir)
     check_model_dir(cfg.model.path)
     check_state_cache(cfg)

@@ -7,8 +7,10 @@ whether inference ranks fill the first nodes (`by_node`) or every node holds bot
   * learner_group   - all learner ranks (gradient reduction / FSDP2 mesh);
   * sync_group      - learner rank 0 (the adapter source) + every inference rank;
   * transport_group - every rank, always gloo (inference -> learner trajectories, host tensors).
-Nothing after start-up runs collectives on the default group. gloo on CPU, NCCL on GPU; every
-group gets the configured timeout, so a dead peer ends the job instead of hanging it.
+Nothing after start-up runs collectives on the default group. gloo on CPU, NCCL on GPU, except
+that a group whose members share a GPU is gloo (NCCL refuses it; `group_backend`): with 2 processes
+on one GPU the learner group stays NCCL and the sync group carries only the IPC channel's header.
+Every group gets the configured timeout, so a dead peer ends the job instead of hanging it.
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ class Topology:
     transport_group: object = field(default=None, repr=False)
     roles: tuple[str, ...] = ()
     """The role of every global rank; () means the first num_inference ranks infer."""
+    shared_gpu: bool = False
+    """The inference ranks run on learner rank 0's GPU: the adapter goes by CUDA IPC, and the sync
+    group is gloo (`check_shared_gpus`)."""
 
     def __post_init__(self):
         if not self.roles:
@@ -119,34 +124,64 @@ def resolve_backend(cfg: Config) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def rank_devices(world: int, local_world: int, gpus: int) -> list[tuple[int, int]]:
+    """(node, GPU index) of every global rank: torchrun numbers ranks node by node, and a node with
+    more processes than GPUs shares them round-robin (local rank % GPUs)."""
+    return [(r // local_world, (r % local_world) % max(1, gpus)) for r in range(world)]
+
+
+def group_backend(members: list[int], devices: list[tuple[int, int]], backend: str) -> str:
+    """NCCL only for a group whose members sit on distinct GPUs: NCCL refuses two ranks of one
+    communicator on one device. Groups of ranks that share a GPU use gloo."""
+    on = [devices[r] for r in members]
+    return backend if backend != "nccl" or len(set(on)) == len(on) else "gloo"
+
+
+def check_shared_gpus(roles: list[str], devices: list[tuple[int, int]]) -> None:
+    """Ranks may share a GPU only where the adapter channel can handle it: every inference rank on
+    learner rank 0's GPU (CUDA IPC), or none of them (NCCL). ValueError otherwise (one line)."""
+    learners = [r for r, role in enumerate(roles) if role == "learner"]
+    inference = [r for r, role in enumerate(roles) if role == "inference"]
+    on_source = [devices[r] == devices[learners[0]] for r in inference]
+    if any(on_source) and not all(on_source):
+        raise ValueError(f"topology: inference ranks {[r for r, s in zip(inference, on_source) if s]} share learner "
+                         f"rank 0's GPU but {[r for r, s in zip(inference, on_source) if not s]} do not; the adapter "
+                         "travels by CUDA IPC to all or by NCCL to all: give every rank its own GPU, or run 2 "
+                         "processes on one GPU")
+
+
 def build_topology(cfg: Config) -> Topology:
     """Init the default group from the torchrun environment and build the role groups."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     num_inference, num_learners = resolve_roles(cfg, world)
-    roles = tuple(place_roles(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    roles = tuple(place_roles(cfg, world, local_world))
     backend = resolve_backend(cfg)
+    devices = rank_devices(world, local_world, torch.cuda.device_count() if backend == "nccl" else 1)
     if backend == "nccl":
-        # More ranks than GPUs (the 1-GPU preset) share GPUs round-robin.
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", devices[rank][1])
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.topology.timeout_s)
+    everyone = list(range(world))
+    default = group_backend(everyone, devices, backend)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout,
-                                device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend=default, timeout=timeout, device_id=device if default == "nccl" else None)
     learners = [r for r, role in enumerate(roles) if role == "learner"]
     inference = [r for r, role in enumerate(roles) if role == "inference"]
+    sync_members = sorted([learners[0]] + inference)
     # Every rank creates every group, in the same order (a torch.distributed requirement).
-    learner_group = dist.new_group(learners, timeout=timeout, backend=backend)
-    sync_group = dist.new_group(sorted([learners[0]] + inference), timeout=timeout, backend=backend)
+    learner_group = dist.new_group(learners, timeout=timeout, backend=group_backend(learners, devices, backend))
+    sync_group = dist.new_group(sync_members, timeout=timeout, backend=group_backend(sync_members, devices, backend))
     # Trajectories are small host tensors (ids, log-probs): gloo moves them without touching GPUs.
-    transport_group = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
+    transport_group = dist.new_group(everyone, timeout=timeout, backend="gloo")
     return Topology(rank=rank, world_size=world, local_rank=local_rank, num_inference=num_inference,
                     num_learners=num_learners, device=device, backend=backend, learner_group=learner_group,
-                    sync_group=sync_group, transport_group=transport_group, roles=roles)
+                    sync_group=sync_group, transport_group=transport_group, roles=roles,
+                    shared_gpu=backend == "nccl" and devices[inference[0]] == devices[learners[0]])
 
 
 def gpu_index(topo: Topology) -> int | None:

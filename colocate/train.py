@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from colocate.channel import AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, NoSender
+from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, IpcReceiver, IpcSender,
+                              NoSender)
 from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config, to_dict
 from colocate.engine.base import Engine
 from colocate.envs import env_corpus, make_env
@@ -97,12 +98,18 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, 
     if engine_kind(cfg, topo) == "vllm":
         from colocate.engine import vllm_channel
         from colocate.engine.vllm import VLLMEngine
+        if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
+            engine = VLLMEngine.from_config(cfg, topo, tokenizer)
+            return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
         endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
         engine = VLLMEngine.from_config(cfg, topo, tokenizer)
         return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
     from colocate.engine.hf import HFEngine
     engine = HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
     spec = LoraSpec.of(engine.lora_state())
+    if topo.shared_gpu:
+        return engine, IpcReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, rank=topo.rank,
+                                   device=topo.device)
     return engine, BroadcastReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, device=topo.device)
 
 
@@ -110,6 +117,9 @@ def make_sender(cfg: Config, topo: Topology, spec: LoraSpec) -> AdapterSender:
     """The sending end of the adapter channel: learner rank 0 sends, the other learners do not."""
     if topo.rank != topo.sync_src:
         return NoSender()
+    if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
+        return IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
+                         with_checksum=cfg.sync.check_checksum)
     if engine_kind(cfg, topo) == "vllm":  # waits until every engine's worker has joined
         from colocate.engine import vllm_channel
         return vllm_channel.open_sender(cfg, topo, spec)

@@ -129,6 +129,42 @@ def parse_adapter_header(header: torch.Tensor, spec: LoraSpec) -> AdapterHeader:
     return AdapterHeader(version, sent_sum, RunFlags(flags))
 
 
+# ---------------------------------------------------------------------------------- CUDA IPC
+
+def share_cuda_buffer(buffer: torch.Tensor) -> dict:
+    """A CUDA tensor's IPC description, JSON-able (bytes as hex): what another process on the same
+    GPU needs to map the same memory (`open_cuda_buffer`). The owner keeps `buffer` alive."""
+    if not buffer.is_cuda or not buffer.is_contiguous() or buffer.storage_offset() != 0:
+        raise ValueError("share_cuda_buffer: needs a contiguous CUDA tensor that owns its storage start")
+    (_, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = \
+        buffer.untyped_storage()._share_cuda_()
+    return {"handle": handle.hex(), "storage_bytes": int(size), "storage_offset": int(offset),
+            "ref_handle": ref_handle.hex(), "ref_offset": int(ref_offset), "event_handle": event_handle.hex(),
+            "event_sync": bool(event_sync), "numel": buffer.numel(), "dtype": str(buffer.dtype).removeprefix("torch.")}
+
+
+def open_cuda_buffer(desc: dict, device: torch.device) -> torch.Tensor:
+    """Map a buffer shared by `share_cuda_buffer` in another process. `device` is this process's
+    index of the same physical GPU (a vLLM worker sees its GPU as cuda:0 whatever the learner's index)."""
+    storage = torch.UntypedStorage._new_shared_cuda(
+        torch.device(device).index or 0, bytes.fromhex(desc["handle"]), desc["storage_bytes"], desc["storage_offset"],
+        bytes.fromhex(desc["ref_handle"]), desc["ref_offset"], bytes.fromhex(desc["event_handle"]), desc["event_sync"])
+    dtype = getattr(torch, desc["dtype"])
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (desc["numel"],), (1,))
+
+
+def broadcast_json(obj, *, src: int, group, rank: int):
+    """One JSON value from `src` to every rank of `group` (two CPU broadcasts: length, UTF-8 bytes);
+    `obj` is read on `src` only. For gloo groups (CPU tensors)."""
+    data = json.dumps(obj).encode() if rank == src else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src else \
+        torch.empty(int(length), dtype=torch.uint8)
+    dist.broadcast(raw, src=src, group=group)
+    return json.loads(bytes(raw.tolist()).decode())
+
+
 # ---------------------------------------------------------------------------------- trajectories
 
 FIELDS = [f.name for f in fields(TrajectoryBatch)]

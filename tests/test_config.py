@@ -88,7 +88,7 @@ def test_world_of_one_does_not_fit():
         load_config(None, {}, world_size=1)
 
 
-@pytest.mark.parametrize("name,world", [("cpu-tiny", 2), ("cpu-diplomacy-tiny", 2), ("gpu-1", 2), ("gpu-2", 2),
+@pytest.mark.parametrize("name,world", [("cpu-tiny", 2), ("cpu-diplomacy-tiny", 2), ("gpu-1", 2), ("gpu-1-7b", 2), ("gpu-2", 2),
                                         ("gpu-4", 4), ("gpu-8", 8), ("gpu-7b-h100x8", 8)])
 def test_shipped_configs_validate(name, world):
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=world)

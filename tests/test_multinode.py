@@ -2,10 +2,12 @@
 meeting through a c10d rendezvous on 127.0.0.1 (what `srun torchrun` does on a cluster)."""
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -46,24 +48,48 @@ def test_two_nodes_train_to_the_target_with_roles_by_node(tmp_path):
     assert summary["reached_target"] and summary["world_size"] == 2, summary
 
 
+def read_lines(p: subprocess.Popen, into: "queue.Queue[tuple[int, str]]", index: int) -> threading.Thread:
+    """Forward a node's output lines to one queue from a thread (a blocking readline on a quiet
+    node would stall the other)."""
+    def pump():
+        for line in p.stdout:
+            into.put((index, line))
+        into.put((index, ""))
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.slow
 def test_sigterm_to_one_node_stops_both_with_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     nodes = start_nodes(tmp_path, run, ["--learner.num_steps=5000", "--checkpoint.enabled=true"])
-    learner = None
-    deadline = time.time() + 300
     lines: dict[int, list[str]] = {0: [], 1: []}
+    got: queue.Queue = queue.Queue()
+    pumps = [read_lines(p, got, i) for i, p in enumerate(nodes)]
+    learner, deadline = None, time.time() + 300
     while learner is None and time.time() < deadline:  # the node whose learner is under way
-        for i, p in enumerate(nodes):
-            line = p.stdout.readline()
-            lines[i].append(line)
-            if "step 10/5000" in line:
-                learner = i
-                break
+        try:
+            i, line = got.get(timeout=5)
+        except queue.Empty:
+            continue
+        lines[i].append(line)
+        if "step 10/5000" in line:
+            learner = i
+    if learner is None:
+        for p in nodes:
+            os.killpg(p.pid, signal.SIGKILL)
     assert learner is not None, lines
     other = 1 - learner
     os.killpg(nodes[other].pid, signal.SIGTERM)  # the inference node's agent, as a scheduler would
-    outputs = ["".join(lines[i]) + nodes[i].communicate(timeout=120)[0] for i in (0, 1)]
+    for p in nodes:
+        p.wait(timeout=120)
+    for t in pumps:
+        t.join(timeout=10)
+    while not got.empty():
+        i, line = got.get()
+        lines[i].append(line)
+    outputs = ["".join(lines[i]) for i in (0, 1)]
     assert "stop requested" in outputs[learner] and "checkpoint written" in outputs[learner], outputs[learner][-3000:]
     assert nodes[learner].returncode == 0, outputs[learner][-3000:]
     assert "failed" not in outputs[learner], outputs[learner][-3000:]

@@ -45,14 +45,14 @@ COUNTERS = ("requests", "walk_failures", "eos_appended", "engine_errors", "host_
 
 # ---------------------------------------------------------------------------------- start-up
 
-def visible_device(local_rank: int) -> str:
-    """The physical GPU of `local_rank`, honouring a CUDA_VISIBLE_DEVICES already set."""
+def visible_device(gpu: int) -> str:
+    """The physical GPU of this process's CUDA index `gpu`, honouring a CUDA_VISIBLE_DEVICES already set."""
     current = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return current.split(",")[local_rank] if current else str(local_rank)
+    return current.split(",")[gpu] if current else str(gpu)
 
 
 @contextlib.contextmanager
-def engine_environment(local_rank: int | None):
+def engine_environment(gpu: int | None):
     """The environment the engine core is spawned with (restored afterwards).
 
     Without torchrun's variables the child's own process group cannot join torchrun's agent store
@@ -61,8 +61,8 @@ def engine_environment(local_rank: int | None):
     keys = TORCHRUN_VARIABLES + ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "NCCL_CUMEM_ENABLE")
     saved = {k: os.environ.get(k) for k in keys}
     try:
-        if local_rank is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(local_rank)
+        if gpu is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(gpu)
         for k in TORCHRUN_VARIABLES:
             os.environ.pop(k, None)
         os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
@@ -145,7 +145,7 @@ class VLLMEngine(Engine):
     def __init__(self, model_dir: str, spec: LoraSpec, eos_id: int, *, max_num_seqs: int = 512,
                  max_model_len: int = 1024, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
-                 max_loras: int = 1, grammar_mode: str = "tokens", local_rank: int | None = None,
+                 max_loras: int = 1, grammar_mode: str = "tokens", gpu: int | None = None,
                  dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
                  max_num_batched_tokens: int = 0, validate_grammars: bool = True,
                  profile_dir: str = "", profile_steps: int = 40, max_capture_tokens: int = 2048,
@@ -168,7 +168,7 @@ class VLLMEngine(Engine):
         if not validate_grammars:
             skip_client_grammar_validation()
         t0 = time.perf_counter()
-        with engine_environment(local_rank):
+        with engine_environment(gpu):
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.slot_info = self._init_adapter(lora_rank, lora_alpha / lora_rank)
@@ -180,7 +180,7 @@ class VLLMEngine(Engine):
         `vllm_channel.join_receiver`)."""
         from colocate.metrics import engine_profile_dir
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
-        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, local_rank=topo.local_rank,
+        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, gpu=topo.device.index,
                    **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank),
                    profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
                    profile_steps=cfg.metrics.profile_engine_steps)
@@ -226,11 +226,17 @@ class VLLMEngine(Engine):
             raise RuntimeError(f"{what} with {len(self._pending)} streamed requests in flight: poll them "
                                "until none is pending first")
 
-    def receive_lora(self, verify: bool = False) -> dict:
-        """Take the next broadcast of learner rank 0 into the slot; later samples carry its version."""
+    def attach_ipc(self, desc: dict) -> str:
+        """Roles on one GPU: the worker maps learner rank 0's shared adapter buffer."""
+        return self.llm.collective_rpc("colocate_ipc_attach", args=(desc,))[0]
+
+    def receive_lora(self, verify: bool = False, header: list | None = None) -> dict:
+        """Take the next broadcast of learner rank 0 into the slot (or, with the `header` that came
+        over gloo, the shared IPC buffer); later samples carry its version."""
         self._require_idle("adapter update")
-        version, sent, checksum_ok, slot_ok, flags, apply_ms = self.llm.collective_rpc(
-            "colocate_receive_adapter", args=(verify,))[0]
+        method, args = ("colocate_receive_adapter", (verify,)) if header is None else \
+            ("colocate_receive_ipc", (header, verify))
+        version, sent, checksum_ok, slot_ok, flags, apply_ms = self.llm.collective_rpc(method, args=args)[0]
         if checksum_ok is False:
             raise RuntimeError(f"adapter version {version} arrived corrupted (checksum mismatch)")
         if slot_ok is False:

@@ -29,9 +29,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from colocate.channel import AdapterReceiver, AdapterSender, AdapterUpdate
+from colocate.channel import AdapterReceiver, AdapterSender, AdapterUpdate, receive_ipc_buffer
 from colocate.engine.vllm_worker import StatelessGroup, synchronize
-from colocate.wire import LoraSpec, RunFlags, adapter_header, flatten_lora
+from colocate.wire import ADAPTER_HEADER_NUMEL, LoraSpec, RunFlags, adapter_header, flatten_lora
 
 LOCAL_HOST = "127.0.0.1"
 ADDRESS_BYTES = 64
@@ -99,6 +99,10 @@ class NcclSender(AdapterSender):
             self.wait_sent()
         return time.perf_counter() - t0
 
+    def header_list(self) -> None:
+        """The IPC channel hands its header to the receiver; this one broadcasts it (None)."""
+        return None
+
     def wait_sent(self) -> float:
         """Block until every engine has received the last version; seconds spent. Until then the
         learner's next kernels would queue behind the send, and its step would seem to train while
@@ -117,6 +121,10 @@ class VLLMReceiver(AdapterReceiver):
     def receive(self) -> AdapterUpdate:
         t0 = time.perf_counter()
         got = self.engine.receive_lora(verify=self.verify)  # raises on a checksum or slot mismatch
+        return self.update(got, t0)
+
+    @staticmethod
+    def update(got: dict, t0: float) -> AdapterUpdate:
         metrics = {"receive_apply_ms": (time.perf_counter() - t0) * 1e3, "apply_ms": got["apply_ms"],
                    "version": got["version"], **({"checksum_ok": 1.0} if got["checksum_ok"] else {})}
         return AdapterUpdate(got["version"], RunFlags(got["flags"]), metrics)
@@ -143,3 +151,22 @@ def join_receiver(cfg, topo, engine, endpoint: tuple[str, int]) -> VLLMReceiver:
     engine.join_sync(host, port, world_size=1 + topo.num_inference, rank=1 + topo.role_rank,
                      timeout_s=join_timeout_s(cfg))
     return VLLMReceiver(engine, verify=cfg.sync.check_checksum)
+
+
+class VLLMIpcReceiver(AdapterReceiver):
+    """Roles on one GPU (`channel.IpcSender`): the header over the gloo sync group, then the
+    engine's worker copies the shared buffer into its adapter; the barrier releases the buffer."""
+
+    def __init__(self, engine, topo, *, verify: bool = False):
+        self.engine, self.topo, self.verify = engine, topo, verify
+        engine.attach_ipc(receive_ipc_buffer(src=topo.sync_src, group=topo.sync_group, rank=topo.rank))
+        self.header = torch.zeros(ADAPTER_HEADER_NUMEL, dtype=torch.int64)
+
+    def receive(self) -> AdapterUpdate:
+        t0 = time.perf_counter()
+        dist.broadcast(self.header, src=self.topo.sync_src, group=self.topo.sync_group)
+        try:
+            got = self.engine.receive_lora(verify=self.verify, header=self.header.tolist())
+        finally:
+            dist.barrier(group=self.topo.sync_group)  # the learner may overwrite the buffer now
+        return VLLMReceiver.update(got, t0)

@@ -37,7 +37,8 @@ import time
 
 import torch
 
-from colocate.wire import ADAPTER_HEADER_NUMEL, LoraSpec, checksum, parse_adapter_header, unflatten_lora
+from colocate.wire import (ADAPTER_HEADER_NUMEL, LoraSpec, checksum, open_cuda_buffer, parse_adapter_header,
+                           unflatten_lora)
 
 SLOT_ID = 1
 """The one adapter id every request uses (vLLM ids start at 1)."""
@@ -266,15 +267,31 @@ class ColocateWorkerExtension:
         header = torch.empty(ADAPTER_HEADER_NUMEL, dtype=torch.int64, device=self.device)
         group.broadcast(header)
         head = parse_adapter_header(header, slot.spec)
-        version, sent, flags = head.version, head.checksum, int(head.flags)
         group.broadcast(slot.flat)
+        return self._colocate_apply(head, verify)
+
+    def colocate_ipc_attach(self, desc: dict) -> str:
+        """Map learner rank 0's shared adapter buffer (roles on one GPU: `channel.IpcSender`)."""
+        self.colocate_ipc = open_cuda_buffer(desc, self.device)
+        return str(self.device)
+
+    def colocate_receive_ipc(self, header: list, verify: bool = False) -> list:
+        """The header came over the inference rank's gloo group; the bytes are in the shared buffer.
+        -> what `colocate_receive_adapter` returns."""
+        slot = self.colocate_slot
+        head = parse_adapter_header(torch.tensor(header, dtype=torch.int64), slot.spec)
+        slot.flat.copy_(self.colocate_ipc)
+        return self._colocate_apply(head, verify)
+
+    def _colocate_apply(self, head, verify: bool) -> list:
+        slot = self.colocate_slot
         t0 = time.perf_counter()
         slot.apply()
         synchronize(self.device)
         apply_ms = (time.perf_counter() - t0) * 1e3
-        checksum_ok = checksum(slot.flat) == sent if sent else None
+        checksum_ok = checksum(slot.flat) == head.checksum if head.checksum else None
         slot_ok = slot.matches() if verify else None
-        return [version, sent, checksum_ok, slot_ok, flags, apply_ms]
+        return [head.version, head.checksum, checksum_ok, slot_ok, int(head.flags), apply_ms]
 
     def colocate_load_adapter_bytes(self, data: bytes, verify: bool = False) -> list:
         """The same update from bytes through the RPC (`Engine.load_lora`, tests)."""
