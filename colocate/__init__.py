@@ -27,7 +27,8 @@ class _CheckoutKernelsFinder(importlib.abc.MetaPathFinder):
                                                       submodule_search_locations=[_CHECKOUT_KERNELS])
 
 
-# An installed copy has `colocate/kernels/` in place; a checkout has `kernels/` beside `colocate/`.
-if not os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")) \
+# An installed copy has `colocate/kernels/__init__.py` in place; a checkout has `kernels/` beside
+# `colocate/` (an empty `colocate/kernels/` left by an old checkout must not hide it).
+if not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "__init__.py")) \
         and os.path.isfile(os.path.join(_CHECKOUT_KERNELS, "grpo_rows_sm90.cu")):
     sys.meta_path.insert(0, _CheckoutKernelsFinder())
