@@ -146,15 +146,15 @@ class LocalIpcSender:
     def __init__(self, engine, spec, device):
         from colocate.wire import share_cuda_buffer
         self.spec, self.with_checksum, self.header = spec, False, None
-        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=device)
-        engine.attach_ipc(share_cuda_buffer(self.buffer))
+        self.ring = torch.zeros(1, spec.numel, dtype=spec.dtype, device=device)  # one update at a time here
+        engine.attach_ipc(share_cuda_buffer(self.ring))
 
     def send(self, flat, version: int, flags: int = 0, *, wait: bool = False) -> float:
         from colocate.wire import adapter_header, flatten_lora
         t0 = time.perf_counter()
-        self.buffer.copy_(flatten_lora(flat, self.spec))
+        self.ring[0].copy_(flatten_lora(flat, self.spec))
         sync_learner()  # the bytes are in the buffer before the worker reads them
-        self.header = adapter_header(version, self.spec, self.buffer if self.with_checksum else None, flags).tolist()
+        self.header = adapter_header(version, self.spec, self.ring[0] if self.with_checksum else None, flags).tolist()
         return time.perf_counter() - t0
 
     def header_list(self) -> list | None:

@@ -13,9 +13,9 @@ Implementations, chosen by the composition root (`train.py`) from the engine kin
     that live in the inference rank's own process: the HF reference engine (gloo on CPU).
   * `IpcSender` / `IpcReceiver` (here), for roles that share one GPU (NCCL refuses two ranks of
     one communicator on one device): learner rank 0 shares one flat CUDA buffer with every engine
-    once (CUDA IPC, `wire.share_cuda_buffer`); an update is a device copy into it, then the header
-    on the gloo sync group; the engine copies it into its adapter and answers with a barrier, which
-    the learner waits for before it overwrites the buffer (`wait_sent`). No bytes leave the GPU.
+    once (CUDA IPC, `wire.share_cuda_buffer`), a ring of slots; an update is a device copy into the
+    version's slot, then the header on the gloo sync group, and the engine copies the slot into its
+    adapter. No bytes leave the GPU.
   * `engine/vllm_channel.py`: vLLM runs its engine core in a child process outside the torchrun
     world, so learner rank 0 broadcasts on a stateless NCCL group the vLLM workers joined, and the
     worker applies the update in place.
@@ -50,12 +50,19 @@ class AdapterSender:
     def wait_sent(self) -> float:
         return 0.0
 
+    def close(self) -> float:
+        """End of the run: every engine holds the last version (seconds spent)."""
+        return self.wait_sent()
+
 
 class AdapterReceiver:
     """Inference side: take the next version into the engine."""
 
     def receive(self) -> AdapterUpdate:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """End of the run, after the last `receive` (the IPC channel's closing barrier)."""
 
 
 class NoSender(AdapterSender):
@@ -109,46 +116,48 @@ class BroadcastReceiver(AdapterReceiver):
 
 
 class IpcSender(AdapterSender):
-    """Learner rank 0 on a GPU it shares with the engines: the update is a copy into a buffer they
-    mapped at start-up, then the [4] header on the gloo sync group."""
+    """Learner rank 0 on a GPU it shares with the engines: the update is a copy into a ring of
+    `slots` buffers the engines mapped at start-up (version v in slot v % slots), then the [4]
+    header on the gloo sync group.
 
-    def __init__(self, spec: LoraSpec, *, src: int, group, device, with_checksum: bool = False):
+    No acknowledgement is needed mid-run: an engine takes every version in order, and takes version
+    v before it plays batch v + sampling lag, which the learner trains before it sends version
+    v + sampling lag + 1. So with slots = max_policy_lag + 1 the learner never overwrites a slot an
+    engine has yet to read. At the end both sides meet in one barrier (`close`), so the learner's
+    process, which owns the memory, outlives the engines' last copy."""
+
+    def __init__(self, spec: LoraSpec, *, src: int, group, device, slots: int, with_checksum: bool = False):
         self.spec, self.src, self.group, self.with_checksum = spec, src, group, with_checksum
-        self.buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=device)
-        self.pending = False
-        broadcast_json(share_cuda_buffer(self.buffer), src=src, group=group, rank=src)
+        self.ring = torch.zeros(slots, spec.numel, dtype=spec.dtype, device=device)
+        broadcast_json(share_cuda_buffer(self.ring), src=src, group=group, rank=src)
 
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
         t0 = time.perf_counter()
-        self.wait_sent()  # the engines are done reading the last version
-        self.buffer.copy_(flatten_lora(flat, self.spec))
-        torch.cuda.current_stream(self.buffer.device).synchronize()  # the bytes are there before the header
-        header = adapter_header(version, self.spec, self.buffer if self.with_checksum else None, flags)
+        slot = self.ring[version % len(self.ring)]
+        slot.copy_(flatten_lora(flat, self.spec))
+        torch.cuda.current_stream(slot.device).synchronize()  # the bytes are there before the header
+        header = adapter_header(version, self.spec, slot if self.with_checksum else None, flags)
         dist.broadcast(header, src=self.src, group=self.group)
-        self.pending = True
         return time.perf_counter() - t0
 
-    def wait_sent(self) -> float:
-        """Block until every engine has copied the last version out of the shared buffer."""
+    def close(self) -> float:
         t0 = time.perf_counter()
-        if self.pending:
-            dist.barrier(group=self.group)
-            self.pending = False
+        dist.barrier(group=self.group)
         return time.perf_counter() - t0
 
 
-def receive_ipc_buffer(*, src: int, group, rank: int) -> dict:
-    """Inference ranks, at start-up: learner rank 0's buffer description (`IpcSender.__init__`)."""
+def receive_ipc_ring(*, src: int, group, rank: int) -> dict:
+    """Inference ranks, at start-up: learner rank 0's ring description (`IpcSender.__init__`)."""
     return broadcast_json(None, src=src, group=group, rank=rank)
 
 
 class IpcReceiver(AdapterReceiver):
-    """An inference rank whose in-process engine (HF) shares learner rank 0's GPU: copy the shared
-    buffer into the engine (`load_lora` copies), then release the buffer with the barrier."""
+    """An inference rank whose in-process engine (HF) shares learner rank 0's GPU: the header, then
+    `load_lora` copies the version's slot of the shared ring into the engine."""
 
     def __init__(self, engine, spec: LoraSpec, *, src: int, group, rank: int, device):
         self.engine, self.spec, self.src, self.group = engine, spec, src, group
-        self.shared = open_cuda_buffer(receive_ipc_buffer(src=src, group=group, rank=rank), device)
+        self.ring = open_cuda_buffer(receive_ipc_ring(src=src, group=group, rank=rank), device)
         self.header = torch.zeros(ADAPTER_HEADER_NUMEL, dtype=torch.int64)
 
     def receive(self) -> AdapterUpdate:
@@ -156,12 +165,15 @@ class IpcReceiver(AdapterReceiver):
         dist.broadcast(self.header, src=self.src, group=self.group)
         head = parse_adapter_header(self.header, self.spec)
         t1 = time.perf_counter()
-        self.engine.load_lora(head.version, unflatten_lora(self.shared, self.spec))
-        live = checksum(flatten_lora(self.engine.lora_state(), self.spec)) if head.checksum else 0
-        torch.cuda.current_stream(self.shared.device).synchronize()
-        dist.barrier(group=self.group)  # the learner may overwrite the buffer now
-        if head.checksum and live != head.checksum:
-            raise RuntimeError(f"adapter version {head.version}: the engine's adapter differs from the learner's")
+        self.engine.load_lora(head.version, unflatten_lora(self.ring[head.version % len(self.ring)], self.spec))
+        torch.cuda.current_stream(self.ring.device).synchronize()
         metrics = {"receive_ms": (t1 - t0) * 1e3, "apply_ms": (time.perf_counter() - t1) * 1e3,
-                   "version": head.version, **({"checksum_ok": 1.0} if head.checksum else {})}
+                   "version": head.version}
+        if head.checksum:
+            if checksum(flatten_lora(self.engine.lora_state(), self.spec)) != head.checksum:
+                raise RuntimeError(f"adapter version {head.version}: the engine's adapter differs from the learner's")
+            metrics["checksum_ok"] = 1.0
         return AdapterUpdate(head.version, head.flags, metrics)
+
+    def close(self) -> None:
+        dist.barrier(group=self.group)

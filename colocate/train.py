@@ -119,7 +119,7 @@ def make_sender(cfg: Config, topo: Topology, spec: LoraSpec) -> AdapterSender:
         return NoSender()
     if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
         return IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
-                         with_checksum=cfg.sync.check_checksum)
+                         slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
     if engine_kind(cfg, topo) == "vllm":  # waits until every engine's worker has joined
         from colocate.engine import vllm_channel
         return vllm_channel.open_sender(cfg, topo, spec)

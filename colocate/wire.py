@@ -140,7 +140,7 @@ def share_cuda_buffer(buffer: torch.Tensor) -> dict:
         buffer.untyped_storage()._share_cuda_()
     return {"handle": handle.hex(), "storage_bytes": int(size), "storage_offset": int(offset),
             "ref_handle": ref_handle.hex(), "ref_offset": int(ref_offset), "event_handle": event_handle.hex(),
-            "event_sync": bool(event_sync), "numel": buffer.numel(), "dtype": str(buffer.dtype).removeprefix("torch.")}
+            "event_sync": bool(event_sync), "shape": list(buffer.shape), "dtype": str(buffer.dtype).removeprefix("torch.")}
 
 
 def open_cuda_buffer(desc: dict, device: torch.device) -> torch.Tensor:
@@ -149,8 +149,8 @@ def open_cuda_buffer(desc: dict, device: torch.device) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared_cuda(
         torch.device(device).index or 0, bytes.fromhex(desc["handle"]), desc["storage_bytes"], desc["storage_offset"],
         bytes.fromhex(desc["ref_handle"]), desc["ref_offset"], bytes.fromhex(desc["event_handle"]), desc["event_sync"])
-    dtype = getattr(torch, desc["dtype"])
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (desc["numel"],), (1,))
+    dtype, shape = getattr(torch, desc["dtype"]), desc["shape"]
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, torch.empty(shape, device="meta").stride())
 
 
 def broadcast_json(obj, *, src: int, group, rank: int):

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from colocate.channel import AdapterReceiver, AdapterSender, AdapterUpdate, receive_ipc_buffer
+from colocate.channel import AdapterReceiver, AdapterSender, AdapterUpdate, receive_ipc_ring
 from colocate.engine.vllm_worker import StatelessGroup, synchronize
 from colocate.wire import ADAPTER_HEADER_NUMEL, LoraSpec, RunFlags, adapter_header, flatten_lora
 
@@ -155,18 +155,18 @@ def join_receiver(cfg, topo, engine, endpoint: tuple[str, int]) -> VLLMReceiver:
 
 class VLLMIpcReceiver(AdapterReceiver):
     """Roles on one GPU (`channel.IpcSender`): the header over the gloo sync group, then the
-    engine's worker copies the shared buffer into its adapter; the barrier releases the buffer."""
+    engine's worker copies the version's slot of the shared ring into its adapter."""
 
     def __init__(self, engine, topo, *, verify: bool = False):
         self.engine, self.topo, self.verify = engine, topo, verify
-        engine.attach_ipc(receive_ipc_buffer(src=topo.sync_src, group=topo.sync_group, rank=topo.rank))
+        engine.attach_ipc(receive_ipc_ring(src=topo.sync_src, group=topo.sync_group, rank=topo.rank))
         self.header = torch.zeros(ADAPTER_HEADER_NUMEL, dtype=torch.int64)
 
     def receive(self) -> AdapterUpdate:
         t0 = time.perf_counter()
         dist.broadcast(self.header, src=self.topo.sync_src, group=self.topo.sync_group)
-        try:
-            got = self.engine.receive_lora(verify=self.verify, header=self.header.tolist())
-        finally:
-            dist.barrier(group=self.topo.sync_group)  # the learner may overwrite the buffer now
+        got = self.engine.receive_lora(verify=self.verify, header=self.header.tolist())
         return VLLMReceiver.update(got, t0)
+
+    def close(self) -> None:
+        dist.barrier(group=self.topo.sync_group)  # the learner (the ring's owner) may exit now

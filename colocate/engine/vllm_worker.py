@@ -271,16 +271,16 @@ class ColocateWorkerExtension:
         return self._colocate_apply(head, verify)
 
     def colocate_ipc_attach(self, desc: dict) -> str:
-        """Map learner rank 0's shared adapter buffer (roles on one GPU: `channel.IpcSender`)."""
-        self.colocate_ipc = open_cuda_buffer(desc, self.device)
+        """Map learner rank 0's shared ring of adapter buffers (roles on one GPU: `channel.IpcSender`)."""
+        self.colocate_ipc = open_cuda_buffer(desc, self.device)  # [slots, numel]
         return str(self.device)
 
     def colocate_receive_ipc(self, header: list, verify: bool = False) -> list:
-        """The header came over the inference rank's gloo group; the bytes are in the shared buffer.
-        -> what `colocate_receive_adapter` returns."""
-        slot = self.colocate_slot
+        """The header came over the inference rank's gloo group; the bytes are in the version's slot
+        of the shared ring. -> what `colocate_receive_adapter` returns."""
+        slot, ring = self.colocate_slot, self.colocate_ipc
         head = parse_adapter_header(torch.tensor(header, dtype=torch.int64), slot.spec)
-        slot.flat.copy_(self.colocate_ipc)
+        slot.flat.copy_(ring[head.version % len(ring)])
         return self._colocate_apply(head, verify)
 
     def _colocate_apply(self, head, verify: bool) -> list:

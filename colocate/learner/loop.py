@@ -172,7 +172,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
         if stopping:
             break
         profiler.step()
-    sender.wait_sent()  # every engine asks for the last version; exiting first would strand it
+    sender.close()  # every engine asks for the last version; exiting first would strand it
     gpu_util = role.gpu_util()
     monitors.close()
     if topo.role_rank == 0:

@@ -118,6 +118,7 @@ def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
         role.check()
         profiler.step()
     rank.take_adapters_through(num_steps)  # finish on the final adapter
+    rank.receiver.close()
     sender.close()  # after a stop the learners drain what is in flight
     return sum(b["collect_s"] for b in rank.batches)
 
