@@ -1,0 +1,148 @@
+"""Prefix sharing in the learner (`learner.prefix_sharing` tree / group) against flat packing (off):
+the same loss and the same LoRA gradients (fp32), on Diplomacy-shaped batches (instruction + board
+shared by 7 powers, G samples per power prompt), dataset-shaped batches (a whole prompt shared by G),
+and trees split over micro-batches; FlexAttention's forward against the dense-mask reference; the
+step's token metrics; a resumed torchrun training with trees."""
+import json
+
+import pytest
+import torch
+
+from benchmarks.trainer_workload import diplomacy_like_batch
+from colocate.data import TrajectoryBatch
+from colocate.learner.packing import completion_logits, resolve_attention, set_attention, tree_micro_batch
+from colocate.learner.tree_attention import TREE_FLEX, TREE_SDPA, register_tree_attention
+from colocate.models import lora_state
+from tests.test_packing import randomize_adapter
+
+
+def dataset_batch(vocab: int, num_prompts: int, group_size: int, seed: int) -> TrajectoryBatch:
+    """num_prompts prompts (random lengths), each with group_size random completions; constrained
+    (allowed ids: the sampled id and 3 others), so the loss's allowed-id gather is covered too."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, seq_lens, prompt_lens = [], [], []
+    for _ in range(num_prompts):
+        prompt = torch.randint(2, vocab, (int(torch.randint(6, 14, (1,), generator=g)),), generator=g)
+        for _ in range(group_size):
+            completion = torch.randint(2, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+            tokens.append(torch.cat([prompt, completion]))
+            seq_lens.append(len(prompt) + len(completion))
+            prompt_lens.append(len(prompt))
+    flat = torch.cat(tokens)
+    b, lens, plens = len(seq_lens), torch.tensor(seq_lens), torch.tensor(prompt_lens)
+    n = int((lens - plens).sum())
+    starts = torch.cumsum(lens, 0) - lens
+    targets = torch.cat([flat[s + p:s + sl] for s, p, sl in zip(starts.tolist(), prompt_lens, seq_lens)])
+    allowed = torch.cat([targets[:, None], torch.randint(2, vocab, (n, 3), generator=g)], 1)
+    return TrajectoryBatch(tokens=flat.int(), seq_lens=lens.int(), prompt_lens=plens.int(),
+                           behaviour_logprobs=-3 - torch.rand(n, generator=g), advantages=torch.randn(b, generator=g),
+                           rewards=torch.rand(b, generator=g), versions=torch.zeros(b, dtype=torch.int32),
+                           allowed_ids=allowed.int())
+
+
+def _learner(tiny_cfg, tiny_tokenizer, beta: float, norm: str):
+    from colocate.config import load_config
+    from colocate.learner.learner import Learner
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    cfg = load_config(None, {"model": {"cache_dir": tiny_cfg.model.cache_dir},
+                             "learner": {"fsdp": False}, "loss": {"beta": beta, "norm": norm, "impl": "torch"}})
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    learner = Learner(cfg, topo, build_policy(cfg, tiny_tokenizer, "meta"), tiny_tokenizer)
+    randomize_adapter(learner.model)
+    return learner
+
+
+def _loss_and_grads(learner, batch: TrajectoryBatch, mode: str, budget: int):
+    """The step's forward/backward over its micro-batches under `mode` -> (loss, {name: grad},
+    micro-batches, tokens forwarded)."""
+    lc = learner.cfg.learner
+    lc.prefix_sharing, lc.micro_batch_tokens = mode, budget
+    learner.attention = resolve_attention(lc.attention, learner.device, mode)
+    set_attention(learner.model, learner.attention)
+    learner.model.zero_grad(set_to_none=True)
+    work = learner.micro_batches(batch)
+    totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences,
+                                               float(batch.num_completion_tokens))
+    grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
+    return totals[0], grads, len(work), tokens
+
+
+def _assert_same(learner, batch, mode, budget, flat_budget=100_000):
+    loss_ref, grads_ref, _, tokens_ref = _loss_and_grads(learner, batch, "off", flat_budget)
+    loss, grads, num_micro, tokens = _loss_and_grads(learner, batch, mode, budget)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    assert set(grads) == set(grads_ref) and len(grads) == 2 * 7 * 2  # A and B of 7 projections x 2 layers
+    scale = max(float(g.abs().max()) for g in grads_ref.values())
+    for name, g in grads_ref.items():
+        assert float(g.abs().max()) > 0, name
+        # rtol 1e-5; atol 1e-6 of the largest gradient for entries that cancel to near zero
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6 * scale, msg=name)
+    assert tokens_ref == int(batch.seq_lens.sum())
+    return num_micro, tokens
+
+
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_diplomacy_tree_equals_flat(tiny_cfg, tiny_tokenizer, group_size):
+    """2 boards x 7 powers x G: the tree forwards instruction and boards once, each power part once."""
+    learner = _learner(tiny_cfg, tiny_tokenizer, beta=0.04, norm="grpo")
+    batch = diplomacy_like_batch(2 * 7 * group_size, len(tiny_tokenizer), group_size, seed=group_size, scale=0.05)
+    num_micro, tokens = _assert_same(learner, batch, "tree", 100_000)
+    assert num_micro == 1 and tokens < 0.6 * int(batch.seq_lens.sum())
+    _, tokens_group = _assert_same(learner, batch, "group", 100_000)
+    assert tokens < tokens_group < int(batch.seq_lens.sum())
+
+
+@pytest.mark.parametrize("mode", ["tree", "group"])
+def test_dataset_batch_shared_prompts_equal_flat(tiny_cfg, tiny_tokenizer, mode):
+    learner = _learner(tiny_cfg, tiny_tokenizer, beta=0.0, norm="dr_grpo")
+    batch = dataset_batch(len(tiny_tokenizer), num_prompts=3, group_size=4, seed=1)
+    _, tokens = _assert_same(learner, batch, mode, 100_000)
+    once = int(batch.seq_lens.sum()) - sum(int(batch.prompt_lens[i]) for i in range(12) if i % 4)  # each prompt once
+    assert tokens == once if mode == "group" else tokens <= once  # random prompts may share a first token
+
+
+def test_trees_split_over_micro_batches_equal_flat(tiny_cfg, tiny_tokenizer):
+    """A budget below one board's subtree: the tree is cut at node boundaries over several
+    micro-batches (ancestors repeated), the flat reference is one micro-batch; still the same."""
+    learner = _learner(tiny_cfg, tiny_tokenizer, beta=0.04, norm="grpo")
+    batch = diplomacy_like_batch(2 * 7 * 2, len(tiny_tokenizer), 2, seed=5, scale=0.05)
+    whole = tree_micro_batch(batch, "cpu", TREE_SDPA, "tree").num_tokens
+    budget = whole // 4
+    num_micro, tokens = _assert_same(learner, batch, "tree", budget)
+    assert num_micro >= 4 and tokens > whole  # ancestors forwarded again in each micro-batch
+    for sub, mb in learner.micro_batches(batch):
+        assert mb.num_tokens <= budget
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_forward_equals_dense_reference(tiny_policy, tiny_tokenizer):
+    """FlexAttention's block mask (the GPU path; CPU runs it forward-only, eager) against the dense
+    mask, and both against flat packing."""
+    from colocate.learner.packing import packed_micro_batch
+    randomize_adapter(tiny_policy)
+    register_tree_attention()
+    batch = diplomacy_like_batch(14, len(tiny_tokenizer), 2, seed=2, scale=0.05)
+    tiny_policy.eval()
+    out = {}
+    with torch.no_grad():
+        for name in (TREE_SDPA, TREE_FLEX, "sdpa"):
+            set_attention(tiny_policy, name)
+            mb = packed_micro_batch(batch, "cpu", name) if name == "sdpa" else tree_micro_batch(batch, "cpu", name, "tree")
+            out[name] = completion_logits(tiny_policy, mb)
+    torch.testing.assert_close(out[TREE_FLEX], out[TREE_SDPA], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[TREE_SDPA], out["sdpa"], atol=1e-5, rtol=0)
+
+
+def test_train_step_reports_tokens_forwarded_and_flat_equivalent(tiny_cfg, tiny_tokenizer):
+    learner = _learner(tiny_cfg, tiny_tokenizer, beta=0.0, norm="dapo")
+    batch = diplomacy_like_batch(14, len(tiny_tokenizer), 2, seed=3, scale=0.05)
+    flat = float(batch.seq_lens.sum())
+    learner.cfg.learner.prefix_sharing = "tree"
+    learner.attention = resolve_attention("auto", learner.device, "tree")
+    set_attention(learner.model, learner.attention)
+    stats = learner.train_step(batch)
+    assert stats["tokens_flat_equivalent"] == flat
+    assert stats["tokens_forwarded"] == stats["model_tokens"] < 0.6 * flat
+    assert lora_state(learner.model)  # the step ran through to the optimizer
