@@ -146,3 +146,73 @@ def test_train_step_reports_tokens_forwarded_and_flat_equivalent(tiny_cfg, tiny_
     assert stats["tokens_flat_equivalent"] == flat
     assert stats["tokens_forwarded"] == stats["model_tokens"] < 0.6 * flat
     assert lora_state(learner.model)  # the step ran through to the optimizer
+
+
+@pytest.mark.slow
+def test_resume_with_trees_reproduces_uninterrupted_run(tmp_path):
+    """cpu-tiny (groups of 8 samples share a prompt) with prefix trees: 6 steps in one go, and 3 steps
+    then a resume to 6, end alike; TensorBoard holds both token counts."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tests.test_checkpoint import finish, launch
+    tree = "--learner.prefix_sharing=tree"
+    code, out = finish(launch([tree, "--learner.num_steps=6", "--checkpoint.every=3",
+                               f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch([tree, "--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch([tree, "--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
+                              tmp_path))
+    assert code == 0 and "resuming from" in out, out
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert b["steps"] == 6
+    assert b["rewards"] == a["rewards"] and b["losses"] == a["losses"]
+    acc = EventAccumulator(str(tmp_path / "a" / "tb" / "learner"))
+    acc.Reload()
+    forwarded = [e.value for e in acc.Scalars("learner/tokens_forwarded")]
+    flat = [e.value for e in acc.Scalars("learner/tokens_flat_equivalent")]
+    assert len(forwarded) == len(flat) == 6
+    assert all(0 < f < x for f, x in zip(forwarded, flat)), (forwarded, flat)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
+    """bf16, the 0.5B shape (random weights): prefix trees under FlexAttention against flat packing
+    under varlen attention. Log-probs: mean abs difference <= 0.01 nats; the loss and the LoRA
+    gradients agree to bf16 rounding (relative norm)."""
+    from benchmarks.trainer_workload import SyntheticVocab
+    from colocate.config import load_config
+    from colocate.kernels.reference import per_token_logprobs
+    from colocate.learner.learner import Learner
+    from colocate.learner.packing import packed_micro_batch
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    vocab = SyntheticVocab(151646)
+    cfg = load_config(None, {"model": {"shape": "qwen2.5-0.5b", "dtype": "bfloat16"}, "lora": {"rank": 16, "alpha": 32},
+                             "learner": {"fsdp": False, "micro_batch_tokens": 8192},
+                             "loss": {"beta": 0.0, "norm": "grpo", "impl": "torch"}})
+    device = torch.device("cuda")
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1, device=device,
+                    backend="nccl")
+    learner = Learner(cfg, topo, build_policy(cfg, vocab, "meta"), vocab)
+    randomize_adapter(learner.model)
+    batch = diplomacy_like_batch(2 * 7 * 2, len(vocab), 2, seed=7, scale=0.5)
+    batch.behaviour_logprobs.fill_(-11.9)
+    with torch.no_grad():
+        flat_attention = resolve_attention("auto", device, "off")
+        set_attention(learner.model, flat_attention)
+        flat = packed_micro_batch(batch, device, flat_attention)
+        lp_flat = per_token_logprobs(completion_logits(learner.model, flat).float(), flat.targets, 1.0)
+        set_attention(learner.model, TREE_FLEX)
+        tree = tree_micro_batch(batch, device, TREE_FLEX, "tree")
+        lp_tree = per_token_logprobs(completion_logits(learner.model, tree).float(), tree.targets, 1.0)
+    assert tree.num_tokens < 0.6 * flat.num_tokens
+    assert float((lp_tree - lp_flat).abs().mean()) <= 0.01, float((lp_tree - lp_flat).abs().mean())
+    loss_ref, grads_ref, _, _ = _loss_and_grads(learner, batch, "off", 100_000)
+    loss, grads, _, _ = _loss_and_grads(learner, batch, "tree", 100_000)
+    assert learner.attention == TREE_FLEX
+    torch.testing.assert_close(loss.float(), loss_ref.float(), rtol=2e-2, atol=0)
+    for name, g in grads_ref.items():
+        rel = float((grads[name].float() - g.float()).norm() / g.float().norm().clamp_min(1e-12))
+        assert rel < 0.1, (name, rel)

@@ -71,18 +71,18 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, scaling=None,
 
 @functools.cache
 def _flex(compiled: bool):
-    """flex_attention, compiled once on CUDA (dynamic: every micro-batch has another length); eager
-    elsewhere (CPU: forward only)."""
+    """flex_attention, compiled on CUDA (dynamic: every micro-batch has another length); eager
+    elsewhere (CPU: forward only, and it materializes the scores)."""
     from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
 
 
 def tree_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                        tree_mask=None, **kwargs):
-    """FlexAttention: query [1, Hq, T, D], key/value [1, Hkv, T, D], tree_mask a BlockMask -> [1, T, Hq, D]."""
+                        tree_mask=None, flex=None, **kwargs):
+    """FlexAttention: query [1, Hq, T, D], key/value [1, Hkv, T, D], tree_mask a BlockMask -> [1, T, Hq, D].
+    `flex` is bound at registration (`_flex`): nothing is compiled or imported inside a compiled block."""
     _check(query, tree_mask, TREE_FLEX)
-    out = _flex(query.is_cuda)(query, key, value, block_mask=tree_mask, scale=scaling,
-                               enable_gqa=query.shape[1] != key.shape[1])
+    out = flex(query, key, value, block_mask=tree_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -90,4 +90,5 @@ def register_tree_attention() -> None:
     """Make TREE_SDPA and TREE_FLEX valid transformers attention implementations."""
     from transformers import AttentionInterface
     AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
-    AttentionInterface.register(TREE_FLEX, tree_flex_attention)
+    AttentionInterface.register(TREE_FLEX, functools.partial(tree_flex_attention,
+                                                             flex=_flex(torch.cuda.is_available())))
