@@ -103,7 +103,11 @@ def tree_micro_batch(mb: TrajectoryBatch, device, attention: str, mode: str) -> 
     group): shared prompt tokens once, each completion a leaf; `attention` TREE_SDPA or TREE_FLEX,
     its mask passed as the `tree_mask` model keyword. Targets and seq_ids in the flat layout's order,
     so the loss sees the same [N] problem as with `packed_micro_batch`."""
-    prompts, completions = split_prompts(mb)
+    return _tree_micro_batch(*split_prompts(mb), device, attention, mode)
+
+
+def _tree_micro_batch(prompts: list[list[int]], completions: list[list[int]], device, attention: str,
+                      mode: str) -> MicroBatch:
     layout = tree_layout(prompts, completions, mode)
     inputs = {
         "input_ids": layout.tokens.unsqueeze(0).to(device),
@@ -123,9 +127,10 @@ def layout_micro_batches(batch: TrajectoryBatch, token_budget: int, prefix_shari
     if prefix_sharing == "off":
         groups = pack_by_budget(batch.seq_lens.tolist(), token_budget)
         return [(sub, packed_micro_batch(sub, device, attention)) for sub in (batch.select(g) for g in groups)]
-    prompts, _ = split_prompts(batch)
-    groups = split_by_budget(prompts, batch.completion_lens.tolist(), prefix_sharing, token_budget)
-    return [(sub, tree_micro_batch(sub, device, attention, prefix_sharing)) for sub in (batch.select(g) for g in groups)]
+    prompts, completions = split_prompts(batch)  # host lists, split once for every micro-batch
+    groups = split_by_budget(prompts, [len(c) for c in completions], prefix_sharing, token_budget)
+    return [(batch.select(g), _tree_micro_batch([prompts[i] for i in g], [completions[i] for i in g], device,
+                                                attention, prefix_sharing)) for g in groups]
 
 
 def dummy_micro_batch(device, attention: str) -> MicroBatch:
