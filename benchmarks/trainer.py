@@ -76,7 +76,8 @@ def add_args(parser) -> None:
                         help="packed with learner.reshard_after_forward=false (blocks stay gathered from forward to "
                              "backward: half the all-gathers) at this budget, run last (0 skips)")
     parser.add_argument("--prefix-sharing", default="",
-                        help="also run these learner.prefix_sharing modes (tree, group; comma separated) at each budget")
+                        help="also run these learner.prefix_sharing modes (tree, group; comma separated) "
+                             "at each budget")
     parser.add_argument("--compile-tree-budget", type=int, default=0,
                         help="prefix trees with torch.compile per block at this budget, run last (0 skips)")
     parser.add_argument("--warmup", type=int, default=1)

@@ -129,7 +129,8 @@ def test_flex_attention_forward_equals_dense_reference(tiny_policy, tiny_tokeniz
     with torch.no_grad():
         for name in (TREE_SDPA, TREE_FLEX, "sdpa"):
             set_attention(tiny_policy, name)
-            mb = packed_micro_batch(batch, "cpu", name) if name == "sdpa" else tree_micro_batch(batch, "cpu", name, "tree")
+            mb = (packed_micro_batch(batch, "cpu", name) if name == "sdpa"
+                  else tree_micro_batch(batch, "cpu", name, "tree"))
             out[name] = completion_logits(tiny_policy, mb)
     torch.testing.assert_close(out[TREE_FLEX], out[TREE_SDPA], atol=1e-5, rtol=0)
     torch.testing.assert_close(out[TREE_SDPA], out["sdpa"], atol=1e-5, rtol=0)

@@ -11,6 +11,10 @@ Sequence boundaries reach the attention in one of two ways:
   * sdpa   - transformers detects the restarting position ids and builds a block-diagonal causal
              mask [1, 1, T, T] for SDPA: correct everywhere, but O(T^2) memory and compute
              (profiles/trainer.md compares the layouts).
+Prefix trees (`learner.prefix_sharing` tree or group, `prefix_tree.py`): the same row [1, T], but
+shared prompt prefixes appear once and each completion is a leaf; the attention is a tree mask
+(`tree_attention.py`) passed as the `tree_mask` model keyword, and trees that do not fit the budget
+are split at node boundaries.
 
 The lm_head runs only on rows whose hidden state predicts a completion token (HF's `logits_to_keep`
 with an index tensor): logits [N, V], N = completion tokens.
