@@ -136,6 +136,30 @@ def test_flex_attention_forward_equals_dense_reference(tiny_policy, tiny_tokeniz
     torch.testing.assert_close(out[TREE_SDPA], out["sdpa"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("block", [16, 128])
+def test_flex_block_mask_from_tree_bounds_matches_create_block_mask(block):
+    """`flex_tree_mask` builds the BlockMask from per-block bounds of kv_end (no [T, T] rule, no
+    compile): the same full blocks as torch's create_block_mask over the element rule, no block it
+    computes missing, and FlexAttention under it equals SDPA under the dense mask."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from colocate.learner.prefix_tree import split_prompts, tree_layout
+    from colocate.learner.tree_attention import dense_tree_mask, flex_tree_mask
+    batch = diplomacy_like_batch(56, 1000, 2, seed=0, scale=0.2)
+    kv_end = tree_layout(*split_prompts(batch), "tree").kv_end
+    t = kv_end.numel()
+    mine = flex_tree_mask(kv_end, block)
+    ref = create_block_mask(lambda b, h, q, kv: (kv <= q) & (q < kv_end[kv]), None, None, t, t, device="cpu",
+                            BLOCK_SIZE=block)
+    assert torch.equal(mine.full_kv_num_blocks, ref.full_kv_num_blocks)
+    assert bool((mine.to_dense() >= ref.to_dense()).all()) and mine.sparsity() > 50
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, t, 16, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_tree_mask(kv_end))
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=mine), want, atol=1e-5, rtol=0)
+
+
 def test_train_step_reports_tokens_forwarded_and_flat_equivalent(tiny_cfg, tiny_tokenizer):
     learner = _learner(tiny_cfg, tiny_tokenizer, beta=0.0, norm="dapo")
     batch = diplomacy_like_batch(14, len(tiny_tokenizer), 2, seed=3, scale=0.05)

@@ -8,8 +8,8 @@ nothing of siblings or cousins. Flat packing is the special case of one segment 
 Two implementations, chosen per micro-batch by the name the learner set (`packing.resolve_attention`):
   * TREE_SDPA - the reference: a dense [1, 1, T, T] boolean mask built once per micro-batch, SDPA
                 with it in every layer. O(T^2) memory; CPU, tests, and the GPU fallback.
-  * TREE_FLEX - FlexAttention with a BlockMask built once per micro-batch from kv_end (compiled on
-                CUDA: only the blocks the tree touches are computed). FlexAttention has no CPU
+  * TREE_FLEX - FlexAttention with a BlockMask built once per micro-batch from kv_end's per-block
+                bounds (`flex_tree_mask`): only the blocks the tree touches are computed. FlexAttention has no CPU
                 backward in this torch, so CPU runs it forward-only (the parity test).
 The model receives the mask as the `tree_mask` keyword of its forward; transformers passes unknown
 keywords through every decoder layer to the attention function, and builds no mask itself for a
@@ -33,15 +33,41 @@ def dense_tree_mask(kv_end: torch.Tensor) -> torch.Tensor:
     return ((idx[None, :] <= idx[:, None]) & (idx[:, None] < kv_end[None, :]))[None, None]
 
 
-def flex_tree_mask(kv_end: torch.Tensor):
-    """[T] kv_end (on the compute device) -> FlexAttention BlockMask of the same rule."""
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_BLOCK = 128  # FlexAttention's default tile: the block mask's granularity
+
+
+def flex_tree_mask(kv_end: torch.Tensor, block: int = FLEX_BLOCK):
+    """[T] kv_end (on the compute device) -> FlexAttention BlockMask of the same rule, built from
+    per-block bounds of kv_end with a few [nb, nb] tensor ops (nb = T / block): no [T, T] rule is
+    evaluated and nothing is compiled, so a new length per micro-batch triggers no recompilation.
+
+    A (query block, key block) pair is full where every pair in it is allowed (the key block lies
+    before the query block and every key's subtree reaches past the last query), skipped where none
+    can be (the key block after the query block, or every key's subtree ending before the first
+    query), partial otherwise (the rule is applied per element there; counting too many pairs as
+    partial costs time, never exactness)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    t, dev = kv_end.numel(), kv_end.device
+    nb = -(-t // block)
+    # padded keys end at 0: never seen; the rule reads this padded copy, so no index leaves it
+    end = F.pad(kv_end, (0, nb * block - t), value=0)
+    per_block = end.view(nb, block)
+    q_lo = torch.arange(nb, device=dev) * block                        # [nb] first query of each block
+    q_hi = q_lo + block - 1                                             # [nb] last query
+    kb, qb = torch.arange(nb, device=dev)[None, :], torch.arange(nb, device=dev)[:, None]
+    # a query block cut by the end of the row is never full (as create_block_mask has it)
+    whole = (q_lo + block <= t)[:, None]
+    full = (kb < qb) & (per_block.amin(1)[None, :] > q_hi[:, None]) & whole  # [nb q, nb kv]
+    partial = (kb <= qb) & (per_block.amax(1)[None, :] > q_lo[:, None]) & ~full
 
     def tree_rule(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < kv_end[kv_idx])
-    t = kv_end.numel()
-    # compiled on CUDA: the eager path materializes the whole [T, T] rule first
-    return create_block_mask(tree_rule, None, None, t, t, device=kv_end.device, _compile=kv_end.is_cuda)
+        return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
+
+    def ordered(mask):  # [nb, nb] bool -> ([1, 1, nb] counts, [1, 1, nb, nb] block indices, used first)
+        indices = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True)
+        return mask.sum(-1).to(torch.int32)[None, None], indices.to(torch.int32)[None, None]
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=tree_rule,
+                                    seq_lengths=(t, t))
 
 
 def build_tree_mask(kv_end: torch.Tensor, attention: str):
