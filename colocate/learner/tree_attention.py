@@ -9,8 +9,9 @@ Two implementations, chosen per micro-batch by the name the learner set (`packin
   * TREE_SDPA - the reference: a dense [1, 1, T, T] boolean mask built once per micro-batch, SDPA
                 with it in every layer. O(T^2) memory; CPU, tests, and the GPU fallback.
   * TREE_FLEX - FlexAttention with a BlockMask built once per micro-batch from kv_end's per-block
-                bounds (`flex_tree_mask`): only the blocks the tree touches are computed. FlexAttention has no CPU
-                backward in this torch, so CPU runs it forward-only (the parity test).
+                bounds (`flex_tree_mask`): only the blocks the tree touches are computed.
+                FlexAttention has no CPU backward in this torch, so CPU runs it forward-only (the
+                parity test).
 The model receives the mask as the `tree_mask` keyword of its forward; transformers passes unknown
 keywords through every decoder layer to the attention function, and builds no mask itself for a
 registered custom implementation.
