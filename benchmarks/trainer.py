@@ -10,8 +10,12 @@ Variants, measured in this order (the model is built once without and once with 
 checkpointing):
   padded    the old setting (`padded.py`): micro-batches of `--padded-batch` sequences left-padded
             to the longest, SDPA with a padding mask, peft's own LoRA forward (the baseline;
-            `--baseline-fused` gives it our fused LoRA epilogue too)
-  packed-B  token-budget packing to B tokens, varlen flash attention (`--budgets`)
+            `--baseline-fused` gives it our fused LoRA epilogue too; `--padded-batch 0` skips it)
+  packed-B  token-budget packing to B tokens, varlen flash attention (`--budgets`): flat, every
+            sequence whole (`learner.prefix_sharing: off`)
+  tree-B    the same budgets with prefix trees (`learner.prefix_sharing: tree`, FlexAttention;
+  group-B   `group`: only whole prompts shared), for each mode in `--prefix-sharing`
+  compiled-tree-B  tree with torch.compile per decoder block (`--compile-tree-budget`; 0 skips)
   sdpa-B    packed, but SDPA with a dense block-diagonal mask (`--sdpa-budget`; 0 skips)
   ac-B      packed with activation checkpointing (`--ac-budget`; 0 skips)
   compiled-B packed with torch.compile per decoder block (`--compile-budget`; 0 skips; the
@@ -19,7 +23,12 @@ checkpointing):
   gathered-B packed, each block's weights kept gathered from forward to backward
             (`learner.reshard_after_forward: false`, `--gathered-budget`; 0 skips)
 Per variant: `--warmup` untimed steps, then the median of `--steps` timed steps; peak memory per
-rank (max_memory_allocated) over the variant.
+rank (max_memory_allocated) over the variant; samples/s; tokens forwarded per step (all ranks) beside
+the flat equivalent. tokens/s and MFU count the flat layout's tokens and FLOPs for every variant
+(work done per second as flat packing would count it), so a tree's figures are effective ones.
+The issue-27 workload (the e2e run's batches: 32 groups x 2 continuations x 7 powers on one learner):
+`--num-gpus 1 --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group
+--padded-batch 0 --sdpa-budget 0 --ac-budget 0`.
 
 The synthetic trajectories and the MFU formula: `trainer_workload.py`.
 """
@@ -42,7 +51,9 @@ from benchmarks.trainer_workload import PEAK_FLOPS, SyntheticVocab, batch_stats,
 LEARNER_VARIANTS = {
     "compiled": ("compile_budget", {"compile": True}),
     "gathered": ("gathered_budget", {"reshard_after_forward": False}),
+    "compiled-tree": ("compile_tree_budget", {"compile": True, "prefix_sharing": "tree"}),
 }
+SHARING_KINDS = ("tree", "group")  # packed variants whose kind is their learner.prefix_sharing
 
 
 def add_args(parser) -> None:
@@ -51,7 +62,8 @@ def add_args(parser) -> None:
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seqs-per-rank", type=int, default=48, help="sequences per learner rank per step")
     parser.add_argument("--group-size", type=int, default=4, help="samples sharing one prompt")
-    parser.add_argument("--padded-batch", type=int, default=4, help="sequences per padded micro-batch (baseline)")
+    parser.add_argument("--padded-batch", type=int, default=4,
+                        help="sequences per padded micro-batch (baseline; 0 skips it)")
     parser.add_argument("--baseline-fused", action="store_true",
                         help="the baseline uses our fused LoRA epilogue too (default: peft's forward, as the old setting)")
     parser.add_argument("--budgets", default="", help="packed token budgets, comma separated (default 8192,12288)")
@@ -63,6 +75,11 @@ def add_args(parser) -> None:
     parser.add_argument("--gathered-budget", type=int, default=0,
                         help="packed with learner.reshard_after_forward=false (blocks stay gathered from forward to "
                              "backward: half the all-gathers) at this budget, run last (0 skips)")
+    parser.add_argument("--prefix-sharing", default="",
+                        help="also run these learner.prefix_sharing modes (tree, group; comma separated) "
+                             "at each budget")
+    parser.add_argument("--compile-tree-budget", type=int, default=0,
+                        help="prefix trees with torch.compile per block at this budget, run last (0 skips)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--loss-impl", default="auto", choices=("auto", "triton", "torch"))
@@ -94,10 +111,12 @@ def run(args) -> dict:
                            start_method="spawn")
         with open(result_path) as f:
             record = json.load(f)
-    print(f"{'variant':14s} {'tok/s':>9s} {'MFU':>6s} {'step_s':>7s} {'peak_GB':>8s} {'micro':>5s}")
+    print(f"{'variant':20s} {'samples/s':>9s} {'tok/s':>9s} {'MFU':>6s} {'step_s':>7s} {'peak_GB':>8s} {'micro':>5s} "
+          f"{'forwarded':>10s} {'flat':>10s}")
     for v in record["variants"]:
-        print(f"{v['name']:14s} {v['tokens_per_s']:9.0f} {v['mfu']:6.3f} {v['step_s']:7.2f} {max(v['peak_gb']):8.1f} "
-              f"{v['micro_batches_per_rank']:5.0f}")
+        print(f"{v['name']:20s} {v['samples_per_s']:9.1f} {v['tokens_per_s']:9.0f} {v['mfu']:6.3f} {v['step_s']:7.2f} "
+              f"{max(v['peak_gb']):8.1f} {v['micro_batches_per_rank']:5.0f} {v['tokens_forwarded']:10.0f} "
+              f"{v['tokens_flat_equivalent']:10.0f}")
     return record
 
 
@@ -241,7 +260,12 @@ def _plans(args: dict, budgets: list[int]) -> list[tuple[bool, list[tuple[str, i
     quick = args["quick"]
     sdpa_budget = args["sdpa_budget"] if args["sdpa_budget"] >= 0 else (256 if quick else 8192)
     ac_budget = args["ac_budget"] if args["ac_budget"] >= 0 else (512 if quick else 16384)
-    plans = [(False, [("padded", 0)] + [("packed", b) for b in budgets]
+    modes = [m.strip() for m in (args.get("prefix_sharing") or "").split(",") if m.strip()]
+    bad = [m for m in modes if m not in SHARING_KINDS]
+    if bad:
+        raise SystemExit(f"--prefix-sharing takes {', '.join(SHARING_KINDS)}, got {', '.join(bad)}")
+    plans = [(False, ([("padded", 0)] if args["padded_batch"] > 0 else []) + [("packed", b) for b in budgets]
+              + [(m, b) for b in budgets for m in modes]
               + ([("sdpa", sdpa_budget)] if sdpa_budget else [])),
              (True, [("ac", ac_budget)] if ac_budget else []),
              (False, [("packed", args["extra_budget"])] if args["extra_budget"] else []),
@@ -260,6 +284,8 @@ def _run_plan(run: _Run, ac: bool, variants: list[tuple[str, int]]) -> None:
     if "check" not in run.record:
         run.record["check"] = _check_packed_equals_padded(learner, run.batch, run.device, run.packed_attention)
         run.log(f"packed vs padded log-probs: {run.record['check']}")
+        run.record["tree_check"] = _check_tree_equals_flat(learner, run.batch, run.device, run.packed_attention)
+        run.log(f"tree vs flat log-probs: {run.record['tree_check']}")
     for kind, budget in variants:
         if run.out_of_time():
             run.record["skipped"].append(f"{kind}-{budget}")
@@ -357,7 +383,8 @@ def _time_variant(run: _Run, learner, kind: str, budget: int, p_blocks: int) -> 
     total = {k: run.stats[k] * run.world for k in ("tokens", "completion_tokens", "sum_sq_len")}
     flops = step_flops(learner.model.config, p_blocks, total)
     return {"kind": kind, "budget": budget, "step_s": step_s, "step_times": times, "first_step_s": first_step_s,
-            "variant_s": time.perf_counter() - t_first,
+            "variant_s": time.perf_counter() - t_first, "samples_per_s": run.stats["sequences"] * run.world / step_s,
+            "tokens_forwarded": out["tokens_forwarded"], "tokens_flat_equivalent": out["tokens_flat_equivalent"],
             "tokens_per_s": total["tokens"] / step_s, "completion_tokens_per_s": total["completion_tokens"] / step_s,
             "mfu": flops / (step_s * run.world * PEAK_FLOPS), "tflops_per_gpu": flops / step_s / run.world / 1e12,
             "micro_batches_per_rank": out["micro_batches"], "peak_gb": [float(p[0]) for p in peaks],
@@ -366,12 +393,24 @@ def _time_variant(run: _Run, learner, kind: str, budget: int, p_blocks: int) -> 
 
 def _select_layout(run: _Run, learner, kind: str, budget: int) -> None:
     """Point the one learner at this variant: padded chunks (the baseline) or packing at `budget`."""
+    from colocate.learner.packing import resolve_attention
     from colocate.models import set_fused_lora
     set_fused_lora(learner.model, learner.cfg.lora.fused_epilogue and (kind != "padded" or run.args["baseline_fused"]))
     if kind != "padded":
         learner.cfg.learner.micro_batch_tokens = budget
-    learner.use_layout(run.args["padded_batch"] if kind == "padded" else 0,
-                       "sdpa" if kind == "sdpa" else run.packed_attention)
+    sharing = _sharing(kind)
+    learner.cfg.learner.prefix_sharing = sharing
+    attention = "sdpa" if kind == "sdpa" else run.packed_attention
+    if sharing != "off":
+        attention = resolve_attention("auto", run.device, sharing)
+    learner.use_layout(run.args["padded_batch"] if kind == "padded" else 0, attention)
+
+
+def _sharing(kind: str) -> str:
+    """The variant's learner.prefix_sharing."""
+    if kind in SHARING_KINDS:
+        return kind
+    return LEARNER_VARIANTS[kind][1].get("prefix_sharing", "off") if kind in LEARNER_VARIANTS else "off"
 
 
 def _timed_steps(run: _Run, learner, kind: str) -> tuple[list[float], float | None, dict]:
@@ -433,10 +472,31 @@ def _check_packed_equals_padded(learner, batch, device, attention) -> dict:
             "mean_logprob": float(lp_padded.mean()), "tokens": int(diff.numel())}
 
 
+@torch.no_grad()
+def _check_tree_equals_flat(learner, batch, device, attention) -> dict:
+    """Log-probs of the first 2 x 7 x G sequences (two boards): prefix tree (FlexAttention on CUDA)
+    against flat packing (`attention`), same sharded model."""
+    from colocate.kernels.reference import per_token_logprobs
+    from colocate.learner.packing import (completion_logits, packed_micro_batch, resolve_attention, set_attention,
+                                          tree_micro_batch)
+    sub = batch.select(list(range(min(28, batch.num_sequences))))
+    tree_attention = resolve_attention("auto", device, "tree")
+    tree = tree_micro_batch(sub, device, tree_attention, "tree")
+    set_attention(learner.model, tree_attention)
+    lp_tree = per_token_logprobs(completion_logits(learner.model, tree).float(), tree.targets, 1.0)
+    flat = packed_micro_batch(sub, device, attention)
+    set_attention(learner.model, attention)
+    lp_flat = per_token_logprobs(completion_logits(learner.model, flat).float(), flat.targets, 1.0)
+    set_attention(learner.model, learner.attention)
+    diff = (lp_tree - lp_flat).abs()
+    return {"attention": tree_attention, "max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean()),
+            "tokens_tree": tree.num_tokens, "tokens_flat": flat.num_tokens, "completion_tokens": int(diff.numel())}
+
+
 def _summarize(record: dict) -> None:
     by_name = {v["name"]: v for v in record["variants"]}
     base = by_name.get("padded")
-    packed = [v for v in record["variants"] if v["kind"] == "packed" or v["kind"] in LEARNER_VARIANTS]
+    packed = [v for v in record["variants"] if v["kind"] in ("packed", *SHARING_KINDS) or v["kind"] in LEARNER_VARIANTS]
     if base:
         record["baseline"] = {"padded_tokens_per_s": base["tokens_per_s"], "padded_mfu": base["mfu"],
                               "padded_step_s": base["step_s"], "padded_peak_gb": max(base["peak_gb"])}
@@ -449,5 +509,12 @@ def _summarize(record: dict) -> None:
                 record["figures"][f"{v['name']}_tokens_per_s"] = v["tokens_per_s"]
                 record["figures"][f"{v['name']}_mfu"] = v["mfu"]
                 record["figures"][f"{v['name']}_peak_gb"] = max(v["peak_gb"])
+                record["figures"][f"{v['name']}_samples_per_s"] = v["samples_per_s"]
+                record["figures"][f"{v['name']}_tokens_forwarded"] = v["tokens_forwarded"]
         if base:
             record["ratios"] = {"tokens_per_s_vs_padded": best["tokens_per_s"] / base["tokens_per_s"]}
+    for v in record["variants"]:  # prefix sharing against flat packing at the same budget
+        flat = by_name.get(f"packed-{v['budget']}")
+        if v["kind"] in SHARING_KINDS and flat:
+            record["ratios"][f"{v['name']}_samples_per_s_vs_flat"] = v["samples_per_s"] / flat["samples_per_s"]
+            record["ratios"][f"{v['name']}_tokens_forwarded_vs_flat"] = v["tokens_forwarded"] / flat["tokens_forwarded"]

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from colocate.config_schema import (ATTENTIONS, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS, ENV_NAMES, LORA_MODES,
-                                    LOSS_IMPLS, MODEL_SHAPES, NORM_MODES, PLACEMENTS, SYNC_BACKENDS,
+                                    LOSS_IMPLS, MODEL_SHAPES, NORM_MODES, PLACEMENTS, PREFIX_SHARING, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -52,6 +52,7 @@ _CHOICES = {
     ("loss", "norm"): NORM_MODES,
     ("loss", "impl"): LOSS_IMPLS,
     ("learner", "attention"): ATTENTIONS,
+    ("learner", "prefix_sharing"): PREFIX_SHARING,
     ("sync", "backend"): SYNC_BACKENDS,
     ("topology", "placement"): PLACEMENTS,
 }

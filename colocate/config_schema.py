@@ -19,6 +19,7 @@ ENV_NAMES = ("arithmetic", "diplomacy")
 NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
 LOSS_IMPLS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "varlen", "sdpa")
+PREFIX_SHARING = ("off", "group", "tree")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
 PLACEMENTS = ("by_node", "interleaved")
 
@@ -170,6 +171,12 @@ class LearnerConfig:
     attention: str = "auto"
     """Attention over packed micro-batches: varlen (flash-attention's varlen kernel on CUDA, causal SDPA
     per sequence length elsewhere), sdpa (block-diagonal causal mask, for comparison), auto (varlen)."""
+    prefix_sharing: str = "off"
+    """Forward shared prompt prefixes once per micro-batch (colocate/learner/prefix_tree.py): tree (a
+    radix tree of the prompts, any depth: Diplomacy's instruction, board, power part), group (one level:
+    each distinct whole prompt once, shared by its GRPO group), off (every sequence whole: the flat
+    reference). Exact: the gradients equal off's up to rounding. Tree attention is FlexAttention on
+    CUDA, a dense-mask SDPA elsewhere (or with attention sdpa)."""
     max_policy_lag: int = 0
     """A trajectory sampled with version v is trained at step s only if s - v <= this; 0 = synchronous."""
 

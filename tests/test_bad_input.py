@@ -86,6 +86,7 @@ CASES = [
     ("micro batch tokens 0", None, ["--learner.micro_batch_tokens=0"], "learner.micro_batch_tokens"),
     ("max policy lag negative", None, ["--learner.max_policy_lag=-1"], "learner.max_policy_lag"),
     ("attention", None, ["--learner.attention=flash9"], "learner.attention"),
+    ("prefix sharing", None, ["--learner.prefix_sharing=radix"], "learner.prefix_sharing"),
     # loss
     ("eps low negative", None, ["--loss.eps_low=-0.1"], "loss.eps_low"),
     ("eps high nan", None, ["--loss.eps_high=nan"], "loss.eps_high"),

@@ -83,9 +83,10 @@ def _single_rank(cache_dir: str, extra: dict):
 
 
 def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):
-    """Plain, with activation checkpointing (the wrapper must not leak into the names), and with the
-    blocks kept gathered from forward to backward (`reshard_after_forward: false`)."""
-    variants = [{}, {"activation_checkpointing": True}, {"reshard_after_forward": False}]
+    """Plain, with activation checkpointing (the wrapper must not leak into the names), with the
+    blocks kept gathered from forward to backward (`reshard_after_forward: false`), and with prefix
+    trees (the prompts share a prefix; the dummy micro-batches are trees too)."""
+    variants = [{}, {"activation_checkpointing": True}, {"reshard_after_forward": False}, {"prefix_sharing": "tree"}]
     cache = tiny_cfg.model.cache_dir  # the tokenizer the fixtures already built
     result = str(tmp_path / "result.pt")
     references = [_single_rank(cache, extra) for extra in variants]

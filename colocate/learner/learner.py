@@ -34,8 +34,8 @@ from colocate.data import TrajectoryBatch
 from colocate.kernels import grpo_loss, restrict_to_allowed
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
-from colocate.learner.packing import (MicroBatch, dummy_micro_batch, pack_by_budget, packed_micro_batch,
-                                      resolve_attention, set_attention)
+from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout_micro_batches, resolve_attention,
+                                      set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
@@ -49,7 +49,7 @@ class Learner:
         self.pad_id = tokenizer.pad_token_id
         self.device = topology.device
         lc = cfg.learner
-        self.attention = resolve_attention(lc.attention, self.device)
+        self.attention = resolve_attention(lc.attention, self.device, lc.prefix_sharing)
         set_attention(model, self.attention)
         if lc.activation_checkpointing:
             fsdp.apply_ac(model)
@@ -100,11 +100,10 @@ class Learner:
     # ---- micro-batches ----------------------------------------------------------------------------
 
     def micro_batches(self, batch: TrajectoryBatch) -> list[tuple[TrajectoryBatch, MicroBatch]]:
-        """Whole sequences packed first-fit-decreasing into micro-batches of at most
-        `learner.micro_batch_tokens` tokens -> (sub-batch, its model inputs) per micro-batch."""
-        groups = pack_by_budget(batch.seq_lens.tolist(), self.cfg.learner.micro_batch_tokens)
-        return [(sub, packed_micro_batch(sub, self.device, self.attention))
-                for sub in (batch.select(g) for g in groups)]
+        """Micro-batches of at most `learner.micro_batch_tokens` forwarded tokens: whole sequences
+        packed, or prefix trees (`learner.prefix_sharing`) -> (sub-batch, its model inputs) per micro-batch."""
+        lc = self.cfg.learner
+        return layout_micro_batches(batch, lc.micro_batch_tokens, lc.prefix_sharing, self.device, self.attention)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -177,11 +176,11 @@ class Learner:
         return (batch.select(keep) if dropped else batch), lag_sum, dropped
 
     def _global_counts(self, batch: TrajectoryBatch, lag_sum: float, dropped: int) -> torch.Tensor:
-        """[5] summed over the learner ranks: completion tokens, sequences, reward sum, lag sum,
-        dropped sequences. The first two are the loss's global normalizers."""
+        """[6] summed over the learner ranks: completion tokens, sequences, reward sum, lag sum,
+        dropped sequences, tokens of the sequences laid flat. The first two are the loss's global normalizers."""
         return self._all_reduce(torch.tensor(
             [float(batch.num_completion_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
-             lag_sum, float(dropped)], device=self.device))
+             lag_sum, float(dropped), float(batch.seq_lens.sum())], device=self.device))
 
     def _num_micro_batches(self, local: int) -> int:
         """Under FSDP every rank must run the same number of forward/backward passes: the busiest
@@ -250,6 +249,8 @@ class Learner:
             "dropped_stale": float(counts[4]),
             "tokens": float(sums[4]),
             "model_tokens": float(sums[5]),
+            "tokens_forwarded": float(sums[5]),  # with prefix sharing: shared prompt tokens once
+            "tokens_flat_equivalent": float(counts[5]),  # what flat packing would forward
             "micro_batches": float(num_micro),
             "skipped_update": float(skipped),
             "step_s": elapsed,

@@ -11,6 +11,10 @@ Sequence boundaries reach the attention in one of two ways:
   * sdpa   - transformers detects the restarting position ids and builds a block-diagonal causal
              mask [1, 1, T, T] for SDPA: correct everywhere, but O(T^2) memory and compute
              (profiles/trainer.md compares the layouts).
+Prefix trees (`learner.prefix_sharing` tree or group, `prefix_tree.py`): the same row [1, T], but
+shared prompt prefixes appear once and each completion is a leaf; the attention is a tree mask
+(`tree_attention.py`) passed as the `tree_mask` model keyword, and trees that do not fit the budget
+are split at node boundaries.
 
 The lm_head runs only on rows whose hidden state predicts a completion token (HF's `logits_to_keep`
 with an index tensor): logits [N, V], N = completion tokens.
@@ -24,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from colocate.data import TrajectoryBatch
+from colocate.learner.prefix_tree import split_by_budget, split_prompts, tree_layout
+from colocate.learner.tree_attention import (TREE_ATTENTIONS, TREE_FLEX, TREE_SDPA, build_tree_mask,
+                                             register_tree_attention)
 
 VARLEN = "colocate_varlen"  # name of the varlen attention in transformers' AttentionInterface
 
@@ -95,13 +102,49 @@ def packed_micro_batch(mb: TrajectoryBatch, device, attention: str) -> MicroBatc
                       attention=attention, num_tokens=total)
 
 
+def tree_micro_batch(mb: TrajectoryBatch, device, attention: str, mode: str) -> MicroBatch:
+    """One row [1, T] holding the prefix tree of the sub-batch (`prefix_tree.tree_layout`, mode tree or
+    group): shared prompt tokens once, each completion a leaf; `attention` TREE_SDPA or TREE_FLEX,
+    its mask passed as the `tree_mask` model keyword. Targets and seq_ids in the flat layout's order,
+    so the loss sees the same [N] problem as with `packed_micro_batch`."""
+    return _tree_micro_batch(*split_prompts(mb), device, attention, mode)
+
+
+def _tree_micro_batch(prompts: list[list[int]], completions: list[list[int]], device, attention: str,
+                      mode: str) -> MicroBatch:
+    layout = tree_layout(prompts, completions, mode)
+    inputs = {
+        "input_ids": layout.tokens.unsqueeze(0).to(device),
+        "position_ids": layout.position_ids.unsqueeze(0).to(device),
+        "logits_to_keep": layout.keep.to(device),  # [N] with repeats: one prompt end feeds G leaves
+        "tree_mask": build_tree_mask(layout.kv_end.to(device), attention),
+    }
+    return MicroBatch(inputs=inputs, targets=layout.targets.to(device), seq_ids=layout.seq_ids.to(device),
+                      attention=attention, num_tokens=layout.num_tokens)
+
+
+def layout_micro_batches(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, device,
+                         attention: str) -> list[tuple[TrajectoryBatch, MicroBatch]]:
+    """A batch -> (sub-batch, its model inputs) per micro-batch of at most `token_budget` forwarded
+    tokens. prefix_sharing off: whole sequences first-fit-decreasing (`pack_by_budget`); tree or group:
+    prefix trees split at node boundaries (`prefix_tree.split_by_budget`)."""
+    if prefix_sharing == "off":
+        groups = pack_by_budget(batch.seq_lens.tolist(), token_budget)
+        return [(sub, packed_micro_batch(sub, device, attention)) for sub in (batch.select(g) for g in groups)]
+    prompts, completions = split_prompts(batch)  # host lists, split once for every micro-batch
+    groups = split_by_budget(prompts, [len(c) for c in completions], prefix_sharing, token_budget)
+    return [(batch.select(g), _tree_micro_batch([prompts[i] for i in g], [completions[i] for i in g], device,
+                                                attention, prefix_sharing)) for g in groups]
+
+
 def dummy_micro_batch(device, attention: str) -> MicroBatch:
     """Two tokens, one completion token: lets a rank with fewer micro-batches join FSDP's collectives."""
     one = TrajectoryBatch(tokens=torch.zeros(2, dtype=torch.int32), seq_lens=torch.tensor([2], dtype=torch.int32),
                           prompt_lens=torch.tensor([1], dtype=torch.int32),
                           behaviour_logprobs=torch.zeros(1), advantages=torch.zeros(1), rewards=torch.zeros(1),
                           versions=torch.zeros(1, dtype=torch.int32))
-    mb = packed_micro_batch(one, device, attention)
+    mb = tree_micro_batch(one, device, attention, "tree") if attention in TREE_ATTENTIONS \
+        else packed_micro_batch(one, device, attention)
     mb.num_tokens = 0
     return mb
 
@@ -225,6 +268,11 @@ def check_varlen_kernel(device, dtype=torch.bfloat16, num_heads: int = 8, num_kv
             "grad_rel_err": max(rel(a, b) for a, b in zip(grads, ref_grads))}
 
 
-def resolve_attention(choice: str, device: torch.device) -> str:
-    """learner.attention -> the implementation name used for packed micro-batches (auto: varlen)."""
+def resolve_attention(choice: str, device: torch.device, prefix_sharing: str = "off") -> str:
+    """learner.attention (and learner.prefix_sharing) -> the implementation name the micro-batches
+    need. Flat (off): sdpa, or varlen (auto). Trees: FlexAttention on CUDA unless sdpa is asked for,
+    the dense-mask SDPA reference otherwise (FlexAttention has no CPU backward)."""
+    if prefix_sharing != "off":
+        register_tree_attention()
+        return TREE_FLEX if torch.device(device).type == "cuda" and choice != "sdpa" else TREE_SDPA
     return "sdpa" if choice == "sdpa" else register_varlen_attention()
