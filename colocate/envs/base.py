@@ -25,6 +25,19 @@ class Env:
     group_size: int = 1
     """G: continuations per group."""
 
+    @classmethod
+    def from_config(cls, cfg, tokenizer, seed: int) -> "Env":
+        """The env of one inference rank: `cfg` is the run's `Config` (a custom env's own settings are
+        `cfg.env.options`), `seed` differs per rank. Prompts go through
+        `colocate.chat.ChatFormat(tokenizer, cfg.model.chat_template)`."""
+        raise NotImplementedError(f"{cls.__name__} does not implement from_config(cfg, tokenizer, seed)")
+
+    @classmethod
+    def corpus(cls, cfg) -> list[str]:
+        """Text the embedded tiny tokenizer is trained on when `model.path` is empty (your prompts and
+        answers). Default: none, so text is spelled in byte-level pieces."""
+        return []
+
     def start_group(self, group_id: int) -> None:
         """Begin G continuations sharing one start state."""
         raise NotImplementedError
