@@ -135,6 +135,9 @@ class EnvConfig:
     """dataset: the column holding each prompt: a string, or a list of chat messages ({role, content})."""
     answer_column: str = "answer"
     """dataset: the column the built-in rewards compare against (user functions get every column)."""
+    answer_choices: bool = False
+    """dataset: sample only completions that are one of the answer column's distinct values (a
+    constraint, as the arithmetic env's): for short-answer tasks with few answers; free text if false."""
     eval_files: list = field(default_factory=list)
     """dataset: held-out files in the same format, scored by `eval` (every row, or `eval.max_samples`)."""
     reward: list = field(default_factory=lambda: ["exact"])

@@ -91,7 +91,7 @@ def check_prompt_column(key: str, rows, cfg: Config) -> None:
         raise ConfigError(f"env.prompt_column={env.prompt_column!r} of env.{key} holds {feature}: a prompt must be "
                           "text or a list of chat messages with string role and content")
     builtins = [r for r in env.reward if ":" not in r]
-    if builtins and env.answer_column not in rows.column_names:
+    if (builtins or env.answer_choices) and env.answer_column not in rows.column_names:
         raise ConfigError(f"env.answer_column={env.answer_column!r} is no column of env.{key} (the built-in "
                           f"reward {builtins[0]} compares against it; columns: {', '.join(rows.column_names)})")
 

@@ -129,3 +129,13 @@ def test_evaluate_scores_every_eval_row_greedily(tiny_tokenizer, tmp_path):
     lines = (tmp_path / "out" / "dataset-eval-v0.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[0])["reward"] in (0.0, 1.0)
     assert make_env(tiny_tokenizer, tmp_path).evaluate(engine, EvalConfig()) == {}  # no eval files
+
+
+def test_answer_choices_constrain_sampling_to_the_answers(tiny_tokenizer, tmp_path):
+    env = make_env(tiny_tokenizer, tmp_path, n=3, choices=["1", "2", "3"])
+    env.start_group(0)
+    (_, request), *_ = env.requests()
+    assert sorted(request.constraint.texts[0]) == [" 1", " 2", " 3"]
+    free = make_env(tiny_tokenizer, tmp_path, n=3)
+    free.start_group(0)
+    assert free.requests()[0][1].constraint is None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from colocate.chat import ChatFormat, is_messages
+from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
 from colocate.rewards import RewardSet
@@ -87,7 +88,7 @@ class Group:
 class DatasetEnv(Env):
     def __init__(self, tokenizer, rows, rewards: RewardSet, *, group_size: int, prompt_column: str,
                  max_new_tokens: int, temperature: float, seed: int, chat: ChatFormat | None = None,
-                 eval_rows=None, reward_workers: int = 0):
+                 eval_rows=None, reward_workers: int = 0, choices: list[str] | None = None):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
         self.tokenizer, self.rows, self.rewards, self.eval_rows = tokenizer, rows, rewards, eval_rows
@@ -95,6 +96,9 @@ class DatasetEnv(Env):
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.chat = chat or ChatFormat(tokenizer, "none")
         self.eos_id = tokenizer.eos_token_id
+        self.constraint = None if choices is None else Constraint(  # " 7": the answer as a word after the prompt
+            slots=[[tokenizer.encode(" " + c, add_special_tokens=False) for c in choices]], eos_id=self.eos_id,
+            texts=[[" " + c for c in choices]])
         self.epoch, self.position = 0, 0
         self._order = self._permutation(0)
         self._groups: dict[int, Group] = {}
@@ -111,7 +115,9 @@ class DatasetEnv(Env):
         rewards = RewardSet(env.reward, env.reward_weights, answer_column=env.answer_column,
                             max_errors=env.max_reward_errors)
         eval_rows = load_rows(env.eval_files, "train", cfg.model.cache_dir) if env.eval_files else None
-        return cls(tokenizer, load_rows(env.data_files, env.split, cfg.model.cache_dir), rewards,
+        rows = load_rows(env.data_files, env.split, cfg.model.cache_dir)
+        choices = sorted({str(a) for a in rows[env.answer_column]}) if env.answer_choices else None
+        return cls(tokenizer, rows, rewards, choices=choices,
                    group_size=cfg.rollout.group_size, prompt_column=env.prompt_column,
                    max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
                    chat=ChatFormat(tokenizer, cfg.model.chat_template), eval_rows=eval_rows,
@@ -153,7 +159,7 @@ class DatasetEnv(Env):
         row = self.next_row()
         prompt = row[self.prompt_column]
         request = Request(prompt_ids=self.chat.ids(prompt), max_new_tokens=self.max_new_tokens,
-                          temperature=self.temperature)
+                          temperature=self.temperature, constraint=self.constraint)
         columns = {k: v for k, v in row.items() if k != self.prompt_column}
         self._groups[group_id] = Group(prompt, request, columns)
         self._pending.update((group_id, i) for i in range(self.group_size))
@@ -228,7 +234,7 @@ class DatasetEnv(Env):
         rows = self.eval_rows.select(range(n))
         prompts = rows[self.prompt_column]
         requests = [Request(prompt_ids=self.chat.ids(p), max_new_tokens=self.max_new_tokens,
-                            temperature=eval_cfg.temperature) for p in prompts]
+                            temperature=eval_cfg.temperature, constraint=self.constraint) for p in prompts]
         completions = engine.generate(requests)
         texts = [self.text_of(c) for c in completions]
         errors_before = self.rewards.take_errors()
