@@ -139,3 +139,24 @@ def test_answer_choices_constrain_sampling_to_the_answers(tiny_tokenizer, tmp_pa
     free = make_env(tiny_tokenizer, tmp_path, n=3)
     free.start_group(0)
     assert free.requests()[0][1].constraint is None
+
+
+@pytest.mark.slow
+def test_resumed_training_draws_the_prompts_it_would_have_drawn(tmp_path):
+    """Two epochs of the 25-row file in 6 steps; the resumed half continues at the saved position
+    (a different prompt order would change the rewards and losses)."""
+    from tests.test_checkpoint import finish, launch
+    dataset = ["--config", "configs/cpu-dataset-tiny.yaml", "--eval.every=0", "--eval.at_end=false"]
+    code, out = finish(launch([*dataset, "--learner.num_steps=6", "--checkpoint.every=3",
+                               f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch([*dataset, "--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch([*dataset, "--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
+                              tmp_path))
+    assert code == 0 and "resuming from" in out, out
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert b["steps"] == 6 and b["rewards"] == a["rewards"] and b["losses"] == a["losses"]
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["inference"]["0"]["env"]["epoch"] >= 1  # the run crossed into a reshuffled epoch

@@ -11,8 +11,9 @@ An environment owns many groups at once (continuous batching across games). The 
 
 Samples carry `group_key`: the worker normalizes advantages over the anchors of each key (the GRPO
 group; per power within the group for Diplomacy). The env never sees the engine or the learner.
-An env implements the first four methods; `metrics` and the resume state have defaults here, so
-the role loops call them unconditionally.
+An env implements `from_config` and the four methods of the loop; `metrics`, the resume state,
+`evaluate` and `corpus` have defaults here, so the role loops call them unconditionally. The
+protocol for users' own envs (`env.name: my_pkg.my_env:MyEnv`) is docs/envs.md.
 """
 from __future__ import annotations
 
