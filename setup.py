@@ -23,6 +23,7 @@ setup(
         "tensorboard",
         "numpy",
         "diplomacy==1.1.2",
+        "datasets",
         "nvidia-ml-py",
         "psutil",
     ],

@@ -21,13 +21,15 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from typing import Any
 
 import yaml
 
-from colocate.config_schema import (ATTENTIONS, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS, ENV_NAMES, LORA_MODES,
-                                    LOSS_IMPLS, MODEL_SHAPES, NORM_MODES, PLACEMENTS, PREFIX_SHARING, SYNC_BACKENDS,
+from colocate.config_schema import (ATTENTIONS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
+                                    ENV_NAMES, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES, PLACEMENTS,
+                                    PREFIX_SHARING, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -45,6 +47,7 @@ class ConfigError(ValueError):
 _CHOICES = {
     ("model", "shape"): MODEL_SHAPES,
     ("model", "dtype"): DTYPES,
+    ("model", "chat_template"): CHAT_TEMPLATES,
     ("engine", "kind"): ENGINE_KINDS,
     ("engine", "lora_mode"): LORA_MODES,
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
@@ -208,6 +211,8 @@ _RANGES = {
     ("env", "max_operand"): (lambda v: v >= 1, "must be >= 1 (operands are drawn from 0..max_operand)"),
     ("env", "horizon_years"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "stall_years"): (lambda v: v >= 1, "must be >= 1"),
+    ("env", "reward_workers"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 computes rewards inline)"),
+    ("env", "max_reward_errors"): (lambda v: v >= 1, "must be >= 1"),
     ("rollout", "groups_per_step"): (lambda v: v >= 1, "must be >= 1"),
     ("rollout", "oversample_groups"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "lr"): (lambda v: v > 0, _POSITIVE),
@@ -245,6 +250,8 @@ def check_values(cfg: Config) -> None:
     """Each key on its own: a choice from its tuple, a finite float, a value in its range."""
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
+        if (section, key) == ("env", "name") and is_object_path(value):
+            continue  # a custom env class: `preflight` imports it
         if value not in allowed:
             near = nearest_key(str(value), [a for a in allowed if a]) if any(allowed) else ""
             raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(map(repr, allowed))}"
@@ -263,10 +270,53 @@ def check_values(cfg: Config) -> None:
         raise ConfigError("lora.target_modules is empty: at least one linear layer needs an adapter")
 
 
+_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def is_object_path(text: str) -> bool:
+    """"my_pkg.module:name" names an object to import (a custom env class, a reward function)."""
+    return bool(_PATH.fullmatch(text))
+
+
+def check_dataset_env(env: EnvConfig) -> None:
+    """The dataset env's keys among themselves (what the files hold is `preflight`'s)."""
+    if env.name != "dataset":
+        return
+    if not env.data_files:
+        raise ConfigError("env.name=dataset needs env.data_files: local json, jsonl, parquet or csv files of prompts")
+    for key in ("data_files", "eval_files", "reward"):
+        bad = [v for v in getattr(env, key) if not isinstance(v, str) or not v]
+        if bad:
+            raise ConfigError(f"env.{key}: {bad[0]!r} is not a non-empty string")
+    if not env.reward:
+        raise ConfigError("env.reward is empty: name at least one reward function (gsm8k, boxed, exact or "
+                          "my_pkg.module:function)")
+    for name in env.reward:
+        if name not in BUILTIN_REWARDS and not is_object_path(name):
+            raise ConfigError(f"env.reward: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a "
+                              "function path like 'my_pkg.rewards:score'")
+    if env.reward_weights and len(env.reward_weights) != len(env.reward):
+        raise ConfigError(f"env.reward_weights has {len(env.reward_weights)} entries for {len(env.reward)} "
+                          "reward functions (one weight each, or none for all 1.0)")
+    env.reward_weights = [_finite_number(w, "env.reward_weights") for w in env.reward_weights]
+
+
+def _finite_number(value, where: str) -> float:
+    """A list item as a float (items of a list given on the command line arrive as strings)."""
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: {value!r} is not a finite number")
+    return number
+
+
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Value checks (`check_values`), then cross-field checks. Each failure is one line naming the
     fields involved."""
     check_values(cfg)
+    check_dataset_env(cfg.env)
     r = cfg.rollout
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per group")
@@ -306,6 +356,12 @@ def sampling_lag(cfg: Config) -> int:
     groups carried over one batch exactly lag, and only those carried twice are dropped."""
     lag = cfg.learner.max_policy_lag
     return lag - 1 if cfg.rollout.oversample_groups > 0 else lag  # `validate` keeps lag >= 2 there
+
+
+def eval_enabled(cfg: Config) -> bool:
+    """Held-out evaluation runs at all: inference rank 0 then sends its results to learner rank 0
+    at the end of the run (both sides know it from the config alone)."""
+    return cfg.eval.every > 0 or cfg.eval.at_end
 
 
 def to_dict(cfg: Config) -> dict:

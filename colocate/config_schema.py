@@ -15,7 +15,9 @@ DTYPES = ("float32", "bfloat16")
 ENGINE_KINDS = ("auto", "hf", "vllm")
 LORA_MODES = ("slot", "merged")
 CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
-ENV_NAMES = ("arithmetic", "diplomacy")
+ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by path, "my_pkg.my_env:MyEnv"
+CHAT_TEMPLATES = ("auto", "none")
+BUILTIN_REWARDS = ("gsm8k", "boxed", "exact")  # keys of colocate.rewards.BUILTINS
 NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
 LOSS_IMPLS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "varlen", "sdpa")
@@ -36,6 +38,10 @@ class ModelConfig:
     """Where the embedded tokenizer and tiny model are built once and reused."""
     seed: int = 0
     """Seed of the random base weights (all ranks build the same model from it)."""
+    chat_template: str = "auto"
+    """auto: every env renders its prompts with the tokenizer's chat template when the tokenizer has
+    one (a text prompt becomes one user message); none: raw text (what the embedded tiny tokenizer,
+    which has no template, always gets)."""
 
 
 @dataclass
@@ -96,7 +102,9 @@ class EngineConfig:
 @dataclass
 class EnvConfig:
     name: str = "arithmetic"
-    """Environment: arithmetic (synthetic, verifiable) or diplomacy."""
+    """Environment: arithmetic (synthetic, verifiable), diplomacy, dataset (prompts from local files,
+    scored by `reward`), or a class of your own that subclasses `colocate.envs.base.Env`, by path:
+    "my_pkg.my_env:MyEnv" (docs/envs.md)."""
     max_operand: int = 4
     """arithmetic: operands are drawn from 0..max_operand."""
     use_constraint: bool = True
@@ -119,6 +127,35 @@ class EnvConfig:
     """diplomacy: JSON-lines file of mid-game states to fork from; empty starts from the opening."""
     reward_target: float = 0.9
     """Mean reward the run is expected to reach; summary.json says whether it did."""
+    data_files: list = field(default_factory=list)
+    """dataset: local json / jsonl / parquet / csv files of prompts (one format per list), loaded with
+    Hugging Face `datasets` into memory-mapped Arrow files under `model.cache_dir`."""
+    split: str = "train"
+    """dataset: the split of `data_files` to train on, in `datasets`' split syntax (train, train[:90%])."""
+    prompt_column: str = "prompt"
+    """dataset: the column holding each prompt: a string, or a list of chat messages ({role, content})."""
+    answer_column: str = "answer"
+    """dataset: the column the built-in rewards compare against (user functions get every column)."""
+    answer_choices: bool = False
+    """dataset: sample only completions that are one of the answer column's distinct values (a
+    constraint, as the arithmetic env's): for short-answer tasks with few answers; free text if false."""
+    eval_files: list = field(default_factory=list)
+    """dataset: held-out files in the same format, scored by `eval` (every row, or `eval.max_samples`)."""
+    reward: list = field(default_factory=lambda: ["exact"])
+    """dataset: reward functions, summed with `reward_weights`: built-ins gsm8k (the completion's last
+    number against the answer's "#### N"), boxed (the last \\boxed{...} against the answer, exactly),
+    exact (the stripped completion against the answer), or a function by path "my_pkg.rewards:score"
+    with TRL's signature fn(prompts, completions, **columns) -> list[float] (one per completion)."""
+    reward_weights: list = field(default_factory=list)
+    """dataset: one weight per entry of `reward`; empty = all 1.0."""
+    reward_workers: int = 0
+    """dataset: threads that compute rewards while the rollout keeps feeding the engine (for slow
+    functions: judges, sandboxes); 0 computes them inline when a group's completions are in."""
+    max_reward_errors: int = 100
+    """dataset: a reward function that raises or returns the wrong length, NaN or None scores that
+    sample 0 and is counted (`rollout/reward_errors`); this many bad samples in a row stop the run."""
+    options: dict = field(default_factory=dict)
+    """Custom envs: keyword arguments handed to the env class's `from_config` (free-form)."""
 
 
 @dataclass

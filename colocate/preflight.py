@@ -2,7 +2,8 @@
 
 `config.validate` checks values (types, ranges, cross-field rules); this checks the world they name:
 the run directory can be written, a model directory holds a `config.json` that parses, the
-Diplomacy state cache loads, and every LoRA target module exists in the model. Each failure is one
+Diplomacy state cache loads, the dataset env's files load with their columns and reward functions,
+a custom env class imports, and every LoRA target module exists in the model. Each failure is one
 `ConfigError` line naming the key, which `train.py` prints before exiting with code 2; the same
 checks run for `python -m colocate.train --config X --check`.
 """
@@ -55,6 +56,85 @@ def check_state_cache(cfg: Config) -> None:
         load_state_cache(cfg.env.state_cache)
     except (OSError, StateCacheError) as e:
         raise ConfigError(f"env.state_cache={cfg.env.state_cache!r}: {e}") from None
+
+
+def check_data_files(key: str, files: list[str]) -> None:
+    """Each file exists, and all are of one kind `datasets` reads."""
+    from colocate.envs.dataset import BUILDERS, builder_of
+    for f in files:
+        if not os.path.isfile(f):
+            raise ConfigError(f"env.{key}: {f!r} does not exist (local json, jsonl, parquet or csv files)")
+    try:
+        builder_of(files)
+    except ValueError:
+        raise ConfigError(f"env.{key}: {files} must all be one of {', '.join(sorted(BUILDERS))}") from None
+    if all(os.path.getsize(f) == 0 for f in files):  # `datasets` fails obscurely on empty files
+        raise ConfigError(f"env.{key}: {files} is empty (no rows to draw prompts from)")
+
+
+def check_prompt_column(key: str, rows, cfg: Config) -> None:
+    """The split has rows, and its prompt column holds text or chat messages (from the Arrow schema:
+    every row has that type, so no row is read)."""
+    import datasets
+    env = cfg.env
+    if len(rows) == 0:
+        raise ConfigError(f"env.{key}: split {env.split!r} of {getattr(env, key)} is empty")
+    if env.prompt_column not in rows.column_names:
+        raise ConfigError(f"env.prompt_column={env.prompt_column!r} is no column of env.{key} "
+                          f"(columns: {', '.join(rows.column_names)})")
+    feature = rows.features[env.prompt_column]
+    inner = feature.feature if isinstance(feature, (datasets.List, datasets.Sequence)) else None
+    is_text = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+    is_messages = isinstance(inner, dict) and {"role", "content"} <= set(inner) and all(
+        isinstance(inner[k], datasets.Value) and inner[k].dtype in ("string", "large_string") for k in ("role", "content"))
+    if not (is_text or is_messages):
+        raise ConfigError(f"env.prompt_column={env.prompt_column!r} of env.{key} holds {feature}: a prompt must be "
+                          "text or a list of chat messages with string role and content")
+    builtins = [r for r in env.reward if ":" not in r]
+    if (builtins or env.answer_choices) and env.answer_column not in rows.column_names:
+        raise ConfigError(f"env.answer_column={env.answer_column!r} is no column of env.{key} (the built-in "
+                          f"reward {builtins[0]} compares against it; columns: {', '.join(rows.column_names)})")
+
+
+def check_dataset(cfg: Config) -> None:
+    """env.name=dataset: the files load, the split is not empty, the columns are there and of the
+    right kind, every reward function imports."""
+    if cfg.env.name != "dataset":
+        return
+    from colocate.envs.dataset import load_rows
+    from colocate.objects import ObjectPathError
+    from colocate.rewards import load_reward
+    for key, split in (("data_files", cfg.env.split), ("eval_files", "train")):
+        files = getattr(cfg.env, key)
+        if not files:
+            continue
+        check_data_files(key, files)
+        try:
+            rows = load_rows(files, split, cfg.model.cache_dir)
+        except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many kinds; one line names the files
+            if "corresponds to no data" in str(e):  # a split expression that selects nothing
+                raise ConfigError(f"env.{key}: split {split!r} of {files} is empty") from None
+            cause = e.__cause__ or e  # datasets wraps the parser's error
+            raise ConfigError(f"env.{key}: {files} do not load as split {split!r} "
+                              f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})") from None
+        check_prompt_column(key, rows, cfg)
+    for name in cfg.env.reward:
+        try:
+            load_reward(name, cfg.env.answer_column)
+        except ObjectPathError as e:
+            raise ConfigError(f"env.reward: {e}") from None
+
+
+def check_custom_env(cfg: Config) -> None:
+    """A custom env class by path: it imports and subclasses `Env`."""
+    if cfg.env.name in ("arithmetic", "diplomacy", "dataset"):
+        return
+    from colocate.envs import env_class
+    from colocate.objects import ObjectPathError
+    try:
+        env_class(cfg.env.name)
+    except ObjectPathError as e:
+        raise ConfigError(f"env.name: {e}") from None
 
 
 def meta_model(cfg: Config):
@@ -115,4 +195,6 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_run_dir(cfg.metrics.run_dir)
     check_model_dir(cfg.model.path)
     check_state_cache(cfg)
+    check_dataset(cfg)
+    check_custom_env(cfg)
     check_lora_targets(cfg)

@@ -70,6 +70,38 @@ CASES = [
      "env.state_cache"),
     ("state cache garbage", None, ["--env.name=diplomacy", "--env.state_cache=<garbage>"], "env.state_cache"),
     ("reward target nan", None, ["--env.reward_target=nan"], "env.reward_target"),
+    # dataset env, reward functions, custom envs, chat templates
+    ("dataset without files", None, ["--env.name=dataset"], "env.data_files"),
+    ("dataset file missing", None, ["--env.name=dataset", "--env.data_files=/nonexistent/train.jsonl"],
+     "'/nonexistent/train.jsonl' does not exist"),
+    ("dataset file of unknown kind", None, ["--env.name=dataset", "--env.data_files=<file>"], "must all be one of"),
+    ("dataset eval file missing", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                         "--env.eval_files=/nonexistent/eval.jsonl"], "env.eval_files"),
+    ("dataset prompt column missing", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                             "--env.prompt_column=question"], "env.prompt_column='question' is no column"),
+    ("dataset answer column missing", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                             "--env.answer_column=solution"], "env.answer_column='solution'"),
+    ("dataset empty file", None, ["--env.name=dataset", "--env.data_files=<emptysplit>"], "is empty"),
+    ("dataset empty split", None, ["--env.name=dataset", "--env.data_files=<data>", "--env.split=train[:0]"],
+     "split 'train[:0]'"),
+    ("dataset prompt neither text nor messages", None, ["--env.name=dataset", "--env.data_files=<badprompt>"],
+     "a prompt must be text or a list of chat messages"),
+    ("dataset not parseable", None, ["--env.name=dataset", "--env.data_files=<badjson>"], "do not load"),
+    ("reward path unknown", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                   "--env.reward=no_such_pkg.rewards:score"], "cannot import 'no_such_pkg.rewards'"),
+    ("reward function missing", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                       "--env.reward=colocate.rewards:no_such_function"], "has no 'no_such_function'"),
+    ("reward neither built-in nor path", None, ["--env.name=dataset", "--env.data_files=<data>", "--env.reward=accuracy"],
+     "neither a built-in"),
+    ("reward weights count", None, ["--env.name=dataset", "--env.data_files=<data>", "--env.reward_weights=1,2"],
+     "env.reward_weights has 2 entries"),
+    ("reward weight not a number", None, ["--env.name=dataset", "--env.data_files=<data>", "--env.reward_weights=x"],
+     "env.reward_weights"),
+    ("max reward errors 0", None, ["--env.max_reward_errors=0"], "env.max_reward_errors"),
+    ("reward workers negative", None, ["--env.reward_workers=-1"], "env.reward_workers"),
+    ("custom env missing", None, ["--env.name=no_such_pkg.envs:MyEnv"], "cannot import 'no_such_pkg.envs'"),
+    ("custom env not an Env", None, ["--env.name=colocate.rewards:RewardSet"], "not a subclass"),
+    ("chat template", None, ["--model.chat_template=chatml"], "model.chat_template"),
     # rollout
     ("group size 1", None, ["--rollout.group_size=1", "--rollout.batch_size=16"], "rollout.group_size"),
     ("batch not divisible", None, ["--rollout.batch_size=130"], "rollout.batch_size"),
@@ -129,7 +161,12 @@ def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
     (tmp_path / "badmodel" / "config.json").write_text("{not json")
     (tmp_path / "garbage.jsonl").write_text("this is not a saved game\n")
     (tmp_path / "afile").write_text("x")
-    fill = {"<emptydir>": str(tmp_path / "emptydir"), "<badmodel>": str(tmp_path / "badmodel"),
+    (tmp_path / "data.jsonl").write_text('{"prompt": "add 1 and 2 ; answer :", "answer": "3"}\n')
+    (tmp_path / "emptysplit.jsonl").write_text("")
+    (tmp_path / "badprompt.jsonl").write_text('{"prompt": 17, "answer": "3"}\n')
+    (tmp_path / "badjson.jsonl").write_text('{"prompt": "unclosed\n')
+    fill = {"<data>": str(tmp_path / "data.jsonl"), "<emptysplit>": str(tmp_path / "emptysplit.jsonl"),
+            "<badprompt>": str(tmp_path / "badprompt.jsonl"), "<badjson>": str(tmp_path / "badjson.jsonl"),"<emptydir>": str(tmp_path / "emptydir"), "<badmodel>": str(tmp_path / "badmodel"),
             "<garbage>": str(tmp_path / "garbage.jsonl"), "<file>": str(tmp_path / "afile")}
     out = []
     for o in overrides:
@@ -160,7 +197,7 @@ def test_bad_input_is_one_line_and_exit_2(text, overrides, expected, tmp_path, m
 
 
 def test_the_shipped_configs_pass_the_check(tmp_path):
-    for name, world in (("cpu-tiny.yaml", 2), ("cpu-diplomacy-tiny.yaml", 2)):
+    for name, world in (("cpu-tiny.yaml", 2), ("cpu-diplomacy-tiny.yaml", 2), ("cpu-dataset-tiny.yaml", 2)):
         out = subprocess.run([sys.executable, "-m", "colocate.train", "--config", os.path.join("configs", name),
                               "--check", f"--world-size={world}", f"--metrics.run_dir={tmp_path / 'run'}"],
                              cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -130,7 +130,10 @@ class HFEngine(Engine):
         from transformers import DynamicCache
         batch = len(requests)
         ids, attn = left_pad([r.prompt_ids for r in requests], self.pad_id, self.device)
+        # temperature 0 (evaluation) is greedy: argmax, the log-probs those of temperature 1
         temps = torch.tensor([r.temperature for r in requests], device=self.device).unsqueeze(1)  # [B, 1]
+        greedy = temps.squeeze(1) == 0  # [B]
+        temps = torch.where(temps > 0, temps, torch.ones_like(temps))
         run = BatchDecode(requests, self.eos_id)
         max_new = max(r.max_new_tokens for r in requests)
 
@@ -148,6 +151,7 @@ class HFEngine(Engine):
             mask, allowed_now = self._constraint_mask(run.states, run.finished, logits.shape[-1])
             logp = torch.log_softmax(logits.float() / temps + mask, dim=-1)
             choice = sample_one_no_sync(logp.exp(), self.generator)  # [B]
+            choice = torch.where(greedy, logp.argmax(dim=-1), choice)
             chosen_logp = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
             run.record(step, choice.tolist(), chosen_logp.tolist(), allowed_now)
             if all(run.finished) or step == max_new - 1:

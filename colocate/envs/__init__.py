@@ -1,7 +1,25 @@
-"""Environments behind the `Env` protocol (`base.py`): `make_env` and the tokenizer corpus per env."""
+"""Environments behind the `Env` protocol (`base.py`): `make_env` and the tokenizer corpus per env.
+
+`env.name` is a built-in (arithmetic, diplomacy, dataset) or a class of the user's by path,
+"my_pkg.my_env:MyEnv", built with its `from_config` (docs/envs.md).
+"""
 from __future__ import annotations
 
+import hashlib
+
 from colocate.envs.base import Env
+
+
+def env_class(name: str) -> type[Env]:
+    """The class `env.name` names; a custom one must subclass `Env`."""
+    if name == "dataset":
+        from colocate.envs.dataset import DatasetEnv
+        return DatasetEnv
+    from colocate.objects import ObjectPathError, load_object
+    cls = load_object(name)
+    if not isinstance(cls, type) or not issubclass(cls, Env):
+        raise ObjectPathError(f"{name!r} is not a subclass of colocate.envs.base.Env (docs/envs.md)")
+    return cls
 
 
 def env_corpus(cfg):
@@ -12,16 +30,18 @@ def env_corpus(cfg):
     if cfg.env.name == "diplomacy":
         from colocate.envs import diplomacy
         return f"diplomacy-{diplomacy.CORPUS_VERSION}", diplomacy.corpus
-    raise ValueError(f"unknown env {cfg.env.name!r}")
+    if cfg.env.name == "dataset":
+        from colocate.envs import dataset
+        return dataset.corpus_key(cfg), lambda: dataset.corpus(cfg)
+    texts = env_class(cfg.env.name).corpus(cfg)  # a custom env: keyed by its text itself
+    return f"custom-{hashlib.sha1(chr(0).join(texts).encode()).hexdigest()[:12]}", lambda: texts
 
 
 def make_env(cfg, tokenizer, seed: int) -> Env:
     if cfg.env.name == "arithmetic":
         from colocate.envs.arithmetic import ArithmeticEnv
-        return ArithmeticEnv(tokenizer, group_size=cfg.rollout.group_size, max_operand=cfg.env.max_operand,
-                             max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature,
-                             use_constraint=cfg.env.use_constraint, seed=seed)
+        return ArithmeticEnv.from_config(cfg, tokenizer, seed=seed)
     if cfg.env.name == "diplomacy":
         from colocate.envs.diplomacy import DiplomacyEnv
         return DiplomacyEnv.from_config(cfg, tokenizer, seed=seed)
-    raise ValueError(f"unknown env {cfg.env.name!r}")
+    return env_class(cfg.env.name).from_config(cfg, tokenizer, seed=seed)

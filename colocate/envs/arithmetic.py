@@ -13,6 +13,7 @@ import random
 import re
 from typing import Hashable
 
+from colocate.chat import ChatFormat
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
@@ -42,8 +43,9 @@ def parse_answer(text: str) -> int | None:
 
 class ArithmeticEnv(Env):
     def __init__(self, tokenizer, *, group_size: int, max_operand: int, max_new_tokens: int,
-                 temperature: float, use_constraint: bool, seed: int):
+                 temperature: float, use_constraint: bool, seed: int, chat: ChatFormat | None = None):
         self.tokenizer = tokenizer
+        self.chat = chat or ChatFormat(tokenizer, "none")
         self.group_size = group_size
         self.max_operand = max_operand
         self.max_new_tokens = max_new_tokens
@@ -58,9 +60,16 @@ class ArithmeticEnv(Env):
         self._done: dict[int, list[Sample]] = {}
         self._counts = {"completions": 0, "invalid": 0}
 
+    @classmethod
+    def from_config(cls, cfg, tokenizer, seed: int) -> "ArithmeticEnv":
+        return cls(tokenizer, group_size=cfg.rollout.group_size, max_operand=cfg.env.max_operand,
+                   max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature,
+                   use_constraint=cfg.env.use_constraint, seed=seed,
+                   chat=ChatFormat(tokenizer, cfg.model.chat_template))
+
     def start_group(self, group_id: int) -> None:
         a, b = self.rng.randint(0, self.max_operand), self.rng.randint(0, self.max_operand)
-        ids = self.tokenizer.encode(prompt_text(a, b), add_special_tokens=False)
+        ids = self.chat.ids(prompt_text(a, b))
         for i in range(self.group_size):
             self._pending[(group_id, i)] = (ids, a + b)
         self._done[group_id] = []

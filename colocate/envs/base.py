@@ -11,8 +11,9 @@ An environment owns many groups at once (continuous batching across games). The 
 
 Samples carry `group_key`: the worker normalizes advantages over the anchors of each key (the GRPO
 group; per power within the group for Diplomacy). The env never sees the engine or the learner.
-An env implements the first four methods; `metrics` and the resume state have defaults here, so
-the role loops call them unconditionally.
+An env implements `from_config` and the four methods of the loop; `metrics`, the resume state,
+`evaluate` and `corpus` have defaults here, so the role loops call them unconditionally. The
+protocol for users' own envs (`env.name: my_pkg.my_env:MyEnv`) is docs/envs.md.
 """
 from __future__ import annotations
 
@@ -24,6 +25,19 @@ from colocate.data import Completion, Request, Sample
 class Env:
     group_size: int = 1
     """G: continuations per group."""
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, seed: int) -> "Env":
+        """The env of one inference rank: `cfg` is the run's `Config` (a custom env's own settings are
+        `cfg.env.options`), `seed` differs per rank. Prompts go through
+        `colocate.chat.ChatFormat(tokenizer, cfg.model.chat_template)`."""
+        raise NotImplementedError(f"{cls.__name__} does not implement from_config(cfg, tokenizer, seed)")
+
+    @classmethod
+    def corpus(cls, cfg) -> list[str]:
+        """Text the embedded tiny tokenizer is trained on when `model.path` is empty (your prompts and
+        answers). Default: none, so text is spelled in byte-level pieces."""
+        return []
 
     def start_group(self, group_id: int) -> None:
         """Begin G continuations sharing one start state."""

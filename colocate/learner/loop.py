@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
 from colocate.channel import AdapterSender
-from colocate.config import Config, sampling_lag, to_dict
+from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
 from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_poison, maybe_raise, parse_fault
 from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
@@ -177,7 +177,9 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
     monitors.close()
     if topo.role_rank == 0:
         wall = time.perf_counter() - t_start
-        write_summary(cfg, topo, rank.history, wall, rank.writer, {
+        # inference rank 0's held-out evaluations (it sends them after its last one)
+        evaluation = recv_json(topo.inference_ranks[0], topo.transport_group) if eval_enabled(cfg) else {}
+        write_summary(cfg, topo, rank.history, wall, rank.writer, {**eval_summary(evaluation),
             "learner_busy_fraction": rank.busy_s / max(wall, 1e-9), "dropped_stale": rank.dropped,
             "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
             "timeline": rank.timeline, "gpu_util": gpu_util})
@@ -219,6 +221,12 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
         config_yaml=yaml.safe_dump(to_dict(cfg), sort_keys=False), keep=cfg.checkpoint.keep,
         fault_hook=checkpoint_fault_hook(fault, step))
     print(f"[learner] checkpoint written: {path}", flush=True)
+
+
+def eval_summary(evaluation: dict) -> dict:
+    """summary.json's eval fields: every evaluation, and the last one's metrics."""
+    history = evaluation.get("history", [])
+    return {"eval": history, "eval_final": history[-1] if history else {}} if evaluation else {}
 
 
 def reward_windows(rewards: list[float]) -> tuple[float, float]:

@@ -16,12 +16,13 @@ import time
 from torch.profiler import record_function
 
 from colocate.channel import AdapterReceiver
-from colocate.config import Config, sampling_lag
+from colocate.config import Config, eval_enabled, sampling_lag
 from colocate.data import shard_batch
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
 from colocate.lifecycle import StopSignal
 from colocate.metrics import EngineProfileWindow, MetricsWriter, Profilers, make_profiler, role_monitors, write_json_atomic
+from colocate.rollout.evaluation import Evaluator
 from colocate.rollout.worker import RolloutWorker
 from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, TrajectorySender, send_json
@@ -44,6 +45,7 @@ class InferenceRank:
                                     stream=cfg.rollout.stream)
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
                                     tensorboard=cfg.metrics.tensorboard)
+        self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)
         self.stopped = False  # a STOP flag arrived in an adapter header
         self.batches: list[dict] = []  # per batch: where the rank waited, what the rollout did (e2e profile)
 
@@ -81,6 +83,7 @@ class InferenceRank:
         self.take_adapters_through(k - lag)
         if self.stopped:
             return None
+        self.evaluator.between_batches()
         t_version = time.perf_counter()
         # Sends of batch j complete once the learners start step j, which needs version j to have
         # been taken here; so only sends older than k - lag may be waited on (at most lag + 1
@@ -120,6 +123,9 @@ def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
     rank.take_adapters_through(num_steps)  # finish on the final adapter
     rank.receiver.close()
     sender.close()  # after a stop the learners drain what is in flight
+    rank.evaluator.at_end(rank.stopped or rank.stop.requested)
+    if eval_enabled(cfg) and rank.topo.role_rank == 0:  # learner rank 0 waits for it (summary.json)
+        send_json({"history": rank.evaluator.history}, rank.topo.sync_src, rank.topo.transport_group)
     return sum(b["collect_s"] for b in rank.batches)
 
 

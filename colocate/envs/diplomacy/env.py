@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable
 
+from colocate.chat import ChatFormat
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
 from colocate.envs.diplomacy import game as dg
@@ -90,10 +91,11 @@ class DiplomacyEnv(Env):
                  train_later_phases: bool = False, use_constraint: bool = True, unit_labels: bool = True,
                  list_supports: bool = True,
                  max_new_tokens: int = 256, temperature: float = 1.0, seed: int = 0,
-                 start_states: list[dict] | None = None):
+                 start_states: list[dict] | None = None, chat: ChatFormat | None = None):
         if horizon_years < 1:
             raise ValueError(f"horizon_years={horizon_years} must be >= 1")
         self.tokenizer = tokenizer
+        self.chat = chat or ChatFormat(tokenizer, "none")  # wraps the memoized prompt ids in the template
         self.group_size = group_size
         self.horizon_years = horizon_years
         self.stall_years = stall_years
@@ -120,7 +122,8 @@ class DiplomacyEnv(Env):
                    stall_years=env_cfg.stall_years, train_later_phases=env_cfg.train_later_phases,
                    use_constraint=env_cfg.use_constraint, unit_labels=env_cfg.unit_labels,
                    list_supports=env_cfg.list_supports, max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
-                   start_states=dg.load_state_cache(path) if path else None)
+                   start_states=dg.load_state_cache(path) if path else None,
+                   chat=ChatFormat(tokenizer, cfg.model.chat_template))
 
     # ------------------------------------------------------------------ Env protocol
 
@@ -242,7 +245,7 @@ class DiplomacyEnv(Env):
         board_ids = self.tokens.encode("".join(board_lines(game)))
         requests = {}
         for power, orders in all_orders.items():
-            prompt_ids = self.tokens.prompt_ids(board_ids, own_lines(orders, self.list_supports))
+            prompt_ids = self.chat.wrap(self.tokens.prompt_ids(board_ids, own_lines(orders, self.list_supports)))
             constraint, max_new = None, self.max_new_tokens
             if self.use_constraint:
                 constraint = self.tokens.constraint(orders, self.eos_id, self.unit_labels)

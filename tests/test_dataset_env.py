@@ -1,0 +1,162 @@
+"""The dataset env: groups of G samples of one prompt, seeded epochs restored on resume, rewards
+inline or on threads, bad reward results counted in `metrics`, and the held-out evaluation."""
+import json
+
+import pytest
+
+from colocate.config import EvalConfig
+from colocate.data import Completion
+from colocate.engine.base import Engine
+from colocate.envs.dataset import DatasetEnv, load_rows
+from colocate.rewards import RewardSet
+
+
+class ScriptedEngine(Engine):
+    """Answers each prompt with `answer(prompt text, temperature)`, then EOS."""
+
+    def __init__(self, tokenizer, answer):
+        self.tokenizer, self.answer, self.requests = tokenizer, answer, []
+
+    def generate(self, requests):
+        self.requests += requests
+        out = []
+        for r in requests:
+            ids = self.tokenizer.encode(self.answer(self.tokenizer.decode(r.prompt_ids), r.temperature),
+                                        add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), allowed_ids=None, version=self.version))
+        return out
+
+
+def true_sum(prompt: str, temperature: float = 1.0) -> str:
+    words = prompt.split()
+    return " " + str(int(words[1]) + int(words[3]))
+
+
+def write_rows(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"add {i} and 1 ; answer :", "answer": str(i + 1), "id": i}) + "\n")
+    return str(path)
+
+
+def make_env(tokenizer, tmp_path, n=5, group_size=4, reward=("exact",), seed=0, eval_rows=None, **kw):
+    rows = load_rows([write_rows(tmp_path / "train.jsonl", n)], "train", str(tmp_path / "cache"))
+    return DatasetEnv(tokenizer, rows, RewardSet(list(reward), [], max_errors=kw.pop("max_errors", 100)),
+                      group_size=group_size, prompt_column="prompt", max_new_tokens=4, temperature=1.0, seed=seed,
+                      eval_rows=eval_rows, **kw)
+
+
+def play(env, engine, groups):
+    """Start `groups` groups and play them to the end -> their samples."""
+    for g in groups:
+        env.start_group(g)
+    keyed = env.requests()
+    env.step(dict(zip([k for k, _ in keyed], engine.generate([r for _, r in keyed]))))
+    out = []
+    while len(out) < len(groups) * env.group_size:
+        out += env.pop_finished()
+    return out
+
+
+def ids_of(sample):
+    return tuple(sample.prompt_ids)
+
+
+def test_a_group_is_g_samples_of_one_prompt_scored_by_the_reward(tiny_tokenizer, tmp_path):
+    env = make_env(tiny_tokenizer, tmp_path)
+    engine = ScriptedEngine(tiny_tokenizer, lambda p, t: true_sum(p) if "add 2" not in p else " 9")
+    samples = play(env, engine, range(5))
+    assert len(samples) == 20
+    by_group = {}
+    for s in samples:
+        by_group.setdefault(s.group_key, []).append(s)
+    prompts = {tiny_tokenizer.decode(g[0].prompt_ids) for g in by_group.values()}
+    assert prompts == {f"add {i} and 1 ; answer :" for i in range(5)}  # one epoch: each row once
+    for group in by_group.values():
+        assert len({ids_of(s) for s in group}) == 1 and len(group) == 4
+        wrong = "add 2" in tiny_tokenizer.decode(group[0].prompt_ids)
+        assert [s.reward for s in group] == [0.0 if wrong else 1.0] * 4
+
+
+def test_epochs_reshuffle_and_resume_restores_the_position(tiny_tokenizer, tmp_path):
+    engine = ScriptedEngine(tiny_tokenizer, true_sum)
+    env = make_env(tiny_tokenizer, tmp_path, n=5, group_size=2, seed=3)
+    first = [ids_of(s) for s in play(env, engine, range(7))][::2]  # one epoch and two rows into the next
+    assert len(set(first[:5])) == 5 and env.epoch == 1
+    state = json.loads(json.dumps(env.state_dict()))  # what a checkpoint keeps
+    after = [ids_of(s) for s in play(env, engine, range(7, 13))][::2]
+    resumed = make_env(tiny_tokenizer, tmp_path, n=5, group_size=2, seed=3)
+    resumed.load_state_dict(state)
+    assert [ids_of(s) for s in play(resumed, engine, range(7, 13))][::2] == after
+    fresh = make_env(tiny_tokenizer, tmp_path, n=5, group_size=2, seed=3)
+    assert [ids_of(s) for s in play(fresh, engine, range(6))][::2] != after  # the position mattered
+    assert first[:5] != first[5:] + after[:3]  # epoch 1 is another permutation than epoch 0
+
+
+def test_rewards_on_threads_give_the_inline_result(tiny_tokenizer, tmp_path):
+    engine = ScriptedEngine(tiny_tokenizer, lambda p, t: true_sum(p) if "add 1" not in p else " 0")
+    inline = play(make_env(tiny_tokenizer, tmp_path), engine, range(5))
+    threaded = play(make_env(tiny_tokenizer, tmp_path, reward_workers=2), engine, range(5))
+    key = lambda s: (s.group_key, ids_of(s))  # noqa: E731
+    assert sorted((key(s), s.reward) for s in inline) == sorted((key(s), s.reward) for s in threaded)
+
+
+def test_bad_reward_results_are_counted_in_metrics(tiny_tokenizer, tmp_path, monkeypatch):
+    (tmp_path / "flaky_reward.py").write_text(
+        "def score(prompts, completions, id, **columns):\n"
+        "    return [float('nan') if i == 2 else 1.0 for i in id]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make_env(tiny_tokenizer, tmp_path, reward=["flaky_reward:score"], max_errors=4)  # a group: 4 in a row
+    samples = play(env, ScriptedEngine(tiny_tokenizer, true_sum), range(5))
+    assert env.metrics()["reward_errors"] == 4 and env.metrics()["reward_errors"] == 0
+    assert sorted(s.reward for s in samples) == [0.0] * 4 + [1.0] * 16
+    from colocate.rewards import RewardError
+    env = make_env(tiny_tokenizer, tmp_path, reward=["flaky_reward:score"], max_errors=3)
+    with pytest.raises(RewardError, match="max_reward_errors=3"):
+        play(env, ScriptedEngine(tiny_tokenizer, true_sum), range(5))
+
+
+def test_evaluate_scores_every_eval_row_greedily(tiny_tokenizer, tmp_path):
+    eval_rows = load_rows([write_rows(tmp_path / "eval.jsonl", 4)], "train", str(tmp_path / "cache"))
+    env = make_env(tiny_tokenizer, tmp_path, eval_rows=eval_rows)
+    engine = ScriptedEngine(tiny_tokenizer, lambda p, t: true_sum(p) if "add 0" not in p else " 5 5")
+    out = env.evaluate(engine, EvalConfig(temperature=0.0), out_dir=str(tmp_path / "out"))
+    assert out["accuracy"] == 0.75 and out["mean_reward"] == 0.75 and out["samples"] == 4
+    assert out["mean_length"] == pytest.approx(sum(len(tiny_tokenizer.encode(true_sum(f"add {i} and 1")))
+                                                   for i in range(1, 4)) / 4 + (len(tiny_tokenizer.encode(" 5 5")) + 4) / 4)
+    assert {r.temperature for r in engine.requests} == {0.0} and len(engine.requests) == 4
+    assert env.evaluate(engine, EvalConfig(max_samples=2))["samples"] == 2
+    lines = (tmp_path / "out" / "dataset-eval-v0.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[0])["reward"] in (0.0, 1.0)
+    assert make_env(tiny_tokenizer, tmp_path).evaluate(engine, EvalConfig()) == {}  # no eval files
+
+
+def test_answer_choices_constrain_sampling_to_the_answers(tiny_tokenizer, tmp_path):
+    env = make_env(tiny_tokenizer, tmp_path, n=3, choices=["1", "2", "3"])
+    env.start_group(0)
+    (_, request), *_ = env.requests()
+    assert sorted(request.constraint.texts[0]) == [" 1", " 2", " 3"]
+    free = make_env(tiny_tokenizer, tmp_path, n=3)
+    free.start_group(0)
+    assert free.requests()[0][1].constraint is None
+
+
+@pytest.mark.slow
+def test_resumed_training_draws_the_prompts_it_would_have_drawn(tmp_path):
+    """Two epochs of the 25-row file in 6 steps; the resumed half continues at the saved position
+    (a different prompt order would change the rewards and losses)."""
+    from tests.test_checkpoint import finish, launch
+    dataset = ["--config", "configs/cpu-dataset-tiny.yaml", "--eval.every=0", "--eval.at_end=false"]
+    code, out = finish(launch([*dataset, "--learner.num_steps=6", "--checkpoint.every=3",
+                               f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch([*dataset, "--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
+    assert code == 0, out
+    code, out = finish(launch([*dataset, "--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
+                              tmp_path))
+    assert code == 0 and "resuming from" in out, out
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert b["steps"] == 6 and b["rewards"] == a["rewards"] and b["losses"] == a["losses"]
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    assert state["inference"]["0"]["env"]["epoch"] >= 1  # the run crossed into a reshuffled epoch
