@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from colocate.config_schema import (ATTENTIONS, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS, ENV_NAMES, LORA_MODES,
+from colocate.config_schema import (ATTENTIONS, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS, ENV_NAMES, EVAL_OPPONENTS, LORA_MODES,
                                     LOSS_IMPLS, MODEL_SHAPES, NORM_MODES, PLACEMENTS, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
@@ -260,6 +260,10 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"{section}.{key}={value!r} {rule}")
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: at least one linear layer needs an adapter")
+    bad = [o for o in cfg.eval.opponents if o not in EVAL_OPPONENTS]
+    if bad or not cfg.eval.opponents:
+        raise ConfigError(f"eval.opponents={cfg.eval.opponents!r}: expected a non-empty list of "
+                          f"{', '.join(map(repr, EVAL_OPPONENTS))}")
 
 
 def validate(cfg: Config, *, world_size: int | None = None) -> None:

@@ -131,6 +131,8 @@ class HFEngine(Engine):
         batch = len(requests)
         ids, attn = left_pad([r.prompt_ids for r in requests], self.pad_id, self.device)
         temps = torch.tensor([r.temperature for r in requests], device=self.device).unsqueeze(1)  # [B, 1]
+        greedy = (temps == 0).squeeze(1)  # [B] temperature 0 (evaluation): argmax, log-probs at temperature 1
+        temps = torch.where(temps == 0, torch.ones_like(temps), temps)
         run = BatchDecode(requests, self.eos_id)
         max_new = max(r.max_new_tokens for r in requests)
 
@@ -147,7 +149,7 @@ class HFEngine(Engine):
         for step in range(max_new):
             mask, allowed_now = self._constraint_mask(run.states, run.finished, logits.shape[-1])
             logp = torch.log_softmax(logits.float() / temps + mask, dim=-1)
-            choice = sample_one_no_sync(logp.exp(), self.generator)  # [B]
+            choice = torch.where(greedy, logp.argmax(-1), sample_one_no_sync(logp.exp(), self.generator))  # [B]
             chosen_logp = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
             run.record(step, choice.tolist(), chosen_logp.tolist(), allowed_now)
             if all(run.finished) or step == max_new - 1:
