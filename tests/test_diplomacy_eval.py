@@ -160,3 +160,14 @@ def test_config_rejects_an_unknown_opponent():
     assert load_config(path, {"eval": {"opponents": "greedy,hold"}}).eval.opponents == ["greedy", "hold"]
     with pytest.raises(ConfigError, match="eval.opponents"):
         load_config(path, {"eval": {"opponents": "greedy,dumbbot"}})
+
+
+def test_a_board_shared_by_two_games_is_rendered_once(tmp_path, monkeypatch):
+    played = ev.new_games(["hold"], 2, 1)[:2]  # AUSTRIA-0 and AUSTRIA-1: every power holds
+    ev.play(played, ev.BotPolicy("hold"))
+    rendered = []
+    render = type(played[0].game).render
+    monkeypatch.setattr(type(played[0].game), "render", lambda self, **kw: rendered.append(1) or render(self, **kw))
+    ev.write_outputs(played, [ev.result(g) for g in played], {}, str(tmp_path))
+    assert len(rendered) == 1
+    assert (tmp_path / "hold" / "AUSTRIA-0.svg").read_text() == (tmp_path / "hold" / "AUSTRIA-1.svg").read_text()

@@ -23,12 +23,26 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_game(game, stem: str) -> tuple[str, str]:
-    """-> (`<stem>.json`, `<stem>.svg`): the saved game and the final board."""
+def board_key(game) -> tuple:
+    """What the renderer draws: the phase, the note, each power's units, dislodged units, centres and
+    influence (the provinces it last held)."""
+    return (game.get_current_phase(), game.note) + tuple(
+        (name, tuple(sorted(p.units)), tuple(sorted(p.retreats)), tuple(sorted(p.centers)), tuple(sorted(p.influence)))
+        for name, p in sorted(game.powers.items()))
+
+
+def save_game(game, stem: str, boards: dict | None = None) -> tuple[str, str]:
+    """-> (`<stem>.json`, `<stem>.svg`): the saved game and the final board. The renderer costs far
+    more than the rest of an evaluation game, and seeded games often end on the same board: `boards`
+    (board_key -> SVG text) lets a caller render each distinct board once."""
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     json_path, svg_path = f"{stem}.json", f"{stem}.svg"
     _write_atomic(json_path, json.dumps(to_saved_game_format(game)) + "\n")
-    _write_atomic(svg_path, game.render(incl_orders=False, output_format="svg"))
+    boards = {} if boards is None else boards
+    key = board_key(game)
+    if key not in boards:
+        boards[key] = game.render(incl_orders=False, output_format="svg")
+    _write_atomic(svg_path, boards[key])
     return json_path, svg_path
 
 

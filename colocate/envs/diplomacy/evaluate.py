@@ -184,8 +184,9 @@ def summarize(results: list[GameResult], games: list[EvalGame]) -> dict[str, flo
 
 def write_outputs(games: list[EvalGame], results: list[GameResult], metrics: dict, out_dir: str) -> None:
     """Saved games and final boards per game, then `results.json` (atomically)."""
+    boards: dict = {}
     for g in games:
-        save_game(g.game, os.path.join(out_dir, g.opponent, g.name))
+        save_game(g.game, os.path.join(out_dir, g.opponent, g.name), boards)
     path = os.path.join(out_dir, "results.json")
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
