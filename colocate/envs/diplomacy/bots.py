@@ -179,7 +179,7 @@ class MovePlan:
     """Movement orders: best targets first, one unit per province, then supports."""
 
     def __init__(self, values: Valuation, orders: PowerOrders, rng: random.Random):
-        self.values, self.orders_in = values, orders
+        self.values = values
         self.units = list(orders.labels)
         self.legal = [set(slot) for slot in orders.choices]
         self.rng = rng
