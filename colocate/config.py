@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 
 from colocate.config_schema import (ATTENTIONS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
-                                    ENV_NAMES, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES, PLACEMENTS,
-                                    PREFIX_SHARING, SYNC_BACKENDS,
+                                    ENV_NAMES, EVAL_OPPONENTS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
+                                    PLACEMENTS, PREFIX_SHARING, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -268,6 +268,10 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"{section}.{key}={value!r} {rule}")
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: at least one linear layer needs an adapter")
+    bad = [o for o in cfg.eval.opponents if o not in EVAL_OPPONENTS]
+    if bad or not cfg.eval.opponents:
+        raise ConfigError(f"eval.opponents={cfg.eval.opponents!r}: expected a non-empty list of "
+                          f"{', '.join(map(repr, EVAL_OPPONENTS))}")
 
 
 _PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")

@@ -24,6 +24,7 @@ ATTENTIONS = ("auto", "varlen", "sdpa")
 PREFIX_SHARING = ("off", "group", "tree")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
 PLACEMENTS = ("by_node", "interleaved")
+EVAL_OPPONENTS = ("random", "hold", "greedy")  # keys of colocate.envs.diplomacy.bots.BOTS
 
 
 @dataclass
@@ -308,9 +309,10 @@ class EvalConfig:
     temperature: float = 0.0
     """Sampling temperature of evaluation; 0 = greedy."""
     games: int = 8
-    """diplomacy: games per opponent kind (each power in turn plays the policy)."""
+    """diplomacy: games per power and opponent kind: each of the 7 powers in turn plays the policy
+    against six opponents of the kind (7 x games per kind)."""
     opponents: list = field(default_factory=lambda: ["random", "greedy"])
-    """diplomacy: the fixed opponent kinds the policy plays against."""
+    """diplomacy: the fixed opponent kinds the policy plays against (EVAL_OPPONENTS)."""
     horizon_years: int = 2
     """diplomacy: years played from the opening before an evaluation game is scored."""
     max_samples: int = 0

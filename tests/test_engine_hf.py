@@ -87,3 +87,18 @@ def test_group_advantages_normalize_per_key():
     adv = group_advantages(samples)
     assert adv[0] == pytest.approx(1.0, abs=1e-4) and adv[1] == pytest.approx(-1.0, abs=1e-4)
     assert adv[2] == adv[3] == 0.0 and adv[4] == pytest.approx(-1.0, abs=1e-4)
+
+
+def test_temperature_zero_is_greedy_and_ignores_the_seed(tiny_tokenizer, tiny_policy):
+    """Evaluation samples at temperature 0: each step takes the most likely allowed token."""
+    prompt = tiny_tokenizer.encode("add 1 and 2 ; answer :")
+    reqs = [Request(prompt_ids=prompt, max_new_tokens=5, temperature=0.0),
+            Request(prompt_ids=prompt, max_new_tokens=5, temperature=1.0)]
+    a, b = HFEngine(tiny_policy, tiny_tokenizer, seed=1).generate(reqs), HFEngine(tiny_policy, tiny_tokenizer, seed=2).generate(reqs)
+    assert a[0].token_ids == b[0].token_ids
+    ids = list(prompt)
+    with torch.no_grad():
+        for tok in a[0].token_ids:
+            assert tok == int(tiny_policy(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(tok)
+    assert all(lp <= 0 and lp == lp for c in a for lp in c.logprobs)

@@ -169,8 +169,7 @@ class DiplomacyEnv(Env):
                     or power in cont.answers:
                 raise KeyError(f"completion for {key} was not requested")
             orders = cont.view.orders[power]
-            ids = [t for t in completion.token_ids if t != self.eos_id]
-            parsed = parse_orders(self.tokenizer.decode(ids), orders, self.unit_labels)
+            parsed = self.parse(completion, orders)
             cont.answers[power] = parsed.orders
             self._count["completions"] += 1
             self._count["slots"] += orders.num_slots
@@ -245,21 +244,37 @@ class DiplomacyEnv(Env):
         board_ids = self.tokens.encode("".join(board_lines(game)))
         requests = {}
         for power, orders in all_orders.items():
-            prompt_ids = self.chat.wrap(self.tokens.prompt_ids(board_ids, own_lines(orders, self.list_supports)))
-            constraint, max_new = None, self.max_new_tokens
-            if self.use_constraint:
-                constraint = self.tokens.constraint(orders, self.eos_id, self.unit_labels)
-                needed = max_completion_tokens(constraint)
-                max_new = min(max_new, needed)
+            requests[power] = request = self.request(board_ids, orders, self.temperature)
+            prompt_ids = request.prompt_ids
+            if request.constraint is not None:
+                needed = max_completion_tokens(request.constraint)
                 self._count["orders_tokens_max"] = max(self._count["orders_tokens_max"], needed)
-            requests[power] = Request(prompt_ids=prompt_ids, max_new_tokens=max_new,
-                                      temperature=self.temperature, constraint=constraint)
             self._count["prompts"] += 1
             self._count["prompt_tokens"] += len(prompt_ids)
             self._count["prompt_tokens_max"] = max(self._count["prompt_tokens_max"], len(prompt_ids))
         self._count["views"] += 1
         self._count["build_s"] += time.perf_counter() - t0
         return PhaseView(game.get_current_phase(), all_orders, requests)
+
+    def request(self, board_ids: list[int], orders: PowerOrders, temperature: float) -> Request:
+        """One power's prompt (board_ids: the phase's encoded `board_lines`), under the legal-order
+        constraint when the env uses it; training and evaluation ask alike."""
+        prompt_ids = self.chat.wrap(self.tokens.prompt_ids(board_ids, own_lines(orders, self.list_supports)))
+        constraint, max_new = None, self.max_new_tokens
+        if self.use_constraint:
+            constraint = self.tokens.constraint(orders, self.eos_id, self.unit_labels)
+            max_new = min(max_new, max_completion_tokens(constraint))
+        return Request(prompt_ids=prompt_ids, max_new_tokens=max_new, temperature=temperature, constraint=constraint)
+
+    def parse(self, completion: Completion, orders: PowerOrders):
+        """Completion -> `orders.ParsedOrders` (legal orders, invalid slots, garbled lines)."""
+        ids = [t for t in completion.token_ids if t != self.eos_id]
+        return parse_orders(self.tokenizer.decode(ids), orders, self.unit_labels)
+
+    def evaluate(self, engine, eval_cfg, out_dir: str | None = None) -> dict[str, float]:
+        """The policy against fixed opponents (`evaluate.py`); saved games and boards under out_dir."""
+        from colocate.envs.diplomacy.evaluate import evaluate
+        return evaluate(self, engine, eval_cfg, out_dir)
 
     def _advance(self, cont: Continuation) -> None:
         """Submit the collected orders, process the phase, and decide whether the continuation ends."""

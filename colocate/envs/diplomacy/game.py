@@ -11,7 +11,7 @@ What the package gets wrong for RL, and what this module does instead (measured:
   * A state cache line is exactly `Game.get_state()` (the package's own state format, JSON); it is
     loaded with `Game()` + `set_state`, which restores the board but not history (not needed here).
 
-Deliberately absent: messages/press, rendering, anything that needs the game's history.
+Deliberately absent: messages/press and rendering (saved games and pictures: `archive.py`).
 """
 from __future__ import annotations
 
@@ -177,11 +177,11 @@ def phase_key(phase: str) -> tuple[int, int, int]:
     return (int(phase[1:5]), _SEASONS[phase[0]], _TYPES[phase[-1]])
 
 
-def new_game() -> Game:
-    """A game at the opening (S1901M) with the package's default rules."""
+def new_game(game_id: str | None = None) -> Game:
+    """A game at the opening (S1901M) with the package's default rules (id: random unless given)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return Game()
+        return Game(game_id=game_id) if game_id else Game()
 
 
 # ----------------------------------------------------------------------------------------------
