@@ -214,3 +214,12 @@ def test_under_torchrun_the_line_is_printed_once(tmp_path):
     assert out.returncode != 0  # torchrun's own code: 1 whatever the ranks returned
     assert (out.stdout + out.stderr).count("colocate: config error: engine.temperature") == 1, out.stderr
     assert "exitcode  : 2" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_catalogue_in_docs_lists_every_case():
+    """docs/errors.md (written by scripts/bad_inputs.py) has a row for every case, with exit 2."""
+    with open(os.path.join(REPO, "docs", "errors.md")) as f:
+        rows = {line.split("|")[1].strip(): line for line in f if line.startswith("| ") and "---" not in line}
+    missing = [c[0] for c in CASES if c[0] not in rows]
+    assert not missing, f"run `python scripts/bad_inputs.py`: {missing}"
+    assert all(rows[c[0]].split("|")[3].strip() == "2" for c in CASES)
