@@ -17,6 +17,7 @@ LORA_MODES = ("slot", "merged")
 CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
 ENV_NAMES = ("arithmetic", "diplomacy")
 NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
+RATIO_LEVELS = ("token", "sequence")  # kernels.reference.RATIO_LEVELS
 LOSS_IMPLS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "varlen", "sdpa")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
@@ -118,6 +119,10 @@ class EnvConfig:
     """diplomacy: JSON-lines file of mid-game states to fork from; empty starts from the opening."""
     reward_target: float = 0.9
     """Mean reward the run is expected to reach; summary.json says whether it did."""
+    overlong_buffer: int = 0
+    """DAPO's soft length penalty, for any env: a completion longer than engine.max_new_tokens minus
+    this many tokens loses (length - (max_new_tokens - buffer)) / buffer of reward, up to 1 at
+    max_new_tokens (applied by the rollout worker before advantages); 0 = off."""
 
 
 @dataclass
@@ -142,6 +147,10 @@ class RolloutConfig:
     that streams (vLLM); the HF engine answers all pending requests at once either way. With
     oversample_groups > 0 the batch takes the groups that finish first in wall-clock time, which
     leans toward games with short completions."""
+    drop_uniform_groups: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere and
+    carries no signal; drop it before the transport (counted as rollout/dropped_uniform_groups) and
+    keep sampling new groups until the batch is full."""
 
 
 @dataclass
@@ -172,6 +181,11 @@ class LearnerConfig:
     per sequence length elsewhere), sdpa (block-diagonal causal mask, for comparison), auto (varlen)."""
     max_policy_lag: int = 0
     """A trajectory sampled with version v is trained at step s only if s - v <= this; 0 = synchronous."""
+    updates_per_batch: int = 1
+    """AdamW steps per rollout batch: the batch is split into this many shuffled mini-batches, one
+    step each. Above 1, one no-grad forward at the start of the batch gives the policy the clip is
+    taken against, and the importance weight against the sampler is applied apart from the clip
+    (AReaL's decoupled objective); 1 runs no extra forward."""
 
 
 @dataclass
@@ -184,6 +198,21 @@ class LossConfig:
     """Weight of the k3 KL against the adapter-disabled model; 0 skips the reference pass."""
     norm: str = "dapo"
     """Token normalization: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (fixed length)."""
+    ratio_level: str = "token"
+    """Importance ratio: token (GRPO), or sequence (GSPO: the geometric mean of the sequence's token
+    ratios, clipped per sequence with seq_eps_low / seq_eps_high, its gradient spread over the
+    sequence's tokens)."""
+    seq_eps_low: float = 3e-4
+    """ratio_level sequence: lower clip, ratio >= 1 - seq_eps_low."""
+    seq_eps_high: float = 4e-4
+    """ratio_level sequence: upper clip, ratio <= 1 + seq_eps_high."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight each token by min(pi_learner / pi_sampler, tis_cap),
+    detached, apart from the clip (which is then taken against the learner's policy at the start
+    of the batch); 0 = off."""
+    mis_threshold: float = 0.0
+    """Masked importance sampling: drop every sequence whose mean |log pi_learner - log pi_sampler|
+    exceeds this (counted as learner/mis_masked_seqs); 0 = off."""
     impl: str = "auto"
     """auto (triton on CUDA, torch elsewhere), triton or torch."""
 

@@ -168,8 +168,81 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     }
 
 
+# Objectives beyond GRPO (tests/objective_formula.py): (name, dtype, inplace, objective, with start-of-batch
+# log-probs, launch overrides). Sequence ratios and TIS/MIS against the current policy run the two-pass
+# path (forward-only LOGP, then d(logits) from a per-row coefficient); with start-of-batch log-probs
+# and a token ratio the one fused pass runs on folded inputs.
+OBJECTIVE_CASES = [
+    ("fp32-copy-gspo", "fp32", False, {"ratio_level": "sequence"}, False, MATRIX),
+    ("fp32-inplace-gspo-decoupled", "fp32", True, {"ratio_level": "sequence"}, True, MATRIX),
+    ("fp32-copy-tis", "fp32", False, {"tis_cap": 1.5}, False, MATRIX),
+    ("fp32-inplace-mis", "fp32", True, {"mis_threshold": 0.2}, False, MATRIX),
+    ("fp32-copy-decoupled-folded", "fp32", False, {}, True, MATRIX),
+    ("fp32-inplace-tis-mis-decoupled-folded", "fp32", True, {"tis_cap": 1.5, "mis_threshold": 0.2}, True, MATRIX),
+    ("bf16-inplace-gspo-tis-mis", "bf16", True, {"ratio_level": "sequence", "tis_cap": 1.5, "mis_threshold": 0.2},
+     False, MATRIX),
+    ("bf16-copy-decoupled-folded", "bf16", False, {"tis_cap": 1.5}, True, {}),
+]
+
+
+def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=37, vocab=1000, seed=0):
+    """One objective through `grpo_loss_triton` against the float64 formula -> errors (as kernel_case)."""
+    from colocate.kernels.reference import Objective
+    from colocate.kernels.triton_grpo import grpo_loss_triton
+    from tests.objective_formula import objective_float64, objective_inputs
+
+    b = {k: v.to(device) for k, v in objective_inputs(num_rows, vocab, DTYPES[dt], seed=seed, temperature=0.7).items()}
+    old = b["old"] if with_old else None
+    kw = dict(temperature=0.7, eps_low=0.03 if objective.get("ratio_level") else 0.2,
+              eps_high=0.04 if objective.get("ratio_level") else 0.28, beta=0.04)
+    ref_loss, ref_grad = objective_float64(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
+                                           b["ref"], b["seq_ids"], old, **kw, **objective)
+    x = b["logits"].clone().requires_grad_()
+    loss, stats = grpo_loss_triton(x, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
+                                   objective=Objective(**objective), seq_ids=b["seq_ids"], old_logprobs=old,
+                                   inplace_backward=inplace, config={"backend": "triton", **extra}, **kw)
+    (2.0 * loss).backward()
+    grad = x.grad / 2.0
+    with torch.no_grad():
+        loss_nograd, _ = grpo_loss_triton(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
+                                          b["ref"], objective=Objective(**objective), seq_ids=b["seq_ids"],
+                                          old_logprobs=old, config={"backend": "triton", **extra}, **kw)
+    scale = max(float(ref_loss.abs()), 1e-3)
+    return {"loss": float((loss.detach().double() - ref_loss).abs()) / scale, "grad": rel(grad, ref_grad),
+            "loss_nograd": float((loss_nograd.double() - ref_loss).abs()) / scale,
+            "grad_dtype_ok": float(x.grad.dtype == b["logits"].dtype), "finite": float(torch.isfinite(grad).all()),
+            "grad_masked_rows_max": float(grad[b["weights"] == 0].abs().max()),
+            "mis_masked_seqs": float(stats["mis_masked_seqs"])}
+
+
+def token_logprobs_case(dt, *, device, num_rows=37, vocab=1000):
+    """`kernels.token_logprobs` (the forward-only row kernel) against float64, under a constraint mask too."""
+    from colocate.kernels import token_logprobs
+
+    b = make_batch(num_rows, vocab, DTYPES[dt], temperature=0.7, beta=0.0, seed=2, device=device)
+    exact = torch.log_softmax(b["logits"].double() / 0.7, -1).gather(1, b["targets"][:, None]).squeeze(1)
+    allowed = torch.stack([b["targets"], (b["targets"] + 1) % vocab, torch.full_like(b["targets"], -1)], 1)
+    sub = b["logits"].double().gather(1, allowed.clamp(min=0)).masked_fill(allowed < 0, float("-inf")) / 0.7
+    exact_allowed = torch.log_softmax(sub, -1)[:, 0]
+    got = token_logprobs(b["logits"], b["targets"], temperature=0.7, impl="triton")
+    got_allowed = token_logprobs(b["logits"], b["targets"], temperature=0.7, allowed_ids=allowed, impl="triton")
+    return {"logp": float((got.double() - exact).abs().max()),
+            "logp_allowed": float((got_allowed.double() - exact_allowed).abs().max())}
+
+
 def run_all(device):
-    return {name: kernel_case(*args, device=device) for name, *args in CASES}
+    out = {name: kernel_case(*args, device=device) for name, *args in CASES}
+    out.update({name: objective_case(*args, device=device) for name, *args in OBJECTIVE_CASES})
+    out.update({f"token_logprobs-{dt}": token_logprobs_case(dt, device=device) for dt in DTYPES})
+    return out
+
+
+def check_objective_case(name, errors):
+    tol = TOL[DTYPES[name.split("-")[0]]]
+    assert errors["finite"] == 1.0 and errors["grad_dtype_ok"] == 1.0, errors
+    assert errors["loss"] <= tol and errors["loss_nograd"] <= tol and errors["grad"] <= tol, errors
+    assert errors["grad_masked_rows_max"] == 0.0, errors
+    assert ("mis" in name) == (errors["mis_masked_seqs"] > 0), errors  # the mask drops sequences only when on
 
 
 def check_kernel_case(name, errors):
@@ -205,6 +278,17 @@ def test_interpreted_kernel_matches_float64(interpreted, name):
     check_kernel_case(name, interpreted[name])
 
 
+@pytest.mark.parametrize("name", [c[0] for c in OBJECTIVE_CASES])
+def test_interpreted_objectives_match_float64(interpreted, name):
+    check_objective_case(name, interpreted[name])
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_interpreted_token_logprobs_match_float64(interpreted, dt):
+    errors = interpreted[f"token_logprobs-{dt}"]
+    assert errors["logp"] <= 1e-5 and errors["logp_allowed"] <= 1e-5, errors  # fp32 math over exact inputs
+
+
 def test_launch_config_is_checked():
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
@@ -222,6 +306,14 @@ def test_launch_config_is_checked():
 def test_cuda_kernel_small_shapes(case):
     name, *args = case
     check_kernel_case(name, kernel_case(*args, device="cuda", num_rows=301, vocab=1000, seed=3))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=[c[0] for c in OBJECTIVE_CASES])
+def test_cuda_objectives_small_shapes(case):
+    name, *args = case
+    check_objective_case(name, objective_case(*args, device="cuda", num_rows=301, vocab=1000, seed=3))
 
 
 def float64_chunked(b, chunk, **kw):
