@@ -8,50 +8,17 @@ Two tiers:
     subprocess with TRITON_INTERPRET=1 (all cases, one process, JSON out), and the tests
     assert on that output.
   * GPU (skipped without CUDA): the same cases compiled, then real shapes (V=152064 bf16), more
-    than 2**31 logits, and `grpo_loss(impl="triton")` against `impl="torch"` per norm mode.
+    than 2**31 logits, and `grpo_loss(impl="triton")` against `impl="torch"` per norm mode and
+    per policy objective.
+The policy objectives (GSPO, decoupled, TIS, MIS: `OBJECTIVE_CASES`) are checked against the
+float64 formula of `tests/objective_formula.py` in both tiers, and `token_logprobs` (the
+forward-only pass) against float64 log-probs.
 
 Errors are relative: ||ours - ref|| / ||ref|| for d(logits); for the loss,
 |ours - ref| / sum_t |w_t l_t| (the sum of the magnitudes it adds up, so a loss that cancels to
 near zero does not turn rounding into a large relative error).
 """
 import os
-
-@pytest.mark.gpu
-@requires_cuda
-@pytest.mark.parametrize("objective,with_old", [({"ratio_level": "sequence"}, False), ({"ratio_level": "sequence"}, True),
-                                                ({"tis_cap": 2.0, "mis_threshold": 0.25}, False), ({"tis_cap": 2.0}, True)],
-                         ids=["gspo", "gspo-decoupled", "tis-mis", "tis-decoupled-folded"])
-def test_cuda_entry_objectives_triton_equal_torch(objective, with_old):
-    """Real vocabulary, bf16: each objective through the fused path (the bulk kernel on sm_90 for
-    the gradient pass) against the reference, and the peak memory above the inputs stays far below
-    one [N, V] float32 (the two-pass path adds [N] vectors only)."""
-    from colocate.kernels import Objective, grpo_loss
-
-    num_rows, vocab, num_seqs = 4096, 152064, 16
-    b = cuda_batch(num_rows, vocab, 0.04, 1.0, seed=9)
-    seq_ids = torch.arange(num_rows, device="cuda") // (num_rows // num_seqs)
-    old = b["behaviour"] + 0.05 * torch.randn(num_rows, device="cuda") if with_old else None
-    eps = (3e-4, 4e-4) if objective.get("ratio_level") else (0.2, 0.28)
-    kw = dict(beta=0.04, norm="grpo", seq_ids=seq_ids, num_seqs=num_seqs, eps_low=eps[0], eps_high=eps[1],
-              objective=Objective(**objective), old_logprobs=old)
-    results = {}
-    for impl in ("torch", "triton"):
-        x = b["logits"].clone().requires_grad_()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        loss, stats = grpo_loss(x, b["targets"], b["mask"], b["behaviour"], b["advantages"], b["ref"], impl=impl,
-                                inplace_backward=impl == "triton", **kw)
-        loss.backward()
-        torch.cuda.synchronize()
-        results[impl] = (loss.detach(), stats, x.grad, torch.cuda.max_memory_allocated() - base)
-    (lt, st, gt, _), (lk, sk, gk, peak) = results["torch"], results["triton"]
-    assert float((lk - lt).abs() / lt.abs().clamp(min=1e-6)) <= 1e-3
-    assert rel(gk, gt) <= 1e-2
-    for k in st:
-        assert abs(float(sk[k]) - float(st[k])) <= 1e-3 * max(1.0, abs(float(st[k]))), k
-    assert peak < 0.1 * num_rows * vocab * 4  # in place: no [N, V] temporary
-
 
 if __name__ == "__main__":  # the interpreter subprocess: before anything can import triton
     os.environ["TRITON_INTERPRET"] = "1"
@@ -301,7 +268,7 @@ def interpreted():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         # Triton 3.6's interpreter turns loop bounds into ints with int(1-element array), which
         # NumPy >= 2.4 refuses; newer Triton (3.9) squeezes first.
