@@ -316,17 +316,19 @@ def compare_outputs(b: Bench, impls: dict, liger, figures: dict) -> None:
     compare_objectives(b, figures)
 
 
-def compare_objectives(b: Bench, figures: dict) -> None:
-    """Each objective's loss and gradient, ours (not in place) against the reference, on pristine logits."""
+def compare_objectives(b: Bench, figures: dict, rows: int = 4096) -> None:
+    """Each objective's loss and gradient, ours (not in place) against the reference, on the first
+    `rows` pristine rows (whole sequences; the reference's float32 [N, V] temporaries stay small)."""
     from colocate.kernels.reference import grpo_loss_reference
 
-    x = b.x
+    rows = min(rows, b.pristine.shape[0])
+    f = {k: v[:rows] for k, v in b.f.items()}
+    x = b.pristine[:rows].clone().requires_grad_()
     for name in OBJECTIVES:
-        restore(x, b.pristine)
-        loss_ref = ours_objective(b.f, name, False, impl=grpo_loss_reference)(x)
+        loss_ref = ours_objective(f, name, False, impl=grpo_loss_reference)(x)
         loss_ref.backward()
         g_ref, x.grad = x.grad, None
-        loss = ours_objective(b.f, name, False, b.config or None)(x)
+        loss = ours_objective(f, name, False, b.config or None)(x)
         loss.backward()
         diff = (loss.detach() - loss_ref.detach()).abs() / loss_ref.detach().abs().clamp(min=1e-12)
         figures[f"ours_{name}_loss_rel_diff_vs_reference"] = float(diff)
