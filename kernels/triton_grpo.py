@@ -115,10 +115,10 @@ def _two_pass(logits, targets, weights, behaviour_logprobs, advantages, ref_logp
                      eps_low=eps_low, eps_high=eps_high, beta=0.0, config=config)  # forward only: logp
     with torch.enable_grad():
         logp = rows[:, LOGP].clone().requires_grad_()
+        f32 = lambda t: None if t is None else t.float()  # noqa: E731
         loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
-            logp, behaviour_logprobs.float(), advantages.float(), None if ref_logprobs is None else ref_logprobs.float(),
-            weights.float(), eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids,
-            old_logprobs=None if old_logprobs is None else old_logprobs.float())
+            logp, behaviour_logprobs.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
+            eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
         loss = (w_eff * loss_t).sum()
         dlogp = torch.autograd.grad(loss, logp)[0] if write_grad else None
     stats = token_stats(weights, ratio.detach(), kl.detach(), is_clipped, iw, w_eff, seq_ids)

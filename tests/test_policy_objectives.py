@@ -133,7 +133,7 @@ def _hand_logp(learner, batch, temperature):
 
 
 def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tokenizer):
-    from colocate.learner.learner import mini_batch_indices
+    from colocate.learner.learner import mini_batch_indices, mini_batch_seed
     from tests.test_packing import random_batch
     cfg, learner = _learner(tiny_cfg, tiny_tokenizer, 2)
     _, hand = _learner(tiny_cfg, tiny_tokenizer, 1)  # the same seeded adapter, stepped by hand below
@@ -141,7 +141,7 @@ def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tok
     with torch.no_grad():  # sampler log-probs near the model's, so ratios and weights are not extreme
         batch.behaviour_logprobs = _hand_logp(hand, batch, 1.0) + 0.1 * torch.randn(
             batch.num_completion_tokens, generator=torch.Generator().manual_seed(0))
-    seed = cfg.rollout.seed * 1_000_003 + learner.version
+    seed = mini_batch_seed(cfg.rollout.seed, learner.version)
     initial = {n: t.clone() for n, t in hand.lora_state().items()}
 
     with torch.no_grad():

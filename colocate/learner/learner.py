@@ -43,6 +43,9 @@ from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
 from colocate.learner.packing import (MicroBatch, dummy_micro_batch, pack_by_budget, packed_micro_batch,
                                       resolve_attention, set_attention)
+from colocate.learner.packing import completion_logits as micro_batch_logits
+from colocate.models import materialize
+from colocate.wire import unflatten_lora
 
 STAT_COLUMNS = 7  # per micro-batch on the device: loss, clip*n, kl*n, ratio*n, n, is_weight*n, masked seqs
 
@@ -61,9 +64,11 @@ def loss_objective(loss_cfg) -> tuple[Objective, float, float]:
     if loss_cfg.ratio_level == "sequence":
         return objective, loss_cfg.seq_eps_low, loss_cfg.seq_eps_high
     return objective, loss_cfg.eps_low, loss_cfg.eps_high
-from colocate.learner.packing import completion_logits as micro_batch_logits
-from colocate.models import materialize
-from colocate.wire import unflatten_lora
+
+
+def mini_batch_seed(rollout_seed: int, version: int) -> int:
+    """The seed of one batch's mini-batch split: fixed by the run's seed and the batch's version."""
+    return rollout_seed * 1_000_003 + version
 
 
 class Learner:
@@ -151,7 +156,7 @@ class Learner:
             if batch.num_sequences else []
         num_micro = self._num_micro_batches(len(groups))  # FSDP: all-reduce (max)
         comp_lens = batch.completion_lens.tolist()
-        starts = [sum(comp_lens[:i]) for i in range(len(comp_lens))]
+        starts = (torch.cumsum(batch.completion_lens, 0) - batch.completion_lens).tolist()
         out = torch.zeros(batch.num_completion_tokens, dtype=torch.float32)
         self.model.train()  # the mode the loss's forward runs in
         for i in range(num_micro):
@@ -161,8 +166,8 @@ class Learner:
             sub = batch.select(groups[i])
             mb = packed_micro_batch(sub, self.device, self.attention)
             allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
-            logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets, temperature=self.cfg.engine.temperature,
-                                  allowed_ids=allowed, impl=self.cfg.loss.impl)
+            logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets,
+                                  temperature=self.cfg.engine.temperature, allowed_ids=allowed, impl=self.cfg.loss.impl)
             rows = torch.cat([torch.arange(starts[j], starts[j] + comp_lens[j]) for j in groups[i]])
             out[rows] = logp.float().cpu()
         return out
@@ -219,7 +224,8 @@ class Learner:
             with record_function("learner/start_logprobs"):
                 batch.old_logprobs = self.start_logprobs(batch)  # FSDP: all-reduce (max), all-gathers
             updates = []
-            for idx in mini_batch_indices(batch.num_sequences, k, self.cfg.rollout.seed * 1_000_003 + self.version):
+            seed = mini_batch_seed(self.cfg.rollout.seed, self.version)
+            for idx in mini_batch_indices(batch.num_sequences, k, seed):
                 mini = batch.select(idx)
                 with record_function("learner/pack"):
                     work = self.micro_batches(mini) if mini.num_sequences else []
