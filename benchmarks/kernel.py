@@ -13,6 +13,13 @@ training) and peak memory above what was allocated before the call (the logits a
 In-place calls get their logits copied back from a pristine buffer, untimed, before every call.
 Loss values and gradients are compared on pristine logits.
 `ours_kernel_only_inplace_ms` times the row kernel alone (no autograd) to show the wrapper's cost.
+The policy objectives beside GRPO (`OBJECTIVES`), ours only, in place and not, against `ours_inplace`
+in the same run: `ours_gspo_*` (sequence ratio: a forward-only pass for logp, the objective on [N]
+vectors in PyTorch, then the fused pass with that per-row coefficient), `ours_tis_mis_*` (the same
+path for truncated / masked importance sampling against the current policy) and
+`ours_decoupled_*` (several updates per batch: start-of-batch log-probs folded into the one
+fused pass); `ours_forward_only_ms` is the forward-only pass alone. Their losses and gradients are
+compared with the reference's on pristine logits.
 `--sweep` first times launch configurations of ours (kernel only) and then measures the fastest.
 """
 from __future__ import annotations
@@ -26,6 +33,10 @@ from benchmarks.common import median_time
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LOSS_KW = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
+# name -> (Objective keyword arguments, its clip range, whether start-of-batch log-probs are given)
+OBJECTIVES = {"gspo": ({"ratio_level": "sequence"}, (3e-4, 4e-4), False),
+              "tis_mis": ({"tis_cap": 2.0, "mis_threshold": 0.5}, (EPS_LOW, EPS_HIGH), False),
+              "decoupled": ({}, (EPS_LOW, EPS_HIGH), True)}
 
 
 def add_args(parser) -> None:
@@ -64,7 +75,9 @@ def make_inputs(batch, seq_len, vocab, seed=0, device="cuda"):
     ref = true_logp + 0.1 * torch.randn(batch, seq_len, device=device, generator=g)
     n = batch * seq_len
     flat = dict(targets=targets.reshape(n), weights=(mask / mask.sum()).reshape(n), behaviour=behaviour.reshape(n),
-                ref=ref.reshape(n), advantages=adv_seq[:, None].expand(batch, seq_len).reshape(n).contiguous())
+                ref=ref.reshape(n), advantages=adv_seq[:, None].expand(batch, seq_len).reshape(n).contiguous(),
+                seq_ids=torch.arange(batch, device=device).repeat_interleave(seq_len),
+                old=(true_logp + 0.05 * torch.randn(batch, seq_len, device=device, generator=g)).reshape(n))
     seq = dict(targets=targets, mask=mask, behaviour=behaviour, ref=ref, advantages=adv_seq)
     return logits3d, logits3d[:, :-1].reshape(n, vocab), flat, seq
 
@@ -203,6 +216,20 @@ def ours(f: dict, inplace: bool, config: dict | None = None):
                                       inplace_backward=inplace, config=config, **LOSS_KW)[0]
 
 
+def ours_objective(f: dict, name: str, inplace: bool, config: dict | None = None, impl=None):
+    """One of `OBJECTIVES` through ours (or through `impl`, the reference), as a function of the logits."""
+    from colocate.kernels.reference import Objective
+    from colocate.kernels.triton_grpo import grpo_loss_triton
+
+    kw, (eps_low, eps_high), with_old = OBJECTIVES[name]
+    common = dict(objective=Objective(**kw), seq_ids=f["seq_ids"], old_logprobs=f["old"] if with_old else None,
+                  temperature=1.0, eps_low=eps_low, eps_high=eps_high, beta=BETA)
+    if impl is not None:
+        return lambda t: impl(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], **common)[0]
+    return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
+                                      inplace_backward=inplace, config=config, **common)[0]
+
+
 def implementations(b: Bench, compile_reference: bool) -> dict:
     """name -> (loss as a function of the logits, whether it writes over them)."""
     from colocate.kernels.reference import grpo_loss_reference
@@ -217,6 +244,9 @@ def implementations(b: Bench, compile_reference: bool) -> dict:
     impls["ours_inplace"] = (ours(f, True, b.config or None), True)
     impls["ours"] = (ours(f, False, b.config or None), False)
     impls["ours_triton_inplace"] = (ours(f, True, triton_only(b.config)), True)
+    for name in OBJECTIVES:
+        impls[f"ours_{name}_inplace"] = (ours_objective(f, name, True, b.config or None), True)
+        impls[f"ours_{name}"] = (ours_objective(f, name, False, b.config or None), False)
     return impls
 
 
@@ -247,6 +277,10 @@ def time_kernel_only(b: Bench, figures: dict) -> None:
                               config=cfg, **LOSS_KW),
             iters=b.iters, setup=lambda: restore(b.x, b.pristine)), 3)
     figures["ours_backend"] = row_backend(xd, xd, {**default_config(xd.shape[1], xd.device), **b.config})
+    figures["ours_forward_only_ms"] = round(1e3 * median_time(  # the first pass of the two-pass objectives
+        lambda: grpo_rows(xd, f["targets"], f["weights"], f["behaviour"], f["advantages"], None, None,
+                          config=b.config or None, **LOSS_KW),
+        iters=b.iters, setup=lambda: restore(b.x, b.pristine)), 3)
 
 
 def time_liger(b: Bench, baseline: dict):
@@ -279,6 +313,27 @@ def compare_outputs(b: Bench, impls: dict, liger, figures: dict) -> None:
     impls["ours"][0](x).backward()
     figures["ours_grad_rel_diff_vs_naive"] = rel_diff(x.grad, g_naive)
     x.grad = None
+    compare_objectives(b, figures)
+
+
+def compare_objectives(b: Bench, figures: dict, rows: int = 4096) -> None:
+    """Each objective's loss and gradient, ours (not in place) against the reference, on the first
+    `rows` pristine rows (whole sequences; the reference's float32 [N, V] temporaries stay small)."""
+    from colocate.kernels.reference import grpo_loss_reference
+
+    rows = min(rows, b.pristine.shape[0])
+    f = {k: v[:rows] for k, v in b.f.items()}
+    x = b.pristine[:rows].clone().requires_grad_()
+    for name in OBJECTIVES:
+        loss_ref = ours_objective(f, name, False, impl=grpo_loss_reference)(x)
+        loss_ref.backward()
+        g_ref, x.grad = x.grad, None
+        loss = ours_objective(f, name, False, b.config or None)(x)
+        loss.backward()
+        diff = (loss.detach() - loss_ref.detach()).abs() / loss_ref.detach().abs().clamp(min=1e-12)
+        figures[f"ours_{name}_loss_rel_diff_vs_reference"] = float(diff)
+        figures[f"ours_{name}_grad_rel_diff_vs_reference"] = rel_diff(x.grad, g_ref)
+        x.grad = None
 
 
 def ratios_to_ours(figures: dict, baseline: dict) -> dict:
@@ -289,7 +344,8 @@ def ratios_to_ours(figures: dict, baseline: dict) -> dict:
             ratios[f"{name}_ms_over_ours_inplace"] = round(baseline[f"{name}_ms"] / figures["ours_inplace_ms"], 3)
     ratios["ours_triton_inplace_ms_over_ours_inplace"] = round(
         figures["ours_triton_inplace_ms"] / figures["ours_inplace_ms"], 3)
-    for name in ("naive", "compiled", "liger_inplace", "ours_triton_inplace"):  # the same on device time
+    objectives = [f"ours_{name}{how}" for name in OBJECTIVES for how in ("_inplace", "")]
+    for name in ("naive", "compiled", "liger_inplace", "ours_triton_inplace", *objectives):  # on device time
         source = figures if name.startswith("ours") else baseline
         if isinstance(source.get(f"{name}_gpu_ms"), float):
             ratios[f"{name}_gpu_ms_over_ours_inplace"] = round(source[f"{name}_gpu_ms"] / figures["ours_inplace_gpu_ms"], 3)

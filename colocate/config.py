@@ -29,7 +29,7 @@ import yaml
 
 from colocate.config_schema import (ATTENTIONS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
                                     ENV_NAMES, EVAL_OPPONENTS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
-                                    PLACEMENTS, PREFIX_SHARING, SYNC_BACKENDS,
+                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -54,6 +54,7 @@ _CHOICES = {
     ("env", "name"): ENV_NAMES,
     ("loss", "norm"): NORM_MODES,
     ("loss", "impl"): LOSS_IMPLS,
+    ("loss", "ratio_level"): RATIO_LEVELS,
     ("learner", "attention"): ATTENTIONS,
     ("learner", "prefix_sharing"): PREFIX_SHARING,
     ("sync", "backend"): SYNC_BACKENDS,
@@ -213,6 +214,7 @@ _RANGES = {
     ("env", "stall_years"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "reward_workers"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 computes rewards inline)"),
     ("env", "max_reward_errors"): (lambda v: v >= 1, "must be >= 1"),
+    ("env", "overlong_buffer"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no length penalty)"),
     ("rollout", "groups_per_step"): (lambda v: v >= 1, "must be >= 1"),
     ("rollout", "oversample_groups"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "lr"): (lambda v: v > 0, _POSITIVE),
@@ -221,9 +223,14 @@ _RANGES = {
     ("learner", "num_steps"): (lambda v: v >= 1, "must be >= 1"),
     ("learner", "micro_batch_tokens"): (lambda v: v >= 1, "must be >= 1 (the packing budget in tokens)"),
     ("learner", "max_policy_lag"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("learner", "updates_per_batch"): (lambda v: v >= 1, "must be >= 1 (optimizer steps per rollout batch)"),
     ("loss", "eps_low"): (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     ("loss", "eps_high"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("loss", "beta"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("loss", "seq_eps_low"): (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    ("loss", "seq_eps_high"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("loss", "tis_cap"): (lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1 (a cap below 1 shrinks on-policy tokens)"),
+    ("loss", "mis_threshold"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = off)"),
     ("topology", "num_inference"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = half the world)"),
     ("topology", "num_learners"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = the rest)"),
     ("topology", "timeout_s"): (lambda v: v > 0, _POSITIVE),
@@ -333,6 +340,9 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
                           "a group carried over to the next batch is trained a step later, so batches start one "
                           "version fresher than the budget (lag 1 would make rollouts wait for every learner step)")
+    if cfg.env.overlong_buffer > cfg.engine.max_new_tokens:
+        raise ConfigError(f"env.overlong_buffer={cfg.env.overlong_buffer} exceeds engine.max_new_tokens="
+                          f"{cfg.engine.max_new_tokens}: the penalty would start below zero length")
     if cfg.model.path and not os.path.isdir(cfg.model.path):
         raise ConfigError(f"model.path={cfg.model.path!r} is not a local directory (nothing is downloaded)")
     if cfg.model.path and not os.path.exists(os.path.join(cfg.model.path, "config.json")):

@@ -19,6 +19,7 @@ ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by p
 CHAT_TEMPLATES = ("auto", "none")
 BUILTIN_REWARDS = ("gsm8k", "boxed", "exact")  # keys of colocate.rewards.BUILTINS
 NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
+RATIO_LEVELS = ("token", "sequence")  # kernels.reference.RATIO_LEVELS
 LOSS_IMPLS = ("auto", "triton", "torch")
 ATTENTIONS = ("auto", "varlen", "sdpa")
 PREFIX_SHARING = ("off", "group", "tree")
@@ -157,6 +158,10 @@ class EnvConfig:
     sample 0 and is counted (`rollout/reward_errors`); this many bad samples in a row stop the run."""
     options: dict = field(default_factory=dict)
     """Custom envs: keyword arguments handed to the env class's `from_config` (free-form)."""
+    overlong_buffer: int = 0
+    """DAPO's soft length penalty, for any env: a completion longer than engine.max_new_tokens minus
+    this many tokens loses (length - (max_new_tokens - buffer)) / buffer of reward, up to 1 at
+    max_new_tokens (applied by the rollout worker before advantages); 0 = off."""
 
 
 @dataclass
@@ -181,6 +186,10 @@ class RolloutConfig:
     that streams (vLLM); the HF engine answers all pending requests at once either way. With
     oversample_groups > 0 the batch takes the groups that finish first in wall-clock time, which
     leans toward games with short completions."""
+    drop_uniform_groups: bool = False
+    """DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere and
+    carries no signal; drop it before the transport (counted as rollout/dropped_uniform_groups) and
+    keep sampling new groups until the batch is full."""
 
 
 @dataclass
@@ -217,6 +226,11 @@ class LearnerConfig:
     CUDA, a dense-mask SDPA elsewhere (or with attention sdpa)."""
     max_policy_lag: int = 0
     """A trajectory sampled with version v is trained at step s only if s - v <= this; 0 = synchronous."""
+    updates_per_batch: int = 1
+    """AdamW steps per rollout batch: the batch is split into this many shuffled mini-batches, one
+    step each. Above 1, one no-grad forward at the start of the batch gives the policy the clip is
+    taken against, and the importance weight against the sampler is applied apart from the clip
+    (AReaL's decoupled objective); 1 runs no extra forward."""
 
 
 @dataclass
@@ -229,6 +243,21 @@ class LossConfig:
     """Weight of the k3 KL against the adapter-disabled model; 0 skips the reference pass."""
     norm: str = "dapo"
     """Token normalization: grpo (per-sequence mean), dapo (per-token mean), dr_grpo (fixed length)."""
+    ratio_level: str = "token"
+    """Importance ratio: token (GRPO), or sequence (GSPO: the geometric mean of the sequence's token
+    ratios, clipped per sequence with seq_eps_low / seq_eps_high, its gradient spread over the
+    sequence's tokens)."""
+    seq_eps_low: float = 3e-4
+    """ratio_level sequence: lower clip, ratio >= 1 - seq_eps_low."""
+    seq_eps_high: float = 4e-4
+    """ratio_level sequence: upper clip, ratio <= 1 + seq_eps_high."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight each token by min(pi_learner / pi_sampler, tis_cap),
+    detached, apart from the clip (which is then taken against the learner's policy at the start
+    of the batch); 0 = off."""
+    mis_threshold: float = 0.0
+    """Masked importance sampling: drop every sequence whose mean |log pi_learner - log pi_sampler|
+    exceeds this (counted as learner/mis_masked_seqs); 0 = off."""
     impl: str = "auto"
     """auto (triton on CUDA, torch elsewhere), triton or torch."""
 

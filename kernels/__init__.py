@@ -5,7 +5,10 @@ The learner calls only `grpo_loss`. It
      gathering those logits into a small [N, K] problem: the same masked log-softmax the engine
      sampled from, at a fraction of the cost;
   2. turns the normalization mode into per-token weights (`token_weights`);
-  3. dispatches to the fused kernel (CUDA, `impl` auto/triton: `triton_grpo`, whose row launch
+  3. takes the policy objective (`reference.Objective`: token or sequence ratio, truncated and
+     masked importance sampling) and, with several updates per batch, the learner's log-probs at
+     the start of the batch (`old_logprobs`, from `token_logprobs`);
+  4. dispatches to the fused kernel (CUDA, `impl` auto/triton: `triton_grpo`, whose row launch
      `triton_rows` runs the bulk-copy CUDA row kernel `cuda_grpo` on sm_90 with bf16 logits) or the
      reference (`impl` torch).
 
@@ -16,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from .reference import NORM_MODES, grpo_loss_reference, token_weights
+from .reference import NORM_MODES, RATIO_LEVELS, Objective, grpo_loss_reference, per_token_logprobs, token_weights
 
-__all__ = ["grpo_loss", "grpo_loss_reference", "token_weights", "NORM_MODES", "restrict_to_allowed"]
+__all__ = ["grpo_loss", "grpo_loss_reference", "token_logprobs", "token_weights", "NORM_MODES", "RATIO_LEVELS",
+           "Objective", "restrict_to_allowed"]
 
 
 def restrict_to_allowed(logits: torch.Tensor, targets: torch.Tensor, allowed_ids: torch.Tensor):
@@ -62,17 +66,44 @@ def grpo_loss(
     max_len: int | None = None,
     num_tokens: int | float | None = None,
     allowed_ids: torch.Tensor | None = None,  # [N, K] int, -1 padded
+    objective: Objective = Objective(),
+    old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
     impl: str = "auto",
     inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Scalar loss (differentiable in `logits`) and detached stats: clip_fraction, kl, ratio, num_tokens."""
+    """Scalar loss (differentiable in `logits`) and detached stats: clip_fraction, kl, ratio,
+    num_tokens, is_weight, mis_masked_seqs."""
     weights = token_weights(mask, norm, seq_ids, num_seqs, max_len, num_tokens)
     if allowed_ids is not None:
         logits, targets = restrict_to_allowed(logits, targets, allowed_ids)
         inplace_backward = False  # the gathered copy is ours; writing into it saves nothing
-    kwargs = dict(temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta)
+    kwargs = dict(temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective,
+                  seq_ids=seq_ids, old_logprobs=old_logprobs)
     if _use_triton(logits, impl):
         from .triton_grpo import grpo_loss_triton
         return grpo_loss_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
                                 inplace_backward=inplace_backward, **kwargs)
     return grpo_loss_reference(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, **kwargs)
+
+
+def token_logprobs(
+    logits: torch.Tensor,              # [N, V] bf16/fp32
+    targets: torch.Tensor,             # [N]
+    *,
+    temperature: float = 1.0,
+    allowed_ids: torch.Tensor | None = None,  # [N, K] int, -1 padded
+    impl: str = "auto",
+) -> torch.Tensor:                     # [N] float32, no gradient
+    """Log-probs of the targets under the same temperature and mask as `grpo_loss`: the row
+    kernel's forward-only pass on CUDA (no float32 [N, V]), the reference elsewhere."""
+    if allowed_ids is not None:
+        logits, targets = restrict_to_allowed(logits, targets, allowed_ids)
+    logits = logits.detach()
+    if not _use_triton(logits, impl):
+        return per_token_logprobs(logits, targets, temperature)
+    from .triton_rows import LOGP, grpo_rows
+    ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    rows = grpo_rows(x, targets, ones, ones, ones, None, None, temperature=temperature, eps_low=0.2, eps_high=0.28,
+                     beta=0.0)
+    return rows[:, LOGP].clone()

@@ -2,7 +2,7 @@
 
 Role: the fused-gradient path of `triton_rows.grpo_rows` on sm_90+ with bf16 logits and 16-byte
 aligned rows. The Triton row kernel stays the reference twin, the CPU (interpreter) path, the
-forward-only path and the fallback for everything else. Same outputs: [N, 5] per-row terms, and
+forward-only path and the fallback for everything else. Same outputs: [N, 6] per-row terms, and
 d(logits) written into `grad` (which may be the logits themselves).
 
 Why a CUDA source: the Triton kernel reads each row twice and streams well below peak DRAM
@@ -26,7 +26,7 @@ from .launch_keys import check_keys
 __all__ = ["DEFAULT_CONFIG", "unsupported", "grpo_rows_bulk", "row_inputs"]
 
 _SOURCE = Path(__file__).with_name("grpo_rows_sm90.cu")
-_ROW_OUTPUTS = 5
+_ROW_OUTPUTS = 6
 
 # chunk: bf16 elements per bulk copy; slots: ring length (14 x 16 KB fills an H200's 227 KB);
 # prefetch: slots never held by resident chunks (the next row streams into them); consumer_warps:
@@ -93,16 +93,18 @@ def _compiled(device_index: int, cfg_items: tuple):
     return kernel, sms, _smem_bytes(cfg), 32 * cfg["consumer_warps"] + 32
 
 
-def row_inputs(logits, weights, behaviour_logprobs, advantages, ref_logprobs, beta):
+def row_inputs(logits, weights, behaviour_logprobs, advantages, ref_logprobs, beta, dlogp=None):
     """The per-row inputs as contiguous fp32 (ref stands in as a dummy when there is no KL term),
-    whether the KL term is on, and the [N, 5] fp32 output buffer. Shared with the Triton launch."""
+    whether the KL term is on, the given dL/dlogp (or None), and the [N, 6] fp32 output buffer.
+    Shared with the Triton launch."""
     f32 = dict(dtype=torch.float32)
     has_kl = ref_logprobs is not None and beta > 0
     behaviour_logprobs = behaviour_logprobs.to(**f32).contiguous()
     ref = ref_logprobs.to(**f32).contiguous() if has_kl else behaviour_logprobs
+    dlogp = None if dlogp is None else dlogp.to(**f32).contiguous()
     row_out = torch.empty(logits.shape[0], _ROW_OUTPUTS, device=logits.device, **f32)
     return (weights.to(**f32).contiguous(), behaviour_logprobs, advantages.to(**f32).contiguous(), ref, has_kl,
-            row_out)
+            dlogp, row_out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,24 +123,26 @@ def grpo_rows_bulk(
     advantages: torch.Tensor,          # [N]
     ref_logprobs: torch.Tensor | None,
     grad: torch.Tensor,                # [N, V] bf16 output; may be `logits` itself
+    dlogp: torch.Tensor | None = None,  # [N] dL/dlogp per row, replacing GRPO's (triton_rows.grpo_rows)
     *,
     temperature: float,
     eps_low: float,
     eps_high: float,
     beta: float,
     config: dict | None = None,
-) -> torch.Tensor:                     # [N, 5] fp32 per-row outputs, as triton_rows.grpo_rows
+) -> torch.Tensor:                     # [N, 6] fp32 per-row outputs, as triton_rows.grpo_rows
     """Launch the bulk-copy row kernel (after `unsupported` said None). One CTA per SM, persistent."""
     num_rows, vocab = logits.shape
-    weights, behaviour_logprobs, advantages, ref, has_kl, row_out = row_inputs(
-        logits, weights, behaviour_logprobs, advantages, ref_logprobs, beta)
+    weights, behaviour_logprobs, advantages, ref, has_kl, dlogp, row_out = row_inputs(
+        logits, weights, behaviour_logprobs, advantages, ref_logprobs, beta, dlogp)
     if num_rows == 0:
         return row_out
     device_index = logits.device.index or 0
     kernel, sms, smem, threads = _compiled(device_index, tuple(sorted({**DEFAULT_CONFIG, **(config or {})}.items())))
-    args = [logits, grad, targets.to(torch.int64).contiguous(), weights, behaviour_logprobs, advantages, ref, row_out,
-            _counters(device_index), num_rows, vocab, logits.stride(0), grad.stride(0), math.log2(math.e) / temperature,
-            1.0 / temperature, float(eps_low), float(eps_high), float(beta), int(has_kl)]
+    args = [logits, grad, targets.to(torch.int64).contiguous(), weights, behaviour_logprobs, advantages, ref,
+            behaviour_logprobs if dlogp is None else dlogp, row_out, _counters(device_index), num_rows, vocab,
+            logits.stride(0), grad.stride(0), math.log2(math.e) / temperature, 1.0 / temperature, float(eps_low),
+            float(eps_high), float(beta), int(has_kl), int(dlogp is not None)]
     launch = dict(grid=(min(sms, num_rows), 1, 1), block=(threads, 1, 1), args=args, shared_mem=smem)
     if torch.cuda.current_device() == device_index:  # the launch uses the current device's stream
         kernel(**launch)

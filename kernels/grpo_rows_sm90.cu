@@ -183,10 +183,12 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
     const float* __restrict__ behaviour,        // [N]
     const float* __restrict__ advantages,       // [N]
     const float* __restrict__ ref,              // [N] (read only when has_kl)
-    float* __restrict__ row_out,                // [N, 5]: w*loss, ratio, kl, is_clipped, active
+    const float* __restrict__ dlogp,            // [N] dL/dlogp per row (read only when has_dlogp)
+    float* __restrict__ row_out,                // [N, 6]: w*loss, ratio, kl, is_clipped, active, logp
     int* __restrict__ counters,                 // [2] zero at launch, zero again at exit: next row, finished CTAs
     int num_rows, int vocab, int stride_logits, int stride_grad,
-    double log2e_over_t_d, double inv_t_d, double eps_low_d, double eps_high_d, double beta_d, int has_kl) {
+    double log2e_over_t_d, double inv_t_d, double eps_low_d, double eps_high_d, double beta_d, int has_kl,
+    int has_dlogp) {  // the gradient's coefficient is w * dlogp[row] / T (an objective computed outside)
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;                                   // [SLOTS][CHUNK_BYTES]
     u64* full = reinterpret_cast<u64*>(smem + SLOTS * CHUNK_BYTES);  // [SLOTS] producer -> consumers
@@ -273,11 +275,11 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
         if (row >= num_rows) break;
         const float w = weights[row];
         unsigned short* g_row = grad + (long long)row * stride_grad;
-        float* out = row_out + (long long)row * 5;
+        float* out = row_out + (long long)row * 6;
         if (!(w > 0.0f)) {  // masked row: zero gradient, nothing read
             const uint4 zero = make_uint4(0, 0, 0, 0);
             for (int v = t; v < vocab / 8; v += NT) reinterpret_cast<uint4*>(g_row)[v] = zero;
-            if (t < 5) out[t] = 0.0f;
+            if (t < 6) out[t] = 0.0f;
             continue;
         }
         const int tgt = (int)targets[row];
@@ -348,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
         const float z_tgt = tgt_z[parity];
         parity ^= 1;
 
-        // Per-token GRPO terms, as reference.grpo_token_terms (every thread; thread 0 stores them).
+        // Per-token GRPO terms, as reference.objective_terms with its defaults (every thread; thread 0 stores them).
         const float LN2 = 0.6931471805599453f;
         const float logp = (z_tgt - lse2) * LN2;
         const float adv = advantages[row];
@@ -366,12 +368,14 @@ extern "C" __global__ void __launch_bounds__(NT + 32, 1) grpo_rows_bulk(
             loss += (float)beta_d * kl;
             dloss_dlogp += (float)beta_d * (1.0f - exp_delta);
         }
+        if (has_dlogp) dloss_dlogp = dlogp[row];
         if (t == 0) {
             out[0] = w * loss;
             out[1] = ratio;
             out[2] = kl;
             out[3] = is_clipped ? 1.0f : 0.0f;
             out[4] = 1.0f;
+            out[5] = logp;
         }
 
         // Pass 2: d x_v = coef * (onehot_v - 2^(z_v - lse2)), coef = w * dloss/dlogp / T. The ring's

@@ -2,18 +2,43 @@
 
 Per completion token t (rows of `logits`):
     logp_t  = log_softmax(logits_t / temperature)[target_t]
-    ratio_t = exp(logp_t - behaviour_t)
-    l_t     = -min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
+    ratio_t = exp(logp_t - anchor_t)                 token level (the default)
+            = exp(mean_{u in seq(t)} (logp_u - anchor_u))   sequence level (GSPO)
+    l_t     = -iw_t * min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
               + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)          # k3 KL
-    loss    = sum_t w_t * mask_t * l_t
+    loss    = sum_t w_t * keep_t * l_t
 with w_t from `token_weights` (the normalization mode). Both implementations receive the same
 weights, so the modes live in one place.
+
+Off-policy corrections (`off_policy_weights`; all detached): by default the anchor is the sampler
+(behaviour) and iw = keep = 1, the classic GRPO objective. Given the learner's log-probs at the
+start of the batch (`old_logprobs`, several updates per batch), or with truncated importance
+sampling on (`tis_cap` > 0; the start-of-batch policy is then the current one, detached), the
+objective is decoupled (AReaL): the clip is against that policy and iw = exp(old - behaviour),
+capped at `tis_cap`, corrects for the sampler apart from the clip. `mis_threshold` > 0 drops
+(keep = 0) every sequence whose mean |old - behaviour| exceeds it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 NORM_MODES = ("grpo", "dapo", "dr_grpo")
+RATIO_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Which policy objective the loss computes (the defaults: GRPO with a token-level ratio)."""
+    ratio_level: str = "token"   # token, or sequence (GSPO: geometric mean of the token ratios)
+    tis_cap: float = 0.0         # > 0: truncated importance weight against the sampler, capped here
+    mis_threshold: float = 0.0   # > 0: mask sequences whose mean |log-ratio| to the sampler exceeds it
+
+    def needs_logprobs_first(self, has_old: bool) -> bool:
+        """Whether a token's coefficient depends on other tokens' or on its own log-prob before the
+        gradient (the fused path then runs a forward-only pass first)."""
+        return self.ratio_level == "sequence" or (not has_old and (self.tis_cap > 0 or self.mis_threshold > 0))
 
 
 def token_weights(
@@ -57,18 +82,63 @@ def per_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature:
     return logp.gather(1, targets.long().unsqueeze(1)).squeeze(1)
 
 
-def grpo_token_terms(logp, behaviour_logprobs, advantages, ref_logprobs, eps_low, eps_high, beta):
-    """Per-token loss and stats inputs from per-token log-probs (all [N])."""
-    ratio = torch.exp(logp - behaviour_logprobs)
+def seq_mean(values: torch.Tensor, active: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """[N] -> [N]: each token's mean of `values` over the active tokens of its sequence."""
+    seq_ids = seq_ids.long()
+    num = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    sums = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values * active)
+    counts = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seq_ids, active)
+    return (sums / counts.clamp(min=1.0))[seq_ids]
+
+
+def off_policy_weights(logp, behaviour, weights, seq_ids, old_logprobs, obj: Objective):
+    """([N] clip anchor, [N] importance weight, [N] keep mask), all detached (module docstring).
+    `logp` is read only when the start-of-batch policy is the current one (no `old_logprobs`)."""
+    decoupled = old_logprobs is not None or obj.tis_cap > 0
+    learner = None
+    if decoupled or obj.mis_threshold > 0:
+        learner = (old_logprobs if old_logprobs is not None else logp).detach().float()
+    anchor = learner if decoupled else behaviour
+    iw = torch.exp(learner - behaviour) if decoupled else torch.ones_like(behaviour)
+    if obj.tis_cap > 0:
+        iw = iw.clamp(max=obj.tis_cap)
+    keep = torch.ones_like(behaviour)
+    if obj.mis_threshold > 0:
+        if seq_ids is None:
+            raise ValueError("mis_threshold needs seq_ids")
+        drift = seq_mean((learner - behaviour).abs(), (weights > 0).float(), seq_ids)
+        keep = (drift <= obj.mis_threshold).float()
+    return anchor, iw, keep
+
+
+def clipped_surrogate(log_ratio, advantages, eps_low, eps_high):
+    """[N] log-ratios -> (-min(r A, clip(r) A), r, whether the clip holds r)."""
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = -torch.minimum(ratio * advantages, clipped * advantages)
     is_clipped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
+    return loss, ratio, is_clipped
+
+
+def objective_terms(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
+                    objective: Objective = Objective(), seq_ids=None, old_logprobs=None):
+    """Per-token terms from [N] log-probs (differentiable in `logp`): (loss_t, effective weights
+    w * keep, ratio, kl, is_clipped, importance weight). Shared by the reference and the fused
+    path's sequence-level / off-policy objectives, which compute logp with a forward-only kernel."""
+    anchor, iw, keep = off_policy_weights(logp, behaviour, weights, seq_ids, old_logprobs, objective)
+    log_ratio = logp - anchor
+    if objective.ratio_level == "sequence":
+        if seq_ids is None:
+            raise ValueError("ratio_level='sequence' needs seq_ids")
+        log_ratio = seq_mean(log_ratio, (weights > 0).to(logp.dtype), seq_ids)
+    loss, ratio, is_clipped = clipped_surrogate(log_ratio, advantages, eps_low, eps_high)
+    loss = iw * loss
     kl = torch.zeros_like(logp)
     if ref_logprobs is not None and beta > 0:
         delta = ref_logprobs - logp
         kl = torch.exp(delta) - delta - 1.0
         loss = loss + beta * kl
-    return loss, ratio, kl, is_clipped
+    return loss, weights * keep, ratio, kl, is_clipped, iw
 
 
 def grpo_loss_reference(
@@ -83,23 +153,36 @@ def grpo_loss_reference(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     beta: float = 0.0,
+    objective: Objective = Objective(),
+    seq_ids: torch.Tensor | None = None,       # [N] sequence index (sequence ratio, mis_threshold)
+    old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Differentiable reference: returns (scalar loss, detached stats over rows with weight > 0)."""
     logp = per_token_logprobs(logits, targets, temperature)
-    loss_t, ratio, kl, is_clipped = grpo_token_terms(
-        logp, behaviour_logprobs.float(), advantages.float(),
-        None if ref_logprobs is None else ref_logprobs.float(), eps_low, eps_high, beta)
-    loss = (weights.float() * loss_t).sum()
-    return loss, token_stats(weights, ratio, kl, is_clipped)
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
+        logp, behaviour_logprobs.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
+        eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
+    loss = (w_eff * loss_t).sum()
+    return loss, token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids)
 
 
-def token_stats(weights, ratio, kl, is_clipped) -> dict[str, torch.Tensor]:
-    """Means over the trained tokens (weight > 0), detached."""
-    active = (weights > 0).float()
+def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=None) -> dict[str, torch.Tensor]:
+    """Means over the trained tokens (effective weight w * keep > 0), detached; `is_weight` is the
+    mean importance weight against the sampler (1 unless decoupled), `mis_masked_seqs` the
+    sequences the off-policy mask dropped."""
+    active = ((weights if w_eff is None else w_eff) > 0).float()
     n = active.sum().clamp(min=1.0)
+    masked = torch.zeros((), device=weights.device)
+    if w_eff is not None and seq_ids is not None and seq_ids.numel():
+        dropped = (weights > 0).float() * (w_eff <= 0).float()
+        per_seq = torch.zeros(int(seq_ids.max()) + 1, device=weights.device).index_add(0, seq_ids.long(), dropped)
+        masked = (per_seq > 0).float().sum()
     return {
         "clip_fraction": (is_clipped.float() * active).sum().detach() / n,
         "kl": (kl.float() * active).sum().detach() / n,
         "ratio": (ratio.float() * active).sum().detach() / n,
         "num_tokens": active.sum().detach(),
+        "is_weight": ((iw.float() if iw is not None else torch.ones_like(active)) * active).sum().detach() / n,
+        "mis_masked_seqs": masked.detach(),
     }

@@ -5,8 +5,18 @@ interpreter). The forward call runs the row kernel (`triton_rows.grpo_rows`), wh
 loss terms and d(logits) in one pass over the logits; backward only scales that stored gradient by
 grad_output, on the device and not at all when it is 1 (no host sync).
 
-Left out on purpose: sequence-level importance ratios (GSPO), CISPO/SAPO variants, the delta
-clamp, and dL/d(behaviour, advantages, ref) (all are data, not parameters).
+Objectives beyond GRPO (`reference.Objective`, off-policy corrections) keep the kernel's memory
+behaviour. Each needs only per-row inputs, since d(logits)_t = dL/dlogp_t * (onehot - p_t) / T:
+  * a start-of-batch policy given (`old_logprobs`) with a token ratio: the clip anchor, importance
+    weight and sequence mask are [N] data known before the kernel, so the one fused pass runs with
+    behaviour := anchor, advantages := A * iw and weights := w * keep (`_fold_off_policy`);
+  * a sequence-level ratio (GSPO), or TIS / MIS against the current policy, need every row's
+    log-prob before any gradient: a forward-only pass of the row kernel gives logp [N], the
+    objective and dL/dlogp are computed in PyTorch on [N] vectors (`reference.objective_terms`,
+    the reference's own code), and a second pass writes d(logits) from that per-row coefficient
+    (`_two_pass`). No [N, V] temporary either way.
+Left out on purpose: CISPO/SAPO variants, the delta clamp, and dL/d(behaviour, advantages, ref)
+(all are data, not parameters).
 """
 from __future__ import annotations
 
@@ -14,18 +24,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_rows import ACTIVE, CLIPPED, KL, LOSS, RATIO, grpo_rows
+from .reference import Objective, objective_terms, off_policy_weights, token_stats
+from .triton_rows import ACTIVE, CLIPPED, KL, LOGP, LOSS, RATIO, grpo_rows
 
 __all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad"]
 
 
 def stats_from_rows(row_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """[N, 5] per-row outputs -> (loss, stats); stats are means over rows with weight > 0."""
-    sums = row_out.sum(0)  # one reduction for all five columns
+    """[N, 6] per-row outputs -> (loss, stats); stats are means over rows with weight > 0 (the
+    off-policy ones of plain GRPO: importance weight 1, nothing masked)."""
+    sums = row_out.sum(0)  # one reduction for all columns
     num_tokens = sums[ACTIVE]
     means = sums / num_tokens.clamp(min=1.0)
     return sums[LOSS], {"clip_fraction": means[CLIPPED], "kl": means[KL], "ratio": means[RATIO],
-                         "num_tokens": num_tokens}
+                         "num_tokens": num_tokens, "is_weight": (num_tokens > 0).float(),
+                         "mis_masked_seqs": torch.zeros_like(num_tokens)}
 
 
 @triton.jit
@@ -63,13 +76,13 @@ def scale_stored_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Te
 class _GRPOLossTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
-                temperature, eps_low, eps_high, beta, inplace_backward, config, write_grad):
+                temperature, eps_low, eps_high, beta, inplace_backward, config, write_grad, dlogp):
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         grad = None
         if write_grad:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        row_out = grpo_rows(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad,
+        row_out = grpo_rows(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad, dlogp,
                             temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta, config=config)
         ctx.grad = grad  # a plain attribute: in place, it is the (overwritten) input itself
         ctx.mark_non_differentiable(row_out)
@@ -82,7 +95,42 @@ class _GRPOLossTriton(torch.autograd.Function):
         if grad is None:
             raise RuntimeError("grpo_loss_triton: backward through the same call twice is not supported "
                                "(the gradient was computed once, in forward)")
-        return (scale_stored_grad(grad, grad_loss),) + (None,) * 12
+        return (scale_stored_grad(grad, grad_loss),) + (None,) * 13
+
+
+def _fold_off_policy(weights, behaviour_logprobs, advantages, seq_ids, old_logprobs, objective):
+    """Token ratio with a known start-of-batch policy: (weights * keep, the anchor as behaviour,
+    A * iw as advantages, stats inputs). iw > 0, so -min(r A iw, clip(r) A iw) = iw * GRPO's term."""
+    anchor, iw, keep = off_policy_weights(None, behaviour_logprobs.float(), weights, seq_ids, old_logprobs, objective)
+    return weights * keep, anchor, advantages.float() * iw, (iw, weights, weights * keep)
+
+
+def _two_pass(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, *, temperature, eps_low,
+              eps_high, beta, objective, seq_ids, old_logprobs, inplace_backward, config):
+    """Objectives whose coefficients need every row's log-prob first (module docstring) -> (loss, stats)."""
+    write_grad = torch.is_grad_enabled() and logits.requires_grad
+    x = logits.detach() if logits.stride(1) == 1 else logits.detach().contiguous()
+    active = (weights > 0).float()
+    rows = grpo_rows(x, targets, active, behaviour_logprobs, advantages, None, None, temperature=temperature,
+                     eps_low=eps_low, eps_high=eps_high, beta=0.0, config=config)  # forward only: logp
+    with torch.enable_grad():
+        logp = rows[:, LOGP].clone().requires_grad_()
+        f32 = lambda t: None if t is None else t.float()  # noqa: E731
+        loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
+            logp, behaviour_logprobs.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
+            eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
+        loss = (w_eff * loss_t).sum()
+        dlogp = torch.autograd.grad(loss, logp)[0] if write_grad else None
+    stats = token_stats(weights, ratio.detach(), kl.detach(), is_clipped, iw, w_eff, seq_ids)
+    if not write_grad:
+        return loss.detach(), stats
+    # Rows whose coefficient is 0 (masked, or clipped) are not read: the kernel writes their zeros.
+    # Zero behaviour and advantages make the kernel's own loss exactly 0, so adding it carries the
+    # stored gradient into autograd without changing the value.
+    zeros = torch.zeros_like(dlogp)
+    zero_loss, _ = _GRPOLossTriton.apply(logits, targets, (dlogp != 0).float(), zeros, zeros, None, float(temperature),
+                                         0.0, 0.0, 0.0, bool(inplace_backward), config, True, dlogp)
+    return loss.detach() + zero_loss, stats
 
 
 def grpo_loss_triton(
@@ -97,6 +145,9 @@ def grpo_loss_triton(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     beta: float = 0.0,
+    objective: Objective = Objective(),
+    seq_ids: torch.Tensor | None = None,       # [N] sequence index (sequence ratio, mis_threshold)
+    old_logprobs: torch.Tensor | None = None,  # [N] fp32 learner log-probs at the start of the batch
     inplace_backward: bool = False,
     config: dict | None = None,        # launch overrides: block_v, num_warps, programs_per_sm, num_programs
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -109,10 +160,26 @@ def grpo_loss_triton(
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
+    kw = dict(temperature=float(temperature), eps_low=float(eps_low), eps_high=float(eps_high), beta=float(beta))
+    if objective.needs_logprobs_first(old_logprobs is not None):
+        return _two_pass(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, objective=objective,
+                         seq_ids=seq_ids, old_logprobs=old_logprobs, inplace_backward=inplace_backward, config=config,
+                         **kw)
+    folded = None
+    if old_logprobs is not None or objective != Objective():
+        weights, behaviour_logprobs, advantages, folded = _fold_off_policy(
+            weights, behaviour_logprobs, advantages, seq_ids, old_logprobs, objective)
     loss_sum, row_out = _GRPOLossTriton.apply(
-        logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
-        float(temperature), float(eps_low), float(eps_high), float(beta), bool(inplace_backward), config,
+        logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, *kw.values(),
+        bool(inplace_backward), config,
         # Decided here: inside forward grad mode is off and needs_input_grad ignores torch.no_grad().
-        torch.is_grad_enabled() and logits.requires_grad)
+        torch.is_grad_enabled() and logits.requires_grad, None)
     _, stats = stats_from_rows(row_out)
+    if folded is not None:  # the importance weight and mask, over the rows the caller trains
+        stats = _folded_stats(row_out, *folded, seq_ids)
     return loss_sum, {k: v.detach() for k, v in stats.items()}
+
+
+def _folded_stats(row_out, iw, weights, w_eff, seq_ids):
+    """Stats of a folded off-policy call, as `reference.token_stats` (the kernel skipped masked rows)."""
+    return token_stats(weights, row_out[:, RATIO], row_out[:, KL], row_out[:, CLIPPED] > 0, iw, w_eff, seq_ids)

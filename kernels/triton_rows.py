@@ -37,10 +37,11 @@ import triton.language as tl
 from . import cuda_grpo
 from .launch_keys import check_keys
 
-__all__ = ["grpo_rows", "row_backend", "default_config", "LOSS", "RATIO", "KL", "CLIPPED", "ACTIVE"]
+__all__ = ["grpo_rows", "row_backend", "default_config", "LOSS", "RATIO", "KL", "CLIPPED", "ACTIVE", "LOGP"]
 
-# Columns of the per-row output buffer [N, 5] (summed on the host side of the kernel).
-LOSS, RATIO, KL, CLIPPED, ACTIVE = range(5)
+# Columns of the per-row output buffer [N, 6] (summed on the host side of the kernel; LOGP, the
+# target's log-prob, feeds objectives whose per-row coefficient needs every row's log-prob first).
+LOSS, RATIO, KL, CLIPPED, ACTIVE, LOGP = range(6)
 
 
 @triton.jit
@@ -203,7 +204,8 @@ def _grpo_rows_kernel(
     behaviour_ptr,   # [N] fp32
     advantages_ptr,  # [N] fp32
     ref_ptr,         # [N] fp32 (ignored unless HAS_KL)
-    row_out_ptr,     # [N, 5] fp32: w*l, ratio, kl, is_clipped, active
+    dlogp_ptr,       # [N] fp32 dL/dlogp given per row (ignored unless HAS_DLOGP)
+    row_out_ptr,     # [N, 6] fp32: w*l, ratio, kl, is_clipped, active, logp
     num_rows,
     rows_per_program,
     vocab,
@@ -215,6 +217,7 @@ def _grpo_rows_kernel(
     eps_high,
     beta,
     HAS_KL: tl.constexpr,
+    HAS_DLOGP: tl.constexpr,    # the gradient's coefficient is w * dlogp[row] / T instead of GRPO's
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     GROUP: tl.constexpr,        # pass-1 reduction: 0 block-wide, 1 per lane, >= 2 per group of columns
@@ -253,7 +256,7 @@ def _grpo_rows_kernel(
         row64 = tl.cast(row, tl.int64)  # row * stride passes 2**31 elements at N·V ~ 2.5e9
         x_row = logits_ptr + row64 * stride_logits
         g_row = grad_ptr + row64 * stride_grad
-        out = row_out_ptr + row64 * 5
+        out = row_out_ptr + row64 * 6
         if row < num_rows:
             if w > 0:
                 # Target logit first: in place, pass 2 (after a barrier) overwrites it.
@@ -266,7 +269,7 @@ def _grpo_rows_kernel(
                     lse2 = _row_logsumexp2(x_row, vocab, log2e_over_t, BLOCK_V, GROUP, STAGES, EVICT_PASS1)
                 logp = (z_tgt - lse2) * LN2
 
-                # Per-token GRPO terms, as in reference.grpo_token_terms.
+                # Per-token GRPO terms, as in reference.objective_terms with its defaults.
                 ratio = tl.exp(logp - behaviour)
                 clipped = tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
                 loss = -tl.minimum(ratio * adv, clipped * adv)
@@ -280,11 +283,14 @@ def _grpo_rows_kernel(
                     kl = exp_delta - delta - 1.0
                     loss += beta * kl
                     dloss_dlogp += beta * (1.0 - exp_delta)
+                if HAS_DLOGP:  # an objective computed outside from a forward-only pass's LOGP
+                    dloss_dlogp = tl.load(dlogp_ptr + row)
                 tl.store(out + 0, w * loss)
                 tl.store(out + 1, ratio)
                 tl.store(out + 2, kl)
                 tl.store(out + 3, is_clipped.to(tl.float32))
                 tl.store(out + 4, 1.0)
+                tl.store(out + 5, logp)
 
                 if WRITE_GRAD:
                     # d loss / d x_v = w * dloss_dlogp * (onehot_v - p_v) / T
@@ -298,6 +304,7 @@ def _grpo_rows_kernel(
                 tl.store(out + 2, 0.0)
                 tl.store(out + 3, 0.0)
                 tl.store(out + 4, 0.0)
+                tl.store(out + 5, 0.0)
                 if WRITE_GRAD:  # masked rows: zero gradient, no read of the row
                     zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
                     for j in range(num_blocks):
@@ -354,13 +361,14 @@ def grpo_rows(
     advantages: torch.Tensor,          # [N]
     ref_logprobs: torch.Tensor | None,
     grad: torch.Tensor | None,         # [N, V] output (may be `logits` itself) or None for forward only
+    dlogp: torch.Tensor | None = None,  # [N] fp32: dL/dlogp per row, replacing GRPO's (weights still scale it)
     *,
     temperature: float,
     eps_low: float,
     eps_high: float,
     beta: float,
     config: dict | None = None,
-) -> torch.Tensor:                     # [N, 5] fp32 per-row outputs (columns LOSS ... ACTIVE)
+) -> torch.Tensor:                     # [N, 6] fp32 per-row outputs (columns LOSS ... LOGP)
     """Run the row kernel `row_backend` picks; writes `grad` when given."""
     assert logits.stride(1) == 1 and (grad is None or (grad.shape == logits.shape and grad.stride(1) == 1))
     cfg = default_config(logits.shape[1], logits.device)
@@ -369,29 +377,31 @@ def grpo_rows(
     kw = dict(temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta)
     if row_backend(logits, grad, cfg) == "bulk":
         return cuda_grpo.grpo_rows_bulk(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
-                                        grad, config=cfg["bulk"], **kw)
-    return _launch_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad, cfg, **kw)
+                                        grad, dlogp, config=cfg["bulk"], **kw)
+    return _launch_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad, dlogp, cfg,
+                          **kw)
 
 
-def _launch_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad, cfg, *,
+def _launch_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad, dlogp, cfg, *,
                    temperature, eps_low, eps_high, beta) -> torch.Tensor:
-    """`_grpo_rows_kernel` over every row (arguments as `grpo_rows`; `cfg` complete) -> [N, 5]."""
+    """`_grpo_rows_kernel` over every row (arguments as `grpo_rows`; `cfg` complete) -> [N, 6]."""
     num_rows, vocab = logits.shape
     cfg = {**cfg, "block_v": min(cfg["block_v"], triton.next_power_of_2(vocab))}
     if cfg["group"] > cfg["block_v"] // 2:  # tiny vocabularies (restricted ids): block-wide reduction
         cfg["group"] = 0
-    weights, behaviour_logprobs, advantages, ref, has_kl, row_out = cuda_grpo.row_inputs(
-        logits, weights, behaviour_logprobs, advantages, ref_logprobs, beta)
+    weights, behaviour_logprobs, advantages, ref, has_kl, dlogp, row_out = cuda_grpo.row_inputs(
+        logits, weights, behaviour_logprobs, advantages, ref_logprobs, beta, dlogp)
     if num_rows == 0:
         return row_out
     num_programs = _num_programs(num_rows, logits.device, cfg)
     _grpo_rows_kernel[(num_programs,)](
         logits, grad if grad is not None else logits, targets.contiguous(), weights, behaviour_logprobs,
-        advantages, ref, row_out,
+        advantages, ref, behaviour_logprobs if dlogp is None else dlogp, row_out,
         num_rows, triton.cdiv(num_rows, num_programs), vocab, logits.stride(0),
         grad.stride(0) if grad is not None else 0,
         math.log2(math.e) / temperature, 1.0 / temperature, eps_low, eps_high, beta,
-        HAS_KL=has_kl, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"], GROUP=cfg["group"], STAGES=cfg["stages"],
+        HAS_KL=has_kl, HAS_DLOGP=dlogp is not None, WRITE_GRAD=grad is not None, BLOCK_V=cfg["block_v"],
+        GROUP=cfg["group"], STAGES=cfg["stages"],
         STAGES2=cfg["stages"] if cfg.get("stages_pass2") is None else cfg["stages_pass2"],
         EVICT_PASS1=cfg["evict_pass1"], EVICT_PASS2=cfg["evict_pass2"], PASS1_REFMAX=cfg["pass1"] == "refmax",
         num_warps=cfg["num_warps"],

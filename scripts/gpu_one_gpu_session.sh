@@ -8,6 +8,9 @@
 #   gpu1     configs/gpu-1.yaml, 10 steps (0.5B shape, vLLM)
 #   sync     the sync benchmark at the 7B shape with the engine on the learner's GPU (IPC) and the disk path
 #   gpu1-7b  configs/gpu-1-7b.yaml, 5 steps (7B shape)
+#   gputests the one-GPU tests marked gpu: kernels, objectives, prefix trees, varlen packing, shared GPU
+#   kernel   the loss-kernel benchmark (GRPO and the other objectives at 16,384 x 152,064)
+#   tree     the trainer benchmark on the e2e workload's shapes: flat against tree and group packing
 # Each job's GPU memory per process is sampled by nvidia-smi every 2 s (mem-*.csv: the peak per role).
 set -u
 GS=/tmp/gs1
@@ -38,6 +41,14 @@ chain() {
               --budget-s 420 --out "$GS/sync-7b-1gpu.json" ;;
       gpu1-7b) with_memory gpu1-7b timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
               --config configs/gpu-1-7b.yaml --learner.num_steps=5 --metrics.run_dir=$GS/run-gpu1-7b ;;
+      gputests) with_memory gputests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
+              tests/test_kernel_bulk.py tests/test_kernel_triton.py tests/test_prefix_sharing.py \
+              tests/test_packing.py tests/test_shared_gpu.py tests/test_loss_reference.py ;;
+      kernel) with_memory kernel timeout 600 python3 scripts/benchmark.py --profile kernel --iters 20 \
+              --out "$GS/kernel.json" ;;
+      tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
+              --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
+              --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
     esac
   done
   echo "chain done" >> "$GS/chain.log"

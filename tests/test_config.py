@@ -98,10 +98,12 @@ def test_shipped_configs_validate(name, world):
 def test_choice_tuples_match_their_users():
     """config_schema imports nothing of colocate, so the tuples it shares with the loss and the
     models are checked here."""
-    from colocate.config_schema import MODEL_SHAPES, NORM_MODES
+    from colocate.config_schema import MODEL_SHAPES, NORM_MODES, RATIO_LEVELS
     from colocate.kernels.reference import NORM_MODES as KERNEL_NORM_MODES
+    from colocate.kernels.reference import RATIO_LEVELS as KERNEL_RATIO_LEVELS
     from colocate.models import SHAPES
     assert NORM_MODES == KERNEL_NORM_MODES
+    assert RATIO_LEVELS == KERNEL_RATIO_LEVELS
     assert MODEL_SHAPES == tuple(SHAPES)
 
 

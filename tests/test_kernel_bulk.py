@@ -11,7 +11,8 @@ variant it offers. (The learner's entry against the PyTorch reference,
 import pytest
 import torch
 
-from tests.test_kernel_triton import CASES, check_kernel_case, cuda_batch, float64_chunked, kernel_case, rel
+from tests.test_kernel_triton import (CASES, OBJECTIVE_CASES, check_kernel_case, check_objective_case, cuda_batch,
+                                     float64_chunked, kernel_case, objective_case, rel)
 
 HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 requires_sm90 = pytest.mark.skipif(not HAS_SM90, reason="needs an sm_90+ GPU")
@@ -55,6 +56,19 @@ def test_bulk_small_shapes_match_float64(case, vocab):
     name, *args = case
     args[-1] = {**args[-1], "backend": "bulk"}
     check_kernel_case(name, kernel_case(*args, device="cuda", num_rows=301, vocab=vocab, seed=5))
+
+
+@pytest.mark.gpu
+@requires_sm90
+@pytest.mark.parametrize("vocab", [1000, 20000], ids=["one-chunk", "partial-chunk"])
+@pytest.mark.parametrize("case", [c for c in OBJECTIVE_CASES if c[1] == "bf16"],
+                         ids=[c[0] for c in OBJECTIVE_CASES if c[1] == "bf16"])
+def test_bulk_objectives_match_float64(case, vocab):
+    """The objectives' gradient pass (a per-row dL/dlogp given to the kernel) and the folded
+    start-of-batch inputs, with the bulk kernel forced."""
+    name, dt, inplace, objective, with_old, _ = case
+    check_objective_case(name, objective_case(dt, inplace, objective, with_old, {"backend": "bulk"}, device="cuda",
+                                              num_rows=301, vocab=vocab, seed=5))
 
 
 VARIANTS = [None, {"reg_chunks": 0, "slots": 13}, {"consumer_warps": 8, "reg_chunks": 8}, {"hints": 0},

@@ -8,7 +8,11 @@ Two tiers:
     subprocess with TRITON_INTERPRET=1 (all cases, one process, JSON out), and the tests
     assert on that output.
   * GPU (skipped without CUDA): the same cases compiled, then real shapes (V=152064 bf16), more
-    than 2**31 logits, and `grpo_loss(impl="triton")` against `impl="torch"` per norm mode.
+    than 2**31 logits, and `grpo_loss(impl="triton")` against `impl="torch"` per norm mode and
+    per policy objective.
+The policy objectives (GSPO, decoupled, TIS, MIS: `OBJECTIVE_CASES`) are checked against the
+float64 formula of `tests/objective_formula.py` in both tiers, and `token_logprobs` (the
+forward-only pass) against float64 log-probs.
 
 Errors are relative: ||ours - ref|| / ||ref|| for d(logits); for the loss,
 |ours - ref| / sum_t |w_t l_t| (the sum of the magnitudes it adds up, so a loss that cancels to
@@ -168,8 +172,81 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     }
 
 
+# Objectives beyond GRPO (tests/objective_formula.py): (name, dtype, inplace, objective, with start-of-batch
+# log-probs, launch overrides). Sequence ratios and TIS/MIS against the current policy run the two-pass
+# path (forward-only LOGP, then d(logits) from a per-row coefficient); with start-of-batch log-probs
+# and a token ratio the one fused pass runs on folded inputs.
+OBJECTIVE_CASES = [
+    ("fp32-copy-gspo", "fp32", False, {"ratio_level": "sequence"}, False, MATRIX),
+    ("fp32-inplace-gspo-decoupled", "fp32", True, {"ratio_level": "sequence"}, True, MATRIX),
+    ("fp32-copy-tis", "fp32", False, {"tis_cap": 1.5}, False, MATRIX),
+    ("fp32-inplace-mis", "fp32", True, {"mis_threshold": 0.2}, False, MATRIX),
+    ("fp32-copy-decoupled-folded", "fp32", False, {}, True, MATRIX),
+    ("fp32-inplace-tis-mis-decoupled-folded", "fp32", True, {"tis_cap": 1.5, "mis_threshold": 0.2}, True, MATRIX),
+    ("bf16-inplace-gspo-tis-mis", "bf16", True, {"ratio_level": "sequence", "tis_cap": 1.5, "mis_threshold": 0.2},
+     False, MATRIX),
+    ("bf16-copy-decoupled-folded", "bf16", False, {"tis_cap": 1.5}, True, {}),
+]
+
+
+def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=37, vocab=1000, seed=0):
+    """One objective through `grpo_loss_triton` against the float64 formula -> errors (as kernel_case)."""
+    from colocate.kernels.reference import Objective
+    from colocate.kernels.triton_grpo import grpo_loss_triton
+    from tests.objective_formula import objective_float64, objective_inputs
+
+    b = {k: v.to(device) for k, v in objective_inputs(num_rows, vocab, DTYPES[dt], seed=seed, temperature=0.7).items()}
+    old = b["old"] if with_old else None
+    kw = dict(temperature=0.7, eps_low=0.03 if objective.get("ratio_level") else 0.2,
+              eps_high=0.04 if objective.get("ratio_level") else 0.28, beta=0.04)
+    ref_loss, ref_grad = objective_float64(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
+                                           b["ref"], b["seq_ids"], old, **kw, **objective)
+    x = b["logits"].clone().requires_grad_()
+    loss, stats = grpo_loss_triton(x, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
+                                   objective=Objective(**objective), seq_ids=b["seq_ids"], old_logprobs=old,
+                                   inplace_backward=inplace, config={"backend": "triton", **extra}, **kw)
+    (2.0 * loss).backward()
+    grad = x.grad / 2.0
+    with torch.no_grad():
+        loss_nograd, _ = grpo_loss_triton(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
+                                          b["ref"], objective=Objective(**objective), seq_ids=b["seq_ids"],
+                                          old_logprobs=old, config={"backend": "triton", **extra}, **kw)
+    scale = max(float(ref_loss.abs()), 1e-3)
+    return {"loss": float((loss.detach().double() - ref_loss).abs()) / scale, "grad": rel(grad, ref_grad),
+            "loss_nograd": float((loss_nograd.double() - ref_loss).abs()) / scale,
+            "grad_dtype_ok": float(x.grad.dtype == b["logits"].dtype), "finite": float(torch.isfinite(grad).all()),
+            "grad_masked_rows_max": float(grad[b["weights"] == 0].abs().max()),
+            "mis_masked_seqs": float(stats["mis_masked_seqs"])}
+
+
+def token_logprobs_case(dt, *, device, num_rows=37, vocab=1000):
+    """`kernels.token_logprobs` (the forward-only row kernel) against float64, under a constraint mask too."""
+    from colocate.kernels import token_logprobs
+
+    b = make_batch(num_rows, vocab, DTYPES[dt], temperature=0.7, beta=0.0, seed=2, device=device)
+    exact = torch.log_softmax(b["logits"].double() / 0.7, -1).gather(1, b["targets"][:, None]).squeeze(1)
+    allowed = torch.stack([b["targets"], (b["targets"] + 1) % vocab, torch.full_like(b["targets"], -1)], 1)
+    sub = b["logits"].double().gather(1, allowed.clamp(min=0)).masked_fill(allowed < 0, float("-inf")) / 0.7
+    exact_allowed = torch.log_softmax(sub, -1)[:, 0]
+    got = token_logprobs(b["logits"], b["targets"], temperature=0.7, impl="triton")
+    got_allowed = token_logprobs(b["logits"], b["targets"], temperature=0.7, allowed_ids=allowed, impl="triton")
+    return {"logp": float((got.double() - exact).abs().max()),
+            "logp_allowed": float((got_allowed.double() - exact_allowed).abs().max())}
+
+
 def run_all(device):
-    return {name: kernel_case(*args, device=device) for name, *args in CASES}
+    out = {name: kernel_case(*args, device=device) for name, *args in CASES}
+    out.update({name: objective_case(*args, device=device) for name, *args in OBJECTIVE_CASES})
+    out.update({f"token_logprobs-{dt}": token_logprobs_case(dt, device=device) for dt in DTYPES})
+    return out
+
+
+def check_objective_case(name, errors):
+    tol = TOL[DTYPES[name.split("-")[0]]]
+    assert errors["finite"] == 1.0 and errors["grad_dtype_ok"] == 1.0, errors
+    assert errors["loss"] <= tol and errors["loss_nograd"] <= tol and errors["grad"] <= tol, errors
+    assert errors["grad_masked_rows_max"] == 0.0, errors
+    assert ("mis" in name) == (errors["mis_masked_seqs"] > 0), errors  # the mask drops sequences only when on
 
 
 def check_kernel_case(name, errors):
@@ -191,7 +268,7 @@ def interpreted():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         # Triton 3.6's interpreter turns loop bounds into ints with int(1-element array), which
         # NumPy >= 2.4 refuses; newer Triton (3.9) squeezes first.
@@ -203,6 +280,17 @@ def interpreted():
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_interpreted_kernel_matches_float64(interpreted, name):
     check_kernel_case(name, interpreted[name])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in OBJECTIVE_CASES])
+def test_interpreted_objectives_match_float64(interpreted, name):
+    check_objective_case(name, interpreted[name])
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_interpreted_token_logprobs_match_float64(interpreted, dt):
+    errors = interpreted[f"token_logprobs-{dt}"]
+    assert errors["logp"] <= 1e-5 and errors["logp_allowed"] <= 1e-5, errors  # fp32 math over exact inputs
 
 
 def test_launch_config_is_checked():
@@ -222,6 +310,14 @@ def test_launch_config_is_checked():
 def test_cuda_kernel_small_shapes(case):
     name, *args = case
     check_kernel_case(name, kernel_case(*args, device="cuda", num_rows=301, vocab=1000, seed=3))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=[c[0] for c in OBJECTIVE_CASES])
+def test_cuda_objectives_small_shapes(case):
+    name, *args = case
+    check_objective_case(name, objective_case(*args, device="cuda", num_rows=301, vocab=1000, seed=3))
 
 
 def float64_chunked(b, chunk, **kw):
@@ -300,6 +396,43 @@ def test_cuda_entry_triton_equals_torch(norm):
     assert rel(gk, gt) <= 1e-2
     for k in st:
         assert abs(float(sk[k]) - float(st[k])) <= 1e-3 * max(1.0, abs(float(st[k]))), k
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("objective,with_old", [({"ratio_level": "sequence"}, False), ({"ratio_level": "sequence"}, True),
+                                                ({"tis_cap": 2.0, "mis_threshold": 0.25}, False), ({"tis_cap": 2.0}, True)],
+                         ids=["gspo", "gspo-decoupled", "tis-mis", "tis-decoupled-folded"])
+def test_cuda_entry_objectives_triton_equal_torch(objective, with_old):
+    """Real vocabulary, bf16: each objective through the fused path (the bulk kernel on sm_90 for
+    the gradient pass) against the reference, and the peak memory above the inputs stays far below
+    one [N, V] float32 (the two-pass path adds [N] vectors only)."""
+    from colocate.kernels import Objective, grpo_loss
+
+    num_rows, vocab, num_seqs = 4096, 152064, 16
+    b = cuda_batch(num_rows, vocab, 0.04, 1.0, seed=9)
+    seq_ids = torch.arange(num_rows, device="cuda") // (num_rows // num_seqs)
+    old = b["behaviour"] + 0.05 * torch.randn(num_rows, device="cuda") if with_old else None
+    eps = (3e-4, 4e-4) if objective.get("ratio_level") else (0.2, 0.28)
+    kw = dict(beta=0.04, norm="grpo", seq_ids=seq_ids, num_seqs=num_seqs, eps_low=eps[0], eps_high=eps[1],
+              objective=Objective(**objective), old_logprobs=old)
+    results = {}
+    for impl in ("torch", "triton"):
+        x = b["logits"].clone().requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss, stats = grpo_loss(x, b["targets"], b["mask"], b["behaviour"], b["advantages"], b["ref"], impl=impl,
+                                inplace_backward=impl == "triton", **kw)
+        loss.backward()
+        torch.cuda.synchronize()
+        results[impl] = (loss.detach(), stats, x.grad, torch.cuda.max_memory_allocated() - base)
+    (lt, st, gt, _), (lk, sk, gk, peak) = results["torch"], results["triton"]
+    assert float((lk - lt).abs() / lt.abs().clamp(min=1e-6)) <= 1e-3
+    assert rel(gk, gt) <= 1e-2
+    for k in st:
+        assert abs(float(sk[k]) - float(st[k])) <= 1e-3 * max(1.0, abs(float(st[k]))), k
+    assert peak < 0.1 * num_rows * vocab * 4  # in place: no [N, V] temporary
 
 
 if __name__ == "__main__":

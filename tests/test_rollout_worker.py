@@ -171,3 +171,59 @@ def test_streaming_with_oversampling_drains_before_returning(dip_tokenizer):
     for _ in range(3):
         batch, stats, _ = worker.collect()
         assert batch.num_sequences == 2 * 2 * 7 and not engine.pending  # idle: an update may come now
+
+
+class RewardPatternEnv(SlowGroupEnv):
+    """Groups of 2 finishing in one round; group g's rewards are equal (no signal) when
+    g % uniform_every == uniform_every - 1, else (0, 1); completions are g % 5 + 1 tokens long."""
+
+    def __init__(self, uniform_every: int = 3):
+        super().__init__(slow_every=10**9)
+        self.uniform_every = uniform_every
+
+    def pop_finished(self):
+        out = []
+        for g in self.done:
+            n = g % 5 + 1
+            for i in range(2):
+                reward = 1.0 if g % self.uniform_every == self.uniform_every - 1 else float(i)
+                out.append(Sample([1, 2], Completion([3] * n, [-0.5] * n, None, 0), reward, g))
+        self.done = []
+        return out
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_fills_the_batch():
+    engine = CountingEngine()
+    worker = RolloutWorker(RewardPatternEnv(), engine, groups_per_batch=4, drop_uniform=True)
+    batch, stats, _ = worker.collect()
+    assert batch.num_sequences == 8  # the batch is still full
+    rewards = batch.rewards.view(4, 2)
+    assert bool((rewards[:, 0] != rewards[:, 1]).all())  # every group kept has a signal
+    assert stats["dropped_uniform_groups"] >= 1 and stats["kept_uniform_groups"] == 0
+    plain, plain_stats, _ = RolloutWorker(RewardPatternEnv(), CountingEngine(), groups_per_batch=4).collect()
+    assert plain_stats["dropped_uniform_groups"] == 0
+    assert bool((plain.rewards.view(4, 2)[:, 0] == plain.rewards.view(4, 2)[:, 1]).any())  # off: uniform kept
+
+
+def test_dynamic_sampling_stops_dropping_past_its_limit():
+    from colocate.rollout.worker import DROP_LIMIT
+    worker = RolloutWorker(RewardPatternEnv(uniform_every=1), CountingEngine(), groups_per_batch=2, drop_uniform=True)
+    batch, stats, _ = worker.collect()  # every group is uniform: the call still ends
+    assert batch.num_sequences == 4
+    assert stats["dropped_uniform_groups"] == DROP_LIMIT * 2 and stats["kept_uniform_groups"] == 2
+
+
+def test_overlong_buffer_shapes_rewards_by_completion_length():
+    from colocate.rollout.worker import overlong_penalty
+    max_new, buffer = 5, 2
+    worker = RolloutWorker(RewardPatternEnv(uniform_every=10**9), CountingEngine(), groups_per_batch=5,
+                           overlong_buffer=buffer, max_new_tokens=max_new)
+    batch, _, _ = worker.collect()
+    lens = batch.completion_lens.tolist()
+    raw = [float(i % 2) for i in range(batch.num_sequences)]
+    for length, got, r in zip(lens, batch.rewards.tolist(), raw):
+        # free up to max_new - buffer tokens, then down linearly to -1 at max_new
+        want = r - min(max(length - (max_new - buffer), 0) / buffer, 1.0)
+        assert got == pytest.approx(want)
+    assert min(lens) <= max_new - buffer < max(lens)  # both sides of the buffer were seen
+    assert overlong_penalty(max_new + 3, max_new, buffer) == -1.0 and overlong_penalty(max_new, max_new, 0) == 0.0

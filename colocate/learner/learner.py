@@ -17,6 +17,13 @@ shards: the adapter is ~0.5 % of the model, and deferring the sync would accumul
 the global grad norm -> AdamW (skipped on every rank when the loss or grad norm is not finite) ->
 version += 1.
 
+With `learner.updates_per_batch` = K > 1, one no-grad pass first gives every completion token's
+log-prob under the adapter at the start of the step (`old_logprobs`, the policy the clip is taken
+against), then the batch is split into K shuffled mini-batches (`mini_batch_indices`), each packed,
+normalized over its own global counts and followed by its own AdamW step. The version still
+advances once per batch: it counts batches, which is what the step protocol and the lag budget
+measure.
+
 Normalizers (token and sequence counts) are global over the learner ranks, so the SUM of per-rank
 gradients is the gradient of the global loss: FSDP's divide factor is 1 (`fsdp.apply_fsdp`); without
 FSDP the adapter gradients are all-reduced (summed) by hand.
@@ -31,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from colocate.data import TrajectoryBatch
-from colocate.kernels import grpo_loss, restrict_to_allowed
+from colocate.kernels import Objective, grpo_loss, restrict_to_allowed, token_logprobs
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
 from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout_micro_batches, resolve_attention,
@@ -39,6 +46,29 @@ from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout_micr
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
+
+STAT_COLUMNS = 7  # per micro-batch on the device: loss, clip*n, kl*n, ratio*n, n, is_weight*n, masked seqs
+
+
+def mini_batch_indices(num_sequences: int, k: int, seed: int) -> list[list[int]]:
+    """K shuffled mini-batches of sequence indices (sizes differ by at most one), each in batch
+    order; the same seed gives the same split (a resumed run repeats it)."""
+    perm = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
+    bounds = [round(i * num_sequences / k) for i in range(k + 1)]
+    return [sorted(perm[bounds[i]: bounds[i + 1]]) for i in range(k)]
+
+
+def loss_objective(loss_cfg) -> tuple[Objective, float, float]:
+    """The loss section -> (objective, eps_low, eps_high): a sequence ratio has its own clip range."""
+    objective = Objective(loss_cfg.ratio_level, loss_cfg.tis_cap, loss_cfg.mis_threshold)
+    if loss_cfg.ratio_level == "sequence":
+        return objective, loss_cfg.seq_eps_low, loss_cfg.seq_eps_high
+    return objective, loss_cfg.eps_low, loss_cfg.eps_high
+
+
+def mini_batch_seed(rollout_seed: int, version: int) -> int:
+    """The seed of one batch's mini-batch split: fixed by the run's seed and the batch's version."""
+    return rollout_seed * 1_000_003 + version
 
 
 class Learner:
@@ -69,7 +99,8 @@ class Learner:
             model.to(self.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lc.lr, weight_decay=lc.weight_decay)
-        self.version = 0  # adapter version == optimizer steps taken
+        self.objective, self.eps_low, self.eps_high = loss_objective(cfg.loss)
+        self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
 
     # ---- collectives over the learner group -------------------------------------------------------
@@ -115,12 +146,37 @@ class Learner:
             logits, targets = restrict_to_allowed(logits, targets, allowed)
         return per_token_logprobs(logits, targets, self.cfg.engine.temperature)
 
+    @torch.no_grad()
+    def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
+        """[N] log-probs of every completion token under the current adapter, in batch order (the
+        policy at the start of the step), from the loss kernel's forward-only pass. FSDP: every rank
+        runs as many forwards as the busiest one."""
+        groups = pack_by_budget(batch.seq_lens.tolist(), self.cfg.learner.micro_batch_tokens) \
+            if batch.num_sequences else []
+        num_micro = self._num_micro_batches(len(groups))  # FSDP: all-reduce (max)
+        comp_lens = batch.completion_lens.tolist()
+        starts = (torch.cumsum(batch.completion_lens, 0) - batch.completion_lens).tolist()
+        out = torch.zeros(batch.num_completion_tokens, dtype=torch.float32)
+        self.model.train()  # the mode the loss's forward runs in
+        for i in range(num_micro):
+            if i >= len(groups):
+                micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
+                continue
+            sub = batch.select(groups[i])
+            mb = packed_micro_batch(sub, self.device, self.attention)
+            allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
+            logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets,
+                                  temperature=self.cfg.engine.temperature, allowed_ids=allowed, impl=self.cfg.loss.impl)
+            rows = torch.cat([torch.arange(starts[j], starts[j] + comp_lens[j]) for j in groups[i]])
+            out[rows] = logp.float().cpu()
+        return out
+
     def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
                           num_tokens: float) -> tuple[int, torch.Tensor | None]:
         """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
-        rank runs as many passes as the busiest one) -> (model tokens, [5] on the device: the loss,
-        the token-weighted clip fraction, KL and ratio, the completion tokens). Nothing here reads a
-        value back to the host, so the host queues the next micro-batch while the GPU runs this one."""
+        rank runs as many passes as the busiest one) -> (model tokens, [STAT_COLUMNS] on the device).
+        Nothing here reads a value back to the host, so the host queues the next micro-batch while
+        the GPU runs this one."""
         cfg = self.cfg
         if item is None:
             logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
@@ -129,32 +185,59 @@ class Learner:
         sub, mb = item
         allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
         ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
+        old = sub.old_logprobs.to(self.device) if sub.old_logprobs is not None else None
         adv_tok = sub.advantages.to(self.device)[mb.seq_ids]
         logits = micro_batch_logits(self.model, mb)
         loss, stats = grpo_loss(
             logits, mb.targets, torch.ones_like(mb.targets, dtype=torch.bool),
             sub.behaviour_logprobs.to(self.device), adv_tok, ref,
-            temperature=cfg.engine.temperature, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+            temperature=cfg.engine.temperature, eps_low=self.eps_low, eps_high=self.eps_high,
             beta=cfg.loss.beta, norm=cfg.loss.norm,
             # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
             seq_ids=mb.seq_ids, num_seqs=num_seqs, max_len=cfg.engine.max_new_tokens,
-            num_tokens=num_tokens, allowed_ids=allowed, impl=cfg.loss.impl)
+            num_tokens=num_tokens, allowed_ids=allowed, objective=self.objective, old_logprobs=old,
+            impl=cfg.loss.impl)
         loss.backward()
         del logits
         n = stats["num_tokens"].float()
         return mb.num_tokens, torch.stack([loss.detach().float(), stats["clip_fraction"] * n, stats["kl"] * n,
-                                           stats["ratio"] * n, n])
+                                           stats["ratio"] * n, n, stats["is_weight"] * n,
+                                           stats["mis_masked_seqs"].float()])
 
     # ---- the step ---------------------------------------------------------------------------------
 
     def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
-        """One optimizer step. Every learner rank calls it, and every rank runs the same collectives
-        in the same order whatever its share of the batch (which ones: the comments)."""
+        """One batch: `updates_per_batch` optimizer steps. Every learner rank calls it, and every rank
+        runs the same collectives in the same order whatever its share of the batch (which ones:
+        the comments)."""
         t0 = time.perf_counter()
         batch, lag_sum, dropped = self._drop_stale(batch)
-        with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
-            work = self.micro_batches(batch) if batch.num_sequences else []
-        counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
+        k = self.cfg.learner.updates_per_batch
+        if k == 1:
+            with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
+                work = self.micro_batches(batch) if batch.num_sequences else []
+            counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
+            updates = [self._update(work, counts)]
+        else:
+            counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
+            with record_function("learner/start_logprobs"):
+                batch.old_logprobs = self.start_logprobs(batch)  # FSDP: all-reduce (max), all-gathers
+            updates = []
+            seed = mini_batch_seed(self.cfg.rollout.seed, self.version)
+            for idx in mini_batch_indices(batch.num_sequences, k, seed):
+                mini = batch.select(idx)
+                with record_function("learner/pack"):
+                    work = self.micro_batches(mini) if mini.num_sequences else []
+                # the mini-batch's own global normalizers: all-reduce
+                updates.append(self._update(work, self._all_reduce(torch.tensor(
+                    [float(mini.num_completion_tokens), float(mini.num_sequences)], device=self.device))))
+        self.version += 1
+        return self._step_stats(counts, updates, t0)
+
+    def _update(self, work: list[tuple[TrajectoryBatch, MicroBatch]],
+                counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
+        """Forward/backward over `work` normalized by the global `counts` (completion tokens,
+        sequences first), then one optimizer step -> (global stat sums, grad norm, skipped, passes)."""
         num_tokens, num_seqs = counts[0].item(), int(counts[1].item())
         num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
         # FSDP: all-gathers and reduce-scatters per micro-batch
@@ -163,8 +246,7 @@ class Learner:
         with record_function("learner/optimizer"):
             # FSDP: the grad norm's all-reduce; then the stats' all-reduce
             sums, grad_norm, skipped = self._optimizer_step(totals, model_tokens)
-        self.version += 1
-        return self._step_stats(counts, sums, grad_norm, skipped, num_micro, t0)
+        return sums, grad_norm, skipped, num_micro
 
     def _drop_stale(self, batch: TrajectoryBatch) -> tuple[TrajectoryBatch, float, int]:
         """Drop sequences sampled more than `max_policy_lag` versions ago -> (the kept batch, the sum
@@ -192,10 +274,11 @@ class Learner:
 
     def _forward_backward(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_micro: int, num_seqs: int,
                           num_tokens: float) -> tuple[torch.Tensor, int]:
-        """`num_micro` passes (dummies past this rank's own) -> ([5] on the device: loss, clip*n, kl*n,
-        ratio*n, n, with n the completion tokens; model tokens run)."""
+        """`num_micro` passes (dummies past this rank's own) -> ([STAT_COLUMNS] on the device: loss,
+        clip*n, kl*n, ratio*n, n, is_weight*n, masked sequences, with n the trained completion tokens;
+        model tokens run)."""
         self.model.train()
-        totals = torch.zeros(5, device=self.device)
+        totals = torch.zeros(STAT_COLUMNS, device=self.device)
         model_tokens = 0
         for i in range(num_micro):
             with record_function("learner/micro_batch"):
@@ -216,7 +299,7 @@ class Learner:
             dist.all_reduce(p.grad, group=self.topology.learner_group)
 
     def _optimizer_step(self, totals: torch.Tensor, model_tokens: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Clip the global grad norm, sum the stats over the ranks, step AdamW -> ([6] global sums:
+        """Clip the global grad norm, sum the stats over the ranks, step AdamW -> (global sums:
         `totals` then model tokens, the grad norm, whether the update was skipped).
 
         A non-finite loss or gradient skips the update on every rank alike (both values are global);
@@ -233,26 +316,31 @@ class Learner:
         return sums, grad_norm, skipped
 
     @staticmethod
-    def _step_stats(counts: torch.Tensor, sums: torch.Tensor, grad_norm: torch.Tensor, skipped: bool,
-                    num_micro: int, t0: float) -> dict[str, float]:
+    def _step_stats(counts: torch.Tensor, updates: list, t0: float) -> dict[str, float]:
+        """Stats of the batch from `counts` and each update's (global sums, grad norm, skipped, passes):
+        the loss and grad norm are means over the updates, the token stats over every trained token."""
         num_seqs = int(counts[1].item())
+        sums = torch.stack([u[0] for u in updates]).sum(0)
         denom = max(float(sums[4]), 1.0)
         elapsed = time.perf_counter() - t0
         return {
-            "loss": float(sums[0]),
+            "loss": float(sums[0]) / len(updates),
             "clip_fraction": float(sums[1]) / denom,
             "kl": float(sums[2]) / denom,
             "ratio": float(sums[3]) / denom,
-            "grad_norm": float(grad_norm),
+            "is_weight": float(sums[5]) / denom,
+            "mis_masked_seqs": float(sums[6]),  # each sequence is in one mini-batch
+            "grad_norm": sum(float(u[1]) for u in updates) / len(updates),
             "reward": float(counts[2]) / max(num_seqs, 1),
             "policy_lag_mean": float(counts[3]) / max(num_seqs, 1),
             "dropped_stale": float(counts[4]),
             "tokens": float(sums[4]),
-            "model_tokens": float(sums[5]),
-            "tokens_forwarded": float(sums[5]),  # with prefix sharing: shared prompt tokens once
+            "model_tokens": float(sums[7]),
+            "tokens_forwarded": float(sums[7]),  # with prefix sharing: shared prompt tokens once
             "tokens_flat_equivalent": float(counts[5]),  # what flat packing would forward
-            "micro_batches": float(num_micro),
-            "skipped_update": float(skipped),
+            "micro_batches": float(sum(u[3] for u in updates)),
+            "updates": float(len(updates)),
+            "skipped_update": float(any(u[2] for u in updates)),
             "step_s": elapsed,
             "tokens_per_s": float(sums[4]) / max(elapsed, 1e-9),
         }

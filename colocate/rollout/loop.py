@@ -42,7 +42,8 @@ class InferenceRank:
         self.cfg, self.topo, self.engine, self.env, self.receiver, self.stop = cfg, topo, engine, env, receiver, stop
         self.worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
                                     first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
-                                    stream=cfg.rollout.stream)
+                                    stream=cfg.rollout.stream, drop_uniform=cfg.rollout.drop_uniform_groups,
+                                    overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens)
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
                                     tensorboard=cfg.metrics.tensorboard)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)

@@ -11,6 +11,13 @@ next call and join a later batch (their samples keep the adapter version that sa
 the learner's lag budget still applies). At most `oversample` complete groups wait in a buffer, so
 memory stays bounded. With `oversample` = 0 every call plays exactly its own groups to the end
 (what resume-exactness relies on).
+
+Reward shaping and filtering, for any env, as each group completes: `overlong_buffer` > 0 applies
+DAPO's soft length penalty (`overlong_penalty`) to every sample's reward, and `drop_uniform` drops
+groups whose rewards are all equal (zero advantage everywhere: no signal), counts them, and starts
+new groups until the batch is full (DAPO's dynamic sampling). So that an env that only ever gives
+uniform groups cannot spin forever, after `DROP_LIMIT` batches' worth of dropped groups in one call
+the rest are kept (and counted).
 """
 from __future__ import annotations
 
@@ -21,6 +28,26 @@ from colocate.data import Sample, TrajectoryBatch, build_batch, group_advantages
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
 from colocate.metrics import percentiles
+
+DROP_LIMIT = 8  # batches' worth of uniform groups one collect may drop before it keeps them
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int) -> float:
+    """DAPO's soft length penalty: 0 up to max_new_tokens - buffer tokens, then falling linearly to
+    -1 at max_new_tokens (and -1 past it); 0 when buffer is 0."""
+    if buffer <= 0:
+        return 0.0
+    over = length - (max_new_tokens - buffer)
+    return -min(max(over, 0) / buffer, 1.0)
+
+
+def is_uniform(samples: list[Sample]) -> bool:
+    """Whether every group key's anchors share one reward (every advantage is then zero)."""
+    rewards: dict = {}
+    for s in samples:
+        if s.is_anchor:
+            rewards.setdefault(s.group_key, set()).add(s.reward)
+    return all(len(r) <= 1 for r in rewards.values())
 
 
 def group_of(sample: Sample):
@@ -38,18 +65,24 @@ class _Play:
     poll_s: list = field(default_factory=list)        # one engine poll (barrier: one phase of every live game)
     request_s: list = field(default_factory=list)     # per request: submit -> completion handed back
     group_s: dict = field(default_factory=dict)       # group key -> seconds until its samples were complete
+    dropped_uniform: int = 0                          # groups dropped for equal rewards
+    kept_uniform: int = 0                             # ... kept past DROP_LIMIT
     out_tokens: int = 0
     requests: int = 0
 
 
 class RolloutWorker:
     def __init__(self, env: Env, engine: Engine, *, groups_per_batch: int, first_group_id: int = 0,
-                 oversample: int = 0, stream: bool = False):
+                 oversample: int = 0, stream: bool = False, drop_uniform: bool = False, overlong_buffer: int = 0,
+                 max_new_tokens: int = 0):
         self.env = env
         self.engine = engine
         self.groups_per_batch = groups_per_batch
         self.oversample = oversample
         self.stream = stream
+        self.drop_uniform = drop_uniform
+        self.overlong_buffer = overlong_buffer
+        self.max_new_tokens = max_new_tokens
         self.next_group = first_group_id
         self._live: set = set()                    # groups started and not yet complete
         self._complete: dict = {}                  # group -> its samples, in completion order
@@ -67,6 +100,7 @@ class RolloutWorker:
         self._start_groups()
         while len(self._complete) < self.groups_per_batch or play.in_flight:
             if len(self._complete) < self.groups_per_batch:  # past it: only drain what is in flight
+                self._start_groups()  # again after a drop: keep sampling until the batch is full
                 self._submit_waiting(play)
             self._file_finished(self._advance(play), play)
         samples = self._take_samples()
@@ -114,11 +148,21 @@ class RolloutWorker:
         return self.env.pop_finished()
 
     def _file_finished(self, finished: list[Sample], play: _Play) -> None:
+        """Shape the finished samples' rewards, drop uniform groups, file the rest as complete."""
         now = time.perf_counter() - play.t0
+        groups: dict = {}
         for s in finished:
+            s.reward += overlong_penalty(len(s.completion.token_ids), self.max_new_tokens, self.overlong_buffer)
             play.group_s.setdefault(s.group_key, now)
-            self._complete.setdefault(group_of(s), []).append(s)
+            groups.setdefault(group_of(s), []).append(s)
             self._live.discard(group_of(s))
+        for g, samples in groups.items():
+            if self.drop_uniform and is_uniform(samples):
+                if play.dropped_uniform < DROP_LIMIT * self.groups_per_batch:
+                    play.dropped_uniform += 1
+                    continue
+                play.kept_uniform += 1
+            self._complete.setdefault(g, []).extend(samples)
 
     def _take_samples(self) -> list[Sample]:
         """The samples of the first `groups_per_batch` complete groups (the rest wait for a later batch)."""
@@ -137,6 +181,8 @@ class RolloutWorker:
             **percentiles(play.request_s, "request_latency_s"),
             **percentiles(list(play.group_s.values()), "group_latency_s"),
             "groups_carried_over": float(len(self._live) + len(self._complete)),
+            "dropped_uniform_groups": float(play.dropped_uniform),
+            "kept_uniform_groups": float(play.kept_uniform),
             **{k: float(v) for k, v in self.env.metrics().items()},
         }
 

@@ -1,0 +1,182 @@
+"""Policy objectives beyond GRPO: GSPO, the decoupled clip of several updates per batch, truncated
+and masked importance sampling.
+
+  * the reference (`impl="torch"`) against the float64 formula of `tests/objective_formula.py`,
+    loss and d(logits), every objective (the fused kernel's parity runs under the Triton
+    interpreter in `test_kernel_triton.py`);
+  * GSPO against a two-sequence example worked out here by hand;
+  * `learner.updates_per_batch: 2` against two single-batch steps written out by hand on the tiny
+    model (start-of-batch log-probs, shuffled mini-batches, one AdamW step each), and K = 1
+    running no extra forward.
+"""
+import math
+
+import pytest
+import torch
+
+from colocate.kernels import Objective, grpo_loss
+from tests.objective_formula import objective_float64, objective_inputs
+
+OBJECTIVES = {
+    "gspo": (dict(ratio_level="sequence"), False),
+    "gspo-decoupled": (dict(ratio_level="sequence"), True),
+    "decoupled": ({}, True),
+    "tis": (dict(tis_cap=1.5), False),
+    "tis-decoupled": (dict(tis_cap=1.5), True),
+    "mis": (dict(mis_threshold=0.2), False),
+    "mis-decoupled": (dict(mis_threshold=0.2), True),
+    "gspo-tis-mis": (dict(ratio_level="sequence", tis_cap=1.5, mis_threshold=0.2), False),
+}
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_reference_objectives_match_float64(name, beta):
+    kw, with_old = OBJECTIVES[name]
+    b = objective_inputs(31, 23, torch.float32, seed=len(name) + int(beta * 100), temperature=0.8)
+    eps = (3e-2, 4e-2) if kw.get("ratio_level") == "sequence" else (0.2, 0.28)
+    old = b["old"] if with_old else None
+    ref_loss, ref_grad = objective_float64(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
+                                           b["ref"], b["seq_ids"], old, temperature=0.8, eps_low=eps[0],
+                                           eps_high=eps[1], beta=beta, **kw)
+    x = b["logits"].clone().requires_grad_()
+    loss, stats = grpo_loss(x, b["targets"], b["weights"] > 0, b["behaviour"], b["advantages"], b["ref"],
+                            temperature=0.8, eps_low=eps[0], eps_high=eps[1], beta=beta, norm="dapo",
+                            seq_ids=b["seq_ids"], objective=Objective(**kw), old_logprobs=old, impl="torch")
+    loss.backward()
+    assert abs(loss.item() - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+    assert float((x.grad.double() - ref_grad).norm()) <= 1e-5 * max(float(ref_grad.norm()), 1e-3)
+    if "mis" in name:  # the odd sequences drift past the threshold: some, not all, are masked
+        assert 0 < float(stats["mis_masked_seqs"]) < len(set(b["seq_ids"].tolist()))
+    if "tis" in name or with_old:
+        assert float(stats["is_weight"]) != 1.0
+
+
+def test_gspo_two_sequences_by_hand():
+    """Sequence A (two tokens) has a mean log-ratio inside GSPO's clip, sequence B (one token) far
+    above it with a positive advantage: B's gradient is zero, A's tokens share one coefficient."""
+    logits = torch.tensor([[1.0, 0.0, -1.0], [0.5, 0.5, 0.0], [2.0, 0.0, 0.0]])
+    targets = torch.tensor([0, 2, 1])
+    seq_ids = torch.tensor([0, 0, 1])
+    adv = torch.tensor([-1.5, -1.5, 2.0])
+    eps_low, eps_high = 3e-4, 4e-4
+
+    def logp_of(row, t):
+        return row[t] - math.log(sum(math.exp(v) for v in row))
+
+    rows = logits.tolist()
+    logp = [logp_of(rows[i], int(targets[i])) for i in range(3)]
+    behaviour = torch.tensor([logp[0] - 1e-4, logp[1] + 5e-5, logp[2] - 0.01])
+    # By hand: s_A = exp(mean(1e-4, -5e-5)) = exp(2.5e-5), inside [1 - 3e-4, 1 + 4e-4]; s_B = exp(0.01),
+    # above 1 + 4e-4 with A_B > 0: clipped. grpo normalization: w = 1 / (2 sequences * length).
+    s_a, s_b = math.exp(2.5e-5), math.exp(0.01)
+    w = [1 / 4, 1 / 4, 1 / 2]
+    want_loss = w[0] * (-s_a * -1.5) + w[1] * (-s_a * -1.5) + w[2] * (-(1 + eps_high) * 2.0)
+    # dL/dlogp_u for u in A: sum_t w_t * (-A s_A) / |A| = -(-1.5) s_A (1/4 + 1/4) / 2; zero for B.
+    g_a = 1.5 * s_a * 0.5 / 2
+    want_grad = torch.zeros(3, 3, dtype=torch.float64)
+    for i, g in ((0, g_a), (1, g_a)):
+        p = [math.exp(v) / sum(math.exp(u) for u in rows[i]) for v in rows[i]]
+        want_grad[i] = torch.tensor([g * ((j == int(targets[i])) - p[j]) for j in range(3)], dtype=torch.float64)
+
+    x = logits.clone().requires_grad_()
+    loss, stats = grpo_loss(x, targets, torch.ones(3), behaviour, adv, eps_low=eps_low, eps_high=eps_high, norm="grpo",
+                            seq_ids=seq_ids, objective=Objective(ratio_level="sequence"), impl="torch")
+    loss.backward()
+    assert loss.item() == pytest.approx(want_loss, rel=1e-5)
+    torch.testing.assert_close(x.grad.double(), want_grad, rtol=1e-4, atol=1e-8)
+    assert float(stats["clip_fraction"]) == pytest.approx(1 / 3)  # B's one token
+    assert float(stats["ratio"]) == pytest.approx((2 * s_a + s_b) / 3, rel=1e-5)
+
+
+def test_objective_config_keys_reach_the_loss():
+    from colocate.config import load_config
+    from colocate.learner.learner import loss_objective
+    from tests.conftest import REPO
+    import os
+    cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"),
+                      {"loss": {"ratio_level": "sequence", "tis_cap": "2", "mis_threshold": "0.1"}})
+    objective, eps_low, eps_high = loss_objective(cfg.loss)
+    assert objective == Objective("sequence", 2.0, 0.1)
+    assert (eps_low, eps_high) == (cfg.loss.seq_eps_low, cfg.loss.seq_eps_high)
+    assert loss_objective(load_config(os.path.join(REPO, "configs/cpu-tiny.yaml")).loss)[1:] == (0.2, 0.28)
+
+
+# ----------------------------------------------------------------------------- several updates per batch
+
+SHAPES = [(9, 3), (14, 1), (5, 6), (11, 4), (7, 2), (12, 5)]
+
+
+def _learner(tiny_cfg, tiny_tokenizer, k):
+    from colocate.config import load_config
+    from colocate.learner.learner import Learner
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    from tests.conftest import REPO
+    import os
+    cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"), {
+        "model": {"cache_dir": tiny_cfg.model.cache_dir}, "lora": {"rank": 3, "alpha": 6.0},
+        "learner": {"lr": 1e-2, "micro_batch_tokens": 32, "max_grad_norm": 1.0, "fsdp": False,
+                    "updates_per_batch": k},
+        "loss": {"norm": "dapo", "impl": "torch"}})
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    return cfg, Learner(cfg, topo, build_policy(cfg, tiny_tokenizer, "meta"), tiny_tokenizer)
+
+
+def _hand_logp(learner, batch, temperature):
+    """[N] log-probs of the completion tokens: the whole batch as one packed forward, log-softmax by hand."""
+    from colocate.learner.packing import completion_logits, packed_micro_batch
+    mb = packed_micro_batch(batch, learner.device, learner.attention)
+    logits = completion_logits(learner.model, mb).float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, mb.targets[:, None]).squeeze(1)
+
+
+def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tokenizer):
+    from colocate.learner.learner import mini_batch_indices, mini_batch_seed
+    from tests.test_packing import random_batch
+    cfg, learner = _learner(tiny_cfg, tiny_tokenizer, 2)
+    _, hand = _learner(tiny_cfg, tiny_tokenizer, 1)  # the same seeded adapter, stepped by hand below
+    batch = random_batch(len(tiny_tokenizer), SHAPES, seed=3)
+    with torch.no_grad():  # sampler log-probs near the model's, so ratios and weights are not extreme
+        batch.behaviour_logprobs = _hand_logp(hand, batch, 1.0) + 0.1 * torch.randn(
+            batch.num_completion_tokens, generator=torch.Generator().manual_seed(0))
+    seed = mini_batch_seed(cfg.rollout.seed, learner.version)
+    initial = {n: t.clone() for n, t in hand.lora_state().items()}
+
+    with torch.no_grad():
+        old = _hand_logp(hand, batch, cfg.engine.temperature)  # the policy at the start of the batch
+    optimizer = torch.optim.AdamW(hand.params, lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay)
+    batch.old_logprobs = old
+    for idx in mini_batch_indices(batch.num_sequences, 2, seed):
+        mini = batch.select(idx)
+        logp = _hand_logp(hand, mini, cfg.engine.temperature)
+        adv = torch.repeat_interleave(mini.advantages, mini.completion_lens.long())
+        r = torch.exp(logp - mini.old_logprobs)
+        iw = torch.exp(mini.old_logprobs - mini.behaviour_logprobs)
+        per_token = -iw * torch.minimum(r * adv, torch.clamp(r, 1 - cfg.loss.eps_low, 1 + cfg.loss.eps_high) * adv)
+        (per_token.sum() / mini.num_completion_tokens).backward()  # dapo: the mini-batch's tokens
+        torch.nn.utils.clip_grad_norm_(hand.params, cfg.learner.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    batch.old_logprobs = None
+    stats = learner.train_step(batch)
+    assert stats["updates"] == 2 and learner.version == 1
+    got, want = learner.lora_state(), hand.lora_state()
+    assert any(not torch.equal(want[n], initial[n]) for n in want)  # the steps moved the adapter
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_one_update_per_batch_runs_no_extra_forward(tiny_cfg, tiny_tokenizer, monkeypatch):
+    from colocate.learner import learner as learner_mod
+    from tests.test_packing import random_batch
+    _, learner = _learner(tiny_cfg, tiny_tokenizer, 1)
+    calls = []
+    monkeypatch.setattr(learner_mod.Learner, "start_logprobs", lambda self, b: calls.append(b))
+    forwards = []
+    learner.model.register_forward_hook(lambda *a: forwards.append(1))
+    stats = learner.train_step(random_batch(len(tiny_tokenizer), SHAPES, seed=1))
+    assert calls == [] and stats["updates"] == 1
+    assert len(forwards) == stats["micro_batches"]  # one forward per micro-batch, nothing before them
