@@ -44,7 +44,7 @@ chain() {
       gputests) with_memory gputests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
               tests/test_kernel_bulk.py tests/test_kernel_triton.py tests/test_prefix_sharing.py \
               tests/test_packing.py tests/test_shared_gpu.py tests/test_loss_reference.py ;;
-      kernel) with_memory kernel timeout 600 python3 scripts/benchmark.py --profile kernel --iters 20 \
+      kernel) with_memory kernel timeout 600 python3 scripts/benchmark.py --profile kernel --iters 20 --no-compile \
               --out "$GS/kernel.json" ;;
       tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
               --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
