@@ -7,7 +7,7 @@
 #   test     tests/test_shared_gpu.py on the GPU (HF engine, 3 steps, adapter by CUDA IPC, checksums)
 #   gpu1     configs/gpu-1.yaml, 10 steps (0.5B shape, vLLM)
 #   sync     the sync benchmark at the 7B shape with the engine on the learner's GPU (IPC) and the disk path
-#   gpu1-7b  configs/gpu-1-7b.yaml, 5 steps (7B shape)
+#   gpu1-7b  configs/gpu-1-7b.yaml, 5 steps (7B shape); gpu1-7b-tree: the same with learner.prefix_sharing=tree
 #   gputests the one-GPU tests marked gpu: kernels, objectives, prefix trees, varlen packing, shared GPU
 #   kernel   the loss-kernel benchmark (GRPO and the other objectives at 16,384 x 152,064)
 #   tree     the trainer benchmark on the e2e workload's shapes: flat against tree and group packing
@@ -41,6 +41,11 @@ chain() {
               --budget-s 420 --out "$GS/sync-7b-1gpu.json" ;;
       gpu1-7b) with_memory gpu1-7b timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
               --config configs/gpu-1-7b.yaml --learner.num_steps=5 --metrics.run_dir=$GS/run-gpu1-7b ;;
+      gpu1-7b-tree) with_memory gpu1-7b-tree timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
+              --config configs/gpu-1-7b.yaml --learner.num_steps=5 --learner.prefix_sharing=tree \
+              --metrics.run_dir=$GS/run-gpu1-7b-tree ;;
+      prefixtest) with_memory prefixtest timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+              tests/test_prefix_sharing.py ;;
       gputests) with_memory gputests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
               tests/test_kernel_bulk.py tests/test_kernel_triton.py tests/test_prefix_sharing.py \
               tests/test_packing.py tests/test_shared_gpu.py tests/test_loss_reference.py ;;

@@ -150,11 +150,18 @@ def dummy_micro_batch(device, attention: str) -> MicroBatch:
 
 
 def set_attention(model, name: str) -> None:
-    """Select the model's attention implementation (sdpa or VARLEN) for all later forwards.
+    """Select the model's attention implementation (sdpa, VARLEN or a tree attention) for all later
+    forwards; ours are registered with transformers first.
 
     Set once per layout, not around each forward: activation checkpointing recomputes the forward
     during backward and must find the same implementation."""
+    if name in (TREE_SDPA, TREE_FLEX, VARLEN) and name not in _REGISTERED:
+        register_tree_attention() if name != VARLEN else register_varlen_attention()
+        _REGISTERED.add(name)
     model.config._attn_implementation = name
+
+
+_REGISTERED: set[str] = set()  # our attentions already registered with transformers in this process
 
 
 def completion_logits(model, mb: MicroBatch) -> torch.Tensor:
