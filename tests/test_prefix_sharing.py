@@ -254,8 +254,15 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
         set_attention(learner.model, TREE_FLEX)
         tree = tree_micro_batch(batch, device, TREE_FLEX, "tree")
         lp_tree = per_token_logprobs(completion_logits(learner.model, tree).float(), tree.targets, 1.0)
+        set_attention(learner.model, "sdpa")  # the same flat batch through another exact kernel
+        dense = packed_micro_batch(batch, device, "sdpa")
+        lp_dense = per_token_logprobs(completion_logits(learner.model, dense).float(), dense.targets, 1.0)
     assert tree.num_tokens < 0.6 * flat.num_tokens
-    assert float((lp_tree - lp_flat).abs().mean()) <= 0.01, float((lp_tree - lp_flat).abs().mean())
+    # bf16 rounding alone moves a random-weight model's log-probs by about the 0.01 nats: tree
+    # against flat may differ by 0.01 or by what two exact flat kernels differ by, whichever is larger
+    floor = float((lp_dense - lp_flat).abs().mean())
+    err = float((lp_tree - lp_flat).abs().mean())
+    assert err <= max(0.01, 1.25 * floor), (err, floor)
     loss_ref, grads_ref, _, _ = _loss_and_grads(learner, batch, "off", 100_000)
     loss, grads, _, _ = _loss_and_grads(learner, batch, "tree", 100_000)
     assert learner.attention == TREE_FLEX
