@@ -266,7 +266,14 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
     loss_ref, grads_ref, _, _ = _loss_and_grads(learner, batch, "off", 100_000)
     loss, grads, _, _ = _loss_and_grads(learner, batch, "tree", 100_000)
     assert learner.attention == TREE_FLEX
+    learner.cfg.learner.attention = "sdpa"  # flat again, through the dense-mask kernel: the bf16 floor
+    _, grads_dense, _, _ = _loss_and_grads(learner, batch, "off", 100_000)
+    learner.cfg.learner.attention = "auto"
     torch.testing.assert_close(loss.float(), loss_ref.float(), rtol=2e-2, atol=0)
-    for name, g in grads_ref.items():
-        rel = float((grads[name].float() - g.float()).norm() / g.float().norm().clamp_min(1e-12))
-        assert rel < 0.2, (name, rel)  # bf16 rounding of a random-weight model (seen: 0.11); a layout bug: O(1)
+
+    def worst(got: dict) -> float:  # the largest relative gradient difference over the LoRA tensors
+        return max(float((got[n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-12))
+                   for n, g in grads_ref.items())
+    # two exact flat kernels already differ by tenths on the worst tensor of this random-weight bf16
+    # model (profiles/trainer.md); a wrong tree layout differs by O(1)
+    assert worst(grads) <= max(0.1, 1.5 * worst(grads_dense)), (worst(grads), worst(grads_dense))
