@@ -26,9 +26,10 @@ from colocate.config import Config, resolve_roles
 
 def split_cpu_threads(local_world: int) -> int:
     """Set and return torch's intra-op threads for one of `local_world` ranks on this host: the cores
-    split evenly. Left at its default every rank takes all cores; 4 learner processes on a 64-core
+    this process may run on (its affinity: what SLURM or a container grants) split evenly. Left at its default every rank takes all cores; 4 learner processes on a 64-core
     host then ran the packing's small CPU ops at 37-48 ms each, 12 % of a 7B step (profiles/trainer.md)."""
-    threads = max(1, (os.cpu_count() or 1) // max(1, local_world))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, local_world))
     torch.set_num_threads(threads)
     return threads
 

@@ -173,21 +173,19 @@ def test_kernel_summary_counts_overlapping_streams_once_and_sorts_families():
 @pytest.mark.slow
 def test_trainer_profile_traces_a_variant_step(tmp_path):
     """The trainer benchmark's --trace-variant (one more profiled step, its summary and Chrome trace),
-    and its gathered (learner.reshard_after_forward=false) and prefetch (learner.prefetch_blocks=2)
-    variants."""
+    and its gathered (learner.reshard_after_forward=false) variant."""
     import gzip
     out = tmp_path / "trainer.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--profile", "trainer", "--quick", "--budgets", "256",
-           "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256", "--prefetch-budget", "256",
+           "--sdpa-budget", "0", "--ac-budget", "0", "--gathered-budget", "256",
            "--trace-variant", " packed-256,nope", "--trace-host",
            "--trace-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     # Its correctness (two ranks equal one) is tests/test_fsdp_cpu.py's; here: it runs and is reported.
-    assert record["figures"]["gathered-256_tokens_per_s"] > 0 and record["figures"]["prefetch-256_tokens_per_s"] > 0
-    assert [v["prefetch_blocks"] for v in record["variants"]] == [0, 0, 0, 2]
-    assert [v["name"] for v in record["variants"]] == ["padded", "packed-256", "gathered-256", "prefetch-256"]
+    assert record["figures"]["gathered-256_tokens_per_s"] > 0
+    assert [v["name"] for v in record["variants"]] == ["padded", "packed-256", "gathered-256"]
     assert "trace nope: no variant of that name ran" in record["skipped"]
     trace = record["traces"]["packed-256"]
     assert trace["wall_ms"] > 0 and trace["median_step_ms"] > 0
