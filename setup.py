@@ -30,7 +30,7 @@ setup(
     extras_require={
         "vllm": ["vllm==0.25.0"],
         "test": ["pytest", "pytest-timeout", "triton",
-                 "llguidance==1.7.6"],  # vLLM 0.25's grammar engine: the grammar and jump-forward tests
+                 "llguidance==1.7.6"],  # vLLM 0.25's grammar engine: the grammar tests
         "profile": ["py-spy", "torch-tb-profiler"],
     },
 )
