@@ -71,14 +71,17 @@ def test_eight_rank_topology_trains_on_cpu(tmp_path):
 
 
 def test_split_cpu_threads_gives_each_local_rank_its_share_of_the_cores(monkeypatch):
+    """The cores the process may run on (its affinity: SLURM, containers), split over the local ranks."""
     import torch
     from colocate import topology
     before = torch.get_num_threads()
-    monkeypatch.setattr(topology.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(64)))
     try:
         assert topology.split_cpu_threads(4) == 16 and torch.get_num_threads() == 16
         assert topology.split_cpu_threads(128) == 1 and torch.get_num_threads() == 1
-        monkeypatch.setattr(topology.os, "cpu_count", lambda: None)  # unknown: one thread
-        assert topology.split_cpu_threads(0) == 1
+        monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: {3})  # pinned to one core
+        assert topology.split_cpu_threads(2) == 1
+        monkeypatch.setattr(topology.os, "sched_getaffinity", lambda pid: set(range(8)))
+        assert topology.split_cpu_threads(0) == 8  # no local world given: one rank
     finally:
         torch.set_num_threads(before)
