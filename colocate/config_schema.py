@@ -230,7 +230,8 @@ class LearnerConfig:
     """AdamW steps per rollout batch: the batch is split into this many shuffled mini-batches, one
     step each. Above 1, one no-grad forward at the start of the batch gives the policy the clip is
     taken against, and the importance weight against the sampler is applied apart from the clip
-    (AReaL's decoupled objective); 1 runs no extra forward."""
+    (AReaL's decoupled objective); 1 runs no extra forward. K steps move the adapter about K times as
+    far per batch: lower `lr` with it (profiles/README.md: cpu-tiny at K = 2)."""
 
 
 @dataclass
