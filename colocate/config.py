@@ -343,10 +343,6 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     if cfg.env.overlong_buffer > cfg.engine.max_new_tokens:
         raise ConfigError(f"env.overlong_buffer={cfg.env.overlong_buffer} exceeds engine.max_new_tokens="
                           f"{cfg.engine.max_new_tokens}: the penalty would start below zero length")
-    if cfg.model.path and not os.path.isdir(cfg.model.path):
-        raise ConfigError(f"model.path={cfg.model.path!r} is not a local directory (nothing is downloaded)")
-    if cfg.model.path and not os.path.exists(os.path.join(cfg.model.path, "config.json")):
-        raise ConfigError(f"model.path={cfg.model.path!r} has no config.json: not an HF model directory")
     if world_size is not None:
         num_inference, num_learners = resolve_roles(cfg, world_size)
         if num_inference < 1 or num_learners < 1 or num_inference + num_learners != world_size:

@@ -69,10 +69,8 @@ def gpu_total_bytes(index: int = 0) -> int | None:
 
 
 def plan_split(cfg: Config, model, total: int) -> Split:
-    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    weights = sum(p.numel() for p in model.parameters()) * dtype_bytes
-    engine_weights = weights * (2 if cfg.engine.lora_mode == "merged" else 1)  # merged keeps W0 too
     parts = learner_bytes(cfg, model)
+    engine_weights = parts["weights"] * (2 if cfg.engine.lora_mode == "merged" else 1)  # merged keeps W0 too
     return Split(total, int(cfg.engine.gpu_memory_utilization * total), engine_weights, sum(parts.values()), parts)
 
 

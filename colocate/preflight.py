@@ -32,9 +32,11 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def check_model_dir(path: str) -> None:
-    """model.path: a directory with a config.json that is a JSON object."""
+    """model.path: a local directory with a config.json that is a JSON object."""
     if not path:
         return
+    if not os.path.isdir(path):
+        raise ConfigError(f"model.path={path!r} is not a local directory (nothing is downloaded)")
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ConfigError(f"model.path={path!r} has no config.json (a Hugging Face model directory is expected)")
@@ -149,15 +151,11 @@ def meta_model(cfg: Config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def model_module_names(cfg: Config) -> set[str]:
-    """The last name component of every module of the base model."""
-    return {name.rpartition(".")[2] for name, _ in meta_model(cfg).named_modules()}
-
-
-def check_lora_targets(cfg: Config) -> None:
-    """lora.target_modules: each names modules of the model (peft would fail later, deep inside)."""
+def check_lora_targets(cfg: Config, model) -> None:
+    """lora.target_modules: each names modules of the (meta-device) model (peft would fail later,
+    deep inside)."""
     import difflib
-    names = model_module_names(cfg)
+    names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
     for target in cfg.lora.target_modules:
         if target not in names:
             near = difflib.get_close_matches(target, sorted(names), n=1)
@@ -165,16 +163,16 @@ def check_lora_targets(cfg: Config) -> None:
             raise ConfigError(f"lora.target_modules: {target!r} is no module of the model{hint}")
 
 
-def check_placement(cfg: Config, world: int | None, local_world: int | None) -> None:
+def check_placement(cfg: Config, world: int | None, local_world: int | None, gpus: int) -> None:
     """topology.placement against the world torchrun gives (WORLD_SIZE, LOCAL_WORLD_SIZE), and which
-    ranks share a GPU (`topology.check_shared_gpus`)."""
+    ranks share one of the `gpus` GPUs (`topology.check_shared_gpus`)."""
     from colocate.topology import check_shared_gpus, place_roles, rank_devices
     if world is None:
         return
     try:
         roles = place_roles(cfg, world, local_world or world)
-        if gpu_count(cfg):
-            check_shared_gpus(roles, rank_devices(world, local_world or world, gpu_count(cfg)))
+        if gpus:
+            check_shared_gpus(roles, rank_devices(world, local_world or world, gpus))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -188,13 +186,15 @@ def gpu_count(cfg: Config) -> int:
 
 
 def preflight(cfg: Config, world: int | None = None, local_world: int | None = None) -> None:
-    check_placement(cfg, world, local_world)
-    if world is not None and gpu_count(cfg) and (local_world or world) > gpu_count(cfg):
-        from colocate.gpu_budget import check_gpu_budget
-        check_gpu_budget(cfg, meta_model(cfg), processes_per_gpu=-(-(local_world or world) // gpu_count(cfg)))
+    gpus = gpu_count(cfg)
+    check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
     check_model_dir(cfg.model.path)
     check_state_cache(cfg)
     check_dataset(cfg)
     check_custom_env(cfg)
-    check_lora_targets(cfg)
+    model = meta_model(cfg)  # once: its module names and its size
+    check_lora_targets(cfg, model)
+    if world is not None and gpus and (local_world or world) > gpus:
+        from colocate.gpu_budget import check_gpu_budget
+        check_gpu_budget(cfg, model, processes_per_gpu=-(-(local_world or world) // gpus))

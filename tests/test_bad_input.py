@@ -70,7 +70,7 @@ CASES = [
      "env.state_cache"),
     ("state cache garbage", None, ["--env.name=diplomacy", "--env.state_cache=<garbage>"], "env.state_cache"),
     ("reward target nan", None, ["--env.reward_target=nan"], "env.reward_target"),
-    # dataset env, reward functions, custom envs, chat templates
+    # dataset env, reward functions, custom envs, chat templates, reward shaping
     ("dataset without files", None, ["--env.name=dataset"], "env.data_files"),
     ("dataset file missing", None, ["--env.name=dataset", "--env.data_files=/nonexistent/train.jsonl"],
      "'/nonexistent/train.jsonl' does not exist"),
@@ -104,13 +104,13 @@ CASES = [
     ("chat template", None, ["--model.chat_template=chatml"], "model.chat_template"),
     ("overlong buffer negative", None, ["--env.overlong_buffer=-1"], "env.overlong_buffer"),
     ("overlong buffer past max_new_tokens", None, ["--env.overlong_buffer=5"], "engine.max_new_tokens"),
-    ("drop uniform groups not a bool", None, ["--rollout.drop_uniform_groups=sometimes"], "rollout.drop_uniform_groups"),
     # rollout
     ("group size 1", None, ["--rollout.group_size=1", "--rollout.batch_size=16"], "rollout.group_size"),
     ("batch not divisible", None, ["--rollout.batch_size=130"], "rollout.batch_size"),
     ("groups per step 0", None, ["--rollout.groups_per_step=0"], "rollout.groups_per_step"),
     ("oversample negative", None, ["--rollout.oversample_groups=-1"], "rollout.oversample_groups"),
     ("oversample with lag 1", None, ["--rollout.oversample_groups=2"], "learner.max_policy_lag"),
+    ("drop uniform groups not a bool", None, ["--rollout.drop_uniform_groups=sometimes"], "rollout.drop_uniform_groups"),
     # learner
     ("lr negative", None, ["--learner.lr=-1"], "learner.lr"),
     ("lr nan", None, ["--learner.lr=nan"], "learner.lr"),

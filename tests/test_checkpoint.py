@@ -151,20 +151,26 @@ def finish(proc, timeout=300):
     return proc.returncode, out
 
 
-@pytest.mark.slow
-def test_resume_reproduces_uninterrupted_run(tmp_path):
-    code, out = finish(launch(["--learner.num_steps=6", "--checkpoint.every=3",
+def assert_resume_reproduces_uninterrupted_run(tmp_path, extra: list[str] = ()) -> None:
+    """6 steps straight (run_dir a) against 3 steps, then a resume to 6 (run_dir b): the same rewards
+    and losses step for step."""
+    code, out = finish(launch([*extra, "--learner.num_steps=6", "--checkpoint.every=3",
                                f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
     assert code == 0, out
-    code, out = finish(launch(["--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
+    code, out = finish(launch([*extra, "--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
     assert code == 0, out
-    code, out = finish(launch(["--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
+    code, out = finish(launch([*extra, "--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
                               tmp_path))
     assert code == 0 and "resuming from" in out, out
     a = json.loads((tmp_path / "a" / "summary.json").read_text())
     b = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert b["steps"] == 6
     assert b["rewards"] == a["rewards"] and b["losses"] == a["losses"]
+
+
+@pytest.mark.slow
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    assert_resume_reproduces_uninterrupted_run(tmp_path)
 
 
 @pytest.mark.slow

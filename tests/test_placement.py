@@ -37,7 +37,7 @@ def test_one_node_ignores_the_placement():
 ])
 def test_a_placement_that_cannot_work_is_one_config_error(topology, world, local, message):
     with pytest.raises(ConfigError, match=message) as info:
-        check_placement(cfg(**topology), world, local)
+        check_placement(cfg(**topology), world, local, 0)
     assert "\n" not in str(info.value)
 
 

@@ -178,20 +178,8 @@ def test_resume_with_trees_reproduces_uninterrupted_run(tmp_path):
     """cpu-tiny (groups of 8 samples share a prompt) with prefix trees: 6 steps in one go, and 3 steps
     then a resume to 6, end alike; TensorBoard holds both token counts."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tests.test_checkpoint import finish, launch
-    tree = "--learner.prefix_sharing=tree"
-    code, out = finish(launch([tree, "--learner.num_steps=6", "--checkpoint.every=3",
-                               f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
-    assert code == 0, out
-    code, out = finish(launch([tree, "--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
-    assert code == 0, out
-    code, out = finish(launch([tree, "--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
-                              tmp_path))
-    assert code == 0 and "resuming from" in out, out
-    a = json.loads((tmp_path / "a" / "summary.json").read_text())
-    b = json.loads((tmp_path / "b" / "summary.json").read_text())
-    assert b["steps"] == 6
-    assert b["rewards"] == a["rewards"] and b["losses"] == a["losses"]
+    from tests.test_checkpoint import assert_resume_reproduces_uninterrupted_run
+    assert_resume_reproduces_uninterrupted_run(tmp_path, ["--learner.prefix_sharing=tree"])
     acc = EventAccumulator(str(tmp_path / "a" / "tb" / "learner"))
     acc.Reload()
     forwarded = [e.value for e in acc.Scalars("learner/tokens_forwarded")]

@@ -149,19 +149,22 @@ def dummy_micro_batch(device, attention: str) -> MicroBatch:
     return mb
 
 
+_REGISTERED: set[str] = set()  # our attentions registered with transformers in this process (`set_attention`)
+
+
 def set_attention(model, name: str) -> None:
     """Select the model's attention implementation (sdpa, VARLEN or a tree attention) for all later
     forwards; ours are registered with transformers first.
 
     Set once per layout, not around each forward: activation checkpointing recomputes the forward
     during backward and must find the same implementation."""
-    if name in (TREE_SDPA, TREE_FLEX, VARLEN) and name not in _REGISTERED:
-        register_tree_attention() if name != VARLEN else register_varlen_attention()
-        _REGISTERED.add(name)
+    if name in TREE_ATTENTIONS and not _REGISTERED & set(TREE_ATTENTIONS):
+        register_tree_attention()
+        _REGISTERED.update(TREE_ATTENTIONS)
+    elif name in (VARLEN, VARLEN_GROUPED) and VARLEN not in _REGISTERED:
+        register_varlen_attention()
+        _REGISTERED.update((VARLEN, VARLEN_GROUPED))
     model.config._attn_implementation = name
-
-
-_REGISTERED: set[str] = set()  # our attentions already registered with transformers in this process
 
 
 def completion_logits(model, mb: MicroBatch) -> torch.Tensor:
@@ -277,9 +280,9 @@ def check_varlen_kernel(device, dtype=torch.bfloat16, num_heads: int = 8, num_kv
 
 def resolve_attention(choice: str, device: torch.device, prefix_sharing: str = "off") -> str:
     """learner.attention (and learner.prefix_sharing) -> the implementation name the micro-batches
-    need. Flat (off): sdpa, or varlen (auto). Trees: FlexAttention on CUDA unless sdpa is asked for,
-    the dense-mask SDPA reference otherwise (FlexAttention has no CPU backward)."""
+    need (`set_attention` registers ours with transformers). Flat (off): sdpa, or varlen (auto). Trees:
+    FlexAttention on CUDA unless sdpa is asked for, the dense-mask SDPA reference otherwise
+    (FlexAttention has no CPU backward)."""
     if prefix_sharing != "off":
-        register_tree_attention()
         return TREE_FLEX if torch.device(device).type == "cuda" and choice != "sdpa" else TREE_SDPA
-    return "sdpa" if choice == "sdpa" else register_varlen_attention()
+    return "sdpa" if choice == "sdpa" else VARLEN
