@@ -16,10 +16,14 @@ Loss values and gradients are compared on pristine logits.
 The policy objectives beside GRPO (`OBJECTIVES`), ours only, in place and not, against `ours_inplace`
 in the same run: `ours_gspo_*` (sequence ratio: a forward-only pass for logp, the objective on [N]
 vectors in PyTorch, then the fused pass with that per-row coefficient), `ours_tis_mis_*` (the same
-path for truncated / masked importance sampling against the current policy) and
-`ours_decoupled_*` (several updates per batch: start-of-batch log-probs folded into the one
-fused pass); `ours_forward_only_ms` is the forward-only pass alone. Their losses and gradients are
-compared with the reference's on pristine logits.
+path for truncated / masked importance sampling against the current policy),
+`ours_gspo_deferred_*` / `ours_tis_mis_deferred_*` (what the learner runs: one fused pass with a
+unit coefficient, the objective on [N], and the per-row scale applied to a [N, HIDDEN] bf16
+gradient of the lm_head's input, timed and counted in memory as part of the call:
+`kernels.deferred`) and `ours_decoupled_*` (several updates per batch: start-of-batch log-probs
+folded into the one fused pass); `ours_forward_only_ms` is the forward-only pass alone. Their
+losses and gradients (deferred: the stored gradient times the row scale) are compared with the
+reference's on pristine logits.
 `--sweep` first times launch configurations of ours (kernel only) and then measures the fastest.
 """
 from __future__ import annotations
@@ -33,10 +37,14 @@ from benchmarks.common import median_time
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LOSS_KW = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
-# name -> (Objective keyword arguments, its clip range, whether start-of-batch log-probs are given)
-OBJECTIVES = {"gspo": ({"ratio_level": "sequence"}, (3e-4, 4e-4), False),
-              "tis_mis": ({"tis_cap": 2.0, "mis_threshold": 0.5}, (EPS_LOW, EPS_HIGH), False),
-              "decoupled": ({}, (EPS_LOW, EPS_HIGH), True)}
+# name -> (Objective keyword arguments, its clip range, whether start-of-batch log-probs are given,
+# whether the row scale is deferred to the lm_head's input)
+OBJECTIVES = {"gspo": ({"ratio_level": "sequence"}, (3e-4, 4e-4), False, False),
+              "gspo_deferred": ({"ratio_level": "sequence"}, (3e-4, 4e-4), False, True),
+              "tis_mis": ({"tis_cap": 2.0, "mis_threshold": 0.5}, (EPS_LOW, EPS_HIGH), False, False),
+              "tis_mis_deferred": ({"tis_cap": 2.0, "mis_threshold": 0.5}, (EPS_LOW, EPS_HIGH), False, True),
+              "decoupled": ({}, (EPS_LOW, EPS_HIGH), True, False)}
+HIDDEN = 3584  # the lm_head's input width at V = 152064 (Qwen2.5-7B): what a deferred row scale multiplies
 
 
 def add_args(parser) -> None:
@@ -114,8 +122,12 @@ def measure(loss_fn, x, pristine, inplace, iters):
     def setup():
         restore(x, pristine, inplace)
 
+    after = getattr(loss_fn, "after_backward", None)  # work the call leaves downstream (deferred objectives)
+
     def step():
         loss_fn(x).backward()
+        if after is not None:
+            after()
 
     ms = median_time(step, warmup=3, iters=iters, setup=setup) * 1e3
     gpu_ms = gpu_time_ms(step, lambda: restore(x, pristine, True), iters)  # every impl behind the same copy
@@ -217,17 +229,31 @@ def ours(f: dict, inplace: bool, config: dict | None = None):
 
 
 def ours_objective(f: dict, name: str, inplace: bool, config: dict | None = None, impl=None):
-    """One of `OBJECTIVES` through ours (or through `impl`, the reference), as a function of the logits."""
+    """One of `OBJECTIVES` through ours (or through `impl`, the reference), as a function of the
+    logits. A deferred one also applies its row scale to a [N, HIDDEN] stand-in for d(lm_head input)."""
+    from colocate.kernels.deferred import deferred_loss, scale_rows
     from colocate.kernels.reference import Objective
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
-    kw, (eps_low, eps_high), with_old = OBJECTIVES[name]
+    kw, (eps_low, eps_high), with_old, deferred = OBJECTIVES[name]
     common = dict(objective=Objective(**kw), seq_ids=f["seq_ids"], old_logprobs=f["old"] if with_old else None,
                   temperature=1.0, eps_low=eps_low, eps_high=eps_high, beta=BETA)
+    inputs = (f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"])
     if impl is not None:
-        return lambda t: impl(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"], **common)[0]
-    return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
-                                      inplace_backward=inplace, config=config, **common)[0]
+        return lambda t: impl(t, *inputs, **common)[0]
+    if not deferred:
+        return lambda t: grpo_loss_triton(t, *inputs, inplace_backward=inplace, config=config, **common)[0]
+    n = f["targets"].shape[0]
+    scale = f.setdefault(f"row_scale_{n}", torch.empty(n, device=f["targets"].device))
+    grad_hidden = f.setdefault(f"grad_hidden_{n}", torch.randn(n, HIDDEN, device=scale.device, dtype=torch.bfloat16))
+
+    def loss(t):
+        return deferred_loss(t, *inputs, row_scale=scale, fused=True, inplace_backward=inplace, config=config,
+                             **common)[0]
+    loss.row_scale = scale
+    # What the lm_head input's backward adds (`scale_grad_rows`): a new [N, HIDDEN] scaled gradient.
+    loss.after_backward = lambda: scale_rows(grad_hidden, scale)
+    return loss
 
 
 def implementations(b: Bench, compile_reference: bool) -> dict:
@@ -328,8 +354,11 @@ def compare_objectives(b: Bench, figures: dict, rows: int = 4096) -> None:
         loss_ref = ours_objective(f, name, False, impl=grpo_loss_reference)(x)
         loss_ref.backward()
         g_ref, x.grad = x.grad, None
-        loss = ours_objective(f, name, False, b.config or None)(x)
+        fn = ours_objective(f, name, False, b.config or None)
+        loss = fn(x)
         loss.backward()
+        if hasattr(fn, "row_scale"):  # deferred: the stored gradient times the row scale
+            x.grad = (x.grad.float() * fn.row_scale[:, None]).to(x.grad.dtype)
         diff = (loss.detach() - loss_ref.detach()).abs() / loss_ref.detach().abs().clamp(min=1e-12)
         figures[f"ours_{name}_loss_rel_diff_vs_reference"] = float(diff)
         figures[f"ours_{name}_grad_rel_diff_vs_reference"] = rel_diff(x.grad, g_ref)

@@ -8,7 +8,9 @@ The learner calls only `grpo_loss`. It
   3. takes the policy objective (`reference.Objective`: token or sequence ratio, truncated and
      masked importance sampling) and, with several updates per batch, the learner's log-probs at
      the start of the batch (`old_logprobs`, from `token_logprobs`);
-  4. dispatches to the fused kernel (CUDA, `impl` auto/triton: `triton_grpo`, whose row launch
+  4. given a `row_scale` buffer, takes the objectives that need every row's log-prob first in one
+     fused pass and leaves their per-row scale to the caller's lm_head input (`deferred`);
+  5. dispatches to the fused kernel (CUDA, `impl` auto/triton: `triton_grpo`, whose row launch
      `triton_rows` runs the bulk-copy CUDA row kernel `cuda_grpo` on sm_90 with bf16 logits) or the
      reference (`impl` torch).
 
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from .deferred import deferred_loss, scale_grad_rows
 from .reference import NORM_MODES, RATIO_LEVELS, Objective, grpo_loss_reference, per_token_logprobs, token_weights
 
 __all__ = ["grpo_loss", "grpo_loss_reference", "token_logprobs", "token_weights", "NORM_MODES", "RATIO_LEVELS",
-           "Objective", "restrict_to_allowed"]
+           "Objective", "restrict_to_allowed", "scale_grad_rows"]
 
 
 def restrict_to_allowed(logits: torch.Tensor, targets: torch.Tensor, allowed_ids: torch.Tensor):
@@ -70,15 +73,21 @@ def grpo_loss(
     old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
     impl: str = "auto",
     inplace_backward: bool = False,
+    row_scale: torch.Tensor | None = None,  # [N] fp32 out: see `deferred` (the caller scales d(lm_head input))
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Scalar loss (differentiable in `logits`) and detached stats: clip_fraction, kl, ratio,
-    num_tokens, is_weight, mis_masked_seqs."""
+    num_tokens, is_weight, mis_masked_seqs. With `row_scale`, the gradient reaching `logits` lacks
+    its per-row scale, which lands in `row_scale` for the caller to apply (`deferred`)."""
     weights = token_weights(mask, norm, seq_ids, num_seqs, max_len, num_tokens)
     if allowed_ids is not None:
         logits, targets = restrict_to_allowed(logits, targets, allowed_ids)
         inplace_backward = False  # the gathered copy is ours; writing into it saves nothing
     kwargs = dict(temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective,
                   seq_ids=seq_ids, old_logprobs=old_logprobs)
+    if row_scale is not None:
+        return deferred_loss(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
+                             row_scale=row_scale, fused=_use_triton(logits, impl), inplace_backward=inplace_backward,
+                             **kwargs)
     if _use_triton(logits, impl):
         from .triton_grpo import grpo_loss_triton
         return grpo_loss_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,

@@ -85,7 +85,7 @@ def per_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature:
 def seq_mean(values: torch.Tensor, active: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
     """[N] -> [N]: each token's mean of `values` over the active tokens of its sequence."""
     seq_ids = seq_ids.long()
-    num = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+    num = seq_ids.numel()  # a bound on the sequence count: no host sync for the max
     sums = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values * active)
     counts = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seq_ids, active)
     return (sums / counts.clamp(min=1.0))[seq_ids]
@@ -141,6 +141,23 @@ def objective_terms(logp, behaviour, advantages, ref_logprobs, weights, *, eps_l
     return loss, weights * keep, ratio, kl, is_clipped, iw
 
 
+def objective_from_logprobs(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
+                            objective: Objective, seq_ids, old_logprobs, want_dlogp: bool = True):
+    """[N] log-probs known before any gradient -> (scalar loss, [N] dL/dlogp or None, stats): the
+    objective on [N] vectors (`objective_terms`), for the fused paths whose per-row coefficient
+    needs every row's log-prob first. No host sync, so it queues behind the kernel that made `logp`."""
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    with torch.enable_grad():
+        logp = logp.detach().float().requires_grad_()
+        loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
+            logp, behaviour.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
+            eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
+        loss = (w_eff * loss_t).sum()
+        dlogp = torch.autograd.grad(loss, logp)[0] if want_dlogp else None
+    stats = token_stats(weights, ratio.detach(), kl.detach(), is_clipped, iw, w_eff, seq_ids)
+    return loss.detach(), dlogp, stats
+
+
 def grpo_loss_reference(
     logits: torch.Tensor,              # [N, V] bf16/fp32
     targets: torch.Tensor,             # [N] int
@@ -176,7 +193,7 @@ def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=Non
     masked = torch.zeros((), device=weights.device)
     if w_eff is not None and seq_ids is not None and seq_ids.numel():
         dropped = (weights > 0).float() * (w_eff <= 0).float()
-        per_seq = torch.zeros(int(seq_ids.max()) + 1, device=weights.device).index_add(0, seq_ids.long(), dropped)
+        per_seq = torch.zeros(seq_ids.numel(), device=weights.device).index_add(0, seq_ids.long(), dropped)
         masked = (per_seq > 0).float().sum()
     return {
         "clip_fraction": (is_clipped.float() * active).sum().detach() / n,

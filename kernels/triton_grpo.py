@@ -11,10 +11,12 @@ behaviour. Each needs only per-row inputs, since d(logits)_t = dL/dlogp_t * (one
     weight and sequence mask are [N] data known before the kernel, so the one fused pass runs with
     behaviour := anchor, advantages := A * iw and weights := w * keep (`_fold_off_policy`);
   * a sequence-level ratio (GSPO), or TIS / MIS against the current policy, need every row's
-    log-prob before any gradient: a forward-only pass of the row kernel gives logp [N], the
-    objective and dL/dlogp are computed in PyTorch on [N] vectors (`reference.objective_terms`,
+    log-prob before any gradient. With a row-scale buffer from the caller, one fused pass writes
+    d logp / d(logits) and the scale waits for the lm_head's input (`deferred`, what the learner
+    runs). Without one (`_two_pass`): a forward-only pass of the row kernel gives logp [N], the
+    objective and dL/dlogp are computed in PyTorch on [N] vectors (`reference.objective_from_logprobs`,
     the reference's own code), and a second pass writes d(logits) from that per-row coefficient
-    (`_two_pass`). No [N, V] temporary either way.
+    (`unit_pass`). No [N, V] temporary either way.
 Left out on purpose: CISPO/SAPO variants, the delta clamp, and dL/d(behaviour, advantages, ref)
 (all are data, not parameters).
 """
@@ -24,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import Objective, objective_terms, off_policy_weights, token_stats
+from .reference import Objective, objective_from_logprobs, off_policy_weights, token_stats
 from .triton_rows import ACTIVE, CLIPPED, KL, LOGP, LOSS, RATIO, grpo_rows
 
-__all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad"]
+__all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad", "unit_pass"]
 
 
 def stats_from_rows(row_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -107,30 +109,31 @@ def _fold_off_policy(weights, behaviour_logprobs, advantages, seq_ids, old_logpr
 
 def _two_pass(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, *, temperature, eps_low,
               eps_high, beta, objective, seq_ids, old_logprobs, inplace_backward, config):
-    """Objectives whose coefficients need every row's log-prob first (module docstring) -> (loss, stats)."""
+    """Objectives whose coefficients need every row's log-prob first, when the caller cannot take
+    the row scale downstream (`deferred`; module docstring) -> (loss, stats)."""
     write_grad = torch.is_grad_enabled() and logits.requires_grad
     x = logits.detach() if logits.stride(1) == 1 else logits.detach().contiguous()
     active = (weights > 0).float()
     rows = grpo_rows(x, targets, active, behaviour_logprobs, advantages, None, None, temperature=temperature,
                      eps_low=eps_low, eps_high=eps_high, beta=0.0, config=config)  # forward only: logp
-    with torch.enable_grad():
-        logp = rows[:, LOGP].clone().requires_grad_()
-        f32 = lambda t: None if t is None else t.float()  # noqa: E731
-        loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
-            logp, behaviour_logprobs.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
-            eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
-        loss = (w_eff * loss_t).sum()
-        dlogp = torch.autograd.grad(loss, logp)[0] if write_grad else None
-    stats = token_stats(weights, ratio.detach(), kl.detach(), is_clipped, iw, w_eff, seq_ids)
+    loss, dlogp, stats = objective_from_logprobs(
+        rows[:, LOGP], behaviour_logprobs, advantages, ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high,
+        beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=old_logprobs, want_dlogp=write_grad)
     if not write_grad:
-        return loss.detach(), stats
+        return loss, stats
     # Rows whose coefficient is 0 (masked, or clipped) are not read: the kernel writes their zeros.
-    # Zero behaviour and advantages make the kernel's own loss exactly 0, so adding it carries the
-    # stored gradient into autograd without changing the value.
-    zeros = torch.zeros_like(dlogp)
-    zero_loss, _ = _GRPOLossTriton.apply(logits, targets, (dlogp != 0).float(), zeros, zeros, None, float(temperature),
-                                         0.0, 0.0, 0.0, bool(inplace_backward), config, True, dlogp)
-    return loss.detach() + zero_loss, stats
+    return loss + unit_pass(logits, targets, (dlogp != 0).float(), dlogp, temperature=temperature,
+                            inplace_backward=inplace_backward, config=config, write_grad=True)[0], stats
+
+
+def unit_pass(logits, targets, weights, coefficient, *, temperature, inplace_backward, config, write_grad):
+    """One fused pass whose stored gradient is weights * coefficient * d logp / d(logits) per row
+    -> (a loss of exactly 0 that carries that gradient into autograd, [N] log-probs). Zero behaviour
+    and advantages make the kernel's own loss terms 0."""
+    zeros = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    zero_loss, row_out = _GRPOLossTriton.apply(logits, targets, weights, zeros, zeros, None, float(temperature), 0.0,
+                                               0.0, 0.0, bool(inplace_backward), config, write_grad, coefficient)
+    return zero_loss, row_out[:, LOGP]
 
 
 def grpo_loss_triton(

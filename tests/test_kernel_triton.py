@@ -186,11 +186,19 @@ OBJECTIVE_CASES = [
     ("bf16-inplace-gspo-tis-mis", "bf16", True, {"ratio_level": "sequence", "tis_cap": 1.5, "mis_threshold": 0.2},
      False, MATRIX),
     ("bf16-copy-decoupled-folded", "bf16", False, {"tis_cap": 1.5}, True, {}),
+    # The row scale deferred to the caller (kernels.deferred): one pass writes d logp / d(logits); the
+    # effective gradient is that times the returned scale.
+    ("fp32-copy-gspo-deferred", "fp32", False, {"ratio_level": "sequence"}, False, MATRIX),
+    ("fp32-inplace-tis-mis-deferred", "fp32", True, {"tis_cap": 1.5, "mis_threshold": 0.2}, False, MATRIX),
+    ("bf16-inplace-gspo-decoupled-deferred", "bf16", True, {"ratio_level": "sequence"}, True, MATRIX),
 ]
 
 
-def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=37, vocab=1000, seed=0):
-    """One objective through `grpo_loss_triton` against the float64 formula -> errors (as kernel_case)."""
+def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=37, vocab=1000, seed=0,
+                   deferred=False):
+    """One objective through `grpo_loss_triton` (or `deferred_loss`, its row scale applied here)
+    against the float64 formula -> errors (as kernel_case)."""
+    from colocate.kernels.deferred import deferred_loss
     from colocate.kernels.reference import Objective
     from colocate.kernels.triton_grpo import grpo_loss_triton
     from tests.objective_formula import objective_float64, objective_inputs
@@ -202,15 +210,23 @@ def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=
     ref_loss, ref_grad = objective_float64(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
                                            b["ref"], b["seq_ids"], old, **kw, **objective)
     x = b["logits"].clone().requires_grad_()
-    loss, stats = grpo_loss_triton(x, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
-                                   objective=Objective(**objective), seq_ids=b["seq_ids"], old_logprobs=old,
-                                   inplace_backward=inplace, config={"backend": "triton", **extra}, **kw)
+    scale = torch.full((num_rows,), float("nan"), device=device)  # every row must be written
+    common = dict(objective=Objective(**objective), seq_ids=b["seq_ids"], old_logprobs=old,
+                  config={"backend": "triton", **extra}, **kw)
+
+    def loss_fn(logits, **more):
+        if deferred:
+            return deferred_loss(logits, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
+                                 row_scale=scale, fused=True, **common, **more)
+        return grpo_loss_triton(logits, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
+                                **common, **more)
+    loss, stats = loss_fn(x, inplace_backward=inplace)
     (2.0 * loss).backward()
     grad = x.grad / 2.0
+    if deferred:  # what the caller's lm_head input applies (kernels.deferred)
+        grad = (grad.float() * scale[:, None]).to(grad.dtype)
     with torch.no_grad():
-        loss_nograd, _ = grpo_loss_triton(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
-                                          b["ref"], objective=Objective(**objective), seq_ids=b["seq_ids"],
-                                          old_logprobs=old, config={"backend": "triton", **extra}, **kw)
+        loss_nograd, _ = loss_fn(b["logits"])
     scale = max(float(ref_loss.abs()), 1e-3)
     return {"loss": float((loss.detach().double() - ref_loss).abs()) / scale, "grad": rel(grad, ref_grad),
             "loss_nograd": float((loss_nograd.double() - ref_loss).abs()) / scale,
@@ -236,7 +252,8 @@ def token_logprobs_case(dt, *, device, num_rows=37, vocab=1000):
 
 def run_all(device):
     out = {name: kernel_case(*args, device=device) for name, *args in CASES}
-    out.update({name: objective_case(*args, device=device) for name, *args in OBJECTIVE_CASES})
+    out.update({name: objective_case(*args, device=device, deferred=name.endswith("-deferred"))
+                for name, *args in OBJECTIVE_CASES})
     out.update({f"token_logprobs-{dt}": token_logprobs_case(dt, device=device) for dt in DTYPES})
     return out
 
@@ -317,7 +334,8 @@ def test_cuda_kernel_small_shapes(case):
 @pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=[c[0] for c in OBJECTIVE_CASES])
 def test_cuda_objectives_small_shapes(case):
     name, *args = case
-    check_objective_case(name, objective_case(*args, device="cuda", num_rows=301, vocab=1000, seed=3))
+    check_objective_case(name, objective_case(*args, device="cuda", num_rows=301, vocab=1000, seed=3,
+                                                 deferred=name.endswith("-deferred")))
 
 
 def float64_chunked(b, chunk, **kw):
@@ -403,10 +421,11 @@ def test_cuda_entry_triton_equals_torch(norm):
 @pytest.mark.parametrize("objective,with_old", [({"ratio_level": "sequence"}, False), ({"ratio_level": "sequence"}, True),
                                                 ({"tis_cap": 2.0, "mis_threshold": 0.25}, False), ({"tis_cap": 2.0}, True)],
                          ids=["gspo", "gspo-decoupled", "tis-mis", "tis-decoupled-folded"])
-def test_cuda_entry_objectives_triton_equal_torch(objective, with_old):
+@pytest.mark.parametrize("deferred", [False, True], ids=["two-pass", "deferred"])
+def test_cuda_entry_objectives_triton_equal_torch(objective, with_old, deferred):
     """Real vocabulary, bf16: each objective through the fused path (the bulk kernel on sm_90 for
-    the gradient pass) against the reference, and the peak memory above the inputs stays far below
-    one [N, V] float32 (the two-pass path adds [N] vectors only)."""
+    the gradient pass; deferred: one pass, its row scale applied here) against the reference, and
+    the peak memory above the inputs stays far below one [N, V] float32 ([N] vectors only)."""
     from colocate.kernels import Objective, grpo_loss
 
     num_rows, vocab, num_seqs = 4096, 152064, 16
@@ -422,11 +441,14 @@ def test_cuda_entry_objectives_triton_equal_torch(objective, with_old):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        scale = torch.empty(num_rows, device="cuda") if deferred and impl == "triton" else None
         loss, stats = grpo_loss(x, b["targets"], b["mask"], b["behaviour"], b["advantages"], b["ref"], impl=impl,
-                                inplace_backward=impl == "triton", **kw)
+                                inplace_backward=impl == "triton", row_scale=scale, **kw)
         loss.backward()
         torch.cuda.synchronize()
-        results[impl] = (loss.detach(), stats, x.grad, torch.cuda.max_memory_allocated() - base)
+        peak = torch.cuda.max_memory_allocated() - base
+        grad = x.grad if scale is None else (x.grad.float() * scale[:, None]).to(x.grad.dtype)
+        results[impl] = (loss.detach(), stats, grad, peak)
     (lt, st, gt, _), (lk, sk, gk, peak) = results["torch"], results["triton"]
     assert float((lk - lt).abs() / lt.abs().clamp(min=1e-6)) <= 1e-3
     assert rel(gk, gt) <= 1e-2

@@ -5,6 +5,8 @@ and masked importance sampling.
     loss and d(logits), every objective (the fused kernel's parity runs under the Triton
     interpreter in `test_kernel_triton.py`);
   * GSPO against a two-sequence example worked out here by hand;
+  * the per-row scale deferred to the lm_head's input (`kernels.deferred`): d(hidden) through a
+    frozen head against the float64 chain rule, and a learner step with it against one without;
   * `learner.updates_per_batch: 2` against two single-batch steps written out by hand on the tiny
     model (start-of-batch log-probs, shuffled mini-batches, one AdamW step each), and K = 1
     running no extra forward.
@@ -50,6 +52,32 @@ def test_reference_objectives_match_float64(name, beta):
         assert 0 < float(stats["mis_masked_seqs"]) < len(set(b["seq_ids"].tolist()))
     if "tis" in name or with_old:
         assert float(stats["is_weight"]) != 1.0
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo-decoupled", "gspo-tis-mis", "tis", "decoupled"])
+def test_deferred_row_scale_gives_the_hidden_gradient(name):
+    """h [N, H] -> frozen head W [V, H] -> logits: the loss's unscaled gradient, scaled at h by the
+    returned row scale, equals d(h) = d(logits)_float64 @ W."""
+    from colocate.kernels import scale_grad_rows
+    kw, with_old = OBJECTIVES[name]
+    b = objective_inputs(31, 23, torch.float32, seed=7, temperature=0.8)
+    g = torch.Generator().manual_seed(1)
+    weight, h0 = torch.randn(23, 5, generator=g), torch.randn(31, 5, generator=g)
+    eps = (3e-2, 4e-2) if kw.get("ratio_level") == "sequence" else (0.2, 0.28)
+    old = b["old"] if with_old else None
+    common = dict(temperature=0.8, eps_low=eps[0], eps_high=eps[1], beta=0.04)
+    ref_loss, ref_grad = objective_float64(h0 @ weight.T, b["targets"], b["weights"], b["behaviour"], b["advantages"],
+                                           b["ref"], b["seq_ids"], old, **common, **kw)
+    h = h0.clone().requires_grad_()
+    scale = torch.full((31,), float("nan"))
+    loss, _ = grpo_loss(scale_grad_rows(h, scale) @ weight.T, b["targets"], b["weights"] > 0, b["behaviour"],
+                        b["advantages"], b["ref"], norm="dapo", seq_ids=b["seq_ids"], objective=Objective(**kw),
+                        old_logprobs=old, impl="torch", row_scale=scale, **common)
+    loss.backward()
+    want = ref_grad @ weight.double()
+    assert abs(loss.item() - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
+    assert float((h.grad.double() - want).norm()) <= 1e-5 * float(want.norm())
+    assert not torch.isnan(scale).any()
 
 
 def test_gspo_two_sequences_by_hand():
@@ -167,6 +195,35 @@ def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tok
     assert any(not torch.equal(want[n], initial[n]) for n in want)  # the steps moved the adapter
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("ratio_level,tis_cap", [("sequence", 0.0), ("token", 1.5)])
+def test_learner_defers_the_row_scale_exactly(tiny_cfg, tiny_tokenizer, monkeypatch, ratio_level, tis_cap):
+    """GSPO / TIS at K = 1: a learner step with the row scale deferred to the lm_head's input moves
+    the adapter as one whose loss writes the whole d(logits) (the lm_head is frozen: deferral on)."""
+    from colocate.learner import learner as learner_mod
+    from tests.test_packing import random_batch
+    steps, real = {}, learner_mod.grpo_loss
+    for defer in (True, False):
+        cfg, learner = _learner(tiny_cfg, tiny_tokenizer, 1)
+        learner.objective = Objective(ratio_level=ratio_level, tis_cap=tis_cap)
+        learner.eps_low, learner.eps_high = (0.05, 0.06) if ratio_level == "sequence" else (0.2, 0.28)
+        assert learner.defer_row_scale
+        learner.defer_row_scale = defer
+        # SGD: the step is the gradient itself (Adam's first step, g / |g|, amplifies rounding in g ~ 0)
+        learner.optimizer = torch.optim.SGD(learner.params, lr=1.0)
+        seen = []
+        monkeypatch.setattr(learner_mod, "grpo_loss", lambda *a, **k: seen.append(k["row_scale"] is not None)
+                            or real(*a, **k))
+        batch = random_batch(len(tiny_tokenizer), SHAPES, seed=5)
+        with torch.no_grad():
+            batch.behaviour_logprobs = _hand_logp(learner, batch, 1.0) + 0.1 * torch.randn(
+                batch.num_completion_tokens, generator=torch.Generator().manual_seed(0))
+        learner.train_step(batch)
+        assert seen and all(s == defer for s in seen)
+        steps[defer] = learner.lora_state()
+    for name in steps[True]:
+        torch.testing.assert_close(steps[True][name], steps[False][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_one_update_per_batch_runs_no_extra_forward(tiny_cfg, tiny_tokenizer, monkeypatch):

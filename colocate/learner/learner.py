@@ -100,6 +100,9 @@ class Learner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lc.lr, weight_decay=lc.weight_decay)
         self.objective, self.eps_low, self.eps_high = loss_objective(cfg.loss)
+        # GSPO and TIS/MIS against the current policy take one fused loss pass when the per-row scale
+        # can wait for the lm_head's input: only if no lm_head parameter trains (kernels.deferred).
+        self.defer_row_scale = not any(p.requires_grad for p in model.get_output_embeddings().parameters())
         self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
 
@@ -197,7 +200,10 @@ class Learner:
         ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
         old = sub.old_logprobs.to(self.device) if sub.old_logprobs is not None else None
         adv_tok = sub.advantages.to(self.device)[mb.seq_ids]
-        logits = micro_batch_logits(self.model, mb)
+        row_scale = None  # [N] dL/dlogp, filled by the loss, applied to the lm_head input's gradient
+        if self.defer_row_scale and mb.row_index is None and self.objective.needs_logprobs_first(old is not None):
+            row_scale = torch.empty(mb.targets.shape[0], dtype=torch.float32, device=self.device)
+        logits = micro_batch_logits(self.model, mb, grad_row_scale=row_scale)
         loss, stats = grpo_loss(
             logits, mb.targets, torch.ones_like(mb.targets, dtype=torch.bool),
             sub.behaviour_logprobs.to(self.device), adv_tok, ref,
@@ -206,7 +212,7 @@ class Learner:
             # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
             seq_ids=mb.seq_ids, num_seqs=num_seqs, max_len=cfg.engine.max_new_tokens,
             num_tokens=num_tokens, allowed_ids=allowed, objective=self.objective, old_logprobs=old,
-            impl=cfg.loss.impl)
+            impl=cfg.loss.impl, row_scale=row_scale)
         loss.backward()
         del logits
         n = stats["num_tokens"].float()

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from colocate.data import TrajectoryBatch
+from colocate.kernels import scale_grad_rows
 from colocate.learner.prefix_tree import split_by_budget, split_prompts, tree_layout
 from colocate.learner.tree_attention import (TREE_ATTENTIONS, TREE_FLEX, TREE_SDPA, build_tree_mask,
                                              register_tree_attention)
@@ -167,13 +168,25 @@ def set_attention(model, name: str) -> None:
     model.config._attn_implementation = name
 
 
-def completion_logits(model, mb: MicroBatch) -> torch.Tensor:
-    """[N, V] logits at completion positions; the lm_head runs on (about) those rows only."""
+def completion_logits(model, mb: MicroBatch, grad_row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, V] logits at completion positions; the lm_head runs on (about) those rows only.
+    `grad_row_scale` [N]: the lm_head input's gradient rows are multiplied by it in backward (the
+    loss's deferred per-row scale, `colocate.kernels.deferred`; the lm_head's rows are the N rows)."""
     current = model.config._attn_implementation
     if current != mb.attention:
         raise ValueError(f"this micro-batch needs attention {mb.attention!r}, the model uses {current!r} "
                          f"(packing.set_attention)")
-    logits = model(**mb.inputs, use_cache=False).logits
+    hook = None
+    if grad_row_scale is not None:
+        if mb.row_index is not None:
+            raise ValueError("a deferred row scale needs the lm_head's rows to be the completion rows (row_index None)")
+        hook = model.get_output_embeddings().register_forward_pre_hook(
+            lambda _module, args: (scale_grad_rows(args[0], grad_row_scale), *args[1:]))
+    try:
+        logits = model(**mb.inputs, use_cache=False).logits
+    finally:
+        if hook is not None:
+            hook.remove()
     logits = logits.reshape(-1, logits.shape[-1])  # [R, V]
     return logits if mb.row_index is None else logits[mb.row_index]
 
