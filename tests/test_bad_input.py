@@ -197,13 +197,22 @@ def run_case(path: str, overrides: list[str], tmp_path, monkeypatch, capsys) -> 
     return exit_info.value.code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text,overrides,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_and_exit_2(text, overrides, expected, tmp_path, monkeypatch, capsys):
+def catalogue() -> dict[str, list[str]]:
+    """docs/errors.md's rows by case id -> [case, input, exit, message]."""
+    with open(os.path.join(REPO, "docs", "errors.md")) as f:
+        return {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in f
+                                              if line.startswith("| ") and "---" not in line)}
+
+
+@pytest.mark.parametrize("case_id,text,overrides,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(case_id, text, overrides, expected, tmp_path, monkeypatch, capsys):
     path, overrides = materialize(text, overrides, tmp_path)
     code, err = run_case(path, overrides, tmp_path, monkeypatch, capsys)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("colocate: ") and expected in lines[0], lines[0]
+    shown = lines[0].replace(str(tmp_path), "<tmp>").replace(REPO + "/", "").replace("|", "/")
+    assert catalogue()[case_id][3] == shown, "docs/errors.md is stale: run `python scripts/bad_inputs.py`"
 
 
 def test_the_shipped_configs_pass_the_check(tmp_path):
@@ -227,9 +236,9 @@ def test_under_torchrun_the_line_is_printed_once(tmp_path):
 
 
 def test_the_catalogue_in_docs_lists_every_case():
-    """docs/errors.md (written by scripts/bad_inputs.py) has a row for every case, with exit 2."""
-    with open(os.path.join(REPO, "docs", "errors.md")) as f:
-        rows = {line.split("|")[1].strip(): line for line in f if line.startswith("| ") and "---" not in line}
+    """docs/errors.md (written by scripts/bad_inputs.py) has a row for every case, with exit 2 (each
+    case's test checks its message)."""
+    rows = catalogue()
     missing = [c[0] for c in CASES if c[0] not in rows]
     assert not missing, f"run `python scripts/bad_inputs.py`: {missing}"
-    assert all(rows[c[0]].split("|")[3].strip() == "2" for c in CASES)
+    assert all(rows[c[0]][2] == "2" for c in CASES)
