@@ -41,12 +41,17 @@ class _ScaleGradRows(torch.autograd.Function):
         return scale_rows(grad, ctx.scale), None
 
 
-def scale_rows(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """grad [..., H] with each row times scale [prod(...)] (fp32), as a new tensor of grad's dtype."""
+def scale_rows(grad: torch.Tensor, scale: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """grad [..., H] with each row times scale [prod(...)] (fp32), as a new tensor of grad's dtype,
+    the product in fp32 and rounded once. fused (default: on CUDA): a Triton row kernel."""
+    if fused is None:
+        fused = grad.is_cuda
+    if fused and grad.is_contiguous():
+        from .triton_grpo import row_scaled
+        return row_scaled(grad.reshape(-1, grad.shape[-1]), scale.reshape(-1)).view_as(grad)
     scale = scale.reshape(*grad.shape[:-1], 1)
     if grad.dtype == scale.dtype:
         return grad * scale
-    # The product in fp32 (the scale unrounded), rounded once into the gradient's dtype.
     return torch.mul(grad, scale, out=torch.empty_like(grad))
 
 

@@ -88,7 +88,8 @@ def seq_mean(values: torch.Tensor, active: torch.Tensor, seq_ids: torch.Tensor) 
     num = seq_ids.numel()  # a bound on the sequence count: no host sync for the max
     sums = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values * active)
     counts = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seq_ids, active)
-    return (sums / counts.clamp(min=1.0))[seq_ids]
+    # index_select, not [seq_ids]: its backward is a scatter-add, where indexing's sorts the indices first
+    return torch.index_select(sums / counts.clamp(min=1.0), 0, seq_ids)
 
 
 def off_policy_weights(logp, behaviour, weights, seq_ids, old_logprobs, obj: Objective):

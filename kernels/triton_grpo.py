@@ -29,7 +29,7 @@ import triton.language as tl
 from .reference import Objective, objective_from_logprobs, off_policy_weights, token_stats
 from .triton_rows import ACTIVE, CLIPPED, KL, LOGP, LOSS, RATIO, grpo_rows
 
-__all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad", "unit_pass"]
+__all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad", "unit_pass", "row_scaled"]
 
 
 def stats_from_rows(row_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -73,6 +73,28 @@ def scale_stored_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Te
     # detach(): a fresh tensor object over the same storage, so autograd can take it as .grad
     # without a copy (in place, `grad` is the caller's logits tensor and is referenced elsewhere).
     return grad.detach()
+
+
+@triton.jit
+def _row_scaled_kernel(grad_ptr, scale_ptr, out_ptr, num_cols, stride_grad, stride_out, BLOCK: tl.constexpr):
+    """out[r, :] = grad[r, :] * scale[r], the product in fp32 (one program per row)."""
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(scale_ptr + row).to(tl.float32)
+    for start in range(0, num_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        g = tl.load(grad_ptr + row * stride_grad + cols, mask=cols < num_cols)
+        tl.store(out_ptr + row * stride_out + cols, (g.to(tl.float32) * scale).to(out_ptr.dtype.element_ty),
+                 mask=cols < num_cols)
+
+
+def row_scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[R, C] (unit column stride) * [R] fp32 -> a new [R, C] of grad's dtype: `deferred.scale_rows` on
+    CUDA, one read and one write (torch's broadcast multiply across dtypes streams far slower)."""
+    out = torch.empty_like(grad)
+    if grad.numel():
+        _row_scaled_kernel[(grad.shape[0],)](grad, scale.float().contiguous(), out, grad.shape[1], grad.stride(0),
+                                             out.stride(0), BLOCK=min(4096, triton.next_power_of_2(grad.shape[1])))
+    return out
 
 
 class _GRPOLossTriton(torch.autograd.Function):

@@ -250,11 +250,25 @@ def token_logprobs_case(dt, *, device, num_rows=37, vocab=1000):
             "logp_allowed": float((got_allowed.double() - exact_allowed).abs().max())}
 
 
+def row_scale_case(dt, *, device, rows=6, cols=700):
+    """`deferred.scale_rows` through the Triton row kernel against float64 -> max relative error."""
+    from colocate.kernels.deferred import scale_rows
+
+    g = torch.Generator().manual_seed(4)
+    grad = torch.randn(1, rows, cols, generator=g).to(DTYPES[dt]).to(device)
+    scale = (torch.randn(rows, generator=g) * 1e-3).to(device)
+    got = scale_rows(grad, scale, fused=True)
+    exact = grad.double() * scale.double()[None, :, None]
+    return {"rel": float(((got.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max()),
+            "dtype_ok": float(got.dtype == grad.dtype and got.shape == grad.shape)}
+
+
 def run_all(device):
     out = {name: kernel_case(*args, device=device) for name, *args in CASES}
     out.update({name: objective_case(*args, device=device, deferred=name.endswith("-deferred"))
                 for name, *args in OBJECTIVE_CASES})
     out.update({f"token_logprobs-{dt}": token_logprobs_case(dt, device=device) for dt in DTYPES})
+    out.update({f"row_scale-{dt}": row_scale_case(dt, device=device) for dt in DTYPES})
     return out
 
 
@@ -308,6 +322,14 @@ def test_interpreted_objectives_match_float64(interpreted, name):
 def test_interpreted_token_logprobs_match_float64(interpreted, dt):
     errors = interpreted[f"token_logprobs-{dt}"]
     assert errors["logp"] <= 1e-5 and errors["logp_allowed"] <= 1e-5, errors  # fp32 math over exact inputs
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_interpreted_row_scale_is_one_rounding(interpreted, dt):
+    errors = interpreted[f"row_scale-{dt}"]
+    assert errors["dtype_ok"] == 1.0
+    # the fp32 product, rounded once: within one bf16 unit (the interpreter's cast truncates)
+    assert errors["rel"] <= (2.0 ** -7 if dt == "bf16" else 1e-7), errors
 
 
 def test_launch_config_is_checked():
