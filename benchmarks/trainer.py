@@ -16,6 +16,9 @@ checkpointing):
   tree-B    the same budgets with prefix trees (`learner.prefix_sharing: tree`, FlexAttention;
   group-B   `group`: only whole prompts shared), for each mode in `--prefix-sharing`
   compiled-tree-B  tree with torch.compile per decoder block (`--compile-tree-budget`; 0 skips)
+  gspo-B    packed, with GSPO's sequence ratio (`loss.ratio_level: sequence`): the loss's row scale
+            deferred to the lm_head's input, as the learner runs it; gspo-two-pass-B the same with
+            two loss passes (`--objectives gspo,gspo-two-pass`, at the first budget)
   sdpa-B    packed, but SDPA with a dense block-diagonal mask (`--sdpa-budget`; 0 skips)
   ac-B      packed with activation checkpointing (`--ac-budget`; 0 skips)
   compiled-B packed with torch.compile per decoder block (`--compile-budget`; 0 skips; the
@@ -54,6 +57,7 @@ LEARNER_VARIANTS = {
     "compiled-tree": ("compile_tree_budget", {"compile": True, "prefix_sharing": "tree"}),
 }
 SHARING_KINDS = ("tree", "group")  # packed variants whose kind is their learner.prefix_sharing
+OBJECTIVE_KINDS = {"gspo": True, "gspo-two-pass": False}  # packed GSPO variants: whether the row scale is deferred
 
 
 def add_args(parser) -> None:
@@ -80,6 +84,8 @@ def add_args(parser) -> None:
                              "at each budget")
     parser.add_argument("--compile-tree-budget", type=int, default=0,
                         help="prefix trees with torch.compile per block at this budget, run last (0 skips)")
+    parser.add_argument("--objectives", default="",
+                        help=f"GSPO variants at the first budget, comma separated: {', '.join(OBJECTIVE_KINDS)}")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--loss-impl", default="auto", choices=("auto", "triton", "torch"))
@@ -261,11 +267,14 @@ def _plans(args: dict, budgets: list[int]) -> list[tuple[bool, list[tuple[str, i
     sdpa_budget = args["sdpa_budget"] if args["sdpa_budget"] >= 0 else (256 if quick else 8192)
     ac_budget = args["ac_budget"] if args["ac_budget"] >= 0 else (512 if quick else 16384)
     modes = [m.strip() for m in (args.get("prefix_sharing") or "").split(",") if m.strip()]
-    bad = [m for m in modes if m not in SHARING_KINDS]
-    if bad:
-        raise SystemExit(f"--prefix-sharing takes {', '.join(SHARING_KINDS)}, got {', '.join(bad)}")
+    objectives = [o.strip() for o in (args.get("objectives") or "").split(",") if o.strip()]
+    for flag, given, allowed in (("--prefix-sharing", modes, SHARING_KINDS), ("--objectives", objectives,
+                                                                           OBJECTIVE_KINDS)):
+        bad = [m for m in given if m not in allowed]
+        if bad:
+            raise SystemExit(f"{flag} takes {', '.join(allowed)}, got {', '.join(bad)}")
     plans = [(False, ([("padded", 0)] if args["padded_batch"] > 0 else []) + [("packed", b) for b in budgets]
-              + [(m, b) for b in budgets for m in modes]
+              + [(m, b) for b in budgets for m in modes] + [(o, budgets[0]) for o in objectives]
               + ([("sdpa", sdpa_budget)] if sdpa_budget else [])),
              (True, [("ac", ac_budget)] if ac_budget else []),
              (False, [("packed", args["extra_budget"])] if args["extra_budget"] else []),
@@ -393,8 +402,15 @@ def _time_variant(run: _Run, learner, kind: str, budget: int, p_blocks: int) -> 
 
 def _select_layout(run: _Run, learner, kind: str, budget: int) -> None:
     """Point the one learner at this variant: padded chunks (the baseline) or packing at `budget`."""
+    from colocate.kernels import Objective
+    from colocate.learner.learner import loss_objective
     from colocate.learner.packing import resolve_attention
     from colocate.models import set_fused_lora
+    learner.objective, learner.eps_low, learner.eps_high = loss_objective(learner.cfg.loss)
+    if kind in OBJECTIVE_KINDS:
+        learner.defer_row_scale = OBJECTIVE_KINDS[kind]
+        learner.objective = Objective(ratio_level="sequence")
+        learner.eps_low, learner.eps_high = learner.cfg.loss.seq_eps_low, learner.cfg.loss.seq_eps_high
     set_fused_lora(learner.model, learner.cfg.lora.fused_epilogue and (kind != "padded" or run.args["baseline_fused"]))
     if kind != "padded":
         learner.cfg.learner.micro_batch_tokens = budget

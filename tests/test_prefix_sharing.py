@@ -190,20 +190,21 @@ def test_resume_with_trees_reproduces_uninterrupted_run(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_benchmark_runs_tree_beside_flat(tmp_path):
-    """`--prefix-sharing tree` adds a tree variant at each budget, reported beside flat packing (CPU
-    smoke run; the GPU figures are the benchmark's job)."""
+    """`--prefix-sharing tree` adds a tree variant at each budget, reported beside flat packing, and
+    `--objectives gspo` a GSPO one (CPU smoke run; the GPU figures are the benchmark's job)."""
     import subprocess
     import sys
     from tests.conftest import REPO
     out = tmp_path / "trainer.json"
     cmd = [sys.executable, "scripts/benchmark.py", "--profile", "trainer", "--quick", "--budgets", "256",
            "--prefix-sharing", "tree", "--padded-batch", "0", "--sdpa-budget", "0", "--ac-budget", "0",
-           "--seqs-per-rank", "28", "--group-size", "2", "--steps", "1", "--out", str(out)]
+           "--seqs-per-rank", "28", "--group-size", "2", "--steps", "1", "--objectives", "gspo", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    flat, tree = record["variants"]
-    assert (flat["name"], tree["name"]) == ("packed-256", "tree-256")
+    flat, tree, gspo = record["variants"]
+    assert (flat["name"], tree["name"], gspo["name"]) == ("packed-256", "tree-256", "gspo-256")
+    assert gspo["tokens_forwarded"] == flat["tokens_forwarded"] and gspo["samples_per_s"] > 0
     assert tree["tokens_flat_equivalent"] == flat["tokens_forwarded"] == flat["tokens_flat_equivalent"]
     assert tree["tokens_forwarded"] < 0.5 * flat["tokens_forwarded"] and tree["samples_per_s"] > 0
     assert record["tree_check"]["max_abs_diff"] < 1e-4
