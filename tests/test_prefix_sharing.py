@@ -116,6 +116,30 @@ def test_trees_split_over_micro_batches_equal_flat(tiny_cfg, tiny_tokenizer):
         assert mb.num_tokens <= budget
 
 
+@pytest.mark.parametrize("mode", ["tree", "group"])
+def test_start_of_batch_logprobs_in_trees_equal_flat(tiny_cfg, tiny_tokenizer, mode):
+    """K > 1's start-of-batch pass runs in the step's own layout: prefix trees cut over several
+    micro-batches give every completion token, in batch order, the log-prob flat packing gives."""
+    learner = _learner(tiny_cfg, tiny_tokenizer, beta=0.0, norm="dapo")
+    batch = dataset_batch(len(tiny_tokenizer), num_prompts=4, group_size=3, seed=2)
+    lc = learner.cfg.learner
+
+    def start(mode, budget):
+        lc.prefix_sharing, lc.micro_batch_tokens = mode, budget
+        learner.attention = resolve_attention(lc.attention, learner.device, mode)
+        set_attention(learner.model, learner.attention)
+        forwards = []
+        hook = learner.model.register_forward_hook(lambda *a: forwards.append(1))
+        try:
+            return learner.start_logprobs(batch), len(forwards)
+        finally:
+            hook.remove()
+    flat, _ = start("off", 100_000)
+    tree, passes = start(mode, 24)
+    assert passes > 1 and flat.shape == (batch.num_completion_tokens,)
+    torch.testing.assert_close(tree, flat, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_forward_equals_dense_reference(tiny_policy, tiny_tokenizer):
     """FlexAttention's block mask (the GPU path; CPU runs it forward-only, eager) against the dense

@@ -41,8 +41,8 @@ from colocate.data import TrajectoryBatch
 from colocate.kernels import Objective, grpo_loss, restrict_to_allowed, token_logprobs
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
-from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout_micro_batches, pack_by_budget,
-                                      packed_micro_batch, resolve_attention, set_attention)
+from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout_groups, layout_micro_batch,
+                                      layout_micro_batches, resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
@@ -152,20 +152,11 @@ class Learner:
     @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
         """[N] log-probs of every completion token under the current adapter, in batch order (the
-        policy at the start of the step), from the loss kernel's forward-only pass. FSDP: every rank
-        runs as many forwards as the busiest one. Always flat packing (exact, like any layout): its rows
-        map back to the batch by sequence; a prefix-tree attention is set back afterwards."""
+        policy at the start of the step), from the loss kernel's forward-only pass, in the step's own
+        layout (packed or prefix trees: their rows map back to the batch by sequence). FSDP: every
+        rank runs as many forwards as the busiest one."""
         lc = self.cfg.learner
-        flat_attention = resolve_attention(lc.attention, self.device, "off")
-        set_attention(self.model, flat_attention)
-        try:
-            return self._flat_logprobs(batch, flat_attention)
-        finally:
-            set_attention(self.model, self.attention)
-
-    def _flat_logprobs(self, batch: TrajectoryBatch, attention: str) -> torch.Tensor:
-        groups = pack_by_budget(batch.seq_lens.tolist(), self.cfg.learner.micro_batch_tokens) \
-            if batch.num_sequences else []
+        groups = layout_groups(batch, lc.micro_batch_tokens, lc.prefix_sharing)
         num_micro = self._num_micro_batches(len(groups))  # FSDP: all-reduce (max)
         comp_lens = batch.completion_lens.tolist()
         starts = (torch.cumsum(batch.completion_lens, 0) - batch.completion_lens).tolist()
@@ -173,10 +164,10 @@ class Learner:
         self.model.train()  # the mode the loss's forward runs in
         for i in range(num_micro):
             if i >= len(groups):
-                micro_batch_logits(self.model, dummy_micro_batch(self.device, attention))
+                micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
                 continue
             sub = batch.select(groups[i])
-            mb = packed_micro_batch(sub, self.device, attention)
+            mb = layout_micro_batch(sub, self.device, self.attention, lc.prefix_sharing)
             allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
             logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets,
                                   temperature=self.cfg.engine.temperature, allowed_ids=allowed, impl=self.cfg.loss.impl)
