@@ -230,8 +230,9 @@ class LearnerConfig:
     """AdamW steps per rollout batch: the batch is split into this many shuffled mini-batches, one
     step each. Above 1, one no-grad forward at the start of the batch gives the policy the clip is
     taken against, and the importance weight against the sampler is applied apart from the clip
-    (AReaL's decoupled objective); 1 runs no extra forward. K steps move the adapter about K times as
-    far per batch: lower `lr` with it (profiles/README.md: cpu-tiny at K = 2)."""
+    (AReaL's decoupled objective), truncated at loss.tis_cap (2 unless set); 1 runs no extra
+    forward. K steps move the adapter about K times as far per batch: lower `lr` with it where the
+    reward hovers instead of converging (profiles/README.md: cpu-tiny at K = 2)."""
 
 
 @dataclass
@@ -255,7 +256,8 @@ class LossConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling: weight each token by min(pi_learner / pi_sampler, tis_cap),
     detached, apart from the clip (which is then taken against the learner's policy at the start
-    of the batch); 0 = off."""
+    of the batch); 0 = off with one update per batch, and 2 (TRL's and verl's default) with
+    learner.updates_per_batch > 1, whose decoupled weight is otherwise unbounded."""
     mis_threshold: float = 0.0
     """Masked importance sampling: drop every sequence whose mean |log pi_learner - log pi_sampler|
     exceeds this (counted as learner/mis_masked_seqs); 0 = off."""

@@ -8,8 +8,8 @@ and masked importance sampling.
   * the per-row scale deferred to the lm_head's input (`kernels.deferred`): d(hidden) through a
     frozen head against the float64 chain rule, and a learner step with it against one without;
   * `learner.updates_per_batch: 2` against two single-batch steps written out by hand on the tiny
-    model (start-of-batch log-probs, shuffled mini-batches, one AdamW step each), and K = 1
-    running no extra forward.
+    model (start-of-batch log-probs, shuffled mini-batches, one AdamW step each, the sampler weight
+    truncated at the default cap), and K = 1 running no extra forward.
 """
 import math
 
@@ -130,6 +130,20 @@ def test_objective_config_keys_reach_the_loss():
     assert loss_objective(load_config(os.path.join(REPO, "configs/cpu-tiny.yaml")).loss)[1:] == (0.2, 0.28)
 
 
+def test_several_updates_cap_the_decoupled_weight_by_default():
+    """K > 1 truncates exp(old - behaviour) at DECOUPLED_TIS_CAP unless loss.tis_cap is set; K = 1
+    keeps the plain GRPO objective (no weight, no cap)."""
+    from colocate.config import load_config
+    from colocate.learner.learner import DECOUPLED_TIS_CAP, loss_objective
+    from tests.conftest import REPO
+    import os
+    path = os.path.join(REPO, "configs/cpu-tiny.yaml")
+    assert loss_objective(load_config(path).loss, 1)[0] == Objective()
+    assert DECOUPLED_TIS_CAP == 2.0
+    assert loss_objective(load_config(path).loss, 2)[0] == Objective(tis_cap=2.0)
+    assert loss_objective(load_config(path, {"loss": {"tis_cap": "5"}}).loss, 2)[0] == Objective(tis_cap=5.0)
+
+
 # ----------------------------------------------------------------------------- several updates per batch
 
 SHAPES = [(9, 3), (14, 1), (5, 6), (11, 4), (7, 2), (12, 5)]
@@ -166,9 +180,10 @@ def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tok
     cfg, learner = _learner(tiny_cfg, tiny_tokenizer, 2)
     _, hand = _learner(tiny_cfg, tiny_tokenizer, 1)  # the same seeded adapter, stepped by hand below
     batch = random_batch(len(tiny_tokenizer), SHAPES, seed=3)
-    with torch.no_grad():  # sampler log-probs near the model's, so ratios and weights are not extreme
+    with torch.no_grad():  # sampler log-probs near the model's, so ratios and weights are not extreme,
         batch.behaviour_logprobs = _hand_logp(hand, batch, 1.0) + 0.1 * torch.randn(
             batch.num_completion_tokens, generator=torch.Generator().manual_seed(0))
+        batch.behaviour_logprobs[::4] -= 1.5  # but every 4th token's weight exp(1.5) is over the default cap
     seed = mini_batch_seed(cfg.rollout.seed, learner.version)
     initial = {n: t.clone() for n, t in hand.lora_state().items()}
 
@@ -182,6 +197,8 @@ def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tok
         adv = torch.repeat_interleave(mini.advantages, mini.completion_lens.long())
         r = torch.exp(logp - mini.old_logprobs)
         iw = torch.exp(mini.old_logprobs - mini.behaviour_logprobs)
+        assert (iw > 2.0).any()
+        iw = iw.clamp(max=2.0)  # the default cap at K > 1 (loss.tis_cap unset)
         per_token = -iw * torch.minimum(r * adv, torch.clamp(r, 1 - cfg.loss.eps_low, 1 + cfg.loss.eps_high) * adv)
         (per_token.sum() / mini.num_completion_tokens).backward()  # dapo: the mini-batch's tokens
         torch.nn.utils.clip_grad_norm_(hand.params, cfg.learner.max_grad_norm)

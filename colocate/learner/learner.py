@@ -20,9 +20,10 @@ version += 1.
 With `learner.updates_per_batch` = K > 1, one no-grad pass first gives every completion token's
 log-prob under the adapter at the start of the step (`old_logprobs`, the policy the clip is taken
 against), then the batch is split into K shuffled mini-batches (`mini_batch_indices`), each packed,
-normalized over its own global counts and followed by its own AdamW step. The version still
-advances once per batch: it counts batches, which is what the step protocol and the lag budget
-measure.
+normalized over its own global counts and followed by its own AdamW step; the importance weight
+against the sampler is truncated at `loss.tis_cap` (`DECOUPLED_TIS_CAP` when unset). The version
+still advances once per batch: it counts batches, which is what the step protocol and the lag
+budget measure.
 
 Normalizers (token and sequence counts) are global over the learner ranks, so the SUM of per-rank
 gradients is the gradient of the global loss: FSDP's divide factor is 1 (`fsdp.apply_fsdp`); without
@@ -58,9 +59,19 @@ def mini_batch_indices(num_sequences: int, k: int, seed: int) -> list[list[int]]
     return [sorted(perm[bounds[i]: bounds[i + 1]]) for i in range(k)]
 
 
-def loss_objective(loss_cfg) -> tuple[Objective, float, float]:
-    """The loss section -> (objective, eps_low, eps_high): a sequence ratio has its own clip range."""
-    objective = Objective(loss_cfg.ratio_level, loss_cfg.tis_cap, loss_cfg.mis_threshold)
+DECOUPLED_TIS_CAP = 2.0
+"""The cap on the decoupled importance weight exp(old - behaviour) with K > 1 updates per batch when
+`loss.tis_cap` is left at 0: the truncation TRL (vLLM importance sampling) and verl (rollout IS)
+default to (AReaL's behav_imp_weight_cap drops the tokens above its cap instead). Uncapped, a token
+the stale sampler rarely drew and the learner has since raised weighs many times its share and
+steers the mini-batch step (cpu-tiny at K = 2: profiles/README.md)."""
+
+
+def loss_objective(loss_cfg, updates_per_batch: int = 1) -> tuple[Objective, float, float]:
+    """The loss section -> (objective, eps_low, eps_high): a sequence ratio has its own clip range;
+    K > 1 caps the decoupled importance weight at `DECOUPLED_TIS_CAP` unless `loss.tis_cap` is set."""
+    tis_cap = loss_cfg.tis_cap or (DECOUPLED_TIS_CAP if updates_per_batch > 1 else 0.0)
+    objective = Objective(loss_cfg.ratio_level, tis_cap, loss_cfg.mis_threshold)
     if loss_cfg.ratio_level == "sequence":
         return objective, loss_cfg.seq_eps_low, loss_cfg.seq_eps_high
     return objective, loss_cfg.eps_low, loss_cfg.eps_high
@@ -99,7 +110,7 @@ class Learner:
             model.to(self.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lc.lr, weight_decay=lc.weight_decay)
-        self.objective, self.eps_low, self.eps_high = loss_objective(cfg.loss)
+        self.objective, self.eps_low, self.eps_high = loss_objective(cfg.loss, lc.updates_per_batch)
         # GSPO and TIS/MIS against the current policy take one fused loss pass when the per-row scale
         # can wait for the lm_head's input: only if no lm_head parameter trains (kernels.deferred).
         self.defer_row_scale = not any(p.requires_grad for p in model.get_output_embeddings().parameters())
