@@ -406,9 +406,12 @@ def _select_layout(run: _Run, learner, kind: str, budget: int) -> None:
     from colocate.learner.learner import loss_objective
     from colocate.learner.packing import resolve_attention
     from colocate.models import set_fused_lora
-    learner.objective, learner.eps_low, learner.eps_high = loss_objective(learner.cfg.loss)
+    learner.objective, learner.eps_low, learner.eps_high = loss_objective(learner.cfg.loss,
+                                                                          learner.cfg.learner.updates_per_batch)
+    if not hasattr(learner, "can_defer"):  # what the learner decided from its lm_head, kept for later variants
+        learner.can_defer = learner.defer_row_scale
+    learner.defer_row_scale = learner.can_defer and OBJECTIVE_KINDS.get(kind, True)
     if kind in OBJECTIVE_KINDS:
-        learner.defer_row_scale = OBJECTIVE_KINDS[kind]
         learner.objective = Objective(ratio_level="sequence")
         learner.eps_low, learner.eps_high = learner.cfg.loss.seq_eps_low, learner.cfg.loss.seq_eps_high
     set_fused_lora(learner.model, learner.cfg.lora.fused_epilogue and (kind != "padded" or run.args["baseline_fused"]))

@@ -257,7 +257,8 @@ class LossConfig:
     """Truncated importance sampling: weight each token by min(pi_learner / pi_sampler, tis_cap),
     detached, apart from the clip (which is then taken against the learner's policy at the start
     of the batch); 0 = off with one update per batch, and 2 (TRL's and verl's default) with
-    learner.updates_per_batch > 1, whose decoupled weight is otherwise unbounded."""
+    learner.updates_per_batch > 1, whose decoupled weight is otherwise unbounded (a large cap,
+    e.g. 1000.0, leaves it in effect uncapped)."""
     mis_threshold: float = 0.0
     """Masked importance sampling: drop every sequence whose mean |log pi_learner - log pi_sampler|
     exceeds this (counted as learner/mis_masked_seqs); 0 = off."""

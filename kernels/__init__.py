@@ -64,7 +64,7 @@ def grpo_loss(
     eps_high: float = 0.28,
     beta: float = 0.0,
     norm: str = "dapo",
-    seq_ids: torch.Tensor | None = None,   # [N] sequence index (grpo, dr_grpo)
+    seq_ids: torch.Tensor | None = None,   # [N] sequence index in [0, N) (grpo, dr_grpo, sequence ratio, MIS)
     num_seqs: int | None = None,
     max_len: int | None = None,
     num_tokens: int | float | None = None,

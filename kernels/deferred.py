@@ -33,6 +33,9 @@ __all__ = ["deferred_loss", "scale_grad_rows", "scale_rows"]
 class _ScaleGradRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale):
+        if x.numel() // max(x.shape[-1], 1) != scale.numel():  # the rows must be the loss's rows, one to one
+            raise ValueError(f"scale_grad_rows: {tuple(x.shape)} has {x.numel() // max(x.shape[-1], 1)} rows, "
+                             f"the row scale {scale.numel()}")
         ctx.scale = scale  # a plain attribute, read in backward: the loss fills it after this forward
         return x.view_as(x)
 

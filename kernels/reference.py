@@ -83,7 +83,8 @@ def per_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature:
 
 
 def seq_mean(values: torch.Tensor, active: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """[N] -> [N]: each token's mean of `values` over the active tokens of its sequence."""
+    """[N] -> [N]: each token's mean of `values` over the active tokens of its sequence. Sequence ids
+    lie in [0, N) (dense from 0, as packing numbers them), so N slots hold every sequence."""
     seq_ids = seq_ids.long()
     num = seq_ids.numel()  # a bound on the sequence count: no host sync for the max
     sums = torch.zeros(num, dtype=values.dtype, device=values.device).index_add(0, seq_ids, values * active)

@@ -78,6 +78,8 @@ def test_deferred_row_scale_gives_the_hidden_gradient(name):
     assert abs(loss.item() - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
     assert float((h.grad.double() - want).norm()) <= 1e-5 * float(want.norm())
     assert not torch.isnan(scale).any()
+    with pytest.raises(ValueError, match="has 31 rows, the row scale 30"):  # rows must map one to one
+        scale_grad_rows(h0, scale[:30])
 
 
 def test_gspo_two_sequences_by_hand():

@@ -128,15 +128,18 @@ def test_start_of_batch_logprobs_in_trees_equal_flat(tiny_cfg, tiny_tokenizer, m
         lc.prefix_sharing, lc.micro_batch_tokens = mode, budget
         learner.attention = resolve_attention(lc.attention, learner.device, mode)
         set_attention(learner.model, learner.attention)
-        forwards = []
-        hook = learner.model.register_forward_hook(lambda *a: forwards.append(1))
+        forwards = []  # (tokens, whether a tree mask came) per forward
+        hook = learner.model.register_forward_pre_hook(
+            lambda _m, _a, kw: forwards.append((kw["input_ids"].shape[1], "tree_mask" in kw)), with_kwargs=True)
         try:
-            return learner.start_logprobs(batch), len(forwards)
+            return learner.start_logprobs(batch), forwards
         finally:
             hook.remove()
-    flat, _ = start("off", 100_000)
-    tree, passes = start(mode, 24)
-    assert passes > 1 and flat.shape == (batch.num_completion_tokens,)
+    flat, flat_forwards = start("off", 100_000)
+    tree, tree_forwards = start(mode, 24)
+    assert len(tree_forwards) > 1 and all(is_tree for _, is_tree in tree_forwards)  # trees, cut over micro-batches
+    assert sum(n for n, _ in tree_forwards) < sum(n for n, _ in flat_forwards)  # each shared prompt once per tree
+    assert flat.shape == (batch.num_completion_tokens,)
     torch.testing.assert_close(tree, flat, rtol=1e-5, atol=1e-5)
 
 
