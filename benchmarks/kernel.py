@@ -244,8 +244,10 @@ def ours_objective(f: dict, name: str, inplace: bool, config: dict | None = None
     if not deferred:
         return lambda t: grpo_loss_triton(t, *inputs, inplace_backward=inplace, config=config, **common)[0]
     n = f["targets"].shape[0]
-    scale = f.setdefault(f"row_scale_{n}", torch.empty(n, device=f["targets"].device))
-    grad_hidden = f.setdefault(f"grad_hidden_{n}", torch.randn(n, HIDDEN, device=scale.device, dtype=torch.bfloat16))
+    if f"row_scale_{n}" not in f:  # one buffer pair per row count, shared by the in-place and copy variants
+        f[f"row_scale_{n}"] = torch.empty(n, device=f["targets"].device)
+        f[f"grad_hidden_{n}"] = torch.randn(n, HIDDEN, device=f["targets"].device, dtype=torch.bfloat16)
+    scale, grad_hidden = f[f"row_scale_{n}"], f[f"grad_hidden_{n}"]
 
     def loss(t):
         return deferred_loss(t, *inputs, row_scale=scale, fused=True, inplace_backward=inplace, config=config,

@@ -403,14 +403,12 @@ def _time_variant(run: _Run, learner, kind: str, budget: int, p_blocks: int) -> 
 def _select_layout(run: _Run, learner, kind: str, budget: int) -> None:
     """Point the one learner at this variant: padded chunks (the baseline) or packing at `budget`."""
     from colocate.kernels import Objective
-    from colocate.learner.learner import loss_objective
+    from colocate.learner.learner import lm_head_frozen, loss_objective
     from colocate.learner.packing import resolve_attention
     from colocate.models import set_fused_lora
     learner.objective, learner.eps_low, learner.eps_high = loss_objective(learner.cfg.loss,
                                                                           learner.cfg.learner.updates_per_batch)
-    if not hasattr(learner, "can_defer"):  # what the learner decided from its lm_head, kept for later variants
-        learner.can_defer = learner.defer_row_scale
-    learner.defer_row_scale = learner.can_defer and OBJECTIVE_KINDS.get(kind, True)
+    learner.defer_row_scale = lm_head_frozen(learner.model) and OBJECTIVE_KINDS.get(kind, True)
     if kind in OBJECTIVE_KINDS:
         learner.objective = Objective(ratio_level="sequence")
         learner.eps_low, learner.eps_high = learner.cfg.loss.seq_eps_low, learner.cfg.loss.seq_eps_high

@@ -52,10 +52,7 @@ def scale_rows(grad: torch.Tensor, scale: torch.Tensor, fused: bool | None = Non
     if fused and grad.is_contiguous():
         from .triton_grpo import row_scaled
         return row_scaled(grad.reshape(-1, grad.shape[-1]), scale.reshape(-1)).view_as(grad)
-    scale = scale.reshape(*grad.shape[:-1], 1)
-    if grad.dtype == scale.dtype:
-        return grad * scale
-    return torch.mul(grad, scale, out=torch.empty_like(grad))
+    return torch.mul(grad, scale.reshape(*grad.shape[:-1], 1), out=torch.empty_like(grad))
 
 
 def scale_grad_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

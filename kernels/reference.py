@@ -143,20 +143,28 @@ def objective_terms(logp, behaviour, advantages, ref_logprobs, weights, *, eps_l
     return loss, weights * keep, ratio, kl, is_clipped, iw
 
 
+def objective_loss(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
+                   objective: Objective, seq_ids, old_logprobs):
+    """[N] log-probs -> (scalar loss, differentiable in `logp`; detached stats): the objective summed
+    with its effective weights. The reference's loss and the fused paths' objective on [N] vectors."""
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
+        logp, behaviour.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
+        eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
+    return (w_eff * loss_t).sum(), token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids)
+
+
 def objective_from_logprobs(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
                             objective: Objective, seq_ids, old_logprobs, want_dlogp: bool = True):
     """[N] log-probs known before any gradient -> (scalar loss, [N] dL/dlogp or None, stats): the
-    objective on [N] vectors (`objective_terms`), for the fused paths whose per-row coefficient
+    objective on [N] vectors (`objective_loss`), for the fused paths whose per-row coefficient
     needs every row's log-prob first. No host sync, so it queues behind the kernel that made `logp`."""
-    f32 = lambda t: None if t is None else t.float()  # noqa: E731
     with torch.enable_grad():
         logp = logp.detach().float().requires_grad_()
-        loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
-            logp, behaviour.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
-            eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
-        loss = (w_eff * loss_t).sum()
+        loss, stats = objective_loss(logp, behaviour, advantages, ref_logprobs, weights, eps_low=eps_low,
+                                     eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids,
+                                     old_logprobs=old_logprobs)
         dlogp = torch.autograd.grad(loss, logp)[0] if want_dlogp else None
-    stats = token_stats(weights, ratio.detach(), kl.detach(), is_clipped, iw, w_eff, seq_ids)
     return loss.detach(), dlogp, stats
 
 
@@ -177,13 +185,9 @@ def grpo_loss_reference(
     old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Differentiable reference: returns (scalar loss, detached stats over rows with weight > 0)."""
-    logp = per_token_logprobs(logits, targets, temperature)
-    f32 = lambda t: None if t is None else t.float()  # noqa: E731
-    loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
-        logp, behaviour_logprobs.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
-        eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
-    loss = (w_eff * loss_t).sum()
-    return loss, token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids)
+    return objective_loss(per_token_logprobs(logits, targets, temperature), behaviour_logprobs, advantages,
+                          ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective,
+                          seq_ids=seq_ids, old_logprobs=old_logprobs)
 
 
 def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=None) -> dict[str, torch.Tensor]:

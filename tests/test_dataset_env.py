@@ -145,18 +145,8 @@ def test_answer_choices_constrain_sampling_to_the_answers(tiny_tokenizer, tmp_pa
 def test_resumed_training_draws_the_prompts_it_would_have_drawn(tmp_path):
     """Two epochs of the 25-row file in 6 steps; the resumed half continues at the saved position
     (a different prompt order would change the rewards and losses)."""
-    from tests.test_checkpoint import finish, launch
-    dataset = ["--config", "configs/cpu-dataset-tiny.yaml", "--eval.every=0", "--eval.at_end=false"]
-    code, out = finish(launch([*dataset, "--learner.num_steps=6", "--checkpoint.every=3",
-                               f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
-    assert code == 0, out
-    code, out = finish(launch([*dataset, "--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
-    assert code == 0, out
-    code, out = finish(launch([*dataset, "--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
-                              tmp_path))
-    assert code == 0 and "resuming from" in out, out
-    a = json.loads((tmp_path / "a" / "summary.json").read_text())
-    b = json.loads((tmp_path / "b" / "summary.json").read_text())
-    assert b["steps"] == 6 and b["rewards"] == a["rewards"] and b["losses"] == a["losses"]
+    from tests.test_checkpoint import assert_resume_reproduces_uninterrupted_run
+    assert_resume_reproduces_uninterrupted_run(tmp_path, ["--config", "configs/cpu-dataset-tiny.yaml",
+                                                          "--eval.every=0", "--eval.at_end=false"])
     state = json.loads((tmp_path / "b" / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert state["inference"]["0"]["env"]["epoch"] >= 1  # the run crossed into a reshuffled epoch

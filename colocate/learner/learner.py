@@ -42,8 +42,8 @@ from colocate.data import TrajectoryBatch
 from colocate.kernels import Objective, grpo_loss, restrict_to_allowed, token_logprobs
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
-from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout_groups, layout_micro_batch,
-                                      layout_micro_batches, resolve_attention, set_attention)
+from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches,
+                                      resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
@@ -75,6 +75,12 @@ def loss_objective(loss_cfg, updates_per_batch: int = 1) -> tuple[Objective, flo
     if loss_cfg.ratio_level == "sequence":
         return objective, loss_cfg.seq_eps_low, loss_cfg.seq_eps_high
     return objective, loss_cfg.eps_low, loss_cfg.eps_high
+
+
+def lm_head_frozen(model) -> bool:
+    """Whether no lm_head parameter trains: then GSPO and TIS/MIS against the current policy take one
+    fused loss pass, their per-row scale applied at the lm_head's input (`kernels.deferred`)."""
+    return not any(p.requires_grad for p in model.get_output_embeddings().parameters())
 
 
 def mini_batch_seed(rollout_seed: int, version: int) -> int:
@@ -111,9 +117,7 @@ class Learner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lc.lr, weight_decay=lc.weight_decay)
         self.objective, self.eps_low, self.eps_high = loss_objective(cfg.loss, lc.updates_per_batch)
-        # GSPO and TIS/MIS against the current policy take one fused loss pass when the per-row scale
-        # can wait for the lm_head's input: only if no lm_head parameter trains (kernels.deferred).
-        self.defer_row_scale = not any(p.requires_grad for p in model.get_output_embeddings().parameters())
+        self.defer_row_scale = lm_head_frozen(model)
         self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
 
@@ -167,22 +171,21 @@ class Learner:
         layout (packed or prefix trees: their rows map back to the batch by sequence). FSDP: every
         rank runs as many forwards as the busiest one."""
         lc = self.cfg.learner
-        groups = layout_groups(batch, lc.micro_batch_tokens, lc.prefix_sharing)
-        num_micro = self._num_micro_batches(len(groups))  # FSDP: all-reduce (max)
+        work = layout(batch, lc.micro_batch_tokens, lc.prefix_sharing, self.device, self.attention)
+        num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
         comp_lens = batch.completion_lens.tolist()
         starts = (torch.cumsum(batch.completion_lens, 0) - batch.completion_lens).tolist()
         out = torch.zeros(batch.num_completion_tokens, dtype=torch.float32)
         self.model.train()  # the mode the loss's forward runs in
         for i in range(num_micro):
-            if i >= len(groups):
+            if i >= len(work):
                 micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
                 continue
-            sub = batch.select(groups[i])
-            mb = layout_micro_batch(sub, self.device, self.attention, lc.prefix_sharing)
+            group, sub, mb = work[i]
             allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
             logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets,
                                   temperature=self.cfg.engine.temperature, allowed_ids=allowed, impl=self.cfg.loss.impl)
-            rows = torch.cat([torch.arange(starts[j], starts[j] + comp_lens[j]) for j in groups[i]])
+            rows = torch.cat([torch.arange(starts[j], starts[j] + comp_lens[j]) for j in group])
             out[rows] = logp.float().cpu()
         return out
 

@@ -124,31 +124,29 @@ def _tree_micro_batch(prompts: list[list[int]], completions: list[list[int]], de
                       attention=attention, num_tokens=layout.num_tokens)
 
 
-def layout_groups(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str) -> list[list[int]]:
-    """Sequence indices of each micro-batch of at most `token_budget` forwarded tokens (in batch
-    order within a group). prefix_sharing off: whole sequences first-fit-decreasing
-    (`pack_by_budget`); tree or group: prefix trees split at node boundaries (`prefix_tree.split_by_budget`)."""
+def layout(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, device,
+           attention: str) -> list[tuple[list[int], TrajectoryBatch, MicroBatch]]:
+    """A batch -> (its sequence indices, sub-batch, model inputs) per micro-batch of at most
+    `token_budget` forwarded tokens. prefix_sharing off: whole sequences first-fit-decreasing
+    (`pack_by_budget`); tree or group: prefix trees split at node boundaries
+    (`prefix_tree.split_by_budget`). Either way a micro-batch's N completion rows come in the flat
+    layout's order, so they map back to the batch by sequence."""
     if not batch.num_sequences:
         return []
     if prefix_sharing == "off":
-        return pack_by_budget(batch.seq_lens.tolist(), token_budget)
-    prompts, completions = split_prompts(batch)
-    return split_by_budget(prompts, [len(c) for c in completions], prefix_sharing, token_budget)
-
-
-def layout_micro_batch(sub: TrajectoryBatch, device, attention: str, prefix_sharing: str) -> MicroBatch:
-    """One micro-batch's model inputs: packed sequences, or their prefix tree. Either way the N
-    completion rows come in the same order (the flat layout's)."""
-    if prefix_sharing == "off":
-        return packed_micro_batch(sub, device, attention)
-    return tree_micro_batch(sub, device, attention, prefix_sharing)
+        groups = pack_by_budget(batch.seq_lens.tolist(), token_budget)
+        subs = [batch.select(g) for g in groups]
+        return [(g, sub, packed_micro_batch(sub, device, attention)) for g, sub in zip(groups, subs)]
+    prompts, completions = split_prompts(batch)  # host lists, split once for every micro-batch
+    groups = split_by_budget(prompts, [len(c) for c in completions], prefix_sharing, token_budget)
+    return [(g, batch.select(g), _tree_micro_batch([prompts[i] for i in g], [completions[i] for i in g], device,
+                                                   attention, prefix_sharing)) for g in groups]
 
 
 def layout_micro_batches(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, device,
                          attention: str) -> list[tuple[TrajectoryBatch, MicroBatch]]:
-    """A batch -> (sub-batch, its model inputs) per micro-batch (`layout_groups`, `layout_micro_batch`)."""
-    return [(sub, layout_micro_batch(sub, device, attention, prefix_sharing))
-            for sub in (batch.select(g) for g in layout_groups(batch, token_budget, prefix_sharing))]
+    """A batch -> (sub-batch, its model inputs) per micro-batch (`layout`)."""
+    return [(sub, mb) for _, sub, mb in layout(batch, token_budget, prefix_sharing, device, attention)]
 
 
 def dummy_micro_batch(device, attention: str) -> MicroBatch:
