@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import torch
 from safetensors import SafetensorError
@@ -56,7 +57,7 @@ def latest_checkpoint(root: str) -> str | None:
     return next(iter(checkpoints(root)), None)
 
 
-def resolve_resume(resume: str, run_dir: str) -> tuple[str | None, list[str]]:
+def resolve_resume(resume: str, run_dir: str, trust_unverified: bool = False) -> tuple[str | None, list[str]]:
     """-> (checkpoint to resume from, why each newer one was skipped).
 
     '' -> nothing; 'auto' -> the newest checkpoint of run_dir that verifies (None if there is
@@ -70,7 +71,7 @@ def resolve_resume(resume: str, run_dir: str) -> tuple[str | None, list[str]]:
     skipped = []
     for path in checkpoints(checkpoint_root(run_dir)):
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, trust_unverified)
             return path, skipped
         except CheckpointError as e:
             skipped.append(f"skipped {path}: {e}")
@@ -103,8 +104,18 @@ def write_manifest(directory: str) -> None:
     _write_json(os.path.join(directory, MANIFEST), {"format": 1, "files": files})
 
 
-def verify_checkpoint(path: str) -> None:
-    """Raise `CheckpointError` naming the first file that is missing, resized or changed."""
+def verify_checkpoint(path: str, trust_unverified: bool = False) -> None:
+    """Raise `CheckpointError` naming the first file that is missing, resized or changed. A checkpoint
+    without a manifest (older than manifests) passes only with `trust_unverified`, with a warning."""
+    if not os.path.exists(os.path.join(path, MANIFEST)):
+        if not trust_unverified:
+            raise CheckpointError(f"{os.path.join(path, MANIFEST)}: missing (a checkpoint written before manifests "
+                                  "existed cannot be verified); to resume from it anyway, add "
+                                  "--checkpoint.trust_unverified=true (its files are still read and checked)")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"colocate: warning: {path} has no {MANIFEST}; resuming unverified "
+                  "(checkpoint.trust_unverified=true)", file=sys.stderr, flush=True)
+        return
     manifest = _read_json(os.path.join(path, MANIFEST))
     files = manifest.get("files")
     if not isinstance(files, dict) or not set(REQUIRED) <= set(files):
@@ -248,13 +259,13 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from None
 
 
-def load_checkpoint(path: str) -> dict:
+def load_checkpoint(path: str, trust_unverified: bool = False) -> dict:
     """Verify, then read and validate every file; -> {adapter, peft_config, optimizer_tensors,
     optimizer_meta, rng, trainer_state}."""
     for name in REQUIRED:
         if not os.path.isfile(os.path.join(path, name)):
             raise CheckpointError(f"{os.path.join(path, name)}: missing from checkpoint")
-    verify_checkpoint(path)
+    verify_checkpoint(path, trust_unverified)
     out = {
         "adapter": {from_peft_name(k): v for k, v in
                     _read_tensors(os.path.join(path, "adapter_model.safetensors")).items()},

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from colocate.config_schema import (ATTENTIONS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
-                                    ENV_NAMES, EVAL_OPPONENTS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
+from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES,
+                                    ENGINE_KINDS, ENV_NAMES, EVAL_OPPONENTS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
                                     PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
@@ -52,6 +52,7 @@ _CHOICES = {
     ("engine", "lora_mode"): LORA_MODES,
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
     ("env", "name"): ENV_NAMES,
+    ("env", "bad_rows"): BAD_ROWS,
     ("loss", "norm"): NORM_MODES,
     ("loss", "impl"): LOSS_IMPLS,
     ("loss", "ratio_level"): RATIO_LEVELS,
@@ -136,13 +137,31 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict, bool]:
     return config_path, nested, resume
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one
+    silently: `learner: {lr: 0.003, lr: 30.0}` would train at 30)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: SafeLoader's own error follows
+                break
+            if first is not key_node:
+                raise ConfigError(f"{key_node.start_mark.name}: key {key!r} is given twice (line "
+                                  f"{first.start_mark.line + 1} and line {key_node.start_mark.line + 1}); keep one")
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: str, named_by: str | None) -> dict:
-    """One YAML file's top-level mapping (its `base:` key included)."""
+    """One YAML file's top-level mapping (its `base:` key included); a key given twice is an error."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}" + (f" (the base of {named_by})" if named_by else ""))
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader subclass
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file (a YAML config is expected)") from None
     except OSError as e:

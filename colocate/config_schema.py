@@ -18,6 +18,7 @@ CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
 ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by path, "my_pkg.my_env:MyEnv"
 CHAT_TEMPLATES = ("auto", "none")
 BUILTIN_REWARDS = ("gsm8k", "boxed", "exact")  # keys of colocate.rewards.BUILTINS
+BAD_ROWS = ("error", "skip")
 NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
 RATIO_LEVELS = ("token", "sequence")  # kernels.reference.RATIO_LEVELS
 LOSS_IMPLS = ("auto", "triton", "torch")
@@ -141,6 +142,11 @@ class EnvConfig:
     answer_choices: bool = False
     """dataset: sample only completions that are one of the answer column's distinct values (a
     constraint, as the arithmetic env's): for short-answer tasks with few answers; free text if false."""
+    bad_rows: str = "error"
+    """dataset: what an unusable row does (a prompt missing, null, neither text nor chat messages,
+    empty or whitespace, longer than the model's context less engine.max_new_tokens; a null answer
+    where the rewards need one): error refuses the files at start-up naming the file, line and
+    column; skip drops such rows and counts them (`data/dropped/<reason>`)."""
     eval_files: list = field(default_factory=list)
     """dataset: held-out files in the same format, scored by `eval` (every row, or `eval.max_samples`)."""
     reward: list = field(default_factory=lambda: ["exact"])
@@ -330,6 +336,9 @@ class CheckpointConfig:
     """'' = fresh run, 'auto' = newest complete checkpoint in <run_dir>/checkpoints, or a path."""
     enabled: bool = False
     """Write checkpoints at all."""
+    trust_unverified: bool = False
+    """Resume from a checkpoint that has no manifest.json (written before manifests existed), after a
+    one-line warning: its files are still read and checked, only their hashes cannot be."""
 
 
 @dataclass

@@ -81,6 +81,17 @@ def load_tokenizer(model_cfg, corpus_fn, corpus_key: str):
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
+def model_context(cfg) -> int:
+    """Positions the run's model (and its engine) can hold: the model's `max_position_embeddings`,
+    or `engine.max_model_len` when that is set and smaller. Reads only config.json (no weights)."""
+    if cfg.model.path:
+        from transformers import AutoConfig
+        context = getattr(AutoConfig.from_pretrained(cfg.model.path), "max_position_embeddings", None) or 1 << 30
+    else:
+        context = SHAPES[cfg.model.shape]["max_position_embeddings"]
+    return min(context, cfg.engine.max_model_len) if cfg.engine.max_model_len > 0 else context
+
+
 def model_config(shape: str, vocab_size: int, dtype: str):
     from transformers import Qwen2Config
     kw = dict(SHAPES[shape])

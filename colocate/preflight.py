@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 
 from colocate.config import Config, ConfigError
@@ -61,11 +62,18 @@ def check_state_cache(cfg: Config) -> None:
 
 
 def check_data_files(key: str, files: list[str]) -> None:
-    """Each file exists, and all are of one kind `datasets` reads."""
+    """Each file exists (a directory stands for the data files under it), and all are of one kind
+    `datasets` reads."""
     from colocate.envs.dataset import BUILDERS, builder_of
+    from colocate.envs.rows import expand_files
     for f in files:
-        if not os.path.isfile(f):
+        if os.path.isdir(f) and not expand_files([f]):
+            raise ConfigError(f"env.{key}: {f!r} is a directory with no json, jsonl, parquet or csv files in it")
+        if not os.path.exists(f):
             raise ConfigError(f"env.{key}: {f!r} does not exist (local json, jsonl, parquet or csv files)")
+        if not os.path.isdir(f) and not os.path.isfile(f):
+            raise ConfigError(f"env.{key}: {f!r} is not a regular file")
+    files = expand_files(files)
     try:
         builder_of(files)
     except ValueError:
@@ -86,7 +94,8 @@ def check_prompt_column(key: str, rows, cfg: Config) -> None:
                           f"(columns: {', '.join(rows.column_names)})")
     feature = rows.features[env.prompt_column]
     inner = feature.feature if isinstance(feature, (datasets.List, datasets.Sequence)) else None
-    is_text = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+    # a null column (every prompt null) passes here: the row checks name its first row
+    is_text = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")
     is_messages = isinstance(inner, dict) and {"role", "content"} <= set(inner) and all(
         isinstance(inner[k], datasets.Value) and inner[k].dtype in ("string", "large_string") for k in ("role", "content"))
     if not (is_text or is_messages):
@@ -120,6 +129,7 @@ def check_dataset(cfg: Config) -> None:
             raise ConfigError(f"env.{key}: {files} do not load as split {split!r} "
                               f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})") from None
         check_prompt_column(key, rows, cfg)
+        check_rows(key, cfg)
     for name in cfg.env.reward:
         try:
             load_reward(name, cfg.env.answer_column)
@@ -127,16 +137,66 @@ def check_dataset(cfg: Config) -> None:
             raise ConfigError(f"env.reward: {e}") from None
 
 
+def lazy_prompt_ids(cfg: Config):
+    """prompt -> token ids as the env will compute them; the tokenizer is loaded on the first call
+    (only a prompt that may be too long for the model needs it)."""
+    chat = []
+
+    def prompt_ids(prompt) -> list[int]:
+        if not chat:
+            from colocate.chat import ChatFormat
+            from colocate.envs import env_corpus
+            from colocate.models import load_tokenizer
+            key, corpus_fn = env_corpus(cfg)
+            chat.append(ChatFormat(load_tokenizer(cfg.model, corpus_fn, key), cfg.model.chat_template))
+        return chat[0].ids(prompt)
+    return prompt_ids
+
+
+def check_rows(key: str, cfg: Config) -> None:
+    """Every row of env.<key> (`envs/rows.py`): under env.bad_rows=error the first unusable one is
+    the error; under skip the dropped rows are counted in one line (stdout, rank 0)."""
+    from colocate.envs.dataset import BadRowError, open_rows
+    try:
+        rows, scan = open_rows(cfg, key, lazy_prompt_ids(cfg))
+    except BadRowError as e:
+        raise ConfigError(str(e)) from None
+    if scan.bad and len(rows) == 0:
+        raise ConfigError(f"env.{key}: every row is unusable ({_counts(scan.counts)}; env.bad_rows=skip "
+                          "dropped them all): nothing to draw prompts from")
+    if scan.bad and int(os.environ.get("RANK", "0")) == 0:
+        print(f"colocate: env.{key}: dropping {len(scan.bad)} unusable rows ({_counts(scan.counts)}; "
+              "env.bad_rows=skip)", file=sys.stderr, flush=True)
+
+
+def _counts(counts: dict) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()))
+
+
 def check_custom_env(cfg: Config) -> None:
-    """A custom env class by path: it imports and subclasses `Env`."""
+    """A custom env class by path: it imports, subclasses `Env` and follows its protocol by
+    signature, and `env.options` fits its constructor (`envs/protocol.py`)."""
     if cfg.env.name in ("arithmetic", "diplomacy", "dataset"):
         return
     from colocate.envs import env_class
+    from colocate.envs.protocol import EnvProtocolError, check_env_class
     from colocate.objects import ObjectPathError
     try:
-        env_class(cfg.env.name)
+        cls = env_class(cfg.env.name)
     except ObjectPathError as e:
         raise ConfigError(f"env.name: {e}") from None
+    try:
+        check_env_class(cls, cfg.env.options)
+    except EnvProtocolError as e:
+        raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
+
+
+def check_optional_packages(cfg: Config) -> None:
+    """Packages the config needs beyond the base install: vLLM for engine.kind=vllm."""
+    import importlib.util
+    if cfg.engine.kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine.kind=vllm but vllm is not installed in this environment (pip install vllm, "
+                          "or set engine.kind=hf / auto)")
 
 
 def meta_model(cfg: Config):
@@ -193,6 +253,7 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_state_cache(cfg)
     check_dataset(cfg)
     check_custom_env(cfg)
+    check_optional_packages(cfg)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
     if world is not None and gpus and (local_world or world) > gpus:

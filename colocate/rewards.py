@@ -16,6 +16,7 @@ and kind of fault with the offending sample; `max_errors` bad samples in a row s
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import sys
 import threading
@@ -90,6 +91,19 @@ def exact(prompts, completions, *, answer_column: str = "answer", **columns) -> 
     return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, columns[answer_column])]
 
 
+def is_sequence(values) -> bool:
+    """A list-like of values with a length (a list, tuple, NumPy array, tensor), not a string or an
+    iterator (a generator would be consumed by the length check)."""
+    if isinstance(values, (str, bytes, dict)) or values is None:
+        return False
+    return hasattr(values, "__len__") and hasattr(values, "__getitem__") and getattr(values, "ndim", 1) == 1
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 BUILTINS = {"gsm8k": gsm8k, "boxed": boxed, "exact": exact}
 
 
@@ -143,15 +157,20 @@ class RewardSet:
         except Exception as e:  # noqa: BLE001 - a user's function; counted, not fatal at once
             self._log_once(name, "raised", f"{type(e).__name__}: {e}", prompts[0], completions[0])
             return [None] * n
-        if values is None or isinstance(values, (str, bytes)) or len(values) != n:
-            size = "None" if values is None else f"{len(values)} values"
-            self._log_once(name, "wrong length", f"returned {size} for {n} completions", prompts[0], completions[0])
+        if not is_sequence(values):
+            self._log_once(name, "not a list", f"returned {type(values).__name__} {_short(values)}, expected a list "
+                           f"of {n} numbers (one per completion)", prompts[0], completions[0])
+            return [None] * n
+        if len(values) != n:
+            self._log_once(name, "wrong length", f"returned {len(values)} values for {n} completions",
+                           prompts[0], completions[0])
             return [None] * n
         out = []
         for i, v in enumerate(values):
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
             if not ok:
-                self._log_once(name, "bad value", f"returned {v!r}", prompts[i], completions[i])
+                self._log_once(name, "bad value", f"returned {type(v).__name__} {_short(v)} at position {i}, "
+                               "expected a finite number", prompts[i], completions[i])
             out.append(float(v) if ok else None)
         return out
 

@@ -129,14 +129,15 @@ def make_sender(cfg: Config, topo: Topology, spec: LoraSpec) -> AdapterSender:
 def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
     """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto."""
     from colocate.checkpoint import check_same_task, load_checkpoint, resolve_resume
+    trust = cfg.checkpoint.trust_unverified
     path, skipped = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
-                                   cfg.metrics.run_dir)
+                                   cfg.metrics.run_dir, trust)
     if int(os.environ.get("RANK", "0")) == 0:
         for line in skipped:
             print(f"colocate: resume: {line}", file=sys.stderr, flush=True)
     if path is None:
         return None
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, trust)
     check_same_task(cfg, path)
     state["path"] = path
     return state
@@ -150,7 +151,7 @@ def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
         argv, check_only, world = split_check_flags(argv)
         cfg, resume_flag = parse_config(argv, world)
         preflight(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        resume = None if check_only else load_resume(cfg, resume_flag)  # refused before any group forms
+        resume = load_resume(cfg, resume_flag)  # refused before any group forms; `--check` verifies it too
     except (ConfigError, CheckpointError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             kind = "config" if isinstance(e, ConfigError) else "checkpoint"

@@ -61,6 +61,11 @@ class Env:
         """Counters since the last call (e.g. invalid-order rate), namespaced by the caller."""
         return {}
 
+    def data_stats(self) -> dict[str, float]:
+        """Facts about the env's data fixed when it was opened, written once under `data/` (e.g.
+        "dropped/empty_prompt": rows dropped under env.bad_rows=skip). Default: none."""
+        return {}
+
     def state_dict(self) -> dict | None:
         """What a resumed run needs to continue this env's sampling exactly (JSON-able; None: nothing)."""
         return None

@@ -27,6 +27,7 @@ from colocate.chat import ChatFormat, is_messages
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
+from colocate.envs.rows import WHAT, RowRules, RowScan, expand_files, locate, scan_rows
 from colocate.rewards import RewardSet
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -34,6 +35,7 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "c
 
 
 def builder_of(files: list[str]) -> str:
+    files = expand_files(files)
     kinds = {BUILDERS.get(os.path.splitext(f)[1].lower()) for f in files}
     if None in kinds or len(kinds) != 1:
         raise ValueError(f"{files}: expected files of one kind among {', '.join(sorted(BUILDERS))}")
@@ -47,19 +49,76 @@ def load_rows(files: list[str], split: str, cache_dir: str):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a bad file is reported once, by the caller
     base = re.match(r"\w+", split)
     name = base.group(0) if base else "train"
-    return datasets.load_dataset(builder_of(files), data_files={name: list(files)}, split=split,
+    return datasets.load_dataset(builder_of(files), data_files={name: expand_files(files)}, split=split,
                                  cache_dir=os.path.join(cache_dir, "datasets"))
 
 
+def split_offset(files: list[str], split: str, cache_dir: str) -> int:
+    """Index in the files' concatenation of the split's first row (`train[100:]` -> 100)."""
+    base = re.match(r"\w+", split)
+    if base is None or base.group(0) == split:
+        return 0
+    import datasets
+    total = len(load_rows(files, base.group(0), cache_dir))
+    return datasets.ReadInstruction.from_spec(split).to_absolute({base.group(0): total})[0].from_ or 0
+
+
+class BadRowError(ValueError):
+    """A row the run cannot use under env.bad_rows=error; the message names file, line and column."""
+
+
+def row_rules(cfg, prompt_ids) -> RowRules:
+    """What a usable row is for this run; `prompt_ids` tokenizes a prompt as the env will."""
+    from colocate.models import model_context
+    env = cfg.env
+    needs_answer = bool([r for r in env.reward if ":" not in r] or env.answer_choices)
+    return RowRules(env.prompt_column, env.answer_column, needs_answer,
+                    max_prompt_tokens=model_context(cfg) - cfg.engine.max_new_tokens, prompt_ids=prompt_ids)
+
+
+def bad_row_message(cfg, key: str, rows, index: int, reason: str, rules: RowRules) -> str:
+    """One line: the key, the file and its line, the column, what is wrong and what to do."""
+    files = expand_files(getattr(cfg.env, key))
+    split = cfg.env.split if key == "data_files" else "train"
+    where = locate(files, split_offset(files, split, cfg.model.cache_dir) + index)
+    column = rules.answer_column if reason == "missing_answer" else rules.prompt_column
+    what = WHAT[reason]
+    if reason == "too_long":
+        n = len(rules.prompt_ids(rows[index][rules.prompt_column]))
+        what = (f"has {n} tokens, more than the model's context less engine.max_new_tokens="
+                f"{cfg.engine.max_new_tokens} ({rules.max_prompt_tokens})")
+    return (f"env.{key}: {where}, column {column!r}: the {'answer' if column != rules.prompt_column else 'prompt'} "
+            f"{what}; fix the row, or set env.bad_rows=skip to drop such rows and count them")
+
+
+def open_rows(cfg, key: str, prompt_ids) -> tuple[object, RowScan]:
+    """The rows of `env.<key>` with every row checked (`rows.py`) -> (usable rows, what was found).
+    Under env.bad_rows=error the first bad row raises `BadRowError`; under skip the bad rows are dropped."""
+    split = cfg.env.split if key == "data_files" else "train"
+    rows = load_rows(getattr(cfg.env, key), split, cfg.model.cache_dir)
+    rules = row_rules(cfg, prompt_ids)
+    scan = scan_rows(rows, rules, stop_at_first=cfg.env.bad_rows == "error")
+    if scan.bad and cfg.env.bad_rows == "error":
+        raise BadRowError(bad_row_message(cfg, key, rows, *scan.bad[0], rules))
+    if scan.bad:
+        rows = rows.select(scan.keep(len(rows)))
+    return rows, scan
+
+
 def prompt_text(prompt) -> str:
-    """A prompt as plain text (the tokenizer corpus; a message list's contents, one per line)."""
-    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    """A prompt as plain text (the tokenizer corpus; a message list's contents, one per line; a row
+    that is no prompt at all, which the row checks refuse or drop, gives none)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return ""
 
 
 def corpus_key(cfg) -> str:
     """Names the embedded tokenizer trained on these files (changes when a file does)."""
     parts = [cfg.env.prompt_column, cfg.env.answer_column]
-    for f in sorted(cfg.env.data_files + cfg.env.eval_files):
+    for f in sorted(expand_files(cfg.env.data_files + cfg.env.eval_files)):
         st = os.stat(f)
         parts.append(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}")
     return "dataset-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
@@ -73,7 +132,7 @@ def corpus(cfg) -> list[str]:
             rows = load_rows(files, "train", cfg.model.cache_dir)
             out += [prompt_text(p) for p in rows[cfg.env.prompt_column]]
             if cfg.env.answer_column in rows.column_names:
-                out += [str(a) for a in rows[cfg.env.answer_column]]
+                out += [str(a) for a in rows[cfg.env.answer_column] if a is not None]
     return out
 
 
@@ -108,20 +167,24 @@ class DatasetEnv(Env):
         self._pool = ThreadPoolExecutor(reward_workers, thread_name_prefix="colocate-reward") \
             if reward_workers > 0 else None
         self._counts = dict.fromkeys(("completions", "tokens", "truncated"), 0)
+        self.dropped: dict[str, float] = {}  # rows dropped when opened (env.bad_rows=skip), by reason
 
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "DatasetEnv":
         env = cfg.env
         rewards = RewardSet(env.reward, env.reward_weights, answer_column=env.answer_column,
                             max_errors=env.max_reward_errors)
-        eval_rows = load_rows(env.eval_files, "train", cfg.model.cache_dir) if env.eval_files else None
-        rows = load_rows(env.data_files, env.split, cfg.model.cache_dir)
+        chat = ChatFormat(tokenizer, cfg.model.chat_template)
+        eval_rows, eval_scan = open_rows(cfg, "eval_files", chat.ids) if env.eval_files else (None, RowScan())
+        rows, scan = open_rows(cfg, "data_files", chat.ids)
         choices = sorted({str(a) for a in rows[env.answer_column]}) if env.answer_choices else None
-        return cls(tokenizer, rows, rewards, choices=choices,
+        made = cls(tokenizer, rows, rewards, choices=choices,
                    group_size=cfg.rollout.group_size, prompt_column=env.prompt_column,
                    max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
-                   chat=ChatFormat(tokenizer, cfg.model.chat_template), eval_rows=eval_rows,
-                   reward_workers=env.reward_workers)
+                   chat=chat, eval_rows=eval_rows, reward_workers=env.reward_workers)
+        made.dropped = {**{f"dropped/{r}": float(n) for r, n in scan.counts.items()},
+                        **{f"dropped_eval/{r}": float(n) for r, n in eval_scan.counts.items()}}
+        return made
 
     @classmethod
     def corpus(cls, cfg) -> list[str]:
@@ -190,6 +253,9 @@ class DatasetEnv(Env):
         for gid in sorted(self._done):
             out.extend(self._done.pop(gid))
         return out
+
+    def data_stats(self) -> dict[str, float]:
+        return dict(self.dropped)
 
     def metrics(self) -> dict[str, float]:
         c = self._counts

@@ -43,10 +43,12 @@ class InferenceRank:
         self.worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
                                     first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
                                     stream=cfg.rollout.stream, drop_uniform=cfg.rollout.drop_uniform_groups,
-                                    overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens)
+                                    overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens,
+                                    max_env_errors=cfg.env.max_reward_errors)
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
                                     tensorboard=cfg.metrics.tensorboard)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)
+        self.writer.scalars("data", env.data_stats(), 0)  # e.g. data/dropped/<reason> (env.bad_rows=skip)
         self.stopped = False  # a STOP flag arrived in an adapter header
         self.batches: list[dict] = []  # per batch: where the rank waited, what the rollout did (e2e profile)
 

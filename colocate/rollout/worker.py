@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from colocate.data import Sample, TrajectoryBatch, build_batch, group_advantages
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
+from colocate.envs.protocol import ResultCheck
 from colocate.metrics import percentiles
 
 DROP_LIMIT = 8  # batches' worth of uniform groups one collect may drop before it keeps them
@@ -74,8 +75,9 @@ class _Play:
 class RolloutWorker:
     def __init__(self, env: Env, engine: Engine, *, groups_per_batch: int, first_group_id: int = 0,
                  oversample: int = 0, stream: bool = False, drop_uniform: bool = False, overlong_buffer: int = 0,
-                 max_new_tokens: int = 0):
+                 max_new_tokens: int = 0, max_env_errors: int = 100):
         self.env = env
+        self.check = ResultCheck(env, max_env_errors)  # what the env's methods return
         self.engine = engine
         self.groups_per_batch = groups_per_batch
         self.oversample = oversample
@@ -118,7 +120,7 @@ class RolloutWorker:
     def _submit_waiting(self, play: _Play) -> None:
         """Submit every request the env has waiting that is not already in flight."""
         keys = {k for k, _ in play.in_flight.values()}
-        waiting = [(k, r) for k, r in self.env.requests() if k not in keys]
+        waiting = [(k, r) for k, r in self.check.requests(self.env.requests()) if k not in keys]
         if not waiting:
             return
         now = time.perf_counter()
@@ -130,7 +132,7 @@ class RolloutWorker:
         """Poll the engine and step the env with what it answered -> samples of groups that finished
         (with nothing in flight, only what the env has finished without the engine)."""
         if not play.in_flight:
-            finished = self.env.pop_finished()
+            finished = self.check.samples(self.env.pop_finished())
             if not finished:
                 raise RuntimeError(f"env has no requests and {len(self._live)} unfinished groups")
             return finished
@@ -145,7 +147,7 @@ class RolloutWorker:
             play.request_s.append(now - t_submit)
             play.out_tokens += len(completion.token_ids)
         self.env.step(answers)
-        return self.env.pop_finished()
+        return self.check.samples(self.env.pop_finished())
 
     def _file_finished(self, finished: list[Sample], play: _Play) -> None:
         """Shape the finished samples' rewards, drop uniform groups, file the rest as complete."""
@@ -183,6 +185,7 @@ class RolloutWorker:
             "groups_carried_over": float(len(self._live) + len(self._complete)),
             "dropped_uniform_groups": float(play.dropped_uniform),
             "kept_uniform_groups": float(play.kept_uniform),
+            "env_errors": float(self.check.take_errors()),
             **{k: float(v) for k, v in self.env.metrics().items()},
         }
 
