@@ -39,6 +39,38 @@ class StopSignal:
         self.requested, self.signum = True, signum
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+             "NCCL communicator was aborted", "Socket Timeout", "Timed out waiting")
+"""What a rank's transport says when another rank died (gloo, NCCL, the TCP store)."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether `error` only reports that another rank went away (that rank prints the cause)."""
+    import torch.distributed as dist
+    text = str(error)
+    return isinstance(error, dist.DistError) or (isinstance(error, (RuntimeError, ConnectionError, OSError))
+                                                 and any(m in text for m in PEER_GONE))
+
+
+def quiet_thread_peer_failures() -> None:
+    """A background thread (the trajectory sender) that fails because a peer died prints nothing;
+    any other failure of a thread is printed as before."""
+    default = threading.excepthook
+
+    def hook(args) -> None:
+        if args.exc_value is not None and is_peer_failure(args.exc_value):
+            return
+        default(args)
+    threading.excepthook = hook
+
+
+def exit_quietly(code: int = 1) -> None:
+    """Leave now without unwinding (a process group's teardown could wait on the dead peer)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 PR_SET_PDEATHSIG = 1
 
 

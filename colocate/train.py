@@ -37,7 +37,7 @@ from colocate.engine.base import Engine
 from colocate.envs import env_corpus, make_env
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
-from colocate.lifecycle import StopSignal, die_with_parent
+from colocate.lifecycle import StopSignal, die_with_parent, exit_quietly, is_peer_failure, quiet_thread_peer_failures
 from colocate.models import add_lora, build_model, load_tokenizer, materialize
 from colocate.preflight import preflight
 from colocate.rollout.loop import run_inference
@@ -201,11 +201,15 @@ def main(argv: list[str] | None = None) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it
         die_with_parent()
     stop = StopSignal().install()
+    quiet_thread_peer_failures()
     try:
         run_rank(cfg, resume, stop)
     except BaseException as e:
         # One line that names the rank and the cause; torchrun then stops the other ranks (their
-        # collectives time out after topology.timeout_s at the latest).
+        # collectives time out after topology.timeout_s at the latest). A rank whose transport only
+        # reports that another rank died exits quietly: that rank has printed the cause.
+        if not isinstance(e, (SystemExit, KeyboardInterrupt)) and is_peer_failure(e):
+            exit_quietly(1)
         rank, role = int(os.environ.get("RANK", "0")), rank_role(cfg)
         print(f"colocate: rank {rank} ({role}) failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise

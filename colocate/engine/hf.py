@@ -82,6 +82,7 @@ class HFEngine(Engine):
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
@@ -120,6 +121,11 @@ class HFEngine(Engine):
 
     # -- sampling --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
+        for r in requests:  # a batch is padded to its longest prompt: one overlong prompt would size them all
+            if len(r.prompt_ids) + r.max_new_tokens > self.context:
+                raise ValueError(f"a prompt of {len(r.prompt_ids)} tokens plus max_new_tokens={r.max_new_tokens} "
+                                 f"exceeds the model's context of {self.context} positions (the env must not ask "
+                                 "for it; the dataset env's row checks drop or refuse such rows)")
         out: list[Completion] = []
         for start in range(0, len(requests), self.max_batch_size):
             out.extend(self._generate_batch(requests[start:start + self.max_batch_size]))
