@@ -18,13 +18,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from colocate.train import configure  # noqa: E402
-from tests.test_bad_input import CASES, materialize  # noqa: E402
+from tests.test_bad_input import CONFIG_CASES, USER_CASES, materialize  # noqa: E402
 
 
 def message(text, overrides: list[str]) -> tuple[int, str]:
     """(exit code, stderr) of one case, in a fresh temporary directory."""
     with tempfile.TemporaryDirectory() as tmp:
         path, overrides = materialize(text, overrides, Path(tmp))
+        sys.path.insert(0, tmp)  # the cases' user modules
         argv = ["--config", path, f"--metrics.run_dir={tmp}/run", f"--model.cache_dir={tmp}/cache", *overrides]
         err = io.StringIO()
         code = 0
@@ -33,16 +34,44 @@ def message(text, overrides: list[str]) -> tuple[int, str]:
                 configure(argv)
             except SystemExit as e:
                 code = e.code
+        sys.path.remove(tmp)
         return code, err.getvalue().strip().replace(tmp, "<tmp>").replace(str(REPO) + "/", "")
+
+
+def table(cases) -> list[str]:
+    """The markdown rows of the cases: id, input, exit code, the line printed."""
+    rows = []
+    for case_id, text, overrides, _ in cases:
+        code, line = message(text, overrides)
+        shown = " ".join(overrides) or ("(the config file)" if text is not None else "")
+        rows.append(f"| {case_id} | `{shown}` | {code} | {line.replace('|', '/')} |")
+    return rows
+
+
+USER_SECTION = """
+## User data and user code
+
+Rows of `env.data_files` are checked when the files are opened (streamed, `colocate/envs/rows.py`):
+a prompt missing, null, neither text nor chat messages, empty or whitespace, or longer than the
+model's context less `engine.max_new_tokens`, and a null answer where the rewards need one. Under
+`env.bad_rows: error` (default) the first such row is the error, named by file, the file's own
+line number and column; under `skip` they are dropped and counted (`data/dropped/<reason>` in
+TensorBoard, one line on stderr at start-up). A directory in `env.data_files` stands for the data
+files under it. Reward modules and env classes are imported and checked in the launching process
+(an env class against the `Env` protocol by signature, `env.options` against its constructor).
+At run time, a reward function or env method returning the wrong shape is logged once with what it
+returned and what was expected, counted (`rollout/reward_errors`, `rollout/env_errors`), and
+`env.max_reward_errors` of them in a row stop the run. When a rank fails, it alone prints
+`colocate: rank R (role) failed: ...`; the other ranks exit without a transport traceback.
+
+| case | input | exit | message |
+| --- | --- | --- | --- |
+"""
 
 
 def main() -> None:
     os.environ.update(WORLD_SIZE="2", RANK="0")
-    rows = []
-    for case_id, text, overrides, _ in CASES:
-        code, line = message(text, overrides)
-        shown = " ".join(overrides) or ("(the config file)" if text is not None else "")
-        rows.append(f"| {case_id} | `{shown}` | {code} | {line.replace('|', '/')} |")
+    rows, user_rows = table(CONFIG_CASES), table(USER_CASES)
     out = REPO / "docs" / "errors.md"
     out.write_text(
         "# Bad input and its message\n\n"
@@ -51,8 +80,9 @@ def main() -> None:
         "them. Overrides apply to `configs/cpu-tiny.yaml` unless the case writes its own config file.\n"
         "Under torchrun every rank exits with 2 and rank 0 prints the line once; torchrun itself then\n"
         "exits with 1 (`python -m colocate.train --config FILE --check` returns the 2 before launch).\n\n"
-        "| case | input | exit | message |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
-    print(f"wrote {out} ({len(rows)} cases)")
+        "| case | input | exit | message |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
+        + USER_SECTION + "\n".join(user_rows) + "\n")
+    print(f"wrote {out} ({len(rows) + len(user_rows)} cases)")
 
 
 if __name__ == "__main__":

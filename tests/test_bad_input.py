@@ -1,6 +1,6 @@
 """Every bad input is one clear line and exit code 2 before any process group or model exists.
 
-`CASES` is the catalogue: (id, config file text or None for the shipped cpu-tiny.yaml, overrides,
+`CASES` is the catalogue (`CONFIG_CASES`, then `USER_CASES`: users' data files and code): (id, config file text or None for the shipped cpu-tiny.yaml, overrides,
 text the message must contain). Each runs through `train.configure`, what every rank and
 `--check` run first; `docs/errors.md` lists the same cases with their messages
 (`python scripts/bad_inputs.py` rewrites it).
@@ -15,7 +15,7 @@ from tests.conftest import REPO
 
 TINY = os.path.join(REPO, "configs", "cpu-tiny.yaml")
 
-CASES = [
+CONFIG_CASES = [
     # the file itself
     ("missing file", "<missing>", [], "config file not found"),
     ("corrupt YAML", "model: [unclosed\n", [], "YAML"),
@@ -154,6 +154,87 @@ CASES = [
     ("checkpoint keep negative", None, ["--checkpoint.keep=-1"], "checkpoint.keep"),
     ("resume dir missing", None, ["--checkpoint.resume=/nonexistent/step-000001"], "does not exist"),
 ]
+USER_CASES = [  # user data and user code (tests/test_user_inputs.py has the run-time cases)
+    ("duplicate YAML key", "learner:\n  lr: 0.003\n  lr: 30.0\n", [], "key 'lr' is given twice (line 2 and line 3)"),
+    ("dataset row prompt null", None, ["--env.name=dataset", "--env.data_files=<rows:null>"],
+     "line 3, column 'prompt': the prompt is missing or null"),
+    ("dataset row prompt missing", None, ["--env.name=dataset", "--env.data_files=<rows:missing>"],
+     "line 3, column 'prompt': the prompt is missing or null"),
+    ("dataset row prompt empty", None, ["--env.name=dataset", "--env.data_files=<rows:empty>"],
+     "line 3, column 'prompt': the prompt is empty or only whitespace"),
+    ("dataset row prompt whitespace", None, ["--env.name=dataset", "--env.data_files=<rows:blank>"],
+     "line 3, column 'prompt': the prompt is empty or only whitespace"),
+    ("dataset row messages empty", None, ["--env.name=dataset", "--env.data_files=<rows:nomessages>"],
+     "line 3, column 'prompt': the prompt is empty"),
+    ("dataset row answer null", None, ["--env.name=dataset", "--env.data_files=<rows:noanswer>"],
+     "line 3, column 'answer': the answer is missing or null"),
+    ("dataset row prompt too long", None, ["--env.name=dataset", "--env.data_files=<rows:long>"],
+     "line 3, column 'prompt': the prompt has"),
+    ("dataset row in a split", None, ["--env.name=dataset", "--env.data_files=<rows:null>", "--env.split=train[1:]"],
+     "line 3, column 'prompt'"),
+    ("dataset directory without data files", None, ["--env.name=dataset", "--env.data_files=<emptydir>"],
+     "is a directory with no json, jsonl, parquet or csv files"),
+    ("dataset every row skipped", None, ["--env.name=dataset", "--env.data_files=<rows:allnull>",
+                                         "--env.bad_rows=skip"], "every row is unusable"),
+    ("bad rows policy", None, ["--env.bad_rows=ignore"], "env.bad_rows"),
+    ("reward module syntax error", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                          "--env.reward=user_syntax_error:score"], "SyntaxError"),
+    ("reward module raises at import", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                              "--env.reward=user_raises:score"], "ZeroDivisionError"),
+    ("reward module imports a missing package", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                                       "--env.reward=user_missing_dep:score"], "no_such_dependency"),
+    ("custom env without requests", None, ["--env.name=user_envs:NoRequests"], "does not implement requests()"),
+    ("custom env from_config signature", None, ["--env.name=user_envs:OldFromConfig"],
+     "cannot be called as from_config(cfg, tokenizer, seed)"),
+    ("custom env step signature", None, ["--env.name=user_envs:StepNoArgs"], "cannot be called as step(completions)"),
+    ("custom env unknown option", None, ["--env.name=examples.guessing_game:GuessingGameEnv",
+                                         "--env.options={max_numbr: 4}"], "did you mean 'max_number'"),
+    ("resume dir not a checkpoint", None, ["--checkpoint.resume=<emptydir>"], "missing from checkpoint"),
+    ("resume without manifest", None, ["--checkpoint.resume=<nomanifest>"], "--checkpoint.trust_unverified=true"),
+]
+CASES = CONFIG_CASES + USER_CASES
+
+ROWS = {  # fixture files of one bad row on line 3 (line 2 is blank: line numbers are the file's own)
+    "null": '{"prompt": null, "answer": "3"}', "missing": '{"answer": "3"}', "empty": '{"prompt": "", "answer": "3"}',
+    "blank": '{"prompt": " \\t\\n ", "answer": "3"}', "noanswer": '{"prompt": "add 1 and 2 ; answer :", "answer": null}',
+    "nomessages": '{"prompt": [{"role": "user", "content": "  "}], "answer": "3"}',
+    "long": '{"prompt": "' + " ".join(map(str, range(2000))) + '", "answer": "3"}',  # a token per digit
+}
+USER_MODULES = {  # user code, importable from the case's directory
+    "user_syntax_error.py": "def score(prompts, completions, **kw)\n    return [1.0] * len(completions)\n",
+    "user_raises.py": "RATE = 1 / 0\n",
+    "user_missing_dep.py": "import no_such_dependency  # noqa\n",
+    "user_envs.py": ("from colocate.envs.base import Env\n\n\n"
+                     "class NoRequests(Env):\n    @classmethod\n    def from_config(cls, cfg, tokenizer, seed):\n"
+                     "        return cls()\n\n    def start_group(self, group_id):\n        pass\n\n"
+                     "    def step(self, completions):\n        pass\n\n    def pop_finished(self):\n        return []\n\n\n"
+                     "class OldFromConfig(NoRequests):\n    @classmethod\n    def from_config(cls, cfg):\n"
+                     "        return cls()\n\n    def requests(self):\n        return []\n\n\n"
+                     "class StepNoArgs(NoRequests):\n    def requests(self):\n        return []\n\n"
+                     "    def step(self):\n        pass\n"),
+}
+
+
+def write_fixture_rows(tmp_path) -> dict[str, str]:
+    """One JSONL file per kind of bad row (line 1 good, line 2 blank, line 3 bad, line 4 good) ->
+    {"<rows:kind>": path}; and a directory holding a checkpoint's files without a manifest."""
+    good = '{"prompt": "add 1 and 2 ; answer :", "answer": "3"}'
+    out = {}
+    for kind, row in ROWS.items():
+        first = good if kind != "nomessages" else '{"prompt": [{"role": "user", "content": "add 1 and 2"}], "answer": "3"}'
+        (tmp_path / f"rows-{kind}.jsonl").write_text(f"{first}\n\n{row}\n{first}\n")
+        out[f"<rows:{kind}>"] = str(tmp_path / f"rows-{kind}.jsonl")
+    (tmp_path / "rows-allnull.jsonl").write_text('{"prompt": null, "answer": "3"}\n' * 3)
+    out["<rows:allnull>"] = str(tmp_path / "rows-allnull.jsonl")
+    for name, text in USER_MODULES.items():
+        (tmp_path / name).write_text(text)
+    old = tmp_path / "nomanifest"
+    old.mkdir(exist_ok=True)
+    from colocate.checkpoint import REQUIRED
+    for name in REQUIRED:
+        (old / name).write_text("{}")
+    out["<nomanifest>"] = str(old)
+    return out
 
 
 def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
@@ -177,7 +258,8 @@ def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
     (tmp_path / "badjson.jsonl").write_text('{"prompt": "unclosed\n')
     fill = {"<data>": str(tmp_path / "data.jsonl"), "<emptysplit>": str(tmp_path / "emptysplit.jsonl"),
             "<badprompt>": str(tmp_path / "badprompt.jsonl"), "<badjson>": str(tmp_path / "badjson.jsonl"),"<emptydir>": str(tmp_path / "emptydir"), "<badmodel>": str(tmp_path / "badmodel"),
-            "<garbage>": str(tmp_path / "garbage.jsonl"), "<file>": str(tmp_path / "afile")}
+            "<garbage>": str(tmp_path / "garbage.jsonl"), "<file>": str(tmp_path / "afile"),
+            **write_fixture_rows(tmp_path)}
     out = []
     for o in overrides:
         for k, v in fill.items():
@@ -190,6 +272,7 @@ def run_case(path: str, overrides: list[str], tmp_path, monkeypatch, capsys) -> 
     from colocate.train import configure
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the cases' user modules
     argv = ["--config", path, f"--metrics.run_dir={tmp_path / 'run'}", f"--model.cache_dir={tmp_path / 'cache'}",
             *overrides]
     with pytest.raises(SystemExit) as exit_info:

@@ -197,6 +197,9 @@ def test_raising_rank_ends_job_fast_and_is_named(tmp_path):
     assert code != 0
     assert time.time() - t0 < 60 + 15  # 60 s after the fault, plus start-up
     assert "rank 1 (learner) failed: RuntimeError: injected fault" in out, out
+    # one failure, one message: the other rank's transport reports nothing of its own
+    assert out.count(") failed: ") == 1, out
+    assert "Connection closed by peer" not in out and "DistBackendError" not in out, out
 
 
 @pytest.mark.slow

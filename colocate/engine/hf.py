@@ -82,7 +82,7 @@ class HFEngine(Engine):
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 30
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
