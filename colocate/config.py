@@ -28,8 +28,8 @@ from typing import Any
 import yaml
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES,
-                                    ENGINE_KINDS, ENV_NAMES, EVAL_OPPONENTS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
-                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS,
+                                    ENGINE_KINDS, ENV_NAMES, EVAL_OPPONENTS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES,
+                                    NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)

@@ -37,7 +37,7 @@ def import_user_module(path: str, module_name: str):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):  # the module itself (or its package) is missing
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):  # it, or its package
             raise ObjectPathError(f"{path!r}: cannot import {module_name!r} ({e})") from None
         raise ObjectPathError(f"{path!r}: importing {module_name!r} failed: {_where(e)}") from None
     except SyntaxError as e:

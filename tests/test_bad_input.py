@@ -1,6 +1,7 @@
 """Every bad input is one clear line and exit code 2 before any process group or model exists.
 
-`CASES` is the catalogue (`CONFIG_CASES`, then `USER_CASES`: users' data files and code): (id, config file text or None for the shipped cpu-tiny.yaml, overrides,
+`CASES` is the catalogue (`CONFIG_CASES`, then `USER_CASES`: users' files and code): (id,
+config file text or None for the shipped cpu-tiny.yaml, overrides,
 text the message must contain). Each runs through `train.configure`, what every rank and
 `--check` run first; `docs/errors.md` lists the same cases with their messages
 (`python scripts/bad_inputs.py` rewrites it).
@@ -196,7 +197,8 @@ CASES = CONFIG_CASES + USER_CASES
 
 ROWS = {  # fixture files of one bad row on line 3 (line 2 is blank: line numbers are the file's own)
     "null": '{"prompt": null, "answer": "3"}', "missing": '{"answer": "3"}', "empty": '{"prompt": "", "answer": "3"}',
-    "blank": '{"prompt": " \\t\\n ", "answer": "3"}', "noanswer": '{"prompt": "add 1 and 2 ; answer :", "answer": null}',
+    "blank": '{"prompt": " \\t\\n ", "answer": "3"}',
+    "noanswer": '{"prompt": "add 1 and 2 ; answer :", "answer": null}',
     "nomessages": '{"prompt": [{"role": "user", "content": "  "}], "answer": "3"}',
     "long": '{"prompt": "' + " ".join(map(str, range(2000))) + '", "answer": "3"}',  # a token per digit
 }
@@ -221,7 +223,8 @@ def write_fixture_rows(tmp_path) -> dict[str, str]:
     good = '{"prompt": "add 1 and 2 ; answer :", "answer": "3"}'
     out = {}
     for kind, row in ROWS.items():
-        first = good if kind != "nomessages" else '{"prompt": [{"role": "user", "content": "add 1 and 2"}], "answer": "3"}'
+        messages = '{"prompt": [{"role": "user", "content": "add 1 and 2"}], "answer": "3"}'
+        first = good if kind != "nomessages" else messages
         (tmp_path / f"rows-{kind}.jsonl").write_text(f"{first}\n\n{row}\n{first}\n")
         out[f"<rows:{kind}>"] = str(tmp_path / f"rows-{kind}.jsonl")
     (tmp_path / "rows-allnull.jsonl").write_text('{"prompt": null, "answer": "3"}\n' * 3)
