@@ -45,7 +45,7 @@ class InferenceRank:
                                     stream=cfg.rollout.stream, drop_uniform=cfg.rollout.drop_uniform_groups,
                                     overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens)
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
-                                    tensorboard=cfg.metrics.tensorboard)
+                                    tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)
         self.stopped = False  # a STOP flag arrived in an adapter header
         self.batches: list[dict] = []  # per batch: where the rank waited, what the rollout did (e2e profile)
