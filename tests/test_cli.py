@@ -46,7 +46,7 @@ def test_help_of_the_command_and_of_a_config_section(capsys):
     assert "--nproc" in capsys.readouterr().out
     assert cli.main(["check", "--help", "learner"]) == 0
     out = capsys.readouterr().out
-    assert "--learner.lr=0.001" in out and "updates_per_batch" in out and "optimizer steps" in out.lower()
+    assert "--learner.lr=0.001" in out and "updates_per_batch" in out and "AdamW steps per rollout batch" in out
     assert cli.main(["check", "--help", "lerner"]) == 2
     assert "no config section 'lerner'" in capsys.readouterr().err
 
