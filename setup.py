@@ -32,5 +32,8 @@ setup(
         "test": ["pytest", "pytest-timeout", "triton",
                  "llguidance==1.7.6"],  # vLLM 0.25's grammar engine: the grammar tests
         "profile": ["py-spy", "torch-tb-profiler"],
+        # metrics.loggers beyond TensorBoard (colocate/trackers.py); CI installs them with [test]
+        "trackers": ["wandb>=0.19", "mlflow-skinny>=2.20", "trackio>=0.2"],
     },
+    entry_points={"console_scripts": ["colocate = colocate.cli:main"]},
 )

@@ -240,6 +240,22 @@ def save_checkpoint(root: str, step: int, *, adapter: dict[str, torch.Tensor], p
     return final
 
 
+def save_adapter(directory: str, adapter: dict[str, torch.Tensor], peft_config: dict) -> str:
+    """The adapter alone in peft format (`PeftModel.from_pretrained`, vLLM's `LoRARequest`):
+    `<run_dir>/adapter` at the end of every run, checkpoints on or off. Written to a temp
+    directory, then renamed over the old one."""
+    tmp = f"{directory.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    _write_tensors(os.path.join(tmp, "adapter_model.safetensors"),
+                   {to_peft_name(n): _full(t) for n, t in adapter.items()})
+    _write_json(os.path.join(tmp, "adapter_config.json"), peft_config)
+    if os.path.exists(directory):
+        shutil.rmtree(directory)
+    os.rename(tmp, directory)
+    return directory
+
+
 # -- read ------------------------------------------------------------------------------------------
 def _read_json(path: str) -> dict:
     try:

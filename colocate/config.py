@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES,
-                                    ENGINE_KINDS, ENV_NAMES, EVAL_OPPONENTS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES,
-                                    NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS,
+from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
+                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
+                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -74,14 +74,23 @@ def nearest_key(key: str, valid: list[str]) -> str:
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check (and for CLI strings, parse) one value against its field type."""
     origin = typing.get_origin(annotation) or annotation
+    if isinstance(value, str) and annotation is float:
+        # Any float notation, on the command line and in YAML alike: YAML 1.1 reads `1e-6` and `3e-3`
+        # as strings (it wants `1.0e-6`), Python's float() takes them, `.5` and `1_000.0` too.
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{where}: expected float, got str {value!r}") from None
     if isinstance(value, str) and annotation is not str and origin is not list:
         # Overrides arrive as strings: parse them as YAML scalars ("3" -> 3, "true" -> True).
         value = yaml.safe_load(value)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin is list:
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+        if isinstance(value, str):  # a,b or [a,b] (what YAML would write)
+            text = value.strip()
+            text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+            value = [v.strip() for v in text.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
         return value
@@ -294,6 +303,9 @@ def check_values(cfg: Config) -> None:
             raise ConfigError(f"{section}.{key}={value!r} {rule}")
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty: at least one linear layer needs an adapter")
+    bad = [o for o in cfg.metrics.loggers if o not in LOGGERS]
+    if bad:
+        raise ConfigError(f"metrics.loggers: {bad[0]!r} is not one of {', '.join(map(repr, LOGGERS))}")
     bad = [o for o in cfg.eval.opponents if o not in EVAL_OPPONENTS]
     if bad or not cfg.eval.opponents:
         raise ConfigError(f"eval.opponents={cfg.eval.opponents!r}: expected a non-empty list of "
@@ -342,6 +354,16 @@ def _finite_number(value, where: str) -> float:
     return number
 
 
+def derive_batch_size(r: RolloutConfig) -> None:
+    """rollout.batch_size is groups_per_step * group_size: 0 (the default) fills it in; a value set
+    by hand is accepted only when it agrees (so `--rollout.group_size=16` alone is a valid change)."""
+    derived = r.groups_per_step * r.group_size
+    if r.batch_size not in (0, derived):
+        raise ConfigError(f"rollout.batch_size={r.batch_size} must equal rollout.groups_per_step * rollout.group_size "
+                          f"= {r.groups_per_step} * {r.group_size} = {derived} (or be left out: it is derived)")
+    r.batch_size = derived
+
+
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Value checks (`check_values`), then cross-field checks. Each failure is one line naming the
     fields involved."""
@@ -350,11 +372,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     r = cfg.rollout
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per group")
-    if r.batch_size % r.group_size != 0:
-        raise ConfigError(f"rollout.group_size={r.group_size} does not divide rollout.batch_size={r.batch_size}")
-    if r.groups_per_step * r.group_size != r.batch_size:
-        raise ConfigError(f"rollout.batch_size={r.batch_size} must equal rollout.groups_per_step * rollout.group_size "
-                          f"= {r.groups_per_step * r.group_size}")
+    derive_batch_size(r)
     if r.oversample_groups > 0 and cfg.learner.max_policy_lag < 2:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
                           "a group carried over to the next batch is trained a step later, so batches start one "

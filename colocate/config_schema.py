@@ -26,6 +26,7 @@ ATTENTIONS = ("auto", "varlen", "sdpa")
 PREFIX_SHARING = ("off", "group", "tree")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
 PLACEMENTS = ("by_node", "interleaved")
+LOGGERS = ("tensorboard", "wandb", "mlflow", "trackio")  # colocate.trackers
 EVAL_OPPONENTS = ("random", "hold", "greedy")  # keys of colocate.envs.diplomacy.bots.BOTS
 
 
@@ -176,8 +177,9 @@ class RolloutConfig:
     """GRPO groups per learner step, summed over all inference ranks."""
     group_size: int = 8
     """Samples per group (G)."""
-    batch_size: int = 128
-    """Samples per learner step = groups_per_step * group_size; checked."""
+    batch_size: int = 0
+    """Samples per learner step: derived as groups_per_step * group_size (leave it out; a value given
+    must agree)."""
     seed: int = 0
     """Seed of prompt selection and sampling (offset per inference rank)."""
     oversample_groups: int = 0
@@ -301,7 +303,14 @@ class MetricsConfig:
     log_every: int = 1
     """Print a progress line every this many steps (one rank per role)."""
     tensorboard: bool = True
-    """Write TensorBoard event files under <run_dir>/tb/<role>."""
+    """Write TensorBoard event files under <run_dir>/tb/<role> (when `loggers` names tensorboard)."""
+    loggers: list = field(default_factory=lambda: ["tensorboard"])
+    """Where scalars go: any of tensorboard, wandb, mlflow, trackio (LOGGERS). wandb, mlflow and
+    trackio get the learner's scalars, the resolved config and the run name (the run directory's
+    name); they are optional packages (`pip install -e ".[trackers]"`) and honour their own
+    environment (WANDB_MODE=offline, MLFLOW_TRACKING_URI, TRACKIO_DIR ...)."""
+    project: str = "colocate"
+    """Tracker project (wandb project, mlflow experiment, trackio project)."""
     profile: bool = False
     """Record a torch.profiler trace window per role."""
     profile_wait: int = 1

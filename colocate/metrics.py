@@ -26,11 +26,14 @@ class MetricsWriter:
         self.enabled = enabled
         self.role = role
         self._tb = None
+        self.trackers: list = []  # W&B / MLflow / trackio (`colocate.trackers`): the same scalars
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tb", role))
 
     def scalars(self, namespace: str, values: dict[str, float], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log({f"{namespace}/{k}": float(v) for k, v in values.items()}, step)
         if self._tb is None:
             return
         for key, value in values.items():
@@ -50,6 +53,8 @@ class MetricsWriter:
         self.scalars("alerts", {name: 1.0}, step)
 
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()

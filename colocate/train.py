@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from colocate import run_dir
 from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, IpcReceiver, IpcSender,
                               NoSender)
 from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config, to_dict
@@ -42,6 +43,7 @@ from colocate.models import add_lora, build_model, load_tokenizer, materialize
 from colocate.preflight import preflight
 from colocate.rollout.loop import run_inference
 from colocate.topology import Topology, build_topology, place_roles, split_cpu_threads
+from colocate.trackers import check_loggers
 from colocate.wire import LoraSpec
 
 
@@ -143,14 +145,33 @@ def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
     return state
 
 
+def check_config(argv: list[str], world: int | None = None,
+                 local_world: int | None = None) -> tuple[Config, bool, bool]:
+    """Everything checked before launch -> (config, --resume given, --check given); raises
+    ConfigError. `--check`, every rank under torchrun and `colocate train` (before it starts
+    torchrun, with the world it will ask for) run this one function: the config over its world
+    size, the preflight checks, and (a real run) the run directory policy (`run_dir.claim`)."""
+    argv, overwrite = run_dir.split_overwrite(argv)
+    argv, check_only, env_world = split_check_flags(argv)
+    world = world or env_world
+    cfg, resume_flag = parse_config(argv, world)
+    preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_loggers(cfg)
+    if not check_only:
+        run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite,
+                      remove=int(os.environ.get("RANK", "0")) == 0)
+    return cfg, resume_flag, check_only
+
+
 def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
     """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
     process group or model). Under torchrun every rank exits; only rank 0 prints the line."""
     from colocate.checkpoint import CheckpointError
     try:
-        argv, check_only, world = split_check_flags(argv)
-        cfg, resume_flag = parse_config(argv, world)
-        preflight(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if "WORLD_SIZE" not in os.environ and "--check" not in argv:
+            raise ConfigError("not started by torchrun: run `colocate train --config FILE [--nproc N]`, or "
+                              "`torchrun --nproc-per-node=N -m colocate.train --config FILE` (`--check` only checks)")
+        cfg, resume_flag, check_only = check_config(argv)
         resume = load_resume(cfg, resume_flag)  # refused before any group forms; `--check` verifies it too
     except (ConfigError, CheckpointError) as e:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -27,6 +27,7 @@ def test_cpu_run_reward_improves(tmp_path):
     assert summary["steps"] == 80
     assert summary["reward_end"] >= summary["reward_start"] + 0.25, summary
     assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()  # the final adapter, checkpoints off
     for role in ("learner", "inference"):
         assert glob.glob(str(run_dir / "tb" / role / "events.out.tfevents.*")), role
 

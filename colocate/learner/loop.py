@@ -36,8 +36,12 @@ class LearnerRank:
     def __init__(self, cfg: Config, topo: Topology, learner, sender: AdapterSender, stop: StopSignal):
         self.cfg, self.topo, self.learner, self.sender, self.stop = cfg, topo, learner, sender, stop
         self.writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0,
-                                    tensorboard=cfg.metrics.tensorboard)
+                                    tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
+        if topo.role_rank == 0:  # W&B / MLflow / trackio: the learner's scalars, once per job
+            from colocate.trackers import open_trackers
+            self.writer.trackers = open_trackers(cfg)
         self.fault = parse_fault()
+        self.eta = StepClock(cfg.learner.num_steps)
         self.history: dict[str, list[float]] = {"reward": [], "loss": []}
         self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
         # Per step: [wait start, train start, train end, step end (unix s), policy lag mean, adapter
@@ -117,7 +121,7 @@ class LearnerRank:
             self.writer.print(f"step {step + 1}/{self.cfg.learner.num_steps} reward {stats['reward']:.3f} "
                               f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
                               f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
-                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s")
+                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{self.eta.text(step)}")
         self.timeline.append([waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
                               stats["policy_lag_mean"], gather_s, sync_s])
 
@@ -144,6 +148,9 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     adapter, gather_s, sync_s = rank.publish(flags)
     if checkpointing:
         write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.fault)
+    if (last or stopping) and rank.topo.role_rank == 0:  # the run's model, checkpoints on or off
+        from colocate.checkpoint import peft_config_dict, save_adapter
+        save_adapter(os.path.join(cfg.metrics.run_dir, "adapter"), adapter, peft_config_dict(rank.learner.model))
     rank.log(step, stats, waits, gather_s, sync_s)
     if stopping:
         rank.drain(step)
@@ -183,7 +190,42 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
             "learner_busy_fraction": rank.busy_s / max(wall, 1e-9), "dropped_stale": rank.dropped,
             "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
             "timeline": rank.timeline, "gpu_util": gpu_util})
+        if topo.rank == topo.sync_src:
+            rank.writer.print(run_files(cfg))
     rank.writer.close()
+
+
+def run_files(cfg: Config) -> str:
+    """The end-of-run line: where this run's files are."""
+    from colocate.metrics import profile_out_dir
+    m = cfg.metrics
+    parts = [f"run dir {m.run_dir}", f"adapter {os.path.join(m.run_dir, 'adapter')}",
+             f"summary {os.path.join(m.run_dir, 'summary.json')}"]
+    if m.tensorboard and "tensorboard" in m.loggers:
+        parts.append(f"TensorBoard: tensorboard --logdir {os.path.join(m.run_dir, 'tb')}")
+    if cfg.checkpoint.enabled:
+        parts.append(f"checkpoints {os.path.join(m.run_dir, 'checkpoints')}")
+    if m.profile:
+        parts.append(f"profiler traces {profile_out_dir(m)}")
+    return "files: " + "; ".join(parts)
+
+
+class StepClock:
+    """The ETA on a step line: the mean time of the steps since the first one this process logged
+    (the first includes warm-up), times the steps left."""
+
+    def __init__(self, num_steps: int):
+        self.num_steps, self.first = num_steps, None
+
+    def text(self, step: int) -> str:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = (step, now)
+        done, left = step - self.first[0], self.num_steps - 1 - step
+        if done <= 0 or left <= 0:
+            return ""
+        eta = (now - self.first[1]) / done * left
+        return f" eta {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
 
 
 def restore_learner(learner, resume: dict) -> int:

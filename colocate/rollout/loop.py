@@ -46,7 +46,7 @@ class InferenceRank:
                                     overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens,
                                     max_env_errors=cfg.env.max_reward_errors)
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
-                                    tensorboard=cfg.metrics.tensorboard)
+                                    tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)
         self.writer.scalars("data", env.data_stats(), 0)  # e.g. data/dropped/<reason> (env.bad_rows=skip)
         self.stopped = False  # a STOP flag arrived in an adapter header

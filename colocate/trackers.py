@@ -1,0 +1,85 @@
+"""Experiment trackers beside TensorBoard: W&B, MLflow and trackio (`metrics.loggers`).
+
+Each gets the same scalars as TensorBoard (`MetricsWriter.scalars` forwards them, namespaced
+`learner/...`, `rollout/...`), the resolved config and the run name (the run directory's base
+name), from learner rank 0 only: one run per job in the tracker. Each is an optional package
+(`pip install -e ".[trackers]"`); a logger named in the config whose package is missing is a
+config error before launch (`check_loggers`, from `preflight`-time code in `train.check_config`).
+
+Where they write is theirs to decide, through their own environment variables: `WANDB_MODE=offline`
+(and `WANDB_DIR`) keeps W&B on disk, `MLFLOW_TRACKING_URI` picks MLflow's store (default: a local
+`./mlruns` file store), `TRACKIO_DIR` trackio's local database. Nothing here touches the network
+unless those say so.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from colocate.config import Config, ConfigError, to_dict
+
+PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+"""logger name -> the module it needs (tensorboard comes with torch)."""
+
+
+def run_name(cfg: Config) -> str:
+    return os.path.basename(os.path.normpath(cfg.metrics.run_dir))
+
+
+def check_loggers(cfg: Config) -> None:
+    """Every logger named in metrics.loggers can be imported (one line before launch, not a crash
+    on learner rank 0 after the model is built)."""
+    for name in cfg.metrics.loggers:
+        module = PACKAGES.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"metrics.loggers names {name!r} but the {module} package is not installed "
+                              f"(pip install -e \".[trackers]\", or pip install {module})")
+
+
+class WandbTracker:
+    def __init__(self, cfg: Config):
+        import wandb
+        self.run = wandb.init(project=cfg.metrics.project, name=run_name(cfg), config=to_dict(cfg),
+                              dir=os.environ.get("WANDB_DIR") or None)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    def __init__(self, cfg: Config):
+        import mlflow
+        self.mlflow = mlflow
+        mlflow.set_experiment(cfg.metrics.project)
+        self.run = mlflow.start_run(run_name=run_name(cfg))
+        mlflow.log_dict(to_dict(cfg), "config.yaml")  # the whole config (params cap values at 6000 chars)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class TrackioTracker:
+    def __init__(self, cfg: Config):
+        import trackio
+        self.trackio = trackio
+        self.run = trackio.init(project=cfg.metrics.project, name=run_name(cfg), config=to_dict(cfg))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.trackio.log(values, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker, "trackio": TrackioTracker}
+
+
+def open_trackers(cfg: Config) -> list:
+    """One open run per logger of metrics.loggers other than tensorboard (MetricsWriter's own)."""
+    return [TRACKERS[name](cfg) for name in cfg.metrics.loggers if name in TRACKERS]

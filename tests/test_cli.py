@@ -1,0 +1,152 @@
+"""The `colocate` command and what a user types: floats in any notation, a derived batch size,
+`--help`, `colocate train` checking before torchrun (and starting none on bad input), the run
+directory policy, `colocate export`."""
+import os
+
+import pytest
+import torch
+
+from colocate import cli
+from colocate.config import ConfigError, load_config, parse_overrides
+from tests.conftest import REPO
+
+TINY = os.path.join(REPO, "configs", "cpu-tiny.yaml")
+
+
+def no_torchrun_env(monkeypatch):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("text,value", [("3e-3", 3e-3), ("1e-6", 1e-6), (".5", 0.5), ("1E-4", 1e-4), ("2", 2.0)])
+def test_floats_in_any_notation_on_the_command_line_and_in_yaml(tmp_path, text, value):
+    _, overrides, _ = parse_overrides([f"--learner.lr={text}"])
+    assert load_config(TINY, overrides).learner.lr == value
+    path = tmp_path / "c.yaml"
+    path.write_text(f"base: {TINY}\nlearner:\n  lr: {text}\nloss:\n  eps_low: {text if value < 1 else '.2'}\n")
+    cfg = load_config(str(path))
+    assert cfg.learner.lr == value and isinstance(cfg.learner.lr, float)
+    with pytest.raises(ConfigError, match="learner.lr: expected float, got str 'fast'"):
+        load_config(TINY, {"learner": {"lr": "fast"}})
+
+
+def test_batch_size_is_derived_and_checked_only_when_given():
+    cfg = load_config(TINY, {"rollout": {"group_size": "16"}})
+    assert cfg.rollout.batch_size == cfg.rollout.groups_per_step * 16
+    assert load_config(TINY, {"rollout": {"group_size": "4", "batch_size": "64"}}).rollout.batch_size == 64
+    with pytest.raises(ConfigError, match=r"rollout.batch_size=100 must equal .* = 16 \* 8 = 128"):
+        load_config(TINY, {"rollout": {"batch_size": "100"}})
+
+
+def test_help_of_the_command_and_of_a_config_section(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("train", "eval", "check", "export"))
+    assert cli.main(["train", "--help"]) == 0
+    assert "--nproc" in capsys.readouterr().out
+    assert cli.main(["check", "--help", "learner"]) == 0
+    out = capsys.readouterr().out
+    assert "--learner.lr=0.001" in out and "updates_per_batch" in out and "AdamW steps per rollout batch" in out
+    assert cli.main(["check", "--help", "lerner"]) == 2
+    assert "no config section 'lerner'" in capsys.readouterr().err
+
+
+def test_train_checks_then_execs_torchrun_with_the_world_it_checked(monkeypatch, tmp_path):
+    no_torchrun_env(monkeypatch)
+    calls = []
+    monkeypatch.setattr(cli.os, "execvpe", lambda exe, cmd, env: calls.append((cmd, env)))
+    args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"]
+    assert cli.main(["train", *args]) == 0
+    (cmd, env), = calls
+    assert cmd[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m"]
+    assert cmd[6:] == ["colocate.train", *args] and env["OMP_NUM_THREADS"].isdigit()
+    # several nodes: torchrun's flags pass through, the check covers nproc x nnodes ranks
+    calls.clear()
+    assert cli.main(["train", "--nproc", "3", "--nnodes=2", "--node-rank", "1", "--rdzv-endpoint=h:29400", *args]) == 0
+    cmd = calls[0][0]
+    assert "--standalone" not in cmd and cmd[3:8] == ["--nproc-per-node=3", "--nnodes=2", "--node-rank", "1",
+                                                      "--rdzv-endpoint=h:29400"]
+
+
+def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monkeypatch, tmp_path, capsys):
+    from tests.test_bad_input import CASES, materialize
+    no_torchrun_env(monkeypatch)
+    monkeypatch.setattr(cli.os, "execvpe", lambda *a: pytest.fail("torchrun started on a bad config"))
+    for case_id, text, overrides, expected in CASES:
+        case_dir = tmp_path / case_id.replace(" ", "_")
+        case_dir.mkdir()
+        path, overrides = materialize(text, overrides, case_dir)
+        code = cli.main(["train", "--config", path, f"--metrics.run_dir={case_dir / 'run'}",
+                         f"--model.cache_dir={tmp_path / 'cache'}", *overrides])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and expected in err[0], (case_id, err)
+
+
+def test_python_m_train_without_torchrun_says_how_to_launch(monkeypatch, capsys):
+    from colocate.train import configure
+    no_torchrun_env(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        configure(["--config", TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "colocate train --config" in err[0]
+
+
+def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(monkeypatch, tmp_path):
+    from colocate.train import check_config
+    no_torchrun_env(monkeypatch)
+    run = tmp_path / "run"
+    args = ["--config", TINY, f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}"]
+    check_config(args, world=2)  # a fresh directory
+    (run / "tb" / "learner").mkdir(parents=True)
+    (run / "config.yaml").write_text("x")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, tb\): pass --resume"):
+        check_config(args, world=2)
+    check_config([*args, "--resume"], world=2)
+    check_config([*args, "--check"], world=2)  # a check writes and refuses nothing
+    assert (run / "tb").exists()
+    check_config([*args, "--overwrite"], world=2)
+    assert sorted(os.listdir(run)) == ["notes.txt"]  # the earlier run's entries only
+
+
+def greedy_answers(model, tokenizer, prompts):
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def test_export_merged_model_answers_as_the_adapter_through_peft(tmp_path, tiny_cfg, tiny_tokenizer):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from colocate.checkpoint import peft_config_dict, save_adapter
+    from colocate.config import save_config
+    from colocate.models import build_model
+    from colocate.train import build_policy
+    run = tmp_path / "run"
+    save_config(tiny_cfg, str(run / "config.yaml"))
+    policy = build_policy(tiny_cfg, tiny_tokenizer, "cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a trained-looking adapter: B != 0, large enough to change greedy answers
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    adapter = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
+    from colocate.models import canonical_name
+    save_adapter(str(run / "adapter"), {canonical_name(n): t for n, t in adapter.items()}, peft_config_dict(policy))
+    assert cli.main(["export", "--run", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / "adapter")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    through_peft = PeftModel.from_pretrained(build_model(tiny_cfg.model, tiny_tokenizer, "cpu"),
+                                             str(tmp_path / "adapter")).eval()
+    base = build_model(tiny_cfg.model, tiny_tokenizer, "cpu").eval()
+    prompts = ["add 1 and 2 ; answer :", "add 3 and 4 ; answer :", "add 0 and 0 ; answer :",
+               "add 2 and 2 ; answer :", "add 4 and 1 ; answer :"]
+    want = greedy_answers(through_peft, tiny_tokenizer, prompts)
+    assert greedy_answers(merged, tiny_tokenizer, prompts) == want
+    assert greedy_answers(base, tiny_tokenizer, prompts) != want  # the adapter matters

@@ -1,0 +1,81 @@
+"""metrics.loggers: W&B, MLflow and trackio get the learner's scalars through `MetricsWriter`
+(the same call TensorBoard's events come from), the resolved config and the run name; each is read
+back offline (W&B offline mode's run summary, an MLflow local file store, trackio's local database).
+A package that is not installed skips its case (CI installs them: `.[test,trackers]`)."""
+import glob
+import json
+import os
+import sqlite3
+
+import pytest
+
+from colocate.config import ConfigError, load_config
+from colocate.metrics import MetricsWriter
+from colocate.trackers import check_loggers, open_trackers
+from tests.conftest import REPO
+
+REWARDS = [0.125, 0.5, 0.875]
+
+
+def log_run(logger: str, tmp_path):
+    cfg = load_config(os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                      {"metrics": {"loggers": f"tensorboard,{logger}", "run_dir": str(tmp_path / "my-run")}})
+    writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=True, tensorboard=False)
+    writer.trackers = open_trackers(cfg)
+    for step, reward in enumerate(REWARDS):
+        writer.scalars("learner", {"reward": reward}, step)
+    writer.close()
+    return cfg
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log_run("wandb", tmp_path)
+    run, = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    summary = json.loads(open(os.path.join(run, "files", "wandb-summary.json")).read())
+    assert summary["learner/reward"] == REWARDS[-1] and summary["_step"] == len(REWARDS) - 1
+    config = open(os.path.join(run, "files", "config.yaml")).read()
+    assert "micro_batch_tokens" in config
+
+
+def test_mlflow_local_file_store(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    log_run("mlflow", tmp_path)
+    client = mlflow.tracking.MlflowClient()
+    run, = client.search_runs([client.get_experiment_by_name("colocate").experiment_id])
+    assert run.info.run_name == "my-run"
+    history = client.get_metric_history(run.info.run_id, "learner/reward")
+    assert [(m.step, m.value) for m in history] == list(enumerate(REWARDS))
+    config = open(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read()
+    assert "micro_batch_tokens" in config
+
+
+def test_trackio_local(tmp_path, monkeypatch):
+    pytest.importorskip("trackio")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    log_run("trackio", tmp_path)
+    databases = glob.glob(str(tmp_path / "trackio" / "**" / "*.db"), recursive=True)
+    assert databases
+    rows = []
+    for db in databases:
+        with sqlite3.connect(db) as con:
+            tables = [t for (t,) in con.execute("select name from sqlite_master where type='table'")]
+            for table in tables:
+                rows += [str(r) for r in con.execute(f"select * from {table}")]
+    logged = [r for r in rows if "learner/reward" in r]
+    assert len(logged) == len(REWARDS) and "my-run" in logged[0], rows[:5]
+
+
+def test_a_missing_tracker_package_is_a_config_error(monkeypatch):
+    import importlib.util
+    cfg = load_config(os.path.join(REPO, "configs", "cpu-tiny.yaml"), {"metrics": {"loggers": "[tensorboard,wandb]"}})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match="metrics.loggers names 'wandb' but the wandb package is not installed"):
+        check_loggers(cfg)
+    with pytest.raises(ConfigError, match="metrics.loggers: 'neptune' is not one of"):
+        load_config(None, {"metrics": {"loggers": "neptune"}})
