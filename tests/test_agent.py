@@ -61,7 +61,7 @@ class ScriptedEngine(Engine):
 def make_env(tokenizer, *, tools=(), environment=None, rewards=None, rows=None, group_size=2, **settings):
     runner = ToolRunnerSettings(timeout_s=settings.pop("timeout_s", 2.0), max_output_chars=200)
     return AgentEnv(tokenizer, Rows(rows or [{"prompt": "add 2 and 3 ; answer :", "answer": "5"}]),
-                    rewards or RewardSet(["exact"], []), AgentSettings(runner=runner, **settings),
+                    rewards or RewardSet(["gsm8k"], []), AgentSettings(runner=runner, **settings),
                     group_size=group_size, tools=tools, environment=environment, chat=ChatFormat(tokenizer, "none"))
 
 
