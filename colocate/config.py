@@ -29,7 +29,7 @@ import yaml
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
                                     ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
-                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS,
+                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -243,6 +243,11 @@ _RANGES = {
     ("env", "reward_workers"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 computes rewards inline)"),
     ("env", "max_reward_errors"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "overlong_buffer"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no length penalty)"),
+    ("env", "max_turns"): (lambda v: v >= 1, "must be >= 1 (policy turns per episode)"),
+    ("env", "max_tool_calls"): (lambda v: v >= 0, _NON_NEGATIVE),
+    ("env", "tool_timeout_s"): (lambda v: v > 0, _POSITIVE),
+    ("env", "tool_max_output_chars"): (lambda v: v >= 1, "must be >= 1"),
+    ("env", "tool_workers"): (lambda v: v >= 1, "must be >= 1"),
     ("rollout", "groups_per_step"): (lambda v: v >= 1, "must be >= 1"),
     ("rollout", "oversample_groups"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "lr"): (lambda v: v > 0, _POSITIVE),
@@ -343,6 +348,29 @@ def check_dataset_env(env: EnvConfig) -> None:
     env.reward_weights = [_finite_number(w, "env.reward_weights") for w in env.reward_weights]
 
 
+def is_agent(cfg: Config) -> bool:
+    """Whether the run plays multi-turn tool episodes (`envs/agent.py`)."""
+    return bool(cfg.env.tools or cfg.env.environment)
+
+
+def check_agent_env(cfg: Config) -> None:
+    """env.tools / env.environment: paths, the parser, and the episode length limit."""
+    env = cfg.env
+    if not is_agent(cfg):
+        return
+    for path in env.tools + ([env.environment] if env.environment else []):
+        if not isinstance(path, str) or not is_object_path(path):
+            raise ConfigError(f"env.tools / env.environment: {path!r} is not a path like 'my_pkg.tools:search'")
+    if env.tool_parser not in TOOL_PARSERS:
+        raise ConfigError(f"env.tool_parser={env.tool_parser!r}: expected one of {', '.join(TOOL_PARSERS)}")
+    if cfg.engine.max_model_len <= 0:
+        raise ConfigError("env.tools / env.environment need engine.max_model_len > 0: the token limit of a whole "
+                          "episode (prompt, every turn and every tool message)")
+    if cfg.engine.max_model_len <= cfg.engine.max_new_tokens:
+        raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} leaves no room for a prompt before "
+                          f"engine.max_new_tokens={cfg.engine.max_new_tokens}")
+
+
 def _finite_number(value, where: str) -> float:
     """A list item as a float (items of a list given on the command line arrive as strings)."""
     try:
@@ -369,6 +397,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     fields involved."""
     check_values(cfg)
     check_dataset_env(cfg.env)
+    check_agent_env(cfg)
     r = cfg.rollout
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per group")

@@ -19,6 +19,7 @@ ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by p
 CHAT_TEMPLATES = ("auto", "none")
 BUILTIN_REWARDS = ("gsm8k", "boxed", "exact")  # keys of colocate.rewards.BUILTINS
 BAD_ROWS = ("error", "skip")
+TOOL_PARSERS = ("hermes",)  # keys of colocate.tools.PARSERS
 NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
 RATIO_LEVELS = ("token", "sequence")  # kernels.reference.RATIO_LEVELS
 LOSS_IMPLS = ("auto", "triton", "torch")
@@ -169,6 +170,29 @@ class EnvConfig:
     """DAPO's soft length penalty, for any env: a completion longer than engine.max_new_tokens minus
     this many tokens loses (length - (max_new_tokens - buffer)) / buffer of reward, up to 1 at
     max_new_tokens (applied by the rollout worker before advantages); 0 = off."""
+    tools: list = field(default_factory=list)
+    """dataset: functions the policy may call, by path ("my_pkg.tools:search"), as TRL's `tools=`:
+    schema from type hints and the Google-style docstring, handed to the chat template's `tools=`.
+    With tools or `environment` set, every row is a multi-turn episode trained as one trajectory
+    (docs/agents.md)."""
+    environment: str = ""
+    """dataset: a class by path ("my_pkg.envs:MyEnv") in TRL's environment_factory shape: one
+    instance per episode, `reset(**row)` returns None or text appended to the prompt, its public
+    methods are tools, reward functions get the instances as `environments=` (docs/agents.md)."""
+    tool_parser: str = "hermes"
+    """Agents: how tool calls are read from a turn: hermes (Hermes / Qwen
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`)."""
+    max_turns: int = 4
+    """Agents: policy turns per episode; a turn that still calls a tool after this many ends it."""
+    max_tool_calls: int = 8
+    """Agents: tool calls per episode; a turn that would exceed it ends the episode."""
+    tool_timeout_s: float = 10.0
+    """Agents: a tool call not answered within this many seconds gets a timeout tool message (its
+    thread is abandoned: docs/agents.md says how to sandbox tools that run code)."""
+    tool_max_output_chars: int = 4000
+    """Agents: a tool's output is cut to this many characters (counted as output_too_long)."""
+    tool_workers: int = 8
+    """Agents: tool calls running at once per inference rank."""
 
 
 @dataclass

@@ -41,6 +41,9 @@ class Completion:
     """Adapter version that sampled this completion."""
     finish_reason: str = "stop"
     """stop (EOS or constraint finished) or length (max_new_tokens reached)."""
+    loss_mask: list[bool] | None = None
+    """[n] True where the policy sampled the token (it is trained), False for tokens the env appended
+    (tool results, observations: an episode's env spans, `envs/agent.py`); None: every token trained."""
 
 
 @dataclass
@@ -79,6 +82,9 @@ class TrajectoryBatch:
     old_logprobs: torch.Tensor | None = None
     """[N] float32 learner log-probs at the start of the step (filled by the learner when
     learner.updates_per_batch > 1: the policy its mini-batches clip against)."""
+    loss_mask: torch.Tensor | None = None
+    """[N] bool: completion tokens in the loss (an episode's policy spans); False for env spans (their
+    behaviour log-probs are 0 and unused). None: every completion token is trained."""
 
     @property
     def num_sequences(self) -> int:
@@ -91,6 +97,11 @@ class TrajectoryBatch:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.completion_lens.sum())
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Completion tokens in the loss (the dapo normalizer): all of them unless `loss_mask` says otherwise."""
+        return self.num_completion_tokens if self.loss_mask is None else int(self.loss_mask.sum())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Non-None tensor fields by name (what the transport sends)."""
@@ -116,12 +127,16 @@ class TrajectoryBatch:
             tokens=tok, seq_lens=self.seq_lens[idx], prompt_lens=self.prompt_lens[idx],
             behaviour_logprobs=comp(self.behaviour_logprobs), advantages=self.advantages[idx],
             rewards=self.rewards[idx], versions=self.versions[idx], allowed_ids=comp(self.allowed_ids),
-            ref_logprobs=comp(self.ref_logprobs), old_logprobs=comp(self.old_logprobs))
+            ref_logprobs=comp(self.ref_logprobs), old_logprobs=comp(self.old_logprobs),
+            loss_mask=comp(self.loss_mask))
 
     @staticmethod
     def concat(batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
         def cat(name: str) -> torch.Tensor | None:
             parts = [getattr(b, name) for b in batches]
+            if name == "loss_mask" and any(p is not None for p in parts):  # None: all trained
+                parts = [p if p is not None else torch.ones(b.num_completion_tokens, dtype=torch.bool)
+                         for p, b in zip(parts, batches)]
             if any(p is None for p in parts):
                 return None
             if name == "allowed_ids":  # pad K to the widest batch
@@ -143,6 +158,8 @@ def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBat
     tokens, logprobs, allowed = [], [], []
     seq_lens, prompt_lens, versions = [], [], []
     constrained = all(s.completion.allowed_ids is not None for s in samples) and samples
+    masked = any(s.completion.loss_mask is not None for s in samples)
+    loss_mask: list[bool] = []
     for s in samples:
         c = s.completion
         tokens.extend(s.prompt_ids)
@@ -153,6 +170,8 @@ def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBat
         versions.append(c.version)
         if constrained:
             allowed.extend(c.allowed_ids)
+        if masked:
+            loss_mask.extend(c.loss_mask if c.loss_mask is not None else [True] * len(c.token_ids))
     allowed_t = None
     if constrained:
         k = max((len(a) for a in allowed), default=1)
@@ -168,6 +187,7 @@ def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBat
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         versions=torch.tensor(versions, dtype=torch.int32),
         allowed_ids=allowed_t,
+        loss_mask=torch.tensor(loss_mask, dtype=torch.bool) if masked else None,
     )
 
 

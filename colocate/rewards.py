@@ -153,7 +153,7 @@ class RewardSet:
         """One function over the group -> a float per completion, None where unusable (logged once)."""
         n = len(completions)
         try:
-            values = fn(prompts, completions, **columns)
+            values = fn(prompts=prompts, completions=completions, **columns)  # by keyword, as TRL calls them
         except Exception as e:  # noqa: BLE001 - a user's function; counted, not fatal at once
             self._log_once(name, "raised", f"{type(e).__name__}: {e}", prompts[0], completions[0])
             return [None] * n

@@ -44,4 +44,7 @@ def make_env(cfg, tokenizer, seed: int) -> Env:
     if cfg.env.name == "diplomacy":
         from colocate.envs.diplomacy import DiplomacyEnv
         return DiplomacyEnv.from_config(cfg, tokenizer, seed=seed)
+    if cfg.env.name == "dataset" and (cfg.env.tools or cfg.env.environment):  # multi-turn tool episodes
+        from colocate.envs.agent import AgentEnv
+        return AgentEnv.from_config(cfg, tokenizer, seed=seed)
     return env_class(cfg.env.name).from_config(cfg, tokenizer, seed=seed)

@@ -209,8 +209,11 @@ class Learner:
         if self.defer_row_scale and mb.row_index is None and self.objective.needs_logprobs_first(old is not None):
             row_scale = torch.empty(mb.targets.shape[0], dtype=torch.float32, device=self.device)
         logits = micro_batch_logits(self.model, mb, grad_row_scale=row_scale)
+        # an episode's env spans (tool results, observations) are out of the loss: mask 0 (data.py)
+        mask = sub.loss_mask.to(self.device) if sub.loss_mask is not None \
+            else torch.ones_like(mb.targets, dtype=torch.bool)
         loss, stats = grpo_loss(
-            logits, mb.targets, torch.ones_like(mb.targets, dtype=torch.bool),
+            logits, mb.targets, mask,
             sub.behaviour_logprobs.to(self.device), adv_tok, ref,
             temperature=cfg.engine.temperature, eps_low=self.eps_low, eps_high=self.eps_high,
             beta=cfg.loss.beta, norm=cfg.loss.norm,
@@ -251,7 +254,7 @@ class Learner:
                     work = self.micro_batches(mini) if mini.num_sequences else []
                 # the mini-batch's own global normalizers: all-reduce
                 updates.append(self._update(work, self._all_reduce(torch.tensor(
-                    [float(mini.num_completion_tokens), float(mini.num_sequences)], device=self.device))))
+                    [float(mini.num_trained_tokens), float(mini.num_sequences)], device=self.device))))
         self.version += 1
         return self._step_stats(counts, updates, t0)
 
@@ -279,10 +282,10 @@ class Learner:
         return (batch.select(keep) if dropped else batch), lag_sum, dropped
 
     def _global_counts(self, batch: TrajectoryBatch, lag_sum: float, dropped: int) -> torch.Tensor:
-        """[6] summed over the learner ranks: completion tokens, sequences, reward sum, lag sum,
+        """[6] summed over the learner ranks: trained completion tokens, sequences, reward sum, lag sum,
         dropped sequences, tokens of the sequences laid flat. The first two are the loss's global normalizers."""
         return self._all_reduce(torch.tensor(
-            [float(batch.num_completion_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
+            [float(batch.num_trained_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
              lag_sum, float(dropped), float(batch.seq_lens.sum())], device=self.device))
 
     def _num_micro_batches(self, local: int) -> int:
