@@ -13,7 +13,6 @@ cd "$work/colocate"
 # The README's Install section, as written there:
 pip install torch==2.13.0
 pip install -e ".[test]" -c constraints.txt
-pip install -e ".[trackers]" -c constraints.txt
 colocate --help > /dev/null
 # The README's test command:
 python3 -m pytest -q -m "not gpu" --timeout=900 tests

@@ -1,7 +1,7 @@
 """metrics.loggers: W&B, MLflow and trackio get the learner's scalars through `MetricsWriter`
 (the same call TensorBoard's events come from), the resolved config and the run name; each is read
 back offline (W&B offline mode's run summary, an MLflow local file store, trackio's local database).
-A package that is not installed skips its case (CI installs them: `.[test,trackers]`)."""
+A package that is not installed skips its case (CI does not install them yet: their versions are not pinned in constraints.txt)."""
 import glob
 import json
 import os
