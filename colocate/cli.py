@@ -150,7 +150,7 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 def train(argv: list[str]) -> int:
     cmd = train_command(argv)
-    nproc = int(cmd[4].partition("=")[2])
+    nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     os.execvpe(cmd[0], cmd, launch_env(nproc))
     return 0  # not reached
