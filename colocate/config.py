@@ -53,6 +53,7 @@ _CHOICES = {
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
     ("env", "name"): ENV_NAMES,
     ("env", "bad_rows"): BAD_ROWS,
+    ("env", "tool_parser"): TOOL_PARSERS,
     ("loss", "norm"): NORM_MODES,
     ("loss", "impl"): LOSS_IMPLS,
     ("loss", "ratio_level"): RATIO_LEVELS,
@@ -361,8 +362,6 @@ def check_agent_env(cfg: Config) -> None:
     for path in env.tools + ([env.environment] if env.environment else []):
         if not isinstance(path, str) or not is_object_path(path):
             raise ConfigError(f"env.tools / env.environment: {path!r} is not a path like 'my_pkg.tools:search'")
-    if env.tool_parser not in TOOL_PARSERS:
-        raise ConfigError(f"env.tool_parser={env.tool_parser!r}: expected one of {', '.join(TOOL_PARSERS)}")
     if cfg.engine.max_model_len <= 0:
         raise ConfigError("env.tools / env.environment need engine.max_model_len > 0: the token limit of a whole "
                           "episode (prompt, every turn and every tool message)")
