@@ -81,6 +81,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         try:
             return float(value.strip())
         except ValueError:
+            parsed = yaml.safe_load(value)  # YAML's own spellings: .nan, .inf
+            if isinstance(parsed, float):
+                return parsed
             raise ConfigError(f"{where}: expected float, got str {value!r}") from None
     if isinstance(value, str) and annotation is not str and origin is not list:
         # Overrides arrive as strings: parse them as YAML scalars ("3" -> 3, "true" -> True).
