@@ -32,7 +32,7 @@ import re
 from colocate.calculator import calculator
 from colocate.chat import ChatFormat
 from colocate.constraint import Constraint
-from colocate.envs.agent import AgentEnv, Episode, agent_settings
+from colocate.envs.agent import AgentEnv, AgentSettings, Episode, agent_settings
 from colocate.rewards import RewardSet
 
 CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a} {op} {b}"}}}}</tool_call>'
@@ -76,13 +76,16 @@ class TaskRows:
 
 
 class CalculatorEnv(AgentEnv):
+    def __init__(self, tokenizer, settings: AgentSettings, *, group_size: int, seed: int, low: int = 10,
+                 high: int = 99):
+        """`low`, `high` (env.options): the operands' range."""
+        super().__init__(tokenizer, TaskRows(seed, int(low), int(high)),
+                         RewardSet(["examples.calculator_agent:final_answer"], []), settings,
+                         group_size=group_size, tools=[calculator], chat=ChatFormat(tokenizer, "none"))
+
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "CalculatorEnv":
-        options = cfg.env.options
-        rows = TaskRows(seed, int(options.get("low", 10)), int(options.get("high", 99)))
-        rewards = RewardSet(["examples.calculator_agent:final_answer"], [])
-        return cls(tokenizer, rows, rewards, agent_settings(cfg), group_size=cfg.rollout.group_size,
-                   tools=[calculator], chat=ChatFormat(tokenizer, "none"))
+        return cls(tokenizer, agent_settings(cfg), group_size=cfg.rollout.group_size, seed=seed, **cfg.env.options)
 
     @classmethod
     def corpus(cls, cfg) -> list[str]:
