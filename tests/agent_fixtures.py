@@ -39,6 +39,17 @@ def sleepy(seconds: float) -> str:
     return "awake"
 
 
+def repeat(text: str, times: int) -> str:
+    """
+    Repeats a text.
+
+    Args:
+        text: What to repeat.
+        times: How many times.
+    """
+    return text * times
+
+
 class Counter:
     """TRL environment_factory shape: reset(**row) -> first observation; public methods are tools."""
 

@@ -1,8 +1,10 @@
-"""Agent episodes (`envs/agent.py`, `tools.py`): an episode is one trajectory whose trained ids are
-exactly the sampled ids and the env-span ids, with the loss mask on the policy spans only; every bad
-tool call kind becomes a tool message and a count; TRL-style tools and environment classes run
-unchanged; the learner's loss and LoRA gradients of masked episodes equal an independent
-right-padded reference with the same mask, flat and in prefix trees."""
+"""Agent episodes (`envs/agent.py`, `tools.py`): an episode with two tool calls trains exactly the
+sampled ids and the tool messages tokenized by hand (raw text and a chat template), with the loss mask
+on the policy spans only; every bad tool call kind becomes a tool message and a count, and the
+episode plays on; TRL-style tools and environment classes run unchanged, alone and through the
+config (the dataset env's rows and rewards); the learner's loss and LoRA gradients of masked
+episodes equal an independent right-padded reference with the same mask, flat and in prefix trees."""
+import copy
 import time
 
 import pytest
@@ -38,17 +40,19 @@ class Rows:
 
 
 class ScriptedEngine(Engine):
-    """Answers turn k of every episode with script[k] (k = EOS tokens already in the request), as
-    ids with made-up log-probs, and records what it sampled."""
+    """Answers turn k of every episode with script[k], as ids with made-up log-probs, and records
+    what it sampled. k comes from the EOS tokens in the request: `prompt_eos` in the prompt, then
+    `turn_eos` per turn played (the policy's, and a chat template's tool message ends with one too)."""
 
-    def __init__(self, tokenizer, script: list[str]):
+    def __init__(self, tokenizer, script: list[str], prompt_eos: int = 0, turn_eos: int = 1):
         self.tokenizer, self.script, self.sampled = tokenizer, script, []
+        self.prompt_eos, self.turn_eos = prompt_eos, turn_eos
 
     def generate(self, requests):
         eos = self.tokenizer.eos_token_id
         out = []
         for r in requests:
-            turn = r.prompt_ids.count(eos)
+            turn = (r.prompt_ids.count(eos) - self.prompt_eos) // self.turn_eos
             ids = self.tokenizer.encode(self.script[turn], add_special_tokens=False) + [eos]
             finish = "length" if len(ids) > r.max_new_tokens else "stop"
             ids = ids[: r.max_new_tokens]
@@ -58,41 +62,74 @@ class ScriptedEngine(Engine):
         return out
 
 
-def make_env(tokenizer, *, tools=(), environment=None, rewards=None, rows=None, group_size=2, **settings):
+def make_env(tokenizer, *, tools=(), environment=None, rewards=None, rows=None, group_size=2, chat=None, **settings):
     runner = ToolRunnerSettings(timeout_s=settings.pop("timeout_s", 2.0), max_output_chars=200)
     return AgentEnv(tokenizer, Rows(rows or [{"prompt": "add 2 and 3 ; answer :", "answer": "5"}]),
                     rewards or RewardSet(["gsm8k"], []), AgentSettings(runner=runner, **settings),
-                    group_size=group_size, tools=tools, environment=environment, chat=ChatFormat(tokenizer, "none"))
+                    group_size=group_size, tools=tools, environment=environment,
+                    chat=chat or ChatFormat(tokenizer, "none"))
 
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
-def test_episode_trains_exactly_the_sampled_and_env_ids(tiny_tokenizer):
-    tok = tiny_tokenizer
-    env = make_env(tok, tools=[agent_fixtures.add], max_new_tokens=200, max_model_len=600)
-    engine = ScriptedEngine(tok, [CALL, " 5"])
+CALL_2 = '<tool_call>{"name": "add", "arguments": {"a": 5, "b": 4}}</tool_call>'
+CHAT_TEMPLATE = (  # Qwen-shaped: tool schemas in a system turn, tool messages as a user turn, EOS <|im_end|>
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t['function']['name'] }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m['content'] }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chat_tokenizer(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+# What each format puts between the policy's EOS and its next turn, written out by hand.
+HAND_BUILT = {
+    "raw": ("add 2 and 3 and 4 ; answer :", "\n<tool_response>\n{}\n</tool_response>\n"),
+    "chat": ("<|im_start|>system\n# Tools\nadd\n<|im_end|>\n<|im_start|>user\nadd 2 and 3 and 4 ; answer :<|im_end|>\n"
+             "<|im_start|>assistant\n",
+             "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["raw", "chat"])
+def test_two_call_episode_trains_the_hand_built_sequence(tiny_tokenizer, fmt):
+    """Two tool calls then an answer: every trained sequence equals the prompt, the three sampled
+    turns and the two tool messages as tokenized by hand; the mask is True on exactly the sampled
+    turns; each request was the previous ids plus the new spans (nothing re-rendered)."""
+    tok = chat_tokenizer(tiny_tokenizer) if fmt == "chat" else tiny_tokenizer
+    chat = ChatFormat(tok, "auto" if fmt == "chat" else "none")
+    env = make_env(tok, tools=[agent_fixtures.add], max_new_tokens=200, max_model_len=800, chat=chat,
+                   rows=[{"prompt": "add 2 and 3 and 4 ; answer :", "answer": "9"}])
+    engine = ScriptedEngine(tok, [CALL, CALL_2, " 9"], **({"prompt_eos": 2, "turn_eos": 2} if fmt == "chat" else {}))
     batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=2).collect()
-    env_ids = env.format.tool_ids([type("R", (), {"content": "5"})()])  # the tool message, tokenized once
-    turns = [ids for _, ids in engine.sampled]
-    first, second = turns[0], turns[-1]
-    prompt = tok.encode("add 2 and 3 ; answer :", add_special_tokens=False)
-    start = 0
-    for seq in range(batch.num_sequences):
-        n = int(batch.seq_lens[seq])
-        assert batch.tokens[start:start + n].tolist() == prompt + first + env_ids + second
-        start += n
-    comp = len(first) + len(env_ids) + len(second)
-    assert batch.num_completion_tokens == 4 * comp
-    mask = [True] * len(first) + [False] * len(env_ids) + [True] * len(second)
+    eos = [tok.eos_token_id]
+    prompt_text, tool_text = HAND_BUILT[fmt]
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    prompt = encode(prompt_text)
+    turns = [encode(CALL) + eos, encode(CALL_2) + eos, encode(" 9") + eos]
+    results = [encode(tool_text.format("5")), encode(tool_text.format("9"))]
+    spans = [(turns[0], True), (results[0], False), (turns[1], True), (results[1], False), (turns[2], True)]
+    completion = [t for ids, _ in spans for t in ids]
+    mask = [policy for ids, policy in spans for _ in ids]
+    assert batch.num_sequences == 4 and batch.prompt_lens.tolist() == [len(prompt)] * 4
+    assert batch.tokens.tolist() == (prompt + completion) * 4
     assert batch.loss_mask.tolist() == mask * 4
-    lp = [-0.1 * (i + 1) for i in range(len(first))] + [0.0] * len(env_ids) + \
-         [-0.1 * (i + 1) for i in range(len(second))]
+    lp = [-0.1 * (i + 1) if policy else 0.0 for ids, policy in spans for i in range(len(ids))]
     torch.testing.assert_close(batch.behaviour_logprobs, torch.tensor(lp * 4))
-    # the second turn's request was the first turn's ids plus the env span, never re-rendered
-    assert engine.sampled[-1][0] == prompt + first + env_ids
+    requests = [p for p, _ in engine.sampled]
+    assert requests[:4] == [prompt] * 4  # 2 groups x 2 episodes, first turns
+    assert requests[4:8] == [prompt + turns[0] + results[0]] * 4
+    assert requests[8:] == [prompt + turns[0] + results[0] + turns[1] + results[1]] * 4
     assert batch.rewards.tolist() == [1.0] * 4 and stats["tool_call_rate"] == 1.0
-    assert stats["accuracy"] == 1.0 and stats["turns_per_episode"] == 2.0
+    assert stats["accuracy"] == 1.0 and stats["turns_per_episode"] == 3.0 and stats["tool_calls_per_episode"] == 2.0
+    assert stats["policy_tokens_per_episode"] == sum(mask) and stats["env_tokens_per_episode"] == len(mask) - sum(mask)
     assert batch.versions.tolist() == [3] * 4
 
 
@@ -102,13 +139,15 @@ BAD_CALLS = {
     "wrong_arguments": '<tool_call>{"name": "add", "arguments": {"x": 1}}</tool_call>',
     "raised": '<tool_call>{"name": "explode", "arguments": {"reason": "why"}}</tool_call>',
     "timeout": '<tool_call>{"name": "sleepy", "arguments": {"seconds": 30}}</tool_call>',
+    "output_too_long": '<tool_call>{"name": "repeat", "arguments": {"text": "ab", "times": 500}}</tool_call>',
 }
+BAD_TOOLS = [agent_fixtures.add, agent_fixtures.explode, agent_fixtures.sleepy, agent_fixtures.repeat]
 
 
 def test_every_bad_call_kind_is_a_tool_message_and_a_count(tiny_tokenizer):
     tok = tiny_tokenizer
-    env = make_env(tok, tools=[agent_fixtures.add, agent_fixtures.explode, agent_fixtures.sleepy],
-                   group_size=len(BAD_CALLS), timeout_s=0.5, max_new_tokens=64, max_model_len=512)
+    env = make_env(tok, tools=BAD_TOOLS, group_size=len(BAD_CALLS), timeout_s=0.5, max_new_tokens=64,
+                   max_model_len=512)
     env.start_group(0)
     keys = [k for k, _ in env.requests()]
     kinds = list(BAD_CALLS)
@@ -122,10 +161,34 @@ def test_every_bad_call_kind_is_a_tool_message_and_a_count(tiny_tokenizer):
     assert ready == set(keys)  # the sleeper was abandoned at its timeout
     for key, kind in zip(keys, kinds):
         message = env._episodes[key].messages[-1]
-        assert message["role"] == "tool" and message["content"].startswith("error:"), (kind, message)
+        assert message["role"] == "tool", (kind, message)
+        if kind == "output_too_long":  # the output is kept, cut to tool_max_output_chars
+            assert message["content"] == "ab" * 100 + " ...[output truncated]"
+        else:
+            assert message["content"].startswith("error:"), (kind, message)
     metrics = env.metrics()
     assert {k: metrics[f"tool_errors/{k}"] for k in TOOL_ERROR_KINDS} == {**dict.fromkeys(TOOL_ERROR_KINDS, 0.0),
                                                                         **dict.fromkeys(kinds, 1.0)}
+
+
+@pytest.mark.parametrize("kind", list(BAD_CALLS))
+def test_an_episode_plays_on_after_a_bad_call(tiny_tokenizer, kind):
+    """Through the rollout worker: the bad call's message is the env span, the next turn is played
+    and the episode is trained and scored like any other."""
+    tok = tiny_tokenizer
+    env = make_env(tok, tools=BAD_TOOLS, timeout_s=0.5, max_new_tokens=200, max_model_len=900)
+    engine = ScriptedEngine(tok, [BAD_CALLS[kind], " 5"])
+    batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
+    assert batch.num_sequences == 2 and stats["finish/stop"] == 1.0 and stats["turns_per_episode"] == 2.0
+    assert stats[f"tool_errors/{kind}"] == 2.0 and batch.rewards.tolist() == [1.0, 1.0]
+    n, p = int(batch.seq_lens[0]), int(batch.prompt_lens[0])
+    ids, mask = batch.tokens[p:n].tolist(), batch.loss_mask[: n - p].tolist()
+    first = len(tok.encode(BAD_CALLS[kind], add_special_tokens=False)) + 1
+    env_span = [t for t, m in zip(ids[first:], mask[first:]) if not m]
+    assert all(mask[:first]) and mask[first:first + len(env_span)] == [False] * len(env_span) and all(
+        mask[first + len(env_span):])
+    expected = "ab" * 100 + " ...[output truncated]" if kind == "output_too_long" else "error:"
+    assert expected in tok.decode(env_span)
 
 
 def test_limits_end_episodes_cleanly(tiny_tokenizer):
@@ -151,11 +214,42 @@ def test_trl_style_tools_and_environment_run_unchanged(tiny_tokenizer):
                    rows=[{"prompt": "count", "target": 4}], max_new_tokens=200, max_model_len=900)
     assert {s["function"]["name"] for s in env.format.schemas} == {"add", "increment"}
     inc = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
-    engine = ScriptedEngine(tok, [inc, inc, "done"])
+    engine = ScriptedEngine(tok, [inc, CALL, inc, "done"])
     batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
     assert engine.sampled[0][0] == tok.encode("count (count to 4)", add_special_tokens=False)
-    assert batch.rewards.tolist() == [1.0, 1.0] and stats["tool_calls_per_episode"] == 2.0
-    assert stats["tool_errors/unknown_tool"] == 0.0
+    assert batch.rewards.tolist() == [1.0, 1.0] and stats["tool_calls_per_episode"] == 3.0
+    assert sum(stats[f"tool_errors/{k}"] for k in TOOL_ERROR_KINDS) == 0.0
+    n = int(batch.seq_lens[0])
+    text = tok.decode(batch.tokens[:n].tolist())  # each tool's own answer went back: 2, then add's 5, then 4
+    assert [m.split("\n")[1] for m in text.split("<tool_response>")[1:]] == ["2", "5", "4"]
+
+
+def test_trl_tools_and_environment_from_the_config(tiny_cfg, tiny_tokenizer, tmp_path):
+    """env.name dataset with env.tools, env.environment and a TRL reward by path: the dataset env's
+    rows and reward combine with both (AgentEnv.from_config, as a run builds it)."""
+    import dataclasses
+    import json
+
+    from colocate.envs import make_env as make_run_env
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "count", "target": t}) + "\n" for t in (4, 6)))
+    env_cfg = dataclasses.replace(tiny_cfg.env, name="dataset", data_files=[str(path)], answer_column="target",
+                                  reward=["tests.agent_fixtures:counter_reward"], tools=["tests.agent_fixtures:add"],
+                                  environment="tests.agent_fixtures:Counter", max_turns=4)
+    engine_cfg = dataclasses.replace(tiny_cfg.engine, max_new_tokens=200, max_model_len=900)
+    cfg = dataclasses.replace(tiny_cfg, env=env_cfg, engine=engine_cfg,
+                              rollout=dataclasses.replace(tiny_cfg.rollout, group_size=2))
+    env = make_run_env(cfg, tiny_tokenizer, seed=0)
+    assert isinstance(env, AgentEnv) and set(env.tools) == {"add"} and env.environment is agent_fixtures.Counter
+    inc = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
+    engine = ScriptedEngine(tiny_tokenizer, [inc, inc, "done"])
+    batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=2).collect()
+    prompts = {tiny_tokenizer.decode(p) for p, _ in engine.sampled[:4]}
+    assert prompts == {"count (count to 4)", "count (count to 6)"}
+    starts = [0] + batch.seq_lens.cumsum(0).tolist()[:-1]
+    rewards = {(tiny_tokenizer.decode(batch.tokens[s:s + int(p)].tolist()), float(r))
+               for s, p, r in zip(starts, batch.prompt_lens, batch.rewards)}
+    assert rewards == {("count (count to 4)", 1.0), ("count (count to 6)", 0.0)}  # two increments of 2 reach 4
 
 
 # ---- the learner: masked episodes against an independent reference --------------------------------
