@@ -319,3 +319,41 @@ def test_episode_loss_and_grads_equal_the_flat_reference(tiny_cfg, tiny_tokenize
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6 * scale, msg=name)
         if mode == "tree":  # the three episodes of a group forward their prompt once
             assert tokens <= int(batch.seq_lens.sum()) - 2 * 7 - 2 * 8  # prompts of 7 and 8 tokens
+
+
+def test_sampler_gap_counts_only_trained_choices_of_the_current_version(tiny_cfg, tiny_tokenizer):
+    """learner/sampler_logprob_gap (updates_per_batch > 1): mean |learner - sampler| over the policy
+    tokens with a choice of the sequences this version sampled. Behaviour log-probs are the learner's
+    own plus 0.25 there, plus other offsets on env spans, forced tokens and an older version's
+    sequences: the gap is 0.25 (to fp32 rounding of log-probs near -5)."""
+    from colocate.config import load_config
+    from colocate.learner.learner import Learner
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    from tests.test_prefix_sharing import randomize_adapter
+    cfg = load_config(None, {"model": {"cache_dir": tiny_cfg.model.cache_dir}, "loss": {"impl": "torch"},
+                             "learner": {"fsdp": False, "updates_per_batch": 2, "max_policy_lag": 1}})
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    learner = Learner(cfg, topo, build_policy(cfg, tiny_tokenizer, "meta"), tiny_tokenizer)
+    randomize_adapter(learner.model)
+    learner.model.float()
+    learner.version = 3
+    batch = episode_batch(len(tiny_tokenizer), seed=5)
+    targets = CompletionView(batch, learner.pad_id, "cpu").targets
+    choice = torch.arange(len(targets)) % 3 != 0  # every third token forced, the rest a choice of 2
+    allowed = torch.full((len(targets), 2), -1, dtype=torch.int32)
+    allowed[:, 0] = targets
+    allowed[choice, 1] = ((targets[choice] + 1) % len(tiny_tokenizer)).int()
+    batch.allowed_ids = allowed
+    batch.versions = torch.tensor([3, 3, 3, 2, 2, 2], dtype=torch.int32)  # group 1: the previous version
+    own = learner.start_logprobs(batch)
+    seq = torch.repeat_interleave(torch.arange(batch.num_sequences), batch.completion_lens)
+    current = seq < 3
+    counted = current & batch.loss_mask & choice
+    offset = torch.where(counted, 0.25, 0.0) + torch.where(~batch.loss_mask, 3.0, 0.0) + \
+        torch.where(~choice, 2.0, 0.0) + torch.where(~current, 1.0, 0.0)
+    batch.behaviour_logprobs = own - offset
+    stats = learner.train_step(batch)
+    assert stats["sampler_gap_tokens"] == int(counted.sum()) > 0
+    assert abs(stats["sampler_logprob_gap"] - 0.25) < 1e-5

@@ -21,7 +21,9 @@ With `learner.updates_per_batch` = K > 1, one no-grad pass first gives every com
 log-prob under the adapter at the start of the step (`old_logprobs`, the policy the clip is taken
 against), then the batch is split into K shuffled mini-batches (`mini_batch_indices`), each packed,
 normalized over its own global counts and followed by its own AdamW step; the importance weight
-against the sampler is truncated at `loss.tis_cap` (`DECOUPLED_TIS_CAP` when unset). The version
+against the sampler is truncated at `loss.tis_cap` (`DECOUPLED_TIS_CAP` when unset). That pass also
+measures the engine against the learner on the same weights (`learner/sampler_logprob_gap`: the
+sequences sampled by the current version, so all of them at max_policy_lag 0). The version
 still advances once per batch: it counts batches, which is what the step protocol and the lag
 budget measure.
 
@@ -241,11 +243,12 @@ class Learner:
             with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
                 work = self.micro_batches(batch) if batch.num_sequences else []
             counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
-            updates = [self._update(work, counts)]
+            updates, gap = [self._update(work, counts)], {}
         else:
             counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
             with record_function("learner/start_logprobs"):
                 batch.old_logprobs = self.start_logprobs(batch)  # FSDP: all-reduce (max), all-gathers
+            gap = self._sampler_gap(batch)  # all-reduce
             updates = []
             seed = mini_batch_seed(self.cfg.rollout.seed, self.version)
             for idx in mini_batch_indices(batch.num_sequences, k, seed):
@@ -256,7 +259,23 @@ class Learner:
                 updates.append(self._update(work, self._all_reduce(torch.tensor(
                     [float(mini.num_trained_tokens), float(mini.num_sequences)], device=self.device))))
         self.version += 1
-        return self._step_stats(counts, updates, t0)
+        return {**self._step_stats(counts, updates, t0), **gap}
+
+    def _sampler_gap(self, batch: TrajectoryBatch) -> dict[str, float]:
+        """The learner against the sampler on the same weights: mean |start log-prob - behaviour
+        log-prob| (nats) over the trained tokens that had a choice (not forced by a constraint) of
+        the sequences this version sampled (all of them at max_policy_lag 0); what is left is the
+        engine's numerics. An episode's env spans are out (loss_mask). One all-reduce."""
+        seq = torch.repeat_interleave(torch.arange(batch.num_sequences), batch.completion_lens)
+        keep = (batch.versions.long() == self.version)[seq]
+        if batch.loss_mask is not None:
+            keep &= batch.loss_mask
+        if batch.allowed_ids is not None:
+            keep &= (batch.allowed_ids >= 0).sum(1) > 1
+        diff = (batch.old_logprobs - batch.behaviour_logprobs).abs()
+        sums = self._all_reduce(torch.tensor([float(diff[keep].sum()), float(keep.sum())], device=self.device))
+        tokens = float(sums[1])
+        return {"sampler_gap_tokens": tokens, **({"sampler_logprob_gap": float(sums[0]) / tokens} if tokens else {})}
 
     def _update(self, work: list[tuple[TrajectoryBatch, MicroBatch]],
                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
