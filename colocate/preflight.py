@@ -3,7 +3,8 @@
 `config.validate` checks values (types, ranges, cross-field rules); this checks the world they name:
 the run directory can be written, a model directory holds a `config.json` that parses, the
 Diplomacy state cache loads, the dataset env's files load with their columns and reward functions,
-a custom env class imports, and every LoRA target module exists in the model. Each failure is one
+a custom env class imports, an agent's tools and environment class import and give tool schemas,
+and every LoRA target module exists in the model. Each failure is one
 `ConfigError` line naming the key, which `train.py` prints before exiting with code 2; the same
 checks run for `python -m colocate.train --config X --check`.
 """
@@ -191,6 +192,49 @@ def check_custom_env(cfg: Config) -> None:
         raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
 
 
+def check_agent_tools(cfg: Config) -> None:
+    """env.tools / env.environment: each imports; a tool is a function whose schema (what the chat
+    template's `tools=` gets) builds from its type hints and docstring; the environment is a class
+    with `reset`, and so is every public method of one instance (its tools)."""
+    if not (cfg.env.tools or cfg.env.environment):
+        return
+    from colocate.objects import ObjectPathError, load_object
+    from colocate.tools import environment_tools
+    for path in cfg.env.tools:
+        try:
+            fn = load_object(path)
+        except ObjectPathError as e:
+            raise ConfigError(f"env.tools: {e}") from None
+        if isinstance(fn, type) or not callable(fn):
+            raise ConfigError(f"env.tools: {path!r} is not a function")
+        _check_tool_schema("env.tools", path, fn)
+    if not cfg.env.environment:
+        return
+    path = cfg.env.environment
+    try:
+        cls = load_object(path)
+    except ObjectPathError as e:
+        raise ConfigError(f"env.environment: {e}") from None
+    if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
+        raise ConfigError(f"env.environment: {path!r} is not a class with a reset(**row) method "
+                          "(TRL's environment_factory shape: docs/agents.md)")
+    try:
+        instance = cls()
+    except Exception as e:  # noqa: BLE001 - a user's constructor may raise anything
+        raise ConfigError(f"env.environment: {path}() failed: {type(e).__name__}: {e}") from None
+    for name, method in environment_tools(instance).items():
+        _check_tool_schema("env.environment", f"{path}.{name}", method)
+
+
+def _check_tool_schema(key: str, path: str, fn) -> None:
+    from colocate.tools import tool_schema
+    try:
+        tool_schema(fn)
+    except Exception as e:  # noqa: BLE001 - transformers' schema builder raises its own kinds
+        raise ConfigError(f"{key}: {path!r} has no tool schema: {type(e).__name__}: {' '.join(str(e).split())} "
+                          "(a tool needs type hints and a Google-style docstring with an Args: section)") from None
+
+
 def check_optional_packages(cfg: Config) -> None:
     """Packages the config needs beyond the base install: vLLM for engine.kind=vllm."""
     import importlib.util
@@ -253,6 +297,7 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_state_cache(cfg)
     check_dataset(cfg)
     check_custom_env(cfg)
+    check_agent_tools(cfg)
     check_optional_packages(cfg)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)

@@ -163,6 +163,7 @@ CONFIG_CASES = [
     ("checkpoint keep negative", None, ["--checkpoint.keep=-1"], "checkpoint.keep"),
     ("resume dir missing", None, ["--checkpoint.resume=/nonexistent/step-000001"], "does not exist"),
 ]
+AGENT = ["--env.name=dataset", "--env.data_files=<data>", "--engine.max_model_len=512"]
 USER_CASES = [  # user data and user code (tests/test_user_inputs.py has the run-time cases)
     ("duplicate YAML key", "learner:\n  lr: 0.003\n  lr: 30.0\n", [], "key 'lr' is given twice (line 2 and line 3)"),
     ("dataset row prompt null", None, ["--env.name=dataset", "--env.data_files=<rows:null>"],
@@ -198,6 +199,25 @@ USER_CASES = [  # user data and user code (tests/test_user_inputs.py has the run
     ("custom env step signature", None, ["--env.name=user_envs:StepNoArgs"], "cannot be called as step(completions)"),
     ("custom env unknown option", None, ["--env.name=examples.guessing_game:GuessingGameEnv",
                                          "--env.options={max_numbr: 4}"], "did you mean 'max_number'"),
+    ("agent tool path unknown", None, AGENT + ["--env.tools=[no_such_pkg.tools:search]"],
+     "env.tools: 'no_such_pkg.tools:search': cannot import 'no_such_pkg.tools'"),
+    ("agent tool not a function", None, AGENT + ["--env.tools=[user_tools:LIMIT]"], "is not a function"),
+    ("agent tool without type hints", None, AGENT + ["--env.tools=[user_tools:no_hints]"],
+     "env.tools: 'user_tools:no_hints' has no tool schema"),
+    ("agent tool without a docstring", None, AGENT + ["--env.tools=[user_tools:no_docstring]"],
+     "env.tools: 'user_tools:no_docstring' has no tool schema"),
+    ("agent environment without reset", None, AGENT + ["--env.environment=user_tools:NoReset"],
+     "is not a class with a reset(**row) method"),
+    ("agent environment constructor raises", None, AGENT + ["--env.environment=user_tools:Broken"],
+     "env.environment: user_tools:Broken() failed: RuntimeError"),
+    ("agent environment method without a docstring", None, AGENT + ["--env.environment=user_tools:UndocumentedTool"],
+     "env.environment: 'user_tools:UndocumentedTool.look' has no tool schema"),
+    ("agent episode length below a turn", None, AGENT[:2] + ["--engine.max_model_len=4",
+                                                             "--env.tools=[colocate.calculator:calculator]"],
+     "leaves no room for a prompt"),
+    ("calculator example unknown option", None, ["--env.name=examples.calculator_agent:CalculatorEnv",
+                                                 "--engine.max_model_len=256", "--env.options={hihg: 50}"],
+     "did you mean 'high'"),
     ("resume dir not a checkpoint", None, ["--checkpoint.resume=<emptydir>"], "missing from checkpoint"),
     ("resume without manifest", None, ["--checkpoint.resume=<nomanifest>"], "--checkpoint.trust_unverified=true"),
 ]
@@ -222,6 +242,13 @@ USER_MODULES = {  # user code, importable from the case's directory
                      "        return cls()\n\n    def requests(self):\n        return []\n\n\n"
                      "class StepNoArgs(NoRequests):\n    def requests(self):\n        return []\n\n"
                      "    def step(self):\n        pass\n"),
+    "user_tools.py": ('LIMIT = 3\n\n\ndef no_hints(x):\n    """\n    Echo.\n\n    Args:\n        x: A value.\n    """\n'
+                      "    return x\n\n\ndef no_docstring(x: int) -> int:\n    return x\n\n\n"
+                      "class NoReset:\n    pass\n\n\n"
+                      "class Broken:\n    def __init__(self):\n        raise RuntimeError('no database')\n\n"
+                      "    def reset(self, **row):\n        return None\n\n\n"
+                      "class UndocumentedTool:\n    def reset(self, **row):\n        return None\n\n"
+                      "    def look(self, where: str) -> str:\n        return where\n"),
 }
 
 
@@ -310,7 +337,8 @@ def test_bad_input_is_one_line_and_exit_2(case_id, text, overrides, expected, tm
 
 
 def test_the_shipped_configs_pass_the_check(tmp_path):
-    for name, world in (("cpu-tiny.yaml", 2), ("cpu-diplomacy-tiny.yaml", 2), ("cpu-dataset-tiny.yaml", 2)):
+    for name, world in (("cpu-tiny.yaml", 2), ("cpu-diplomacy-tiny.yaml", 2), ("cpu-dataset-tiny.yaml", 2),
+                        ("cpu-calculator-agent.yaml", 2)):
         out = subprocess.run([sys.executable, "-m", "colocate.train", "--config", os.path.join("configs", name),
                               "--check", f"--world-size={world}", f"--metrics.run_dir={tmp_path / 'run'}"],
                              cwd=REPO, capture_output=True, text=True, timeout=120,
