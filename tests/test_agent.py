@@ -180,7 +180,8 @@ def test_an_episode_plays_on_after_a_bad_call(tiny_tokenizer, kind):
     engine = ScriptedEngine(tok, [BAD_CALLS[kind], " 5"])
     batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
     assert batch.num_sequences == 2 and stats["finish/stop"] == 1.0 and stats["turns_per_episode"] == 2.0
-    assert stats[f"tool_errors/{kind}"] == 2.0 and batch.rewards.tolist() == [1.0, 1.0]
+    assert stats[f"tool_errors/{kind}"] == 2.0 and stats["tool_error_rate"] == 1.0
+    assert batch.rewards.tolist() == [1.0, 1.0]
     n, p = int(batch.seq_lens[0]), int(batch.prompt_lens[0])
     ids, mask = batch.tokens[p:n].tolist(), batch.loss_mask[: n - p].tolist()
     first = len(tok.encode(BAD_CALLS[kind], add_special_tokens=False)) + 1
@@ -218,7 +219,7 @@ def test_trl_style_tools_and_environment_run_unchanged(tiny_tokenizer):
     batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
     assert engine.sampled[0][0] == tok.encode("count (count to 4)", add_special_tokens=False)
     assert batch.rewards.tolist() == [1.0, 1.0] and stats["tool_calls_per_episode"] == 3.0
-    assert sum(stats[f"tool_errors/{k}"] for k in TOOL_ERROR_KINDS) == 0.0
+    assert sum(stats[f"tool_errors/{k}"] for k in TOOL_ERROR_KINDS) == 0.0 and stats["tool_error_rate"] == 0.0
     n = int(batch.seq_lens[0])
     text = tok.decode(batch.tokens[:n].tolist())  # each tool's own answer went back: 2, then add's 5, then 4
     assert [m.split("\n")[1] for m in text.split("<tool_response>")[1:]] == ["2", "5", "4"]

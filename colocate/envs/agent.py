@@ -288,14 +288,17 @@ class AgentEnv(Env):
 
     def metrics(self) -> dict[str, float]:
         """Since the last call: tool-call rate (episodes with a call), accuracy (full marks from every
-        reward function), calls / turns / tokens per episode, how episodes ended, tool errors by kind."""
+        reward function), calls / turns / tokens per episode, how episodes ended, tool errors by kind
+        and as a fraction of the calls."""
         c, self._counts = self._counts, Counter()
         n = max(c["episodes"], 1)
         out = {"tool_call_rate": c["episodes_calling"] / n, "accuracy": c["correct"] / n,
                "tool_calls_per_episode": c["tool_calls"] / n, "turns_per_episode": c["turns"] / n,
                "policy_tokens_per_episode": c["policy_tokens"] / n, "env_tokens_per_episode": c["env_tokens"] / n,
                "reward_errors": float(self.rewards.take_errors())}
-        out.update({f"tool_errors/{kind}": float(c[f"tool_errors/{kind}"]) for kind in TOOL_ERROR_KINDS})
+        errors = {f"tool_errors/{kind}": float(c[f"tool_errors/{kind}"]) for kind in TOOL_ERROR_KINDS}
+        out.update(errors)
+        out["tool_error_rate"] = sum(errors.values()) / max(c["tool_calls"], 1)
         out.update({k: v / n for k, v in c.items() if k.startswith("finish/")})
         return out
 
