@@ -5,6 +5,8 @@ result comes back as the env span and the right answer scores 1. The learning ru
 measured (profiles/README.md) and on a GPU tested by tests/test_agent_gpu.py."""
 import dataclasses
 
+import pytest
+
 from colocate.data import Completion
 from colocate.engine.base import Engine
 from colocate.rollout.worker import RolloutWorker
@@ -75,3 +77,21 @@ def test_a_right_episode_scores_one(tiny_cfg, tmp_path):
     batch, stats, _ = RolloutWorker(env, RightAgent(env, tokenizer), groups_per_batch=2).collect()
     assert batch.rewards.tolist() == [1.0] * 4
     assert stats["tool_call_rate"] == 1.0 and stats["accuracy"] == 1.0 and stats["turns_per_episode"] == 2.0
+
+
+@pytest.mark.slow
+def test_a_short_torchrun_run_logs_the_agent_curves_and_a_zero_sampler_gap(tmp_path):
+    """4 steps under torchrun (the episodes' loss mask crosses the transport): the agent scalars are
+    in TensorBoard, and with K = 2 at lag 0 the HF engine's log-probs of the policy spans equal the
+    learner's (both fp32 on this CPU, different kernels: rounding only)."""
+    from tests.test_train_cpu import torchrun
+    from tests.test_vllm_gpu import tb_scalars
+    run_dir = tmp_path / "run"
+    torchrun(["--config", "configs/cpu-calculator-agent.yaml", "--learner.num_steps=4", "--learner.max_policy_lag=0",
+              "--learner.updates_per_batch=2", f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"])
+    rollout = tb_scalars(str(run_dir / "tb" / "inference"))
+    for tag in ("tool_call_rate", "accuracy", "tool_calls_per_episode", "tool_error_rate", "env_tokens_per_episode"):
+        assert len(rollout[f"rollout/{tag}"]) == 4, tag
+    learner = tb_scalars(str(run_dir / "tb" / "learner"))
+    assert min(learner["learner/sampler_gap_tokens"]) > 0
+    assert max(learner["learner/sampler_logprob_gap"]) < 1e-4
