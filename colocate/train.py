@@ -163,6 +163,15 @@ def check_config(argv: list[str], world: int | None = None,
     return cfg, resume_flag, check_only
 
 
+def check_launch(argv: list[str], world: int | None = None,
+                 local_world: int | None = None) -> tuple[Config, dict | None, bool]:
+    """`check_config`, then the checkpoint to resume (validated) -> (config, resume state, --check
+    given); raises ConfigError or CheckpointError. What every rank, `--check` and `colocate train`
+    refuse before any process group forms."""
+    cfg, resume_flag, check_only = check_config(argv, world, local_world)
+    return cfg, load_resume(cfg, resume_flag), check_only
+
+
 def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
     """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
     process group or model). Under torchrun every rank exits; only rank 0 prints the line."""
@@ -171,8 +180,7 @@ def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
         if "WORLD_SIZE" not in os.environ and "--check" not in argv:
             raise ConfigError("not started by torchrun: run `colocate train --config FILE [--nproc N]`, or "
                               "`torchrun --nproc-per-node=N -m colocate.train --config FILE` (`--check` only checks)")
-        cfg, resume_flag, check_only = check_config(argv)
-        resume = load_resume(cfg, resume_flag)  # refused before any group forms; `--check` verifies it too
+        cfg, resume, check_only = check_launch(argv)
     except (ConfigError, CheckpointError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             kind = "config" if isinstance(e, ConfigError) else "checkpoint"
