@@ -49,9 +49,13 @@ def compilation_settings(max_num_seqs: int, max_num_batched_tokens: int, max_cap
 
 
 def requests_per_round(cfg, num_inference: int) -> int:
-    """Prompts one inference rank sends to `generate` at once (every live game's every power)."""
+    """Prompts one inference rank has in the engine at once (every live game's every power). With
+    `rollout.update=inflight` the oversampled groups stay live too (a completed group is replaced at
+    once), so they count."""
     per_game = 7 if cfg.env.name == "diplomacy" else 1
     most_groups = -(-cfg.rollout.groups_per_step // num_inference)  # the first ranks may take one more
+    if cfg.rollout.update == "inflight":
+        most_groups += cfg.rollout.oversample_groups
     return max(1, most_groups) * cfg.rollout.group_size * per_game
 
 
@@ -66,7 +70,7 @@ def engine_settings(cfg, num_inference: int, seed: int) -> dict:
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
-                cudagraph_mode=cfg.engine.cudagraph_mode)
+                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
