@@ -126,6 +126,9 @@ class RolloutWorker:
                 self._start_groups()  # again after a drop or (inflight) a completed group
                 self._submit_waiting(play)
             self._file_finished(self._advance(play), play)
+        if self.inflight:  # replace the groups just completed: the engine stays full while the batch ships
+            self._start_groups()
+            self._submit_waiting(play)
         samples = self._take_samples()
         batch = build_batch(samples, group_advantages(samples))
         elapsed = time.perf_counter() - play.t0
