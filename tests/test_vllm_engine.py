@@ -101,16 +101,16 @@ def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg)
     sys.modules["vllm"].LLM = LLM
     cfg = dataclasses.replace(tiny_cfg, engine=dataclasses.replace(
         tiny_cfg.engine, max_num_batched_tokens=1024, max_capture_tokens=2048, cudagraph_mode="FULL"))
-    settings = engine_settings(cfg, num_inference=2, seed=0)
+    settings = engine_settings(cfg, num_inference=2, seed=0, prompt_bound=64, requests_per_group=8)
     spec = LoraSpec.of({"a": torch.zeros(2, 3)})
-    engine = VLLMEngine("/nowhere", spec, eos_id=2, **settings)
+    engine = VLLMEngine("/nowhere", spec, 2, settings)
     compilation = seen["compilation_config"]
     assert compilation["cudagraph_mode"] == "FULL" and seen["max_num_batched_tokens"] == 1024
-    assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings["max_num_seqs"], 1024)
+    assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings.max_num_seqs, 1024)
     assert compilation["cudagraph_capture_sizes"][-1] == 1024 and engine.slot_info["method"] == "colocate_init_adapter"
     # max_capture_tokens 0: decode sizes only
-    VLLMEngine("/nowhere", spec, eos_id=2, **{**settings, "max_capture_tokens": 0, "cudagraph_mode": ""})
-    assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings["max_num_seqs"])}
+    VLLMEngine("/nowhere", spec, 2, settings.replace(max_capture_tokens=0, cudagraph_mode=""))
+    assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings.max_num_seqs)}
 
 
 def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):

@@ -40,7 +40,7 @@ from colocate.engine.base import Engine
 from colocate.engine.model_dir import ensure_model_dir
 from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
-from colocate.engine.vllm_settings import engine_settings, llm_arguments
+from colocate.engine.vllm_settings import VLLMSettings, engine_settings, llm_arguments
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
@@ -150,50 +150,40 @@ def completion_from_output(output, request: Request, version: int, eos_id: int) 
 class VLLMEngine(Engine):
     """`Engine` over `vllm.LLM`; see the module docstring."""
 
-    def __init__(self, model_dir: str, spec: LoraSpec, eos_id: int, *, max_num_seqs: int = 512,
-                 max_model_len: int = 1024, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
-                 enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
-                 max_loras: int = 1, grammar_mode: str = "tokens", gpu: int | None = None,
-                 dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 max_num_batched_tokens: int = 0, validate_grammars: bool = True,
-                 profile_dir: str = "", profile_steps: int = 40, max_capture_tokens: int = 2048,
-                 cudagraph_mode: str = "", update: str = "drain"):
-        self.spec, self.eos_id, self.lora_mode, self.grammar_mode = spec, eos_id, lora_mode, grammar_mode
-        self.inflight = update == "inflight"  # adapter updates may land under running requests
-        self.max_num_seqs, self.profile_dir, self.version = max_num_seqs, profile_dir, 0
+    def __init__(self, model_dir: str, spec: LoraSpec, eos_id: int, settings: VLLMSettings, *,
+                 gpu: int | None = None):
+        s = settings
+        self.spec, self.eos_id, self.lora_mode, self.grammar_mode = spec, eos_id, s.lora_mode, s.grammar_mode
+        self.inflight = s.update == "inflight"  # adapter updates may land under running requests
+        self.max_num_seqs, self.profile_dir, self.version = s.max_num_seqs, s.profile_dir, 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._reported = dict(self.counters)
         self._pending: dict[str, tuple[int, Request, int]] = {}  # vLLM request id -> (ticket, request, version)
         self._stash: list[tuple[int, Completion]] = []  # streamed answers read by `generate`, for the next poll
         self._next_ticket = 0
         self._busy_since = 0.0
-        kwargs = llm_arguments(
-            model_dir, lora_mode=lora_mode, lora_rank=lora_rank, max_loras=max_loras, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_capture_tokens=max_capture_tokens,
-            cudagraph_mode=cudagraph_mode, async_scheduling=async_scheduling, profile_dir=profile_dir,
-            profile_steps=profile_steps, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching)  # refuses bad arguments before vLLM starts
+        kwargs = llm_arguments(model_dir, s)  # refuses bad arguments before vLLM starts
         from vllm import LLM
-        if not validate_grammars:
+        if not s.validate_grammars:
             skip_client_grammar_validation()
         t0 = time.perf_counter()
         with engine_environment(gpu):
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
-        self.slot_info = self._init_adapter(lora_rank, lora_alpha / lora_rank)
+        self.slot_info = self._init_adapter(s.lora_rank, s.lora_alpha / s.lora_rank)
         self._lora_request = self._make_lora_request()
 
     @classmethod
-    def from_config(cls, cfg, topo, tokenizer) -> "VLLMEngine":
+    def from_config(cls, cfg, topo, tokenizer, *, prompt_bound: int, requests_per_group: int) -> "VLLMEngine":
         """The engine of an inference rank of a torchrun job (its adapter channel is joined after:
-        `vllm_channel.join_receiver`)."""
+        `vllm_channel.join_receiver`); the env's facts size it (`colocate.envs.env_facts`)."""
         from colocate.metrics import engine_profile_dir
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
-        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, gpu=topo.device.index,
-                   **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank),
-                   profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
-                   profile_steps=cfg.metrics.profile_engine_steps)
+        settings = engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank,
+                                   prompt_bound=prompt_bound, requests_per_group=requests_per_group)
+        settings = settings.replace(profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
+                                    profile_steps=cfg.metrics.profile_engine_steps)
+        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, settings, gpu=topo.device.index)
 
     def _init_adapter(self, lora_rank: int, scaling: float) -> dict:
         """The worker's adapter: the pinned LoRA slot, or W0 kept for merging (`vllm_worker.py`)."""
