@@ -1,4 +1,4 @@
-"""GPU tests of the vLLM engine (2 GPUs, vllm==0.25.0); skipped cleanly elsewhere.
+"""GPU tests of the vLLM engine (vllm==0.25.0; one GPU or two, as each test says); skipped cleanly elsewhere.
 
 Each test runs in a subprocess (a vLLM engine core is a child process that re-imports the main
 module; pytest's stays out of it) and checks what that run wrote:
