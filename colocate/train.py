@@ -35,7 +35,7 @@ from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver,
                               NoSender)
 from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config, to_dict
 from colocate.engine.base import Engine
-from colocate.envs import env_corpus, make_env
+from colocate.envs import env_corpus, env_facts, make_env
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
 from colocate.lifecycle import StopSignal, die_with_parent, exit_quietly, is_peer_failure, quiet_thread_peer_failures
@@ -100,11 +100,12 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, 
     if engine_kind(cfg, topo) == "vllm":
         from colocate.engine import vllm_channel
         from colocate.engine.vllm import VLLMEngine
+        facts = env_facts(cfg)  # the env's prompt-length bound and requests per group size the engine
         if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
-            engine = VLLMEngine.from_config(cfg, topo, tokenizer)
+            engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
             return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
         endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
-        engine = VLLMEngine.from_config(cfg, topo, tokenizer)
+        engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
         return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
     from colocate.engine.hf import HFEngine
     engine = HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
