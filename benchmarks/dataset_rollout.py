@@ -77,10 +77,11 @@ def build(args):
 def side_ours(args) -> dict:
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
     from colocate.engine.vllm_settings import engine_settings
+    from colocate.envs import env_facts
     from colocate.rollout.worker import RolloutWorker
     cfg, tokenizer, model_dir, env = build(args)
     engine = VLLMEngine(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id,
-                        **engine_settings(cfg, 1, seed=0))
+                        engine_settings(cfg, 1, seed=0, **env_facts(cfg)))
     worker = RolloutWorker(env, engine, groups_per_batch=QUESTIONS, stream=cfg.rollout.stream)
     rounds = []
     for i in range(args.rounds + 1):

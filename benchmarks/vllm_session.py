@@ -200,6 +200,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     from colocate.config import load_config
     from colocate.engine.model_dir import ensure_model_dir
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
+    from colocate.engine.vllm_settings import VLLMSettings
     from colocate.learner.fsdp import LoraGather
     if torch.device(LEARNER).type == "cuda" and torch.cuda.device_count() < 2 and not one_gpu:
         raise SystemExit("the vLLM session needs 2 GPUs (learner on cuda:0, engine on GPU 1; --one-gpu: both "
@@ -215,12 +216,12 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
     model_dir = ensure_model_dir(cfg, tokenizer, LEARNER, is_writer=True)
     figures["setup/policy_and_model_dir_s"] = time.perf_counter() - t0
     log(f"{shape}: policy on {LEARNER}, model dir {model_dir} ({figures['setup/policy_and_model_dir_s']:.0f}s)")
-    engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, max_num_seqs=max_num_seqs,
-                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, max_loras=max_loras,
-                        gpu=0 if one_gpu else 1,
-                        lora_mode=lora_mode, async_scheduling=async_scheduling,
-                        profile_dir=trace_dir, profile_steps=TRACE_STEPS, **(compile_kw or {}))
+    settings = VLLMSettings(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                            gpu_memory_utilization=gpu_memory_utilization, lora_rank=cfg.lora.rank,
+                            lora_alpha=cfg.lora.alpha, max_loras=max_loras, lora_mode=lora_mode,
+                            async_scheduling=async_scheduling, profile_dir=trace_dir, profile_steps=TRACE_STEPS,
+                            **(compile_kw or {}))
+    engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, settings, gpu=0 if one_gpu else 1)
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
     sender = LocalIpcSender(engine, spec, LEARNER) if one_gpu else connect_sender(engine, spec)

@@ -41,6 +41,9 @@ TORCHRUN_VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--master-addr
                         "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--max-restarts", "--max_restarts",
                         "--monitor-interval", "--log-dir", "--log_dir", "--redirects", "--tee", "--local-addr"}
 """torchrun flags that take a value as the next argument (`--flag=value` works for any flag)."""
+TORCHRUN_FLAGS = TORCHRUN_VALUE_FLAGS | {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path",
+                                         "--local-ranks-filter", "--local_ranks_filter"}
+"""torchrun flags `colocate train` passes through; any other flag is an argument of ours."""
 
 
 def sections() -> dict[str, type]:
@@ -96,12 +99,12 @@ def split_train_args(argv: list[str]) -> tuple[int | None, list[str], list[str]]
             ours.append(arg)
             if name == "--config" and not sep:
                 ours.append(next(it, ""))
-        elif arg.startswith("-"):
+        elif name in TORCHRUN_FLAGS:
             torchrun.append(arg)
             if name in TORCHRUN_VALUE_FLAGS and not sep:
                 torchrun.append(next(it, ""))
-        else:
-            raise ConfigError(f"cannot parse argument {arg!r}; expected --section.key=value")
+        else:  # config overrides and what is neither: `parse_overrides` names the mistake
+            ours.append(arg)
     return nproc, torchrun, ours
 
 
@@ -124,7 +127,7 @@ def default_nproc(cfg: Config) -> int:
 
 def train_command(argv: list[str]) -> list[str]:
     """Check everything in this process -> the torchrun command line (raises ConfigError)."""
-    from colocate.train import check_config
+    from colocate.train import check_launch
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:
@@ -132,7 +135,7 @@ def train_command(argv: list[str]) -> list[str]:
     nproc = nproc or default_nproc(load_config(path, overrides))
     nnodes = torchrun_value(torchrun, "--nnodes") or "1"
     world = nproc * int(nnodes) if nnodes.isdigit() else None  # an elastic range: torchrun decides
-    check_config(ours, world=world, local_world=nproc)
+    check_launch(ours, world=world, local_world=nproc)
     single = nnodes == "1" and not torchrun_value(torchrun, "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                                                     "--master_addr")
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -149,7 +152,12 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
-    cmd = train_command(argv)
+    from colocate.checkpoint import CheckpointError
+    try:
+        cmd = train_command(argv)
+    except CheckpointError as e:  # a checkpoint to resume that does not verify: as every rank would say it
+        print(f"colocate: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 2
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     os.execvpe(cmd[0], cmd, launch_env(nproc))

@@ -29,7 +29,7 @@ import yaml
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
                                     ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
-                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
+                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS, UPDATE_MODES,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -61,6 +61,7 @@ _CHOICES = {
     ("learner", "prefix_sharing"): PREFIX_SHARING,
     ("sync", "backend"): SYNC_BACKENDS,
     ("topology", "placement"): PLACEMENTS,
+    ("rollout", "update"): UPDATE_MODES,
 }
 BASE_KEY = "base"
 """Top-level YAML key naming the file this one starts from."""
@@ -408,6 +409,9 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
                           "a group carried over to the next batch is trained a step later, so batches start one "
                           "version fresher than the budget (lag 1 would make rollouts wait for every learner step)")
+    if r.update == "inflight" and cfg.learner.max_policy_lag < 1:
+        raise ConfigError("rollout.update=inflight needs learner.max_policy_lag >= 1: requests still in flight when a "
+                          "batch ships are trained with a later batch, at least one version after their first token")
     if cfg.env.overlong_buffer > cfg.engine.max_new_tokens:
         raise ConfigError(f"env.overlong_buffer={cfg.env.overlong_buffer} exceeds engine.max_new_tokens="
                           f"{cfg.engine.max_new_tokens}: the penalty would start below zero length")
@@ -431,9 +435,11 @@ def sampling_lag(cfg: Config) -> int:
     and is trained at step k. With oversampling, a group still in play when its batch ships is
     trained with a later batch, at least one step later, so the batch waits for one version
     fresher than the budget (lag - 1): groups trained with their own batch are lag - 1 behind,
-    groups carried over one batch exactly lag, and only those carried twice are dropped."""
+    groups carried over one batch exactly lag, and only those carried twice are dropped. In-flight
+    updates (`rollout.update=inflight`) carry requests across batches the same way: lag - 1."""
     lag = cfg.learner.max_policy_lag
-    return lag - 1 if cfg.rollout.oversample_groups > 0 else lag  # `validate` keeps lag >= 2 there
+    carries = cfg.rollout.oversample_groups > 0 or cfg.rollout.update == "inflight"
+    return lag - 1 if carries else lag  # `validate` keeps lag >= 2 (oversampling) / >= 1 (inflight) there
 
 
 def eval_enabled(cfg: Config) -> bool:

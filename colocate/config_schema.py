@@ -29,6 +29,7 @@ SYNC_BACKENDS = ("auto", "nccl", "gloo")
 PLACEMENTS = ("by_node", "interleaved")
 LOGGERS = ("tensorboard", "wandb", "mlflow", "trackio")  # colocate.trackers
 EVAL_OPPONENTS = ("random", "hold", "greedy")  # keys of colocate.envs.diplomacy.bots.BOTS
+UPDATE_MODES = ("drain", "inflight")  # rollout.update
 
 
 @dataclass
@@ -214,10 +215,20 @@ class RolloutConfig:
     is dropped as stale and counted)."""
     stream: bool = False
     """Each game sends its next phase to the engine as soon as its current one is answered, instead
-    of every game waiting for the round's slowest completion (a phase barrier). Needs an engine
-    that streams (vLLM); the HF engine answers all pending requests at once either way. With
-    oversample_groups > 0 the batch takes the groups that finish first in wall-clock time, which
-    leans toward games with short completions."""
+    of every game waiting for the round's slowest completion (a phase barrier). Both engines
+    stream: a poll hands back what finished while the rest keep decoding. With oversample_groups > 0
+    the batch takes the groups that finish first in wall-clock time, which leans toward games with
+    short completions."""
+    update: str = "drain"
+    """How a batch ends and an adapter update lands (docs/design.md, "Streamed rollouts"). drain:
+    once its groups are complete the worker stops submitting and waits for every request in flight,
+    so updates find the engine idle (exactly reproducible: the resume test's mode). inflight: the
+    batch ships as soon as its groups are complete; requests in flight keep decoding, their groups
+    join a later batch, a completed group is replaced at once (groups_per_step share +
+    oversample_groups stay live), polls stream, and the next version lands between two engine steps
+    under running requests. Each sample records the versions of its first and last token; the lag
+    budget applies to the first, so batches start one version fresher than the budget (as with
+    oversample_groups). Needs learner.max_policy_lag >= 1."""
     drop_uniform_groups: bool = False
     """DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere and
     carries no signal; drop it before the transport (counted as rollout/dropped_uniform_groups) and

@@ -38,12 +38,22 @@ class Completion:
     allowed_ids: list[list[int]] | None
     """[n][k_i] token ids the constraint allowed at each step (None when unconstrained)."""
     version: int
-    """Adapter version that sampled this completion."""
+    """Adapter version that sampled its first token: the oldest that produced it (the lag budget
+    applies to it). With `rollout.update=inflight` a request may run across an adapter update."""
     finish_reason: str = "stop"
     """stop (EOS or constraint finished) or length (max_new_tokens reached)."""
     loss_mask: list[bool] | None = None
     """[n] True where the policy sampled the token (it is trained), False for tokens the env appended
     (tool results, observations: an episode's env spans, `envs/agent.py`); None: every token trained."""
+    last_version: int | None = None
+    """Adapter version that sampled its last token (None: `version`, no update landed while it ran).
+    vLLM records bounds: the version at submit as `version`, the one when its answer was read here."""
+    token_versions: list[int] | None = None
+    """[n] version that sampled each token, where the engine tracks it (the HF engine); None otherwise."""
+
+    @property
+    def newest_version(self) -> int:
+        return self.version if self.last_version is None else self.last_version
 
 
 @dataclass
@@ -74,7 +84,8 @@ class TrajectoryBatch:
     rewards: torch.Tensor
     """[B] float32 raw reward per sequence."""
     versions: torch.Tensor
-    """[B] int32 adapter version that sampled each sequence."""
+    """[B] int32 adapter version of each sequence's first (oldest) token: what the lag budget and
+    `learner/policy_lag` measure (`Completion.version`)."""
     allowed_ids: torch.Tensor | None = None
     """[N, K] int32 allowed token ids per completion token, -1 padded; None when unconstrained."""
     ref_logprobs: torch.Tensor | None = None

@@ -35,7 +35,7 @@ from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver,
                               NoSender)
 from colocate.config import Config, ConfigError, load_config, parse_overrides, save_config, to_dict
 from colocate.engine.base import Engine
-from colocate.envs import env_corpus, make_env
+from colocate.envs import env_corpus, env_facts, make_env
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
 from colocate.lifecycle import StopSignal, die_with_parent, exit_quietly, is_peer_failure, quiet_thread_peer_failures
@@ -100,11 +100,12 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, 
     if engine_kind(cfg, topo) == "vllm":
         from colocate.engine import vllm_channel
         from colocate.engine.vllm import VLLMEngine
+        facts = env_facts(cfg)  # the env's prompt-length bound and requests per group size the engine
         if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
-            engine = VLLMEngine.from_config(cfg, topo, tokenizer)
+            engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
             return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
         endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
-        engine = VLLMEngine.from_config(cfg, topo, tokenizer)
+        engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
         return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
     from colocate.engine.hf import HFEngine
     engine = HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
@@ -163,6 +164,15 @@ def check_config(argv: list[str], world: int | None = None,
     return cfg, resume_flag, check_only
 
 
+def check_launch(argv: list[str], world: int | None = None,
+                 local_world: int | None = None) -> tuple[Config, dict | None, bool]:
+    """`check_config`, then the checkpoint to resume (validated) -> (config, resume state, --check
+    given); raises ConfigError or CheckpointError. What every rank, `--check` and `colocate train`
+    refuse before any process group forms."""
+    cfg, resume_flag, check_only = check_config(argv, world, local_world)
+    return cfg, load_resume(cfg, resume_flag), check_only
+
+
 def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
     """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
     process group or model). Under torchrun every rank exits; only rank 0 prints the line."""
@@ -171,8 +181,7 @@ def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
         if "WORLD_SIZE" not in os.environ and "--check" not in argv:
             raise ConfigError("not started by torchrun: run `colocate train --config FILE [--nproc N]`, or "
                               "`torchrun --nproc-per-node=N -m colocate.train --config FILE` (`--check` only checks)")
-        cfg, resume_flag, check_only = check_config(argv)
-        resume = load_resume(cfg, resume_flag)  # refused before any group forms; `--check` verifies it too
+        cfg, resume, check_only = check_launch(argv)
     except (ConfigError, CheckpointError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             kind = "config" if isinstance(e, ConfigError) else "checkpoint"

@@ -119,6 +119,9 @@ CONFIG_CASES = [
     ("groups per step 0", None, ["--rollout.groups_per_step=0"], "rollout.groups_per_step"),
     ("oversample negative", None, ["--rollout.oversample_groups=-1"], "rollout.oversample_groups"),
     ("oversample with lag 1", None, ["--rollout.oversample_groups=2"], "learner.max_policy_lag"),
+    ("update not a mode", None, ["--rollout.update=never"], "rollout.update='never' is not one of"),
+    ("inflight updates with lag 0", None, ["--rollout.update=inflight", "--learner.max_policy_lag=0"],
+     "rollout.update=inflight needs learner.max_policy_lag >= 1"),
     ("drop uniform groups not a bool", None, ["--rollout.drop_uniform_groups=sometimes"], "rollout.drop_uniform_groups"),
     # learner
     ("lr negative", None, ["--learner.lr=-1"], "learner.lr"),
@@ -337,10 +340,12 @@ def test_bad_input_is_one_line_and_exit_2(case_id, text, overrides, expected, tm
 
 
 def test_the_shipped_configs_pass_the_check(tmp_path):
-    for name, world in (("cpu-tiny.yaml", 2), ("cpu-diplomacy-tiny.yaml", 2), ("cpu-dataset-tiny.yaml", 2),
-                        ("cpu-calculator-agent.yaml", 2)):
+    # GPU presets without vLLM here: everything but the engine kind (their data files, values, roles)
+    for name, world, extra in (("cpu-tiny.yaml", 2, []), ("cpu-diplomacy-tiny.yaml", 2, []),
+                               ("cpu-dataset-tiny.yaml", 2, []), ("gpu-1-gsm8k.yaml", 2, ["--engine.kind=hf"]),
+                               ("cpu-calculator-agent.yaml", 2, [])):
         out = subprocess.run([sys.executable, "-m", "colocate.train", "--config", os.path.join("configs", name),
-                              "--check", f"--world-size={world}", f"--metrics.run_dir={tmp_path / 'run'}"],
+                              "--check", f"--world-size={world}", f"--metrics.run_dir={tmp_path / 'run'}", *extra],
                              cwd=REPO, capture_output=True, text=True, timeout=120,
                              env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
         assert out.returncode == 0 and "learner:" in out.stdout, out.stderr

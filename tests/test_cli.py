@@ -76,6 +76,7 @@ def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monk
         case_dir = tmp_path / case_id.replace(" ", "_")
         case_dir.mkdir()
         path, overrides = materialize(text, overrides, case_dir)
+        monkeypatch.syspath_prepend(str(case_dir))  # the case's user modules, as tests/test_bad_input.py does
         code = cli.main(["train", "--config", path, f"--metrics.run_dir={case_dir / 'run'}",
                          f"--model.cache_dir={tmp_path / 'cache'}", *overrides])
         err = capsys.readouterr().err.strip().splitlines()

@@ -46,7 +46,7 @@ BAD = [
     (["--learner.lrr=1"], {}, "unknown config key 'learner.lrr'"),
     (["--learner.num_steps=abc"], {}, "expected int"),
     (["--topology.num_inference=3"], {"WORLD_SIZE": "2"}, "do not fit world size"),
-    (["--rollout.group_size=3"], {}, "does not divide"),
+    (["--rollout.batch_size=130"], {}, "must equal rollout.groups_per_step * rollout.group_size"),
     (["--model.path=/nonexistent/model"], {}, "not a local directory"),
 ]
 

@@ -102,3 +102,53 @@ def test_temperature_zero_is_greedy_and_ignores_the_seed(tiny_tokenizer, tiny_po
             assert tok == int(tiny_policy(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
             ids.append(tok)
     assert all(lp <= 0 and lp == lp for c in a for lp in c.logprobs)
+
+
+def _learner_logprobs(policy, samples, temperature):
+    """Every completion token's log-prob under `policy`'s live adapter, in the learner's own packed
+    layout (as `test_constrained_samples_are_valid_and_logprobs_match_learner`)."""
+    batch = build_batch(samples, [0.0] * len(samples))
+    mb = packed_micro_batch(batch, "cpu", "sdpa")
+    set_attention(policy, "sdpa")
+    with torch.no_grad():
+        logits = completion_logits(policy, mb)
+    return per_token_logprobs(logits, mb.targets, temperature), batch
+
+
+def test_inflight_updates_keep_every_behaviour_logprob_exact(tiny_tokenizer, tiny_policy):
+    """Requests decode in chunks across polls; two adapter updates land while some run. Each token's
+    recorded log-prob is its sampler's: recomputed by the learner's forward under the version the
+    engine recorded for that token, it agrees to fp32 rounding (the tolerance of the test above)."""
+    torch.manual_seed(1)
+    adapters = []
+    for _ in range(3):
+        adapters.append({n: torch.randn_like(p) * 0.05 for n, p in lora_state(tiny_policy).items()})
+    engine = HFEngine(tiny_policy, tiny_tokenizer, seed=5, decode_chunk=2)
+    engine.load_lora(0, adapters[0])
+    prompts = ["add 1 and 2 ; answer :", "add 3 and 0 ; answer :", "add 4 and 4 ; answer :"]
+    requests = [Request(prompt_ids=tiny_tokenizer.encode(prompts[i % 3]), max_new_tokens=3 + 2 * i) for i in range(6)]
+    tickets = engine.submit(requests[:4])
+    got = dict(engine.poll())
+    assert 0 < len(got) < 4  # some finished, the rest are still in flight
+    engine.load_lora(1, adapters[1])  # lands between two chunks of the running cohort
+    tickets += engine.submit(requests[4:])  # a second cohort, started under version 1
+    got.update(engine.poll())
+    engine.load_lora(2, adapters[2])
+    got.update(engine.poll(wait_all=True))
+    assert sorted(got) == tickets and not engine._cohorts
+    completions = [got[t] for t in tickets]
+    assert any(c.version < c.last_version for c in completions)  # updates landed mid-request
+    assert engine.stats()["reprefills"] >= 2
+    samples = [Sample(r.prompt_ids, c, 0.0, 0) for r, c in zip(requests, completions)]
+    versions = torch.tensor([v for c in completions for v in c.token_versions])
+    assert versions.numel() == sum(len(c.token_ids) for c in completions)
+    for c in completions:
+        assert c.token_versions == sorted(c.token_versions)
+        assert (c.version, c.last_version) == (c.token_versions[0], c.token_versions[-1])
+    expected = torch.zeros(versions.numel())
+    for v, adapter in enumerate(adapters):
+        engine.load_lora(v, adapter)
+        logp, batch = _learner_logprobs(tiny_policy, samples, 1.0)
+        expected = torch.where(versions == v, logp, expected)
+    assert set(versions.tolist()) == {0, 1, 2}
+    torch.testing.assert_close(batch.behaviour_logprobs, expected, atol=1e-5, rtol=0)

@@ -227,3 +227,107 @@ def test_overlong_buffer_shapes_rewards_by_completion_length():
         assert got == pytest.approx(want)
     assert min(lens) <= max_new - buffer < max(lens)  # both sides of the buffer were seen
     assert overlong_penalty(max_new + 3, max_new, buffer) == -1.0 and overlong_penalty(max_new, max_new, 0) == 0.0
+
+
+# -- no drain (rollout.update=inflight) -------------------------------------------------------------
+
+class DelayedStreamEngine(Engine):
+    """Streams like vLLM with requests of different lengths: request t (the t-th submitted) needs
+    1 + t % 5 polls; a poll hands back at least one finished request. Records the version at submit
+    and at hand-back, and refuses a ticket answered twice."""
+
+    def __init__(self):
+        self.version = 0
+        self.pending: dict[int, list] = {}  # ticket -> [polls left, request, version at submit]
+        self.next, self.answered = 0, set()
+
+    def submit(self, requests):
+        tickets = list(range(self.next, self.next + len(requests)))
+        self.next += len(requests)
+        for t, r in zip(tickets, requests):
+            self.pending[t] = [1 + t % 5, r, self.version]
+        return tickets
+
+    def poll(self, wait_all=False):
+        out = []
+        while self.pending and (wait_all or not out):
+            for t in list(self.pending):
+                self.pending[t][0] -= 1
+                if self.pending[t][0] == 0:
+                    _, r, v = self.pending.pop(t)
+                    assert t not in self.answered
+                    self.answered.add(t)
+                    out.append((t, Completion([r.prompt_ids[-1]], [-0.5], None, v, last_version=self.version)))
+        return out
+
+
+class IdentityEnv(Env):
+    """Groups of 2 single-turn requests; sample (g, i) answers prompt [1, 2g + i]: every sample
+    names itself."""
+    group_size = 2
+
+    def __init__(self):
+        self.waiting, self.answers, self.done, self.started = {}, {}, [], []
+
+    def start_group(self, g):
+        self.started.append(g)
+        for i in range(2):
+            self.waiting[(g, i)] = Request(prompt_ids=[1, 2 * g + i], max_new_tokens=1)
+
+    def requests(self):
+        return list(self.waiting.items())
+
+    def step(self, completions):
+        for key, c in completions.items():
+            del self.waiting[key]
+            self.answers[key] = c
+            g = key[0]
+            if all((g, i) in self.answers for i in range(2)):
+                self.done.append(g)
+
+    def pop_finished(self):
+        out = [Sample([1, 2 * g + i], self.answers.pop((g, i)), float(g), g) for g in self.done for i in range(2)]
+        self.done = []
+        return out
+
+
+def _sample_ids(batch):
+    """(group, index) of every sequence, read from its prompt."""
+    ids, offset = [], 0
+    for n, p in zip(batch.seq_lens.tolist(), batch.prompt_lens.tolist()):
+        last = int(batch.tokens[offset + p - 1])
+        ids.append((last // 2, last % 2))
+        offset += n
+    return ids
+
+
+def test_inflight_ships_without_draining_and_loses_nothing():
+    """A batch ships with requests still in flight; they finish in a later batch (after the version
+    changed under them); no sample or group is lost or shipped twice; the engine stays as full as
+    the live groups."""
+    env, engine = IdentityEnv(), DelayedStreamEngine()
+    worker = RolloutWorker(env, engine, groups_per_batch=4, oversample=2, inflight=True)
+    shipped, carried_tickets, spans = [], 0, 0.0
+    for k in range(8):
+        batch, stats, _ = worker.collect()
+        ids = _sample_ids(batch)
+        assert len(ids) == 8 and len({g for g, _ in ids}) == 4  # whole groups, exactly the batch's
+        shipped += ids
+        carried_tickets += len(engine.pending)
+        assert stats["requests_in_flight"] == len(engine.pending) == len(worker._in_flight)
+        assert len(worker._live) == 4 + 2  # every completed group replaced at once
+        spans += stats["version_span"]
+        engine.version = k + 1  # an update lands between two polls, under the running requests
+    assert carried_tickets > 0 and spans > 0  # requests did cross batch boundaries and updates
+    assert len(shipped) == len(set(shipped))  # nothing twice
+    in_play = {(g, i) for g in worker._live | set(worker._complete) for i in range(2)}
+    assert set(shipped) | in_play == {(g, i) for g in env.started for i in range(2)}  # nothing lost
+    assert not set(shipped) & in_play
+
+
+def test_drain_ships_with_nothing_in_flight():
+    env, engine = IdentityEnv(), DelayedStreamEngine()
+    worker = RolloutWorker(env, engine, groups_per_batch=4, oversample=2, stream=True)
+    for _ in range(3):
+        batch, stats, _ = worker.collect()
+        assert not engine.pending and stats["requests_in_flight"] == 0 and stats["version_span"] == 0

@@ -77,3 +77,21 @@ def test_diplomacy_config_trains_and_logs_game_metrics(tmp_path):
     tags = set(acc.Tags()["scalars"])
     for tag in ("rollout/reward", "rollout/invalid_order_rate", "rollout/sc_delta_mean", "rollout/prompt_tokens_mean"):
         assert tag in tags, tag
+
+
+@pytest.mark.slow
+def test_inflight_updates_land_under_running_diplomacy_requests(tmp_path):
+    """rollout.update=inflight on Diplomacy (order sets of different lengths, so a poll hands back some
+    answers while others decode): batches ship with requests in flight, adapters land under them
+    (the HF engine prefills those again under the new version), and every step trains."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = tmp_path / "run"
+    torchrun(["--config", "configs/cpu-diplomacy-tiny.yaml", "--rollout.update=inflight", "--learner.max_policy_lag=1",
+              "--learner.num_steps=4", f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"])
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+    acc = EventAccumulator(str(run_dir / "tb" / "inference"))
+    acc.Reload()
+    top = {tag: max(e.value for e in acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+    assert top["rollout/requests_in_flight"] > 0  # carried across a batch boundary
+    assert top["rollout/version_span_max"] >= 1 and top["rollout/tokens_after_update"] > 0
+    assert top["engine/reprefills"] >= 1

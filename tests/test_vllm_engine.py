@@ -101,16 +101,16 @@ def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg)
     sys.modules["vllm"].LLM = LLM
     cfg = dataclasses.replace(tiny_cfg, engine=dataclasses.replace(
         tiny_cfg.engine, max_num_batched_tokens=1024, max_capture_tokens=2048, cudagraph_mode="FULL"))
-    settings = engine_settings(cfg, num_inference=2, seed=0)
+    settings = engine_settings(cfg, num_inference=2, seed=0, prompt_bound=64, requests_per_group=8)
     spec = LoraSpec.of({"a": torch.zeros(2, 3)})
-    engine = VLLMEngine("/nowhere", spec, eos_id=2, **settings)
+    engine = VLLMEngine("/nowhere", spec, 2, settings)
     compilation = seen["compilation_config"]
     assert compilation["cudagraph_mode"] == "FULL" and seen["max_num_batched_tokens"] == 1024
-    assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings["max_num_seqs"], 1024)
+    assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings.max_num_seqs, 1024)
     assert compilation["cudagraph_capture_sizes"][-1] == 1024 and engine.slot_info["method"] == "colocate_init_adapter"
     # max_capture_tokens 0: decode sizes only
-    VLLMEngine("/nowhere", spec, eos_id=2, **{**settings, "max_capture_tokens": 0, "cudagraph_mode": ""})
-    assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings["max_num_seqs"])}
+    VLLMEngine("/nowhere", spec, 2, settings.replace(max_capture_tokens=0, cudagraph_mode=""))
+    assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings.max_num_seqs)}
 
 
 def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
@@ -170,7 +170,8 @@ def _streaming_engine(monkeypatch, seed=0):
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the host side only
     engine.llm, engine.version, engine.eos_id, engine.grammar_mode = FakeLLM(seed), 3, EOS, "tokens"
     engine.lora_mode, engine._lora_request = "slot", None
-    engine._pending, engine._next_ticket, engine._busy_since = {}, 0, 0.0
+    engine._pending, engine._next_ticket, engine._busy_since, engine._stash = {}, 0, 0.0, []
+    engine.inflight = False
     engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "engine_errors", "host_s", "generate_s",
                                      "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps"), 0)
     monkeypatch.setattr(engine, "_params", lambda requests: ([{"prompt_token_ids": r.prompt_ids} for r in requests],
@@ -212,3 +213,25 @@ def test_vllm_poll_refuses_requests_vllm_does_not_know(monkeypatch):
     engine.llm.running.clear()  # lost inside vLLM: step() would block forever
     with pytest.raises(RuntimeError, match="unknown to vLLM"):
         engine.poll()
+
+
+def test_vllm_inflight_updates_land_under_running_requests(monkeypatch):
+    """update="inflight": a version lands while streamed requests run; each answer records the
+    version at its submit (no token older) and the one when it was read (none newer); evaluation's
+    `generate` runs beside them and keeps the streamed answers it reads for the next poll."""
+    engine = _streaming_engine(monkeypatch, seed=3)
+    engine.inflight = True
+    monkeypatch.setattr(engine, "_make_lora_request", lambda: None)
+    early = engine.submit([Request(prompt_ids=[1, 10 + i], max_new_tokens=2) for i in range(6)])
+    got = dict(engine.poll())
+    engine._set_version(4)  # no refusal: the update lands between two engine steps
+    late = engine.submit([Request(prompt_ids=[2, 20 + i], max_new_tokens=2) for i in range(6)])
+    evaluated = engine.generate([Request(prompt_ids=[3, 30 + i], max_new_tokens=2) for i in range(4)])
+    assert [c.token_ids[0] for c in evaluated] == [31, 32, 33, 34]
+    while engine._pending or engine._stash:
+        got.update(engine.poll())
+    assert set(got) == set(early) | set(late)  # nothing lost to the evaluation, nothing twice
+    for t in early:
+        assert got[t].version == 3 and got[t].last_version in (3, 4)
+    for t in late:
+        assert got[t].version == 4 and got[t].last_version == 4

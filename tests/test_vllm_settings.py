@@ -32,12 +32,22 @@ def test_compilation_settings_capture_mixed_steps_up_to_the_token_budget():
 
 
 def test_engine_settings_from_config(tiny_cfg):
-    s = engine_settings(tiny_cfg, num_inference=2, seed=5)
-    assert s["max_num_seqs"] == (16 // 2) * 8 and s["max_model_len"] == 128
-    assert s["lora_rank"] == tiny_cfg.lora.rank and s["seed"] == 5 and s["lora_mode"] == "slot"
-    assert s["validate_grammars"] is True  # vLLM's own check stays on unless the config turns it off
+    import dataclasses
+    from colocate.envs import env_facts
+    facts = env_facts(tiny_cfg)
+    assert facts == {"prompt_bound": 64, "requests_per_group": 8}  # the arithmetic env states them
+    s = engine_settings(tiny_cfg, num_inference=2, seed=5, **facts)
+    assert s.max_num_seqs == (16 // 2) * 8 and s.max_model_len == 128
+    assert s.lora_rank == tiny_cfg.lora.rank and s.seed == 5 and s.lora_mode == "slot" and s.update == "drain"
+    assert s.validate_grammars is True  # vLLM's own check stays on unless the config turns it off
     # 16 groups on 3 ranks: 6, 5, 5; the engine is sized for the largest share
-    assert engine_settings(tiny_cfg, num_inference=3, seed=0)["max_num_seqs"] == 6 * 8
+    assert engine_settings(tiny_cfg, num_inference=3, seed=0, **facts).max_num_seqs == 6 * 8
+    # inflight: the oversampled groups stay live, so they count; Diplomacy: seven requests per continuation
+    cfg = dataclasses.replace(tiny_cfg, rollout=dataclasses.replace(tiny_cfg.rollout, update="inflight",
+                                                                   oversample_groups=2))
+    assert engine_settings(cfg, num_inference=2, seed=0, **facts).max_num_seqs == (8 + 2) * 8
+    dip = dataclasses.replace(tiny_cfg, env=dataclasses.replace(tiny_cfg.env, name="diplomacy"))
+    assert env_facts(dip) == {"prompt_bound": 1536, "requests_per_group": 8 * 7}
 
 
 def test_engine_args_refused_before_vllm_starts():

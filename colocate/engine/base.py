@@ -9,8 +9,11 @@ An engine implements `generate`, `load_lora` and `lora_state`; everything else h
 so the role loops call every method unconditionally:
   * streaming (`submit` / `poll`): the rollout worker queues each game's next phase as soon as the
     game can play it. The default answers every pending request in one `generate` call per poll
-    (the phase-barrier behaviour); vLLM overrides both with its continuous batch. Weights change
-    only while nothing is pending (the worker drains before each adapter update).
+    (the phase-barrier behaviour); the HF engine and vLLM override both and keep unfinished
+    requests running across polls. With `rollout.update=drain` weights change only while nothing
+    is pending; with `inflight` `load_lora` (or the engine's own receiver) may land between two
+    polls while requests run, and each completion records the versions of its first and last
+    token (`Completion.version`, `last_version`).
   * `stats`, `rng_state` / `set_rng_state` (exact resume), the profiler window: no-ops by default.
 """
 from __future__ import annotations

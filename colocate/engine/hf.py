@@ -6,6 +6,14 @@ left-padded batch. The constraint is applied as an additive -inf mask over the v
 from each sequence's `ConstraintState`; the returned log-probs are those of the masked,
 temperature-scaled distribution (the learner recomputes exactly this).
 
+Streaming (`submit` / `poll`): submitted requests are prefilled together as a `Cohort` at the next
+poll; a poll advances every cohort `decode_chunk` tokens at a time until a request finishes (all of
+them with `wait_all`) and hands back the finished ones; the others stay resumable across polls, so
+`rollout.update=inflight` can ship a batch while they run. An adapter update between two polls
+(`load_lora`) applies from the next token on: a cohort whose cache was computed by an older version
+is prefilled again (prompt + the tokens so far) under the new one first, so every token's
+log-prob is exactly pi_v(token | prefix) for the version v recorded for it (`token_versions`).
+
 Left out on purpose: CUDA graphs, paged KV, prefix sharing (that is vLLM's job).
 """
 from __future__ import annotations
@@ -37,19 +45,20 @@ def sample_one_no_sync(probs: torch.Tensor, generator: torch.Generator | None) -
 
 
 class BatchDecode:
-    """Per-sequence progress of one decoded batch: sampled ids, their log-probs, the allowed ids of
-    each step (constrained sequences only), which sequences finished and why."""
+    """Per-sequence progress of one decoded batch: sampled ids, their log-probs and versions, the
+    allowed ids of each step (constrained sequences only), which sequences finished and why."""
 
     def __init__(self, requests: list[Request], eos_id: int):
         self.requests, self.eos_id = requests, eos_id
         self.states = [ConstraintState(r.constraint) if r.constraint is not None else None for r in requests]
         self.tokens: list[list[int]] = [[] for _ in requests]
         self.logprobs: list[list[float]] = [[] for _ in requests]
+        self.versions: list[list[int]] = [[] for _ in requests]
         self.allowed: list[list[list[int]] | None] = [[] if s is not None else None for s in self.states]
         self.finished = [False] * len(requests)
         self.reasons = ["length"] * len(requests)
 
-    def record(self, step: int, choices: list[int], logps: list[float], allowed_now: list) -> None:
+    def record(self, step: int, choices: list[int], logps: list[float], allowed_now: list, version: int) -> None:
         """Append step `step`'s sampled id of every unfinished sequence; a constrained one finishes
         when its constraint is done, a free one on EOS."""
         for i, request in enumerate(self.requests):
@@ -59,6 +68,7 @@ class BatchDecode:
             tok = choices[i]
             self.tokens[i].append(tok)
             self.logprobs[i].append(logps[i])
+            self.versions[i].append(version)
             state = self.states[i]
             if state is not None:
                 self.allowed[i].append(allowed_now[i])
@@ -68,14 +78,41 @@ class BatchDecode:
             elif tok == self.eos_id:
                 self.finished[i], self.reasons[i] = True, "stop"
 
-    def completions(self, version: int) -> list[Completion]:
-        return [Completion(token_ids=t, logprobs=lp, allowed_ids=a, version=version, finish_reason=r)
-                for t, lp, a, r in zip(self.tokens, self.logprobs, self.allowed, self.reasons)]
+    def is_over(self, i: int) -> bool:
+        """Sequence i samples no more (finished, or at its own max_new_tokens)."""
+        return self.finished[i] or len(self.tokens[i]) >= self.requests[i].max_new_tokens
+
+    def completion(self, i: int, version: int) -> Completion:
+        """Sequence i's completion; `version` names an empty one's (the cohort's)."""
+        v = self.versions[i]
+        return Completion(token_ids=self.tokens[i], logprobs=self.logprobs[i], allowed_ids=self.allowed[i],
+                          version=v[0] if v else version, finish_reason=self.reasons[i],
+                          last_version=v[-1] if v else version, token_versions=list(v))
+
+
+class Cohort:
+    """Requests prefilled together and decoded one token per step over a left-padded batch,
+    resumable across polls: the KV cache, the next-token logits, the ids fed back so far and the
+    adapter version that computed them."""
+
+    def __init__(self, tickets: list[int], requests: list[Request], eos_id: int, pad_id: int, device):
+        self.tickets = tickets
+        self.run = BatchDecode(requests, eos_id)
+        self.prompt_ids, self.prompt_attn = left_pad([r.prompt_ids for r in requests], pad_id, device)
+        # temperature 0 (evaluation) is greedy: argmax, the log-probs those of temperature 1
+        temps = torch.tensor([r.temperature for r in requests], device=device).unsqueeze(1)  # [B, 1]
+        self.greedy = temps.squeeze(1) == 0  # [B]
+        self.temps = torch.where(temps > 0, temps, torch.ones_like(temps))
+        self.max_new = max(r.max_new_tokens for r in requests)
+        self.fed: list[torch.Tensor] = []  # [B] ids sampled at each step (fed back as the next input)
+        self.step, self.done, self.version = 0, False, -1
+        self.cache = self.attn = self.positions = self.logits = None
+        self.handed = [False] * len(requests)  # streamed: completions already handed back
 
 
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", seed: int = 0,
-                 max_batch_size: int = 256):
+                 max_batch_size: int = 256, decode_chunk: int = 4):
         self.model = model.eval()  # peft model with the adapter enabled
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -84,14 +121,19 @@ class HFEngine(Engine):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 1 << 30
         self.max_batch_size = max_batch_size
+        self.decode_chunk = decode_chunk
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
         self._lora = {n: p for n, p in sorted(self.model.named_parameters()) if "lora_" in n}
+        self._queue: list[tuple[int, Request]] = []  # submitted, not yet prefilled
+        self._cohorts: list[Cohort] = []             # prefilled, some sequences still to hand back
+        self._next_ticket = 0
         self._counters = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                          "sequences": 0, "batches": 0}
+                          "sequences": 0, "batches": 0, "reprefills": 0}
 
     # -- weights ---------------------------------------------------------------------------------
     def load_lora(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """In place; cohorts in flight take it from their next token on (prefilled again first)."""
         missing = set(self._lora) - set(tensors)
         if missing:
             raise KeyError(f"adapter update lacks {len(missing)} tensors, e.g. {sorted(missing)[0]}")
@@ -104,11 +146,12 @@ class HFEngine(Engine):
         return self._lora
 
     def stats(self) -> dict[str, float]:
-        """Throughput since the last call: prefill and decode tokens/s, mean batch size."""
+        """Throughput since the last call: prefill and decode tokens/s, mean batch size, cohorts
+        prefilled again after an update landed under them."""
         c = self._counters
         out = {"prefill_tokens_per_s": c["prefill_tokens"] / max(c["prefill_s"], 1e-9),
                "decode_tokens_per_s": c["decode_tokens"] / max(c["decode_s"], 1e-9),
-               "batch_size": c["sequences"] / max(c["batches"], 1)}
+               "batch_size": c["sequences"] / max(c["batches"], 1), "reprefills": float(c["reprefills"])}
         self._counters = {k: type(v)(0) for k, v in c.items()}
         return out
 
@@ -120,54 +163,108 @@ class HFEngine(Engine):
         self.generator.set_state(torch.tensor(state, dtype=torch.uint8))
 
     # -- sampling --------------------------------------------------------------------------------
-    def generate(self, requests: list[Request]) -> list[Completion]:
+    def _check_context(self, requests: list[Request]) -> None:
         for r in requests:  # a batch is padded to its longest prompt: one overlong prompt would size them all
             if len(r.prompt_ids) + r.max_new_tokens > self.context:
                 raise ValueError(f"a prompt of {len(r.prompt_ids)} tokens plus max_new_tokens={r.max_new_tokens} "
                                  f"exceeds the model's context of {self.context} positions (the env must not ask "
                                  "for it; the dataset env's row checks drop or refuse such rows)")
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Decoded to the end, apart from any streamed cohort (evaluation runs between batches)."""
+        self._check_context(requests)
         out: list[Completion] = []
         for start in range(0, len(requests), self.max_batch_size):
-            out.extend(self._generate_batch(requests[start:start + self.max_batch_size]))
+            part = requests[start:start + self.max_batch_size]
+            co = Cohort(list(range(len(part))), part, self.eos_id, self.pad_id, self.device)
+            while not co.done:
+                self._step(co)
+            out.extend(co.run.completion(i, co.version) for i in range(len(part)))
+        return out
+
+    def submit(self, requests: list[Request]) -> list[int]:
+        """Queue requests; the next poll prefills them as one cohort."""
+        self._check_context(requests)
+        tickets = list(range(self._next_ticket, self._next_ticket + len(requests)))
+        self._next_ticket += len(requests)
+        self._queue.extend(zip(tickets, requests))
+        return tickets
+
+    def poll(self, wait_all: bool = False) -> list[tuple[int, Completion]]:
+        """Start the queued requests, then advance every cohort `decode_chunk` tokens at a time until
+        a request finished (every one with `wait_all`) -> the finished ones; the rest stay in flight."""
+        for start in range(0, len(self._queue), self.max_batch_size):
+            part = self._queue[start:start + self.max_batch_size]
+            self._cohorts.append(Cohort([t for t, _ in part], [r for _, r in part], self.eos_id, self.pad_id,
+                                        self.device))
+        self._queue = []
+        out: list[tuple[int, Completion]] = []
+        while self._cohorts and (wait_all or not out):
+            for co in self._cohorts:
+                for _ in range(self.decode_chunk):
+                    if co.done:
+                        break
+                    self._step(co)
+            out.extend(self._hand_back())
+        return out
+
+    def _hand_back(self) -> list[tuple[int, Completion]]:
+        """Completions of the sequences that finished since the last poll; spent cohorts leave."""
+        out = []
+        for co in self._cohorts:
+            for i, ticket in enumerate(co.tickets):
+                if not co.handed[i] and (co.done or co.run.is_over(i)):
+                    co.handed[i] = True
+                    out.append((ticket, co.run.completion(i, co.version)))
+        self._cohorts = [co for co in self._cohorts if not all(co.handed)]
         return out
 
     @torch.no_grad()
-    def _generate_batch(self, requests: list[Request]) -> list[Completion]:
+    def _prefill(self, co: Cohort) -> None:
+        """(Re)build the cohort's cache and next-token logits under the live adapter: the prompts,
+        then every id fed so far (after an update, so later tokens see only the new version)."""
         from transformers import DynamicCache
-        batch = len(requests)
-        ids, attn = left_pad([r.prompt_ids for r in requests], self.pad_id, self.device)
-        # temperature 0 (evaluation) is greedy: argmax, the log-probs those of temperature 1
-        temps = torch.tensor([r.temperature for r in requests], device=self.device).unsqueeze(1)  # [B, 1]
-        greedy = temps.squeeze(1) == 0  # [B]
-        temps = torch.where(temps > 0, temps, torch.ones_like(temps))
-        run = BatchDecode(requests, self.eos_id)
-        max_new = max(r.max_new_tokens for r in requests)
-
-        cache = DynamicCache()
-        positions = (attn.cumsum(1) - 1).clamp(min=0)
+        batch = co.prompt_ids.shape[0]
+        ids = torch.cat([co.prompt_ids, *[f.unsqueeze(1) for f in co.fed]], 1)
+        co.attn = torch.cat([co.prompt_attn, torch.ones((batch, len(co.fed)), dtype=co.prompt_attn.dtype,
+                                                         device=self.device)], 1)
+        co.positions = (co.attn.cumsum(1) - 1).clamp(min=0)
+        co.cache = DynamicCache()
         t0 = time.perf_counter()
-        logits = self._forward(ids, attn, positions, cache)  # [B, V] next-token logits
-        t1 = time.perf_counter()
+        co.logits = self._forward(ids, co.attn, co.positions, co.cache)  # [B, V] next-token logits
         c = self._counters
-        c["prefill_tokens"] += int(attn.sum())
-        c["prefill_s"] += t1 - t0
-        c["sequences"] += batch
-        c["batches"] += 1
-        for step in range(max_new):
-            mask, allowed_now = self._constraint_mask(run.states, run.finished, logits.shape[-1])
-            logp = torch.log_softmax(logits.float() / temps + mask, dim=-1)
-            choice = sample_one_no_sync(logp.exp(), self.generator)  # [B]
-            choice = torch.where(greedy, logp.argmax(dim=-1), choice)
-            chosen_logp = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
-            run.record(step, choice.tolist(), chosen_logp.tolist(), allowed_now)
-            if all(run.finished) or step == max_new - 1:
-                break
-            attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=self.device)], 1)
-            positions = positions[:, -1:] + 1
-            logits = self._forward(choice.unsqueeze(1), attn, positions, cache)
-        c["decode_tokens"] += sum(len(t) for t in run.tokens)
-        c["decode_s"] += time.perf_counter() - t1
-        return run.completions(self.version)
+        c["prefill_tokens"] += int(co.attn.sum())
+        c["prefill_s"] += time.perf_counter() - t0
+        if co.version < 0:
+            c["sequences"] += batch
+            c["batches"] += 1
+        else:
+            c["reprefills"] += 1
+        co.version = self.version
+
+    @torch.no_grad()
+    def _step(self, co: Cohort) -> None:
+        """Sample one token for every sequence of the cohort, then feed it (unless the cohort is done)."""
+        if co.version != self.version:  # first step, or an update landed since the last one
+            self._prefill(co)
+        t0 = time.perf_counter()
+        run = co.run
+        mask, allowed_now = self._constraint_mask(run.states, run.finished, co.logits.shape[-1])
+        logp = torch.log_softmax(co.logits.float() / co.temps + mask, dim=-1)
+        choice = sample_one_no_sync(logp.exp(), self.generator)  # [B]
+        choice = torch.where(co.greedy, logp.argmax(dim=-1), choice)
+        chosen_logp = logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+        before = sum(len(t) for t in run.tokens)
+        run.record(co.step, choice.tolist(), chosen_logp.tolist(), allowed_now, self.version)
+        co.step += 1
+        co.fed.append(choice)
+        co.done = all(run.finished) or co.step == co.max_new
+        if not co.done:
+            co.attn = torch.cat([co.attn, torch.ones((len(co.tickets), 1), dtype=co.attn.dtype, device=self.device)], 1)
+            co.positions = co.positions[:, -1:] + 1
+            co.logits = self._forward(choice.unsqueeze(1), co.attn, co.positions, co.cache)
+        self._counters["decode_tokens"] += sum(len(t) for t in run.tokens) - before
+        self._counters["decode_s"] += time.perf_counter() - t0
 
     def _forward(self, ids, attn, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,

@@ -12,7 +12,15 @@ What it does beyond `LLM.generate`:
     (`vllm_worker.py`). Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache
     blocks by that name, so blocks computed with an older adapter are never reused;
   * `lora_mode="merged"`: the engine runs without LoRA and each update is merged into its base
-    weights in place (`vllm_worker.MergedAdapter`); the prefix cache is reset after each update;
+    weights in place (`vllm_worker.MergedAdapter`); the prefix cache is reset after each update
+    (`update="inflight"`: requests carry a per-version `cache_salt` instead, since vLLM cannot
+    reset a cache that running requests hold);
+  * `update="inflight"`: an update lands while streamed requests run (vLLM applies the worker RPC
+    between two engine steps); tokens after it are sampled with the new weights over the KV the
+    older ones computed (PipelineRL-style), and their log-probs are still the sampler's own. A
+    completion records the version at submit (`version`: no token is older) and the one when its
+    answer was read (`last_version`: none is newer). `generate` (evaluation between batches) then
+    runs beside the streamed requests and keeps those that finish meanwhile for the next `poll`;
   * start-up inside a torchrun rank: the engine core is a child process that sees only this rank's
     GPU and none of torchrun's variables (`engine_environment`), and re-imports the main module, so
     `train.py` keeps its entry guarded (docs/design.md, Traps).
@@ -32,7 +40,7 @@ from colocate.engine.base import Engine
 from colocate.engine.model_dir import ensure_model_dir
 from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
-from colocate.engine.vllm_settings import engine_settings, llm_arguments
+from colocate.engine.vllm_settings import VLLMSettings, engine_settings, llm_arguments
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
@@ -142,48 +150,40 @@ def completion_from_output(output, request: Request, version: int, eos_id: int) 
 class VLLMEngine(Engine):
     """`Engine` over `vllm.LLM`; see the module docstring."""
 
-    def __init__(self, model_dir: str, spec: LoraSpec, eos_id: int, *, max_num_seqs: int = 512,
-                 max_model_len: int = 1024, gpu_memory_utilization: float = 0.85, enforce_eager: bool = False,
-                 enable_prefix_caching: bool = True, seed: int = 0, lora_rank: int = 16, lora_alpha: float = 32.0,
-                 max_loras: int = 1, grammar_mode: str = "tokens", gpu: int | None = None,
-                 dtype: str = "bfloat16", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 max_num_batched_tokens: int = 0, validate_grammars: bool = True,
-                 profile_dir: str = "", profile_steps: int = 40, max_capture_tokens: int = 2048,
-                 cudagraph_mode: str = ""):
-        self.spec, self.eos_id, self.lora_mode, self.grammar_mode = spec, eos_id, lora_mode, grammar_mode
-        self.max_num_seqs, self.profile_dir, self.version = max_num_seqs, profile_dir, 0
+    def __init__(self, model_dir: str, spec: LoraSpec, eos_id: int, settings: VLLMSettings, *,
+                 gpu: int | None = None):
+        s = settings
+        self.spec, self.eos_id, self.lora_mode, self.grammar_mode = spec, eos_id, s.lora_mode, s.grammar_mode
+        self.inflight = s.update == "inflight"  # adapter updates may land under running requests
+        self.max_num_seqs, self.profile_dir, self.version = s.max_num_seqs, s.profile_dir, 0
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._reported = dict(self.counters)
-        self._pending: dict[str, tuple[int, Request]] = {}  # streaming: vLLM request id -> (ticket, request)
+        self._pending: dict[str, tuple[int, Request, int]] = {}  # vLLM request id -> (ticket, request, version)
+        self._stash: list[tuple[int, Completion]] = []  # streamed answers read by `generate`, for the next poll
         self._next_ticket = 0
         self._busy_since = 0.0
-        kwargs = llm_arguments(
-            model_dir, lora_mode=lora_mode, lora_rank=lora_rank, max_loras=max_loras, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_capture_tokens=max_capture_tokens,
-            cudagraph_mode=cudagraph_mode, async_scheduling=async_scheduling, profile_dir=profile_dir,
-            profile_steps=profile_steps, dtype=dtype, seed=seed, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching)  # refuses bad arguments before vLLM starts
+        kwargs = llm_arguments(model_dir, s)  # refuses bad arguments before vLLM starts
         from vllm import LLM
-        if not validate_grammars:
+        if not s.validate_grammars:
             skip_client_grammar_validation()
         t0 = time.perf_counter()
         with engine_environment(gpu):
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
-        self.slot_info = self._init_adapter(lora_rank, lora_alpha / lora_rank)
+        self.slot_info = self._init_adapter(s.lora_rank, s.lora_alpha / s.lora_rank)
         self._lora_request = self._make_lora_request()
 
     @classmethod
-    def from_config(cls, cfg, topo, tokenizer) -> "VLLMEngine":
+    def from_config(cls, cfg, topo, tokenizer, *, prompt_bound: int, requests_per_group: int) -> "VLLMEngine":
         """The engine of an inference rank of a torchrun job (its adapter channel is joined after:
-        `vllm_channel.join_receiver`)."""
+        `vllm_channel.join_receiver`); the env's facts size it (`colocate.envs.env_facts`)."""
         from colocate.metrics import engine_profile_dir
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
-        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, gpu=topo.device.index,
-                   **engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank),
-                   profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
-                   profile_steps=cfg.metrics.profile_engine_steps)
+        settings = engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank,
+                                   prompt_bound=prompt_bound, requests_per_group=requests_per_group)
+        settings = settings.replace(profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
+                                    profile_steps=cfg.metrics.profile_engine_steps)
+        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, settings, gpu=topo.device.index)
 
     def _init_adapter(self, lora_rank: int, scaling: float) -> dict:
         """The worker's adapter: the pinned LoRA slot, or W0 kept for merging (`vllm_worker.py`)."""
@@ -221,8 +221,9 @@ class VLLMEngine(Engine):
         return self.llm.collective_rpc("colocate_init_sync", args=(host, port, world_size, rank, timeout_s))[0]
 
     def _require_idle(self, what: str) -> None:
-        """Weights change only between batches: a streamed request in flight would mix versions."""
-        if self._pending:
+        """With update="drain" weights change only between batches: a streamed request in flight
+        would mix versions."""
+        if self._pending and not self.inflight:
             raise RuntimeError(f"{what} with {len(self._pending)} streamed requests in flight: poll them "
                                "until none is pending first")
 
@@ -263,12 +264,14 @@ class VLLMEngine(Engine):
         self._require_idle(f"adapter version {version}")
         self.version = version
         self._lora_request = self._make_lora_request()  # slot: a new name is a new prefix-cache key
-        if self.lora_mode == "merged" and not self.llm.reset_prefix_cache():
+        if self.lora_mode == "merged" and not self.inflight and not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
 
     # -- sampling --------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
         self._require_idle("generate()")
+        if self._pending:
+            return self._generate_beside(requests)
         t0 = time.perf_counter()
         prompts, params = self._params(requests)
         t1 = time.perf_counter()
@@ -294,9 +297,27 @@ class VLLMEngine(Engine):
                 if key not in grammars:
                     grammars[key] = constraint_grammar(r.constraint, self.grammar_mode)
                 structured = StructuredOutputsParams(grammar=grammars[key])
-            prompts.append({"prompt_token_ids": r.prompt_ids})
+            prompts.append({"prompt_token_ids": r.prompt_ids, **self._cache_salt()})
             params.append(SamplingParams(**sampling_kwargs(r, self.eos_id), structured_outputs=structured))
         return prompts, params
+
+    def _cache_salt(self) -> dict:
+        """Merged weights with in-flight updates: blocks computed under one version are never
+        reused by a request of another (the slot mode's adapter name does it there)."""
+        return {"cache_salt": f"colocate-v{self.version}"} if self.lora_mode == "merged" and self.inflight else {}
+
+    def _generate_beside(self, requests: list[Request]) -> list[Completion]:
+        """`generate` while streamed requests run (update="inflight"): its own requests through the
+        same queue; streamed answers that arrive meanwhile wait in the stash for the next poll."""
+        tickets = self.submit(requests)
+        wanted, got = set(tickets), {}
+        while len(got) < len(tickets):
+            for ticket, completion in self._step_once():
+                if ticket in wanted:
+                    got[ticket] = completion
+                else:
+                    self._stash.append((ticket, completion))
+        return [got[t] for t in tickets]
 
     def submit(self, requests: list[Request]) -> list[int]:
         """Queue `requests` in the engine (`LLM.enqueue`); the engine core starts on them at once."""
@@ -311,32 +332,41 @@ class VLLMEngine(Engine):
             self._busy_since = t0  # the engine works from the first submit until the last answer
         for rid, ticket, r in zip(ids, tickets, requests):
             # outputs carry the id the LLM numbered the request with; vLLM appends "-<random>" inside
-            self._pending[rid.split("-", 1)[0]] = (ticket, r)
+            self._pending[rid.split("-", 1)[0]] = (ticket, r, self.version)
         self.counters["host_s"] += time.perf_counter() - t0
         return tickets
 
     def poll(self, wait_all: bool = False) -> list[tuple[int, Completion]]:
         """Step the engine until a request finishes (all of them with `wait_all`)."""
-        out = []
-        engine = self.llm.llm_engine
+        out, self._stash = self._stash, []
         while self._pending and (wait_all or not out):
-            if not engine.has_unfinished_requests():  # step() would wait for outputs that never come
-                raise RuntimeError(f"{len(self._pending)} streamed requests are unknown to vLLM "
-                                   f"(e.g. {next(iter(self._pending))})")
-            finished = [o for o in engine.step() if o.finished]
-            self.counters["steps"] += 1  # streamed engine steps (one per decoded token without drafts)
-            t1 = time.perf_counter()
-            for o in finished:
-                ticket, r = self._pending.pop(o.request_id)
-                out.append((ticket, self._completion(o, r)))
-            self.counters["host_s"] += time.perf_counter() - t1
-            self.counters["requests"] += len(finished)
-            if not self._pending:
-                self.counters["generate_s"] += time.perf_counter() - self._busy_since
+            out.extend(self._step_once())
         return out
 
-    def _completion(self, out, request: Request) -> Completion:
-        completion, counts = completion_from_output(out.outputs[0], request, self.version, self.eos_id)
+    def _step_once(self) -> list[tuple[int, Completion]]:
+        """One `engine.step()` -> the streamed requests it finished, as (ticket, completion)."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():  # step() would wait for outputs that never come
+            raise RuntimeError(f"{len(self._pending)} streamed requests are unknown to vLLM "
+                               f"(e.g. {next(iter(self._pending))})")
+        finished = [o for o in engine.step() if o.finished]
+        self.counters["steps"] += 1  # streamed engine steps (one per decoded token without drafts)
+        t1 = time.perf_counter()
+        out = []
+        for o in finished:
+            ticket, r, version = self._pending.pop(o.request_id)
+            out.append((ticket, self._completion(o, r, version)))
+        self.counters["host_s"] += time.perf_counter() - t1
+        self.counters["requests"] += len(finished)
+        if not self._pending:
+            self.counters["generate_s"] += time.perf_counter() - self._busy_since
+        return out
+
+    def _completion(self, out, request: Request, version: int | None = None) -> Completion:
+        """`version`: the one at submit (streamed); the answer's last token is no newer than now."""
+        first = self.version if version is None else version
+        completion, counts = completion_from_output(out.outputs[0], request, first, self.eos_id)
+        completion.last_version = self.version
         self.counters["prompt_tokens"] += len(request.prompt_ids)
         self.counters["cached_prompt_tokens"] += getattr(out, "num_cached_tokens", None) or 0
         self.counters["out_tokens"] += len(completion.token_ids)

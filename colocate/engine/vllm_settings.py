@@ -4,14 +4,49 @@ and the arguments refused before a minute of start-up. Pure functions, tested on
 (tests/test_vllm_settings.py)."""
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 from colocate.config_schema import CUDAGRAPH_MODES, LORA_MODES
 
 WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
 """vLLM imports it by dotted path inside its GPU worker (the adapter slot: `vllm_worker.py`)."""
-PROMPT_BOUND = {"arithmetic": 64, "diplomacy": 1536}
-"""Upper bound of prompt tokens per environment, for max_model_len when the config leaves it 0."""
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """Everything a `VLLMEngine` is built with besides the model directory, the adapter layout and
+    its GPU (`engine_settings` fills it from a run's config; benchmarks set what they measure)."""
+    max_num_seqs: int = 512
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    dtype: str = "bfloat16"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    max_loras: int = 1
+    lora_mode: str = "slot"
+    """slot or merged (config `engine.lora_mode`)."""
+    grammar_mode: str = "tokens"
+    """Token-id grammars (`vllm_grammar.py`); text grammars are for measurements."""
+    validate_grammars: bool = True
+    async_scheduling: bool | None = None
+    """None: vLLM's default."""
+    max_num_batched_tokens: int = 0
+    """0: vLLM's default."""
+    max_capture_tokens: int = 2048
+    cudagraph_mode: str = ""
+    profile_dir: str = ""
+    """Non-empty: `start_profile` / `stop_profile` trace the engine core's worker into it."""
+    profile_steps: int = 40
+    update: str = "drain"
+    """`rollout.update`: inflight lets adapter updates land under running requests."""
+
+    def replace(self, **changes) -> "VLLMSettings":
+        return dataclasses.replace(self, **changes)
 
 
 def capture_sizes(max_num_seqs: int, max_tokens: int = 0) -> list[int]:
@@ -48,25 +83,29 @@ def compilation_settings(max_num_seqs: int, max_num_batched_tokens: int, max_cap
     return out
 
 
-def requests_per_round(cfg, num_inference: int) -> int:
-    """Prompts one inference rank sends to `generate` at once (every live game's every power)."""
-    per_game = 7 if cfg.env.name == "diplomacy" else 1
+def requests_per_round(cfg, num_inference: int, requests_per_group: int) -> int:
+    """Prompts one inference rank has in the engine at once (every live group's requests, as the
+    env states them: `Env.requests_per_group`). With `rollout.update=inflight` the oversampled
+    groups stay live too (a completed group is replaced at once), so they count."""
     most_groups = -(-cfg.rollout.groups_per_step // num_inference)  # the first ranks may take one more
-    return max(1, most_groups) * cfg.rollout.group_size * per_game
+    if cfg.rollout.update == "inflight":
+        most_groups += cfg.rollout.oversample_groups
+    return max(1, most_groups) * requests_per_group
 
 
-def engine_settings(cfg, num_inference: int, seed: int) -> dict:
-    """Keyword arguments of `VLLMEngine` (besides model_dir) sized from config and workload."""
-    max_num_seqs = max(1, min(cfg.engine.max_num_seqs, requests_per_round(cfg, num_inference)))
-    max_model_len = cfg.engine.max_model_len or \
-        -(-(PROMPT_BOUND.get(cfg.env.name, 1024) + cfg.engine.max_new_tokens) // 64) * 64
-    return dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
+                    requests_per_group: int) -> VLLMSettings:
+    """A `VLLMEngine`'s settings sized from config and workload; the workload's facts come from the
+    env (`colocate.envs.env_facts`)."""
+    max_num_seqs = max(1, min(cfg.engine.max_num_seqs, requests_per_round(cfg, num_inference, requests_per_group)))
+    max_model_len = cfg.engine.max_model_len or -(-(prompt_bound + cfg.engine.max_new_tokens) // 64) * 64
+    return VLLMSettings(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                 max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
-                cudagraph_mode=cfg.engine.cudagraph_mode)
+                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
@@ -87,27 +126,26 @@ def check_engine_args(lora_mode: str) -> None:
         raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
 
 
-def llm_arguments(model_dir: str, *, lora_mode: str, lora_rank: int, max_loras: int, max_num_seqs: int,
-                  max_num_batched_tokens: int, max_capture_tokens: int, cudagraph_mode: str,
-                  async_scheduling: bool | None, profile_dir: str, profile_steps: int, **plain) -> dict:
-    """Every keyword argument of `vllm.LLM` for one engine; `plain` (dtype, seed, max_model_len,
-    gpu_memory_utilization, enforce_eager, enable_prefix_caching) passes through unchanged.
-    Log-probs are the processed ones (after temperature and the grammar mask: what the learner
-    computes); grammars go to llguidance (token-id terminals, `vllm_grammar.py`)."""
-    check_engine_args(lora_mode)
-    kw = dict(model=model_dir, tokenizer=model_dir, max_num_seqs=max_num_seqs, **plain,
+def llm_arguments(model_dir: str, s: VLLMSettings) -> dict:
+    """Every keyword argument of `vllm.LLM` for one engine. Log-probs are the processed ones (after
+    temperature and the grammar mask: what the learner computes); grammars go to llguidance
+    (token-id terminals, `vllm_grammar.py`)."""
+    check_engine_args(s.lora_mode)
+    kw = dict(model=model_dir, tokenizer=model_dir, max_num_seqs=s.max_num_seqs, dtype=s.dtype, seed=s.seed,
+              max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
+              enforce_eager=s.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
               logprobs_mode="processed_logprobs", structured_outputs_config={"backend": "guidance"},
-              compilation_config=compilation_settings(max_num_seqs, max_num_batched_tokens, max_capture_tokens,
-                                                      cudagraph_mode),
+              compilation_config=compilation_settings(s.max_num_seqs, s.max_num_batched_tokens, s.max_capture_tokens,
+                                                      s.cudagraph_mode),
               worker_extension_cls=WORKER_EXTENSION)
-    if lora_mode == "slot":
-        kw.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=max_loras, max_cpu_loras=max_loras)
+    if s.lora_mode == "slot":
+        kw.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=s.max_loras, max_cpu_loras=s.max_loras)
     else:  # merged: the adapter is written into the base weights
         kw.update(enable_lora=False)
-    if async_scheduling is not None:  # None: vLLM's default
-        kw["async_scheduling"] = async_scheduling
-    if max_num_batched_tokens > 0:  # 0: vLLM's default
-        kw["max_num_batched_tokens"] = max_num_batched_tokens
-    if profile_dir:  # `start_profile` / `stop_profile` then trace the engine core's worker
-        kw["profiler_config"] = profiler_settings(profile_dir, profile_steps)
+    if s.async_scheduling is not None:  # None: vLLM's default
+        kw["async_scheduling"] = s.async_scheduling
+    if s.max_num_batched_tokens > 0:  # 0: vLLM's default
+        kw["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if s.profile_dir:  # `start_profile` / `stop_profile` then trace the engine core's worker
+        kw["profiler_config"] = profiler_settings(s.profile_dir, s.profile_steps)
     return kw

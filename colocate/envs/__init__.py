@@ -37,14 +37,26 @@ def env_corpus(cfg):
     return f"custom-{hashlib.sha1(chr(0).join(texts).encode()).hexdigest()[:12]}", lambda: texts
 
 
-def make_env(cfg, tokenizer, seed: int) -> Env:
+def env_type(cfg) -> type[Env]:
+    """The class a run's env is built from (`make_env`)."""
     if cfg.env.name == "arithmetic":
         from colocate.envs.arithmetic import ArithmeticEnv
-        return ArithmeticEnv.from_config(cfg, tokenizer, seed=seed)
+        return ArithmeticEnv
     if cfg.env.name == "diplomacy":
         from colocate.envs.diplomacy import DiplomacyEnv
-        return DiplomacyEnv.from_config(cfg, tokenizer, seed=seed)
+        return DiplomacyEnv
     if cfg.env.name == "dataset" and (cfg.env.tools or cfg.env.environment):  # multi-turn tool episodes
         from colocate.envs.agent import AgentEnv
-        return AgentEnv.from_config(cfg, tokenizer, seed=seed)
-    return env_class(cfg.env.name).from_config(cfg, tokenizer, seed=seed)
+        return AgentEnv
+    return env_class(cfg.env.name)
+
+
+def make_env(cfg, tokenizer, seed: int) -> Env:
+    return env_type(cfg).from_config(cfg, tokenizer, seed=seed)
+
+
+def env_facts(cfg) -> dict[str, int]:
+    """What the env states about its requests, for sizing an engine (`vllm_settings.engine_settings`
+    takes them; the engine never sees the env): the prompt-length bound, requests per live group."""
+    cls = env_type(cfg)
+    return {"prompt_bound": cls.prompt_bound(cfg), "requests_per_group": cls.requests_per_group(cfg)}

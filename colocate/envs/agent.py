@@ -98,7 +98,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)    # behaviour log-probs (0 on env spans)
     allowed: list[list[int]] | None = None                 # per token, when turns are constrained
     messages: list[dict] = field(default_factory=list)     # assistant and tool messages (rewards)
-    versions: list[int] = field(default_factory=list)      # adapter version of each turn
+    versions: list[int] = field(default_factory=list)      # adapter versions of each turn's first and last token
     pending: list[PendingCall] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
@@ -194,7 +194,7 @@ class AgentEnv(Env):
             ep = self._episodes[key]
             ep.ready = False
             ep.turns += 1
-            ep.versions.append(completion.version)
+            ep.versions.extend((completion.version, completion.newest_version))
             ep.append(completion.token_ids, policy=True, logprobs=completion.logprobs, allowed=completion.allowed_ids)
             text = self.tokenizer.decode([t for t in completion.token_ids if t != self.eos_id])
             ep.messages.append({"role": "assistant", "content": text})
@@ -270,7 +270,7 @@ class AgentEnv(Env):
                 reward += float(ep.environment.get_reward())
             self._count_episode(ep, reward)
             completion = Completion(token_ids=ep.ids, logprobs=ep.logprobs, allowed_ids=ep.allowed,
-                                    version=min(ep.versions, default=0),
+                                    version=min(ep.versions, default=0), last_version=max(ep.versions, default=0),
                                     finish_reason="length" if ep.finish == "truncated" else "stop",
                                     loss_mask=ep.loss_mask)
             samples.append(Sample(prompt_ids=ep.prompt_ids, completion=completion, reward=reward, group_key=group_id,

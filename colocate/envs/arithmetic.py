@@ -42,6 +42,11 @@ def parse_answer(text: str) -> int | None:
 
 
 class ArithmeticEnv(Env):
+    @classmethod
+    def prompt_bound(cls, cfg) -> int:
+        """A prompt is one short line ("add A and B ; answer :")."""
+        return 64
+
     def __init__(self, tokenizer, *, group_size: int, max_operand: int, max_new_tokens: int,
                  temperature: float, use_constraint: bool, seed: int, chat: ChatFormat | None = None):
         self.tokenizer = tokenizer

@@ -57,6 +57,18 @@ class Env:
 
     # ---- optional, with defaults ---------------------------------------------------------------
 
+    @classmethod
+    def prompt_bound(cls, cfg) -> int:
+        """Most prompt tokens one of its requests carries: sizes vLLM's context (max_model_len) when
+        `engine.max_model_len` is 0. Default 1024."""
+        return 1024
+
+    @classmethod
+    def requests_per_group(cls, cfg) -> int:
+        """Requests one live group has in the engine at once: sizes vLLM's max_num_seqs. Default: one
+        per continuation (`rollout.group_size`)."""
+        return cfg.rollout.group_size
+
     def metrics(self) -> dict[str, float]:
         """Counters since the last call (e.g. invalid-order rate), namespaced by the caller."""
         return {}

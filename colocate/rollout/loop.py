@@ -3,7 +3,9 @@
 Protocol (deterministic, so no rank waits on a message that will not come): for batch k = 0..S-1,
 take adapters until the engine's version >= k - lag (`config.sampling_lag`), play this rank's share
 of groups, send one shard of the batch to every learner (from a sender thread); at the end take
-the remaining versions up to S. Adapter headers carry run control (`wire.RunFlags`): CHECKPOINT
+the remaining versions up to S. With `rollout.update=inflight` the worker returns with requests
+still running, so the adapter taken before batch k lands between two engine steps while they run
+(the engine's own process keeps decoding them meanwhile: vLLM). Adapter headers carry run control (`wire.RunFlags`): CHECKPOINT
 (send this rank's sampler/env state to learner rank 0) and STOP (a signal was seen somewhere).
 The engine, env and adapter receiver are built by the composition root (`train.py`); nothing here
 knows which engine it drives.
@@ -30,7 +32,8 @@ from colocate.wire import RunFlags, TrajectorySender, send_json
 BATCH_STATS = ("polls", "samples", "latency_s", "poll_latency_s_p50", "poll_latency_s_p95", "request_latency_s_p50",
                "request_latency_s_p95", "group_latency_s_p95",
                "requests_per_call", "generate_fraction", "out_tokens", "out_tokens_per_s", "prefix_cache_hit_rate",
-               "engine_errors", "prefill_tokens", "steps")
+               "engine_errors", "prefill_tokens", "steps", "version_span", "tokens_after_update",
+               "requests_in_flight")
 """Rollout and engine scalars kept per batch in `inference-rank<r>.json` (TensorBoard has them all)."""
 
 
@@ -44,7 +47,8 @@ class InferenceRank:
                                     first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
                                     stream=cfg.rollout.stream, drop_uniform=cfg.rollout.drop_uniform_groups,
                                     overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens,
-                                    max_env_errors=cfg.env.max_reward_errors)
+                                    max_env_errors=cfg.env.max_reward_errors,
+                                    inflight=cfg.rollout.update == "inflight")
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
                                     tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)

@@ -12,6 +12,13 @@ the learner's lag budget still applies). At most `oversample` complete groups wa
 memory stays bounded. With `oversample` = 0 every call plays exactly its own groups to the end
 (what resume-exactness relies on).
 
+No drain (`inflight`, `rollout.update=inflight`): a call returns as soon as `groups_per_batch`
+groups are complete, with requests still in flight; they keep running in the engine (and through
+the adapter update the loop applies between batches) and their groups join a later batch. Every
+completed group is replaced at once, so `groups_per_batch + oversample` groups stay live and the
+engine stays as full as that; polls stream. Nothing is lost or played twice: the in-flight tickets
+belong to the worker, not to one call.
+
 Reward shaping and filtering, for any env, as each group completes: `overlong_buffer` > 0 applies
 DAPO's soft length penalty (`overlong_penalty`) to every sample's reward, and `drop_uniform` drops
 groups whose rewards are all equal (zero advantage everywhere: no signal), counts them, and starts
@@ -51,6 +58,18 @@ def is_uniform(samples: list[Sample]) -> bool:
     return all(len(r) <= 1 for r in rewards.values())
 
 
+def version_stats(samples: list[Sample]) -> dict[str, float]:
+    """How far adapter updates reached into the samples: version_span (mean and max of last - first
+    token version), the share of samples an update landed in, and tokens_after_update (tokens sampled
+    by a newer version than their sample's first token; counted where the engine records each token's
+    version, the HF engine)."""
+    spans = [s.completion.newest_version - s.completion.version for s in samples]
+    after = sum(sum(v > tv[0] for v in tv) for s in samples if (tv := s.completion.token_versions))
+    return {"version_span": sum(spans) / max(len(spans), 1), "version_span_max": float(max(spans, default=0)),
+            "samples_spanning_update": sum(x > 0 for x in spans) / max(len(spans), 1),
+            "tokens_after_update": float(after)}
+
+
 def group_of(sample: Sample):
     """The env group a sample came from: its group key, or the key's first part (Diplomacy keys
     are (group, power))."""
@@ -62,7 +81,6 @@ def group_of(sample: Sample):
 class _Play:
     """What one `collect` call has in flight, and its timings."""
     t0: float = field(default_factory=time.perf_counter)
-    in_flight: dict = field(default_factory=dict)     # ticket -> (env key, submit time)
     poll_s: list = field(default_factory=list)        # one engine poll (barrier: one phase of every live game)
     request_s: list = field(default_factory=list)     # per request: submit -> completion handed back
     group_s: dict = field(default_factory=dict)       # group key -> seconds until its samples were complete
@@ -75,19 +93,21 @@ class _Play:
 class RolloutWorker:
     def __init__(self, env: Env, engine: Engine, *, groups_per_batch: int, first_group_id: int = 0,
                  oversample: int = 0, stream: bool = False, drop_uniform: bool = False, overlong_buffer: int = 0,
-                 max_new_tokens: int = 0, max_env_errors: int = 100):
+                 max_new_tokens: int = 0, max_env_errors: int = 100, inflight: bool = False):
         self.env = env
         self.check = ResultCheck(env, max_env_errors)  # what the env's methods return
         self.engine = engine
         self.groups_per_batch = groups_per_batch
         self.oversample = oversample
-        self.stream = stream
+        self.stream = stream or inflight  # no drain: a poll must leave unfinished requests running
+        self.inflight = inflight
         self.drop_uniform = drop_uniform
         self.overlong_buffer = overlong_buffer
         self.max_new_tokens = max_new_tokens
         self.next_group = first_group_id
         self._live: set = set()                    # groups started and not yet complete
         self._complete: dict = {}                  # group -> its samples, in completion order
+        self._in_flight: dict = {}                 # ticket -> (env key, submit time); across calls when inflight
 
     def collect(self) -> tuple[TrajectoryBatch, dict[str, float], dict[str, float]]:
         """Play until `groups_per_batch` groups are complete -> (batch, rollout stats, engine stats).
@@ -96,42 +116,48 @@ class RolloutWorker:
         `poll` hands back what finished and the env steps those games. Phase barrier (`stream`
         off): a poll waits for every request in flight, so each round is one phase of every live
         game. Streaming: a poll returns as soon as any request finished, so a game moves on
-        without waiting for the slowest completion of the round. Either way nothing is in flight
-        when this returns (adapter updates happen between batches)."""
+        without waiting for the slowest completion of the round. Drain (default): nothing is in
+        flight when this returns, so adapter updates find the engine idle. `inflight`: it returns
+        once the groups are complete; what is in flight keeps running into the next call."""
         play = _Play()
         self._start_groups()
-        while len(self._complete) < self.groups_per_batch or play.in_flight:
+        while len(self._complete) < self.groups_per_batch or (self._in_flight and not self.inflight):
             if len(self._complete) < self.groups_per_batch:  # past it: only drain what is in flight
-                self._start_groups()  # again after a drop: keep sampling until the batch is full
+                self._start_groups()  # again after a drop or (inflight) a completed group
                 self._submit_waiting(play)
             self._file_finished(self._advance(play), play)
+        if self.inflight:  # replace the groups just completed: the engine stays full while the batch ships
+            self._start_groups()
+            self._submit_waiting(play)
         samples = self._take_samples()
         batch = build_batch(samples, group_advantages(samples))
         elapsed = time.perf_counter() - play.t0
         return batch, self._rollout_stats(batch, samples, play, elapsed), self._engine_stats(play, elapsed)
 
     def _start_groups(self) -> None:
-        """Keep `groups_per_batch + oversample` groups in play (live or complete and waiting)."""
-        while len(self._live) + len(self._complete) < self.groups_per_batch + self.oversample:
+        """Keep `groups_per_batch + oversample` groups in play (live or complete and waiting); with
+        `inflight`, that many live: a completed group is replaced at once."""
+        waiting = 0 if self.inflight else len(self._complete)
+        while len(self._live) + waiting < self.groups_per_batch + self.oversample:
             self.env.start_group(self.next_group)
             self._live.add(self.next_group)
             self.next_group += 1
 
     def _submit_waiting(self, play: _Play) -> None:
         """Submit every request the env has waiting that is not already in flight."""
-        keys = {k for k, _ in play.in_flight.values()}
+        keys = {k for k, _ in self._in_flight.values()}
         waiting = [(k, r) for k, r in self.check.requests(self.env.requests()) if k not in keys]
         if not waiting:
             return
         now = time.perf_counter()
         for ticket, (k, _) in zip(self.engine.submit([r for _, r in waiting]), waiting):
-            play.in_flight[ticket] = (k, now)
+            self._in_flight[ticket] = (k, now)
         play.requests += len(waiting)
 
     def _advance(self, play: _Play) -> list[Sample]:
         """Poll the engine and step the env with what it answered -> samples of groups that finished
         (with nothing in flight, only what the env has finished without the engine)."""
-        if not play.in_flight:
+        if not self._in_flight:
             finished = self.check.samples(self.env.pop_finished())
             if not finished:
                 raise RuntimeError(f"env has no requests and {len(self._live)} unfinished groups")
@@ -142,7 +168,7 @@ class RolloutWorker:
         play.poll_s.append(now - t)
         answers = {}
         for ticket, completion in done:
-            key, t_submit = play.in_flight.pop(ticket)
+            key, t_submit = self._in_flight.pop(ticket)
             answers[key] = completion
             play.request_s.append(now - t_submit)
             play.out_tokens += len(completion.token_ids)
@@ -183,6 +209,8 @@ class RolloutWorker:
             **percentiles(play.request_s, "request_latency_s"),
             **percentiles(list(play.group_s.values()), "group_latency_s"),
             "groups_carried_over": float(len(self._live) + len(self._complete)),
+            "requests_in_flight": float(len(self._in_flight)),  # carried into the next call (inflight)
+            **version_stats(samples),
             "dropped_uniform_groups": float(play.dropped_uniform),
             "kept_uniform_groups": float(play.kept_uniform),
             "env_errors": float(self.check.take_errors()),

@@ -87,6 +87,16 @@ class Group:
 
 
 class DiplomacyEnv(Env):
+    @classmethod
+    def prompt_bound(cls, cfg) -> int:
+        """The longest board and order list of the mid-game states, with room to spare."""
+        return 1536
+
+    @classmethod
+    def requests_per_group(cls, cfg) -> int:
+        """Every continuation asks for all seven powers' orders in each phase."""
+        return cfg.rollout.group_size * len(dg.POWERS)
+
     def __init__(self, tokenizer, *, group_size: int, horizon_years: int = 1, stall_years: int = 2,
                  train_later_phases: bool = False, use_constraint: bool = True, unit_labels: bool = True,
                  list_supports: bool = True,
