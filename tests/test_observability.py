@@ -412,10 +412,10 @@ def test_stop_on_collapse_exits_3_with_a_checkpoint_from_before_the_drop(tmp_pat
 
 
 def test_soak_figures_hold_the_target_only_if_every_later_window_does():
-    """benchmarks/soak.py: 100-step windows 0.5, 0.95, 0.92, 0.89 -> the target 0.9 is first reached by
-    the window ending at step 200, and the one at 400 falls below it."""
+    """benchmarks/soak.py: 100-step windows 0.5, 1, 0.9375, 0.875 (sums exact in binary) -> the target
+    0.9 is first reached by the window ending at step 200, and the one at 400 falls below it."""
     from benchmarks.soak import reward_figures
-    rewards = [0.5] * 100 + [0.95] * 100 + [0.92] * 100 + [0.89] * 100
+    rewards = [0.5] * 100 + [1.0] * 100 + [0.9375] * 100 + [0.875] * 100
     f = reward_figures(rewards, 0.9)
-    assert f["first_window_at_target"] == 200 and f["min_window_after_target"] == 0.89 and not f["held_target"]
+    assert f["first_window_at_target"] == 200 and f["min_window_after_target"] == 0.875 and not f["held_target"]
     assert reward_figures(rewards[:300], 0.9)["held_target"]
