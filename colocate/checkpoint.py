@@ -203,8 +203,10 @@ def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
 
 def save_checkpoint(root: str, step: int, *, adapter: dict[str, torch.Tensor], peft_config: dict,
                     optimizer: tuple[dict[str, torch.Tensor], dict], rng: dict[str, torch.Tensor],
-                    trainer_state: dict, config_yaml: str, keep: int, fault_hook=None) -> str:
-    """Write `step-<step>` atomically and keep the newest `keep` checkpoints. Returns its path.
+                    trainer_state: dict, config_yaml: str, keep: int, fault_hook=None,
+                    protect_step: int | None = None) -> str:
+    """Write `step-<step>` atomically and keep the newest `keep` checkpoints, and also the newest at
+    or before `protect_step` when given (metrics.stop_on_collapse: the last good one). Returns its path.
 
     `optimizer` is `flatten_optimizer(optimizer.state_dict())` (every learner runs that gather)."""
     os.makedirs(root, exist_ok=True)
@@ -235,8 +237,10 @@ def save_checkpoint(root: str, step: int, *, adapter: dict[str, torch.Tensor], p
     os.rename(tmp, final)
     _fsync_dir(root)
     steps = sorted(n for n in os.listdir(root) if STEP_DIR.match(n))
+    protected = [n for n in steps if protect_step is not None and int(n.rpartition("-")[2]) <= protect_step][-1:]
     for old in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        if old not in protected:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
 
 

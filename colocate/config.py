@@ -28,8 +28,9 @@ from typing import Any
 import yaml
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
-                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LORA_MODES, LOSS_IMPLS, MODEL_SHAPES, NORM_MODES,
-                                    PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS, UPDATE_MODES,
+                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
+                                    NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
+                                    UPDATE_MODES,
                                     CheckpointConfig, Config, EngineConfig, EnvConfig, EvalConfig, LearnerConfig, LoraConfig,
                                     LossConfig, MetricsConfig, ModelConfig, RolloutConfig, SyncConfig, TopologyConfig,
                                     field_docs)
@@ -59,6 +60,7 @@ _CHOICES = {
     ("loss", "ratio_level"): RATIO_LEVELS,
     ("learner", "attention"): ATTENTIONS,
     ("learner", "prefix_sharing"): PREFIX_SHARING,
+    ("learner", "lr_schedule"): LR_SCHEDULES,
     ("sync", "backend"): SYNC_BACKENDS,
     ("topology", "placement"): PLACEMENTS,
     ("rollout", "update"): UPDATE_MODES,
@@ -262,6 +264,10 @@ _RANGES = {
     ("learner", "micro_batch_tokens"): (lambda v: v >= 1, "must be >= 1 (the packing budget in tokens)"),
     ("learner", "max_policy_lag"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "updates_per_batch"): (lambda v: v >= 1, "must be >= 1 (optimizer steps per rollout batch)"),
+    ("learner", "warmup_steps"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no warm-up)"),
+    ("learner", "min_lr_ratio"): (lambda v: 0 <= v <= 1, "must be in [0, 1] (a fraction of learner.lr)"),
+    ("loss", "clip_ratio_c"): (lambda v: v == 0 or v > 1, "must be 0 (off) or > 1 (the dual clip bounds ratios "
+                               "above the upper clip; verl uses 3)"),
     ("loss", "eps_low"): (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     ("loss", "eps_high"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("loss", "beta"): (lambda v: v >= 0, _NON_NEGATIVE),
@@ -281,6 +287,10 @@ _RANGES = {
     ("metrics", "stall_timeout_s"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 disables the alert)"),
     ("metrics", "max_nonfinite_steps"): (lambda v: v >= 1, "must be >= 1"),
     ("metrics", "peak_tflops"): (lambda v: v > 0, _POSITIVE),
+    ("metrics", "reward_drop_alert"): (lambda v: 0 <= v < 1, "must be in [0, 1) (a fraction of the best reward; 0 = off)"),
+    ("metrics", "entropy_alert"): (lambda v: 0 <= v < 1, "must be in [0, 1) (a fraction of the previous window; 0 = off)"),
+    ("metrics", "grad_norm_alert"): (lambda v: v == 0 or v > 1, "must be 0 (off) or > 1 (times the recent median)"),
+    ("metrics", "alert_window"): (lambda v: v >= 1, "must be >= 1"),
     ("checkpoint", "every"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = only at exit)"),
     ("checkpoint", "keep"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 keeps every checkpoint)"),
     ("eval", "every"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = only at the end)"),
@@ -412,6 +422,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     if r.update == "inflight" and cfg.learner.max_policy_lag < 1:
         raise ConfigError("rollout.update=inflight needs learner.max_policy_lag >= 1: requests still in flight when a "
                           "batch ships are trained with a later batch, at least one version after their first token")
+    check_schedule_and_alerts(cfg)
     if cfg.env.overlong_buffer > cfg.engine.max_new_tokens:
         raise ConfigError(f"env.overlong_buffer={cfg.env.overlong_buffer} exceeds engine.max_new_tokens="
                           f"{cfg.engine.max_new_tokens}: the penalty would start below zero length")
@@ -426,6 +437,22 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
                               "inference ranks without a group")
         # learners may get shards one sequence apart (data.shard_batch) and run as many
         # micro-batches as the busiest one, so the batch need not divide by the learner count
+
+
+def check_schedule_and_alerts(cfg: Config) -> None:
+    """The learning-rate schedule fits the run; a key that would be ignored is refused."""
+    lc, m = cfg.learner, cfg.metrics
+    if lc.warmup_steps >= lc.num_steps:
+        raise ConfigError(f"learner.warmup_steps={lc.warmup_steps} must be below learner.num_steps={lc.num_steps} "
+                          "(the run would never train at learner.lr)")
+    if lc.min_lr_ratio > 0 and lc.lr_schedule != "cosine":
+        raise ConfigError(f"learner.min_lr_ratio={lc.min_lr_ratio} applies only to learner.lr_schedule=cosine "
+                          f"(got {lc.lr_schedule!r})")
+    if m.stop_on_collapse and m.reward_drop_alert == 0:
+        raise ConfigError("metrics.stop_on_collapse needs metrics.reward_drop_alert > 0 (the alert that stops the run)")
+    if m.stop_on_collapse and not cfg.checkpoint.enabled:
+        raise ConfigError("metrics.stop_on_collapse needs checkpoint.enabled=true (it writes a checkpoint and keeps "
+                          "the last good one; checkpoint.every > 0 gives one from before the drop)")
 
 
 def sampling_lag(cfg: Config) -> int:

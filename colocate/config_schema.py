@@ -23,6 +23,7 @@ TOOL_PARSERS = ("hermes",)  # keys of colocate.tools.PARSERS
 NORM_MODES = ("grpo", "dapo", "dr_grpo")  # kernels.reference.NORM_MODES (kernels import nothing of colocate)
 RATIO_LEVELS = ("token", "sequence")  # kernels.reference.RATIO_LEVELS
 LOSS_IMPLS = ("auto", "triton", "torch")
+LR_SCHEDULES = ("constant", "cosine")  # colocate.learner.learner.lr_factor
 ATTENTIONS = ("auto", "varlen", "sdpa")
 PREFIX_SHARING = ("off", "group", "tree")
 SYNC_BACKENDS = ("auto", "nccl", "gloo")
@@ -276,6 +277,13 @@ class LearnerConfig:
     (AReaL's decoupled objective), truncated at loss.tis_cap (2 unless set); 1 runs no extra
     forward. K steps move the adapter about K times as far per batch: lower `lr` with it where the
     reward hovers instead of converging (profiles/README.md: cpu-tiny at K = 2)."""
+    lr_schedule: str = "constant"
+    """constant, or cosine: the learning rate falls from `lr` to `lr * min_lr_ratio` along half a
+    cosine over the steps after the warm-up (LR_SCHEDULES)."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from lr / warmup_steps to `lr`, before either schedule; 0 = none."""
+    min_lr_ratio: float = 0.0
+    """cosine: the learning rate at the last step, as a fraction of `lr`."""
 
 
 @dataclass
@@ -305,6 +313,11 @@ class LossConfig:
     mis_threshold: float = 0.0
     """Masked importance sampling: drop every sequence whose mean |log pi_learner - log pi_sampler|
     exceeds this (counted as learner/mis_masked_seqs); 0 = off."""
+    clip_ratio_c: float = 0.0
+    """Dual clip (verl's clip_ratio_c): a token with a negative advantage whose importance ratio
+    passed this bound adds the constant -c A to the loss and no gradient, so one sample the policy
+    has since made likelier cannot push its tokens down without limit; 0 = off, else > 1 (verl
+    uses 3). The fused kernel takes it through its exact per-row path (docs/design.md)."""
     impl: str = "auto"
     """auto (triton on CUDA, torch elsewhere), triton or torch."""
 
@@ -365,6 +378,23 @@ class MetricsConfig:
     """Alert when a role makes no progress (no trajectory produced or consumed) for this long; 0 = off."""
     max_nonfinite_steps: int = 3
     """A NaN/inf loss skips the update; this many in a row stop the run with an error."""
+    reward_drop_alert: float = 0.2
+    """ALERT reward_drop when the mean reward of the last `alert_window` steps falls this fraction
+    below its running best (0.2: below 80 % of the best; on cpu-tiny's long runs it fires on each
+    dip, profiles/README.md); 0 = off."""
+    entropy_alert: float = 0.0
+    """ALERT entropy_collapse when the mean policy entropy (learner/entropy, nats per sampled token)
+    of the last `alert_window` steps falls below this fraction of the mean of the window before
+    it (a sudden fall, not the slow one of a converging policy); 0 = off."""
+    grad_norm_alert: float = 10.0
+    """ALERT grad_norm_spike when a step's gradient norm (before clipping) exceeds this many times
+    the median of the previous `alert_window` steps; 0 = off."""
+    alert_window: int = 20
+    """Steps in the windows the alerts compare (reward, entropy, gradient norm)."""
+    stop_on_collapse: bool = False
+    """On ALERT reward_drop: write a checkpoint, name the newest checkpoint from before the drop in
+    <run_dir>/checkpoints/last_good.json (never removed by checkpoint.keep), and end the run with
+    exit code 3 (`colocate train`; under a bare torchrun every rank exits 3)."""
     peak_tflops: float = 790.0
     """Per-device dense bf16 peak for learner/mfu; the default is an H200's measured matmul peak,
     set it for other GPUs."""

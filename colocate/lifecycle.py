@@ -9,7 +9,8 @@ A second signal exits at once (the default action), so a wedged rank can still b
 `COLOCATE_FAULT` injects failures for the failure tests; it is read once and does nothing unless
 set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `kill_in_checkpoint:step=S` (the
 checkpoint writer SIGKILLs itself halfway through writing step S), `nan:from=S` (the learners'
-advantages are NaN from step S on, so the loss is non-finite).
+advantages are NaN from step S on, so the loss is non-finite), `flip:from=S` (the learners'
+advantages change sign from step S on: the policy unlearns, a reward collapse on demand).
 """
 from __future__ import annotations
 
@@ -121,6 +122,9 @@ def checkpoint_fault_hook(fault: dict, step: int):
 
 
 def maybe_poison(fault: dict, step: int, batch) -> None:
-    """`nan:from=S`: NaN advantages from step S on (the non-finite-loss path, end to end)."""
+    """`nan:from=S`: NaN advantages from step S on (the non-finite-loss path, end to end);
+    `flip:from=S`: negated advantages from step S on (a reward collapse, for the collapse alerts)."""
     if fault.get("kind") == "nan" and step >= fault.get("from", 0):
         batch.advantages.fill_(float("nan"))
+    if fault.get("kind") == "flip" and step >= fault.get("from", 0):
+        batch.advantages.neg_()

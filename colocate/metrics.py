@@ -297,3 +297,71 @@ def write_json_atomic(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2)
     os.replace(tmp, path)
+
+
+class CollapseMonitor:
+    """The learner's per-step health checks (docs/design.md: a policy collapse after convergence)
+    -> alerts, each `(name, message)` once when its condition starts (it re-arms when it ends):
+
+      * reward_drop: the mean reward of the last `alert_window` steps fell more than
+        `reward_drop_alert` below its running best;
+      * entropy_collapse: the window's mean entropy fell below `entropy_alert` times the window
+        before it;
+      * grad_norm_spike: a gradient norm (before clipping) above `grad_norm_alert` times the
+        median of the previous window.
+
+    `good_step` is the last step whose reward window ended a full window before the last healthy
+    one: nothing trained after it shows in a window that was still healthy (stop_on_collapse keeps
+    the newest checkpoint at or before it)."""
+
+    def __init__(self, metrics_cfg):
+        m = metrics_cfg
+        self.window, self.reward_drop, self.entropy_drop, self.grad_factor = (
+            m.alert_window, m.reward_drop_alert, m.entropy_alert, m.grad_norm_alert)
+        self.rewards: list[float] = []
+        self.entropies: list[float] = []
+        self.grad_norms: list[float] = []
+        self.best: float | None = None
+        self.healthy_step = 0
+        self.active: set[str] = set()
+        self.collapsed = False  # reward_drop started at the last update
+
+    @property
+    def good_step(self) -> int:
+        return max(0, self.healthy_step - self.window)
+
+    def _edge(self, name: str, on: bool) -> bool:
+        """Whether alert `name` starts now (on, and was not on at the last update)."""
+        started = on and name not in self.active
+        (self.active.add if on else self.active.discard)(name)
+        return started
+
+    def update(self, step: int, reward: float, entropy: float, grad_norm: float) -> list[tuple[str, str]]:
+        """One step's stats (step counted from 1) -> the alerts that start at it."""
+        w, alerts = self.window, []
+        self.rewards = (self.rewards + [reward])[-w:]
+        self.entropies = (self.entropies + [entropy])[-2 * w:]
+        history = self.grad_norms[-w:]
+        self.grad_norms = (self.grad_norms + [grad_norm])[-w - 1:]
+        self.collapsed = False
+        if self.reward_drop > 0 and len(self.rewards) == w:
+            mean = sum(self.rewards) / w
+            self.best = mean if self.best is None else max(self.best, mean)
+            dropped = mean < (1.0 - self.reward_drop) * self.best
+            if not dropped:
+                self.healthy_step = step
+            if self._edge("reward_drop", dropped):
+                self.collapsed = True
+                alerts.append(("reward_drop", f"mean reward of the last {w} steps {mean:.3f} is more than "
+                               f"{self.reward_drop:.0%} below its best {self.best:.3f} (step {step})"))
+        if self.entropy_drop > 0 and len(self.entropies) == 2 * w:
+            prev, cur = sum(self.entropies[:w]) / w, sum(self.entropies[w:]) / w
+            if self._edge("entropy_collapse", cur < self.entropy_drop * prev):
+                alerts.append(("entropy_collapse", f"mean entropy of the last {w} steps {cur:.4f} is below "
+                               f"{self.entropy_drop} x the {w} steps before ({prev:.4f}) (step {step})"))
+        if self.grad_factor > 0 and len(history) == w:
+            median = sorted(history)[w // 2]
+            if self._edge("grad_norm_spike", grad_norm > self.grad_factor * median):
+                alerts.append(("grad_norm_spike", f"gradient norm {grad_norm:.4g} is over {self.grad_factor:g} x "
+                               f"the median {median:.4g} of the last {w} steps (step {step})"))
+        return alerts

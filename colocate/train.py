@@ -47,6 +47,10 @@ from colocate.trackers import check_loggers
 from colocate.wire import LoraSpec
 
 
+COLLAPSE_EXIT = 3
+"""The exit code of a run that metrics.stop_on_collapse ended (the learner ranks; `colocate train`)."""
+
+
 def parse_config(argv: list[str], world: int) -> tuple[Config, bool]:
     path, overrides, resume = parse_overrides(argv)
     return load_config(path, overrides, world_size=world), resume
@@ -190,8 +194,9 @@ def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
     return cfg, resume, check_only
 
 
-def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> None:
-    """Topology, tokenizer, model, then this rank's role loop."""
+def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
+    """Topology, tokenizer, model, then this rank's role loop -> (learners) the step whose collapse
+    stopped the run (metrics.stop_on_collapse), or None."""
     topo = build_topology(cfg)
     if topo.role_rank == 0:  # where each role runs, once per role (several nodes: which node)
         print(f"colocate: {topo.role} rank 0 is global rank {topo.rank} on node {os.environ.get('GROUP_RANK', '0')} "
@@ -210,6 +215,7 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> None:
     # passes from walking it (one took ~0.3 s at random points of the rollout loop).
     gc.collect()
     gc.freeze()
+    collapse_step = None
     if topo.role == "inference":
         engine, receiver = make_engine(cfg, topo, model, tokenizer)
         env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank)
@@ -217,9 +223,10 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> None:
     else:
         learner = Learner(cfg, topo, model, tokenizer)
         sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
-        run_learner(cfg, topo, learner, sender, resume=resume, stop=stop)
+        collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop)
     dist.destroy_process_group()
     gc.unfreeze()  # let interpreter shutdown release the frozen heap (else nanobind reports leaks)
+    return collapse_step if topo.role == "learner" else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = StopSignal().install()
     quiet_thread_peer_failures()
     try:
-        run_rank(cfg, resume, stop)
+        collapse_step = run_rank(cfg, resume, stop)
     except BaseException as e:
         # One line that names the rank and the cause; torchrun then stops the other ranks (their
         # collectives time out after topology.timeout_s at the latest). A rank whose transport only
@@ -243,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         rank, role = int(os.environ.get("RANK", "0")), rank_role(cfg)
         print(f"colocate: rank {rank} ({role}) failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
+    if collapse_step is not None:
+        sys.exit(COLLAPSE_EXIT)
 
 
 def rank_role(cfg: Config) -> str:

@@ -6,6 +6,8 @@ Per completion token t (rows of `logits`):
             = exp(mean_{u in seq(t)} (logp_u - anchor_u))   sequence level (GSPO)
     l_t     = -iw_t * min(ratio_t * A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_t)
               + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)          # k3 KL
+    dual clip (`clip_ratio_c` = c > 1, verl's): where A_t < 0 the policy term is
+              min(-min(r A, clip(r) A), -c A): a token whose ratio passed c weighs -c A, with no gradient
     loss    = sum_t w_t * keep_t * l_t
 with w_t from `token_weights` (the normalization mode). Both implementations receive the same
 weights, so the modes live in one place.
@@ -34,11 +36,14 @@ class Objective:
     ratio_level: str = "token"   # token, or sequence (GSPO: geometric mean of the token ratios)
     tis_cap: float = 0.0         # > 0: truncated importance weight against the sampler, capped here
     mis_threshold: float = 0.0   # > 0: mask sequences whose mean |log-ratio| to the sampler exceeds it
+    clip_ratio_c: float = 0.0    # > 1: dual clip of negative-advantage tokens at ratio c (verl); 0 = off
 
     def needs_logprobs_first(self, has_old: bool) -> bool:
         """Whether a token's coefficient depends on other tokens' or on its own log-prob before the
-        gradient (the fused path then runs a forward-only pass first)."""
-        return self.ratio_level == "sequence" or (not has_old and (self.tis_cap > 0 or self.mis_threshold > 0))
+        gradient (the fused path then runs a forward-only pass first). The dual clip is one: the row
+        kernel knows only the single clip, so its coefficient comes from the reference's own code."""
+        return self.ratio_level == "sequence" or self.clip_ratio_c > 0 or (
+            not has_old and (self.tis_cap > 0 or self.mis_threshold > 0))
 
 
 def token_weights(
@@ -74,6 +79,13 @@ def token_weights(
             raise ValueError("norm='dr_grpo' needs max_len")
         return m / float(max(num_seqs, 1) * max_len)
     raise ValueError(f"unknown norm {norm!r}; expected one of {NORM_MODES}")
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[N, V] -> [N] float32 entropy (nats) of each row's sampling distribution softmax(logits / T),
+    detached; -inf logits (a restricted vocabulary's padding) count as probability 0."""
+    with torch.no_grad():
+        return torch.special.entr(torch.softmax(logits.float() / temperature, dim=-1)).sum(-1)
 
 
 def per_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -113,12 +125,19 @@ def off_policy_weights(logp, behaviour, weights, seq_ids, old_logprobs, obj: Obj
     return anchor, iw, keep
 
 
-def clipped_surrogate(log_ratio, advantages, eps_low, eps_high):
-    """[N] log-ratios -> (-min(r A, clip(r) A), r, whether the clip holds r)."""
+def clipped_surrogate(log_ratio, advantages, eps_low, eps_high, clip_ratio_c: float = 0.0):
+    """[N] log-ratios -> (-min(r A, clip(r) A), r, whether a clip holds r). With clip_ratio_c = c > 0
+    (dual clip, verl's `compute_policy_loss`): where A < 0 the term is min(that, -c A), so a token
+    whose ratio passed c adds the constant -c A and no gradient (counted as clipped)."""
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = -torch.minimum(ratio * advantages, clipped * advantages)
     is_clipped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
+    if clip_ratio_c > 0:
+        bound = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        is_clipped = is_clipped | dual
     return loss, ratio, is_clipped
 
 
@@ -133,7 +152,7 @@ def objective_terms(logp, behaviour, advantages, ref_logprobs, weights, *, eps_l
         if seq_ids is None:
             raise ValueError("ratio_level='sequence' needs seq_ids")
         log_ratio = seq_mean(log_ratio, (weights > 0).to(logp.dtype), seq_ids)
-    loss, ratio, is_clipped = clipped_surrogate(log_ratio, advantages, eps_low, eps_high)
+    loss, ratio, is_clipped = clipped_surrogate(log_ratio, advantages, eps_low, eps_high, objective.clip_ratio_c)
     loss = iw * loss
     kl = torch.zeros_like(logp)
     if ref_logprobs is not None and beta > 0:
@@ -144,18 +163,21 @@ def objective_terms(logp, behaviour, advantages, ref_logprobs, weights, *, eps_l
 
 
 def objective_loss(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
-                   objective: Objective, seq_ids, old_logprobs):
+                   objective: Objective, seq_ids, old_logprobs, entropy=None):
     """[N] log-probs -> (scalar loss, differentiable in `logp`; detached stats): the objective summed
-    with its effective weights. The reference's loss and the fused paths' objective on [N] vectors."""
+    with its effective weights. The reference's loss and the fused paths' objective on [N] vectors.
+    `entropy` [N]: each row's entropy when the caller has the logits; else the stat is the sampled
+    token's -logp (its expectation under the sampler is the entropy: `token_stats`)."""
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
         logp, behaviour.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
         eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
-    return (w_eff * loss_t).sum(), token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids)
+    entropy = -logp.detach().float() if entropy is None else entropy
+    return (w_eff * loss_t).sum(), token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids, entropy)
 
 
 def objective_from_logprobs(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
-                            objective: Objective, seq_ids, old_logprobs, want_dlogp: bool = True):
+                            objective: Objective, seq_ids, old_logprobs, want_dlogp: bool = True, entropy=None):
     """[N] log-probs known before any gradient -> (scalar loss, [N] dL/dlogp or None, stats): the
     objective on [N] vectors (`objective_loss`), for the fused paths whose per-row coefficient
     needs every row's log-prob first. No host sync, so it queues behind the kernel that made `logp`."""
@@ -163,7 +185,7 @@ def objective_from_logprobs(logp, behaviour, advantages, ref_logprobs, weights, 
         logp = logp.detach().float().requires_grad_()
         loss, stats = objective_loss(logp, behaviour, advantages, ref_logprobs, weights, eps_low=eps_low,
                                      eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids,
-                                     old_logprobs=old_logprobs)
+                                     old_logprobs=old_logprobs, entropy=entropy)
         dlogp = torch.autograd.grad(loss, logp)[0] if want_dlogp else None
     return loss.detach(), dlogp, stats
 
@@ -184,16 +206,19 @@ def grpo_loss_reference(
     seq_ids: torch.Tensor | None = None,       # [N] sequence index (sequence ratio, mis_threshold)
     old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Differentiable reference: returns (scalar loss, detached stats over rows with weight > 0)."""
+    """Differentiable reference: returns (scalar loss, detached stats over rows with weight > 0; the
+    entropy from the logits it already has)."""
     return objective_loss(per_token_logprobs(logits, targets, temperature), behaviour_logprobs, advantages,
                           ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective,
-                          seq_ids=seq_ids, old_logprobs=old_logprobs)
+                          seq_ids=seq_ids, old_logprobs=old_logprobs, entropy=token_entropy(logits, temperature))
 
 
-def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=None) -> dict[str, torch.Tensor]:
+def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=None,
+                entropy=None) -> dict[str, torch.Tensor]:
     """Means over the trained tokens (effective weight w * keep > 0), detached; `is_weight` is the
     mean importance weight against the sampler (1 unless decoupled), `mis_masked_seqs` the
-    sequences the off-policy mask dropped."""
+    sequences the off-policy mask dropped, `ratio_max` the largest ratio, `entropy` the mean of the
+    given [N] per-row entropies (exact, or a sampled token's -logp: its unbiased estimate)."""
     active = ((weights if w_eff is None else w_eff) > 0).float()
     n = active.sum().clamp(min=1.0)
     masked = torch.zeros((), device=weights.device)
@@ -208,4 +233,7 @@ def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=Non
         "num_tokens": active.sum().detach(),
         "is_weight": ((iw.float() if iw is not None else torch.ones_like(active)) * active).sum().detach() / n,
         "mis_masked_seqs": masked.detach(),
+        "ratio_max": torch.where(active > 0, ratio.float(), torch.zeros_like(active)).max().detach()
+        if active.numel() else torch.zeros((), device=weights.device),
+        "entropy": ((entropy.float() if entropy is not None else torch.zeros_like(active)) * active).sum().detach() / n,
     }

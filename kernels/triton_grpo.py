@@ -34,13 +34,17 @@ __all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad", "unit_pas
 
 def stats_from_rows(row_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """[N, 6] per-row outputs -> (loss, stats); stats are means over rows with weight > 0 (the
-    off-policy ones of plain GRPO: importance weight 1, nothing masked)."""
+    off-policy ones of plain GRPO: importance weight 1, nothing masked). The entropy is the
+    sampled tokens' mean -logp, its unbiased estimate from the column the kernel already writes:
+    the exact entropy would need a second sum in the kernel (not built: docs/design.md)."""
     sums = row_out.sum(0)  # one reduction for all columns
     num_tokens = sums[ACTIVE]
     means = sums / num_tokens.clamp(min=1.0)
+    neg_logp = -(row_out[:, LOGP] * row_out[:, ACTIVE]).sum() / num_tokens.clamp(min=1.0)
     return sums[LOSS], {"clip_fraction": means[CLIPPED], "kl": means[KL], "ratio": means[RATIO],
                          "num_tokens": num_tokens, "is_weight": (num_tokens > 0).float(),
-                         "mis_masked_seqs": torch.zeros_like(num_tokens)}
+                         "mis_masked_seqs": torch.zeros_like(num_tokens),
+                         "ratio_max": (row_out[:, RATIO] * row_out[:, ACTIVE]).max(), "entropy": neg_logp}
 
 
 @triton.jit
@@ -207,4 +211,5 @@ def grpo_loss_triton(
 
 def _folded_stats(row_out, iw, weights, w_eff, seq_ids):
     """Stats of a folded off-policy call, as `reference.token_stats` (the kernel skipped masked rows)."""
-    return token_stats(weights, row_out[:, RATIO], row_out[:, KL], row_out[:, CLIPPED] > 0, iw, w_eff, seq_ids)
+    return token_stats(weights, row_out[:, RATIO], row_out[:, KL], row_out[:, CLIPPED] > 0, iw, w_eff, seq_ids,
+                       -row_out[:, LOGP])

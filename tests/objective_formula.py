@@ -1,11 +1,11 @@
 """The policy objectives in float64, written out per sequence and per token from their definitions
-(GSPO, AReaL's decoupled clip, truncated and masked importance sampling): no code shared with
+(GSPO, AReaL's decoupled clip, truncated and masked importance sampling, verl's dual clip): no code shared with
 `colocate.kernels`. Imported by the reference's tests and by the Triton interpreter subprocess."""
 import torch
 
 
 def objective_float64(logits, targets, weights, behaviour, advantages, ref, seq_ids, old=None, *, temperature,
-                      eps_low, eps_high, beta, ratio_level="token", tis_cap=0.0, mis_threshold=0.0):
+                      eps_low, eps_high, beta, ratio_level="token", tis_cap=0.0, mis_threshold=0.0, clip_ratio_c=0.0):
     """-> (loss, d(logits)), float64. `logits` [N, V] any dtype; `old` the start-of-batch log-probs."""
     x = logits.detach().double().requires_grad_()
     logp = torch.log_softmax(x / temperature, -1).gather(1, targets.long()[:, None]).squeeze(1)
@@ -28,7 +28,12 @@ def objective_float64(logits, targets, weights, behaviour, advantages, ref, seq_
             iw = torch.exp(learner[t] - b[t]) if decoupled else torch.ones((), dtype=torch.float64)
             if tis_cap > 0:
                 iw = torch.clamp(iw, max=tis_cap)
-            term = -iw * torch.minimum(r * adv[t], torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv[t])
+            # verl's compute_policy_loss: pg_losses1/2 -> clip_pg_losses1 = max(-A r, -A clip(r)); with the dual
+            # clip, where A < 0: min(pg_losses3 = -A c, clip_pg_losses1)
+            policy = torch.maximum(-adv[t] * r, -adv[t] * torch.clamp(r, 1 - eps_low, 1 + eps_high))
+            if clip_ratio_c > 0 and adv[t] < 0:
+                policy = torch.minimum(-adv[t] * clip_ratio_c, policy)
+            term = iw * policy
             if ref is not None and beta > 0:
                 d = ref[t].double() - logp[t]
                 term = term + beta * (torch.exp(d) - d - 1)

@@ -191,6 +191,11 @@ OBJECTIVE_CASES = [
     ("fp32-copy-gspo-deferred", "fp32", False, {"ratio_level": "sequence"}, False, MATRIX),
     ("fp32-inplace-tis-mis-deferred", "fp32", True, {"tis_cap": 1.5, "mis_threshold": 0.2}, False, MATRIX),
     ("bf16-inplace-gspo-decoupled-deferred", "bf16", True, {"ratio_level": "sequence"}, True, MATRIX),
+    # The dual clip (loss.clip_ratio_c) is not in the row kernel: it takes the exact per-row path,
+    # two passes here, one with the deferred row scale (what the learner runs).
+    ("fp32-copy-dual-clip", "fp32", False, {"clip_ratio_c": 1.5}, False, MATRIX),
+    ("fp32-copy-dual-clip-decoupled-deferred", "fp32", False, {"clip_ratio_c": 1.5}, True, MATRIX),
+    ("bf16-inplace-dual-clip-deferred", "bf16", True, {"clip_ratio_c": 1.5}, False, MATRIX),
 ]
 
 

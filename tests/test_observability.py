@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from colocate.metrics import MetricsWriter, StallWatchdog, percentiles
+from colocate.config_schema import MetricsConfig
+from colocate.metrics import CollapseMonitor, MetricsWriter, StallWatchdog, percentiles
 from tests.conftest import REPO
 
 
@@ -35,7 +36,10 @@ def test_profiled_cpu_run_writes_every_namespace_and_a_trace_per_role(tmp_path):
     for tag in ("rollout/poll_latency_s_p95", "rollout/group_latency_s_p50", "rollout/games_per_s",
                 "rollout/invalid_rate", "engine/decode_tokens_per_s", "engine/prefill_tokens_per_s",
                 "engine/batch_size", "learner/loss", "learner/kl", "learner/clip_fraction", "learner/grad_norm",
-                "learner/tokens_per_s", "sync/broadcast_ms", "sync/apply_ms", "system/cpu_percent_host"):
+                "learner/tokens_per_s", "sync/broadcast_ms", "sync/apply_ms", "system/cpu_percent_host",
+                # the collapse watch (docs/design.md): entropy, importance ratios, groups with no signal, lr
+                "learner/entropy", "learner/ratio", "learner/ratio_max", "learner/zero_adv_fraction",
+                "learner/grad_norm_max", "learner/lr"):
         assert tag in tags, tag
     for role in ("inference", "learner"):
         traces = glob.glob(str(tmp_path / "obsrun" / f"{role}-rank*.pt.trace.json"))
@@ -325,3 +329,93 @@ def test_engine_profile_window_follows_the_role_profilers_schedule(tiny_cfg):
     assert os.path.isabs(engine_profile_dir(m))
     assert engine_profile_dir(dataclasses.replace(m, profile_engine_steps=0)) == ""
     assert engine_profile_dir(dataclasses.replace(m, profile=False)) == ""
+
+
+def _feed(monitor, rewards, entropies=None, grads=None):
+    """Steps 1.. of synthetic series -> {step: [alert names]} of the steps where alerts started."""
+    out = {}
+    for i, reward in enumerate(rewards):
+        e = entropies[i] if entropies else 1.0
+        g = grads[i] if grads else 1.0
+        names = [name for name, _ in monitor.update(i + 1, reward, e, g)]
+        if names:
+            out[i + 1] = names
+    return out
+
+
+def test_reward_drop_alert_fires_once_at_the_window_that_falls_below_the_best():
+    """Window 10, fraction 0.5: reward 1 for 100 steps, then 0 from step 101. The window mean is
+    (10 - k) / 10 after k bad steps: below 0.5 first at k = 6 (k = 5 gives 0.5, not below; exact
+    in binary), so the alert starts at step 106, once; good_step is a window before the last
+    healthy step."""
+    m = CollapseMonitor(MetricsConfig(alert_window=10, reward_drop_alert=0.5, grad_norm_alert=0))
+    fired = _feed(m, [1.0] * 100 + [0.0] * 30)
+    assert fired == {106: ["reward_drop"]}
+    assert m.healthy_step == 105 and m.good_step == 95
+    # the reward coming back re-arms it; a second fall alerts again
+    fired = _feed(m, [1.0] * 20 + [0.0] * 10)
+    assert list(fired.values()) == [["reward_drop"]]
+
+
+def test_reward_noise_and_a_slow_climb_raise_no_alert():
+    """A learning curve (0.1 -> 0.95) with +-0.1 alternating noise never falls below half its best window."""
+    m = CollapseMonitor(MetricsConfig(alert_window=10, reward_drop_alert=0.5))
+    rewards = [min(0.95, 0.1 + 0.01 * i) + (0.1 if i % 2 else -0.1) for i in range(300)]
+    assert _feed(m, rewards) == {}
+
+
+def test_entropy_collapse_compares_a_window_with_the_one_before():
+    """Window 5, fraction 0.25: a slow halving per window is no collapse; a fall from 1.0 to 0.1
+    is. The windows compare once 2 x 5 steps exist: the mean of the last 5 first goes below
+    0.25 x the 5 before when 3 of the 5 are 0.1 (0.46 < 0.25 x 1.0 is false; 4 of 5: 0.28 > 0.25;
+    all 5: 0.1 < 0.25) -> the alert starts at the 5th low step."""
+    slow = [0.5 ** (i / 5) for i in range(40)]
+    assert _feed(CollapseMonitor(MetricsConfig(alert_window=5, entropy_alert=0.25, reward_drop_alert=0,
+                                               grad_norm_alert=0)), [0.5] * 40, slow) == {}
+    m = CollapseMonitor(MetricsConfig(alert_window=5, entropy_alert=0.25, reward_drop_alert=0, grad_norm_alert=0))
+    assert _feed(m, [0.5] * 30, [1.0] * 20 + [0.1] * 10) == {25: ["entropy_collapse"]}
+
+
+def test_grad_norm_spike_is_against_the_median_of_the_previous_window():
+    """Window 5, factor 10: norms around 1 (one outlier of 5 inside the window does not move the
+    median), a 12 at step 10 alerts, an 8 does not; two spikes in a row alert once."""
+    m = CollapseMonitor(MetricsConfig(alert_window=5, grad_norm_alert=10, reward_drop_alert=0))
+    grads = [1.0, 1.1, 0.9, 1.0, 1.2, 8.0, 1.0, 0.9, 1.0, 12.0, 13.0, 1.0]
+    assert _feed(m, [0.5] * len(grads), None, grads) == {10: ["grad_norm_spike"]}
+
+
+@pytest.mark.slow
+def test_stop_on_collapse_exits_3_with_a_checkpoint_from_before_the_drop(tmp_path):
+    """cpu-tiny learns (reward ~0.9 by step 60), then its advantages flip sign from step 80
+    (`COLOCATE_FAULT=flip:from=80`): the reward falls, ALERT reward_drop fires, the run writes a
+    checkpoint, names the newest one from before the flip in last_good.json (kept although
+    checkpoint.keep=1), and `colocate train` exits 3."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml", "--nproc", "2",
+           "--learner.num_steps=200", f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}",
+           "--metrics.nvml_interval_s=0", "--metrics.stop_on_collapse=true", "--metrics.alert_window=10",
+           "--checkpoint.enabled=true", "--checkpoint.every=10", "--checkpoint.keep=1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COLOCATE_FAULT": "flip:from=80"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    assert out.count("ALERT reward_drop") == 1, out[-4000:]
+    with open(run / "summary.json") as f:
+        collapse = json.load(f)["collapse_step"]
+    with open(run / "checkpoints" / "last_good.json") as f:
+        good = json.load(f)
+    assert 80 < collapse < 200 and good["collapse_step"] == collapse
+    assert good["step"] is not None and good["step"] <= 80 and os.path.isdir(good["path"])
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert f"step-{collapse:06d}" in names and os.path.basename(good["path"]) in names
+    assert "alerts/reward_drop" in read_scalar_tags(str(run / "tb" / "learner"))
+
+
+def test_soak_figures_hold_the_target_only_if_every_later_window_does():
+    """benchmarks/soak.py: 100-step windows 0.5, 1, 0.9375, 0.875 (sums exact in binary) -> the target
+    0.9 is first reached by the window ending at step 200, and the one at 400 falls below it."""
+    from benchmarks.soak import reward_figures
+    rewards = [0.5] * 100 + [1.0] * 100 + [0.9375] * 100 + [0.875] * 100
+    f = reward_figures(rewards, 0.9)
+    assert f["first_window_at_target"] == 200 and f["min_window_after_target"] == 0.875 and not f["held_target"]
+    assert reward_figures(rewards[:300], 0.9)["held_target"]

@@ -28,6 +28,9 @@ OBJECTIVES = {
     "mis": (dict(mis_threshold=0.2), False),
     "mis-decoupled": (dict(mis_threshold=0.2), True),
     "gspo-tis-mis": (dict(ratio_level="sequence", tis_cap=1.5, mis_threshold=0.2), False),
+    # dual clip at 1.5 (valid: > 1): the odd sequences' sampler drift puts ratios on both sides of it
+    "dual-clip": (dict(clip_ratio_c=1.5), False),
+    "dual-clip-decoupled-tis": (dict(clip_ratio_c=1.5, tis_cap=1.5), True),
 }
 
 
@@ -119,15 +122,59 @@ def test_gspo_two_sequences_by_hand():
     assert float(stats["ratio"]) == pytest.approx((2 * s_a + s_b) / 3, rel=1e-5)
 
 
+def test_dual_clip_bounds_negative_advantage_tokens_only():
+    """The inputs hold tokens with A < 0 and a ratio past c = 1.5 (the dual clip holds them: no
+    gradient, loss -c A each) and tokens with A > 0 past it (the plain clip's business). Against
+    GRPO without it, only the first kind change, and the loss drops by exactly their excess."""
+    b = objective_inputs(31, 23, torch.float32, seed=4, temperature=1.0)  # a seed with both kinds
+    c = 1.5
+    logp = torch.log_softmax(b["logits"].double(), -1).gather(1, b["targets"][:, None]).squeeze(1)
+    ratio = torch.exp(logp - b["behaviour"].double())
+    trained = b["weights"] > 0
+    held = trained & (b["advantages"] < 0) & (ratio > c)
+    assert held.any() and (trained & (b["advantages"] > 0) & (ratio > c)).any()  # the example has both kinds
+    grads, losses = {}, {}
+    for cc in (0.0, c):
+        x = b["logits"].clone().requires_grad_()
+        loss, stats = grpo_loss(x, b["targets"], trained, b["behaviour"], b["advantages"], norm="dapo",
+                                objective=Objective(clip_ratio_c=cc), impl="torch")
+        loss.backward()
+        grads[cc], losses[cc] = x.grad, loss.item()
+    assert float(grads[c][held].abs().max()) == 0.0 and float(grads[0.0][held].abs().min()) > 0
+    assert torch.equal(grads[c][~held], grads[0.0][~held])
+    a = b["advantages"].double()
+    excess = float(((-a * ratio - (-a * c)) * held / trained.sum()).sum())  # what the bound removes, dapo-weighted
+    assert abs((losses[0.0] - losses[c]) - excess) <= 1e-5 * max(1.0, abs(excess))
+
+
+def test_entropy_stat_is_the_sampling_distribution_entropy():
+    """Reference path: the mean over trained rows of -sum p log p of softmax(logits / T), under a
+    constraint over the allowed ids only; fused-path stand-in (`token_stats` without logits): the
+    sampled tokens' mean -logp."""
+    g = torch.Generator().manual_seed(3)
+    logits, targets = torch.randn(6, 10, generator=g), torch.tensor([0, 1, 2, 3, 4, 5])
+    mask = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    allowed = torch.tensor([[0, 1, 7, -1], [1, 2, 3, 4], [2, 9, -1, -1], [3, 0, -1, -1], [4, 5, 6, 7], [5, -1, -1, -1]])
+    _, stats = grpo_loss(logits, targets, mask, torch.zeros(6), torch.ones(6), temperature=0.7, allowed_ids=allowed,
+                         impl="torch")
+    want = []
+    for i in range(5):
+        ids = [int(a) for a in allowed[i] if a >= 0]
+        p = torch.softmax(logits[i, ids].double() / 0.7, -1)
+        want.append(float(-(p * p.log()).sum()))
+    assert abs(float(stats["entropy"]) - sum(want) / 5) <= 1e-6
+
+
 def test_objective_config_keys_reach_the_loss():
     from colocate.config import load_config
     from colocate.learner.learner import loss_objective
     from tests.conftest import REPO
     import os
     cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"),
-                      {"loss": {"ratio_level": "sequence", "tis_cap": "2", "mis_threshold": "0.1"}})
+                      {"loss": {"ratio_level": "sequence", "tis_cap": "2", "mis_threshold": "0.1",
+                                "clip_ratio_c": "3"}})
     objective, eps_low, eps_high = loss_objective(cfg.loss)
-    assert objective == Objective("sequence", 2.0, 0.1)
+    assert objective == Objective("sequence", 2.0, 0.1, 3.0)
     assert (eps_low, eps_high) == (cfg.loss.seq_eps_low, cfg.loss.seq_eps_high)
     assert loss_objective(load_config(os.path.join(REPO, "configs/cpu-tiny.yaml")).loss)[1:] == (0.2, 0.28)
 

@@ -33,6 +33,7 @@ FSDP the adapter gradients are all-reduced (summed) by hand.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -50,7 +51,8 @@ from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
 
-STAT_COLUMNS = 7  # per micro-batch on the device: loss, clip*n, kl*n, ratio*n, n, is_weight*n, masked seqs
+STAT_COLUMNS = 9  # per micro-batch on the device: loss, clip*n, kl*n, ratio*n, n, is_weight*n, masked seqs,
+#                  entropy*n, ratio max (the one column reduced by max, not summed)
 
 
 def mini_batch_indices(num_sequences: int, k: int, seed: int) -> list[list[int]]:
@@ -73,10 +75,22 @@ def loss_objective(loss_cfg, updates_per_batch: int = 1) -> tuple[Objective, flo
     """The loss section -> (objective, eps_low, eps_high): a sequence ratio has its own clip range;
     K > 1 caps the decoupled importance weight at `DECOUPLED_TIS_CAP` unless `loss.tis_cap` is set."""
     tis_cap = loss_cfg.tis_cap or (DECOUPLED_TIS_CAP if updates_per_batch > 1 else 0.0)
-    objective = Objective(loss_cfg.ratio_level, tis_cap, loss_cfg.mis_threshold)
+    objective = Objective(loss_cfg.ratio_level, tis_cap, loss_cfg.mis_threshold, loss_cfg.clip_ratio_c)
     if loss_cfg.ratio_level == "sequence":
         return objective, loss_cfg.seq_eps_low, loss_cfg.seq_eps_high
     return objective, loss_cfg.eps_low, loss_cfg.eps_high
+
+
+def lr_factor(step: int, lc) -> float:
+    """The learning rate of batch `step` (0-based) as a fraction of `learner.lr`: a linear warm-up
+    over `warmup_steps`, then constant or half a cosine down to `min_lr_ratio` at the last step.
+    A function of the step alone, so a resumed run (which restores the version) continues it."""
+    if step < lc.warmup_steps:
+        return (step + 1) / lc.warmup_steps
+    if lc.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - lc.warmup_steps) / max(lc.num_steps - 1 - lc.warmup_steps, 1))
+    return lc.min_lr_ratio + (1.0 - lc.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def lm_head_frozen(model) -> bool:
@@ -228,7 +242,8 @@ class Learner:
         n = stats["num_tokens"].float()
         return mb.num_tokens, torch.stack([loss.detach().float(), stats["clip_fraction"] * n, stats["kl"] * n,
                                            stats["ratio"] * n, n, stats["is_weight"] * n,
-                                           stats["mis_masked_seqs"].float()])
+                                           stats["mis_masked_seqs"].float(), stats["entropy"] * n,
+                                           stats["ratio_max"].float()])
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -239,6 +254,9 @@ class Learner:
         t0 = time.perf_counter()
         batch, lag_sum, dropped = self._drop_stale(batch)
         k = self.cfg.learner.updates_per_batch
+        lr = self.cfg.learner.lr * lr_factor(self.version, self.cfg.learner)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         if k == 1:
             with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
                 work = self.micro_batches(batch) if batch.num_sequences else []
@@ -259,7 +277,7 @@ class Learner:
                 updates.append(self._update(work, self._all_reduce(torch.tensor(
                     [float(mini.num_trained_tokens), float(mini.num_sequences)], device=self.device))))
         self.version += 1
-        return {**self._step_stats(counts, updates, t0), **gap}
+        return {**self._step_stats(counts, updates, t0), **gap, "lr": lr}
 
     def _sampler_gap(self, batch: TrajectoryBatch) -> dict[str, float]:
         """The learner against the sampler on the same weights: mean |start log-prob - behaviour
@@ -301,11 +319,13 @@ class Learner:
         return (batch.select(keep) if dropped else batch), lag_sum, dropped
 
     def _global_counts(self, batch: TrajectoryBatch, lag_sum: float, dropped: int) -> torch.Tensor:
-        """[6] summed over the learner ranks: trained completion tokens, sequences, reward sum, lag sum,
-        dropped sequences, tokens of the sequences laid flat. The first two are the loss's global normalizers."""
+        """[7] summed over the learner ranks: trained completion tokens, sequences, reward sum, lag sum,
+        dropped sequences, tokens of the sequences laid flat, sequences with a zero advantage (a
+        group whose rewards are all equal: no signal). The first two are the loss's global normalizers."""
         return self._all_reduce(torch.tensor(
             [float(batch.num_trained_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
-             lag_sum, float(dropped), float(batch.seq_lens.sum())], device=self.device))
+             lag_sum, float(dropped), float(batch.seq_lens.sum()), float((batch.advantages == 0).sum())],
+            device=self.device))
 
     def _num_micro_batches(self, local: int) -> int:
         """Under FSDP every rank must run the same number of forward/backward passes: the busiest
@@ -328,7 +348,8 @@ class Learner:
                 tokens, sums_i = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
             model_tokens += tokens
             if sums_i is not None:
-                totals += sums_i
+                totals[:-1] += sums_i[:-1]
+                totals[-1] = torch.maximum(totals[-1], sums_i[-1])
         return totals, model_tokens
 
     def _sum_gradients_without_fsdp(self) -> None:
@@ -351,7 +372,8 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(grad_norm, DTensor):  # under FSDP: the global norm
             grad_norm = grad_norm.full_tensor()
-        sums = self._all_reduce(torch.cat([totals, torch.tensor([float(model_tokens)], device=self.device)]))
+        sums = self._all_reduce(torch.cat([totals[:-1], torch.tensor([float(model_tokens)], device=self.device)]))
+        sums = torch.cat([sums, self._all_reduce(totals[-1:].clone(), op=dist.ReduceOp.MAX)])
         skipped = not (torch.isfinite(sums[0]) and torch.isfinite(grad_norm))
         if not skipped:
             self.optimizer.step()
@@ -361,7 +383,8 @@ class Learner:
     @staticmethod
     def _step_stats(counts: torch.Tensor, updates: list, t0: float) -> dict[str, float]:
         """Stats of the batch from `counts` and each update's (global sums, grad norm, skipped, passes):
-        the loss and grad norm are means over the updates, the token stats over every trained token."""
+        the loss and grad norm (before clipping) are means over the updates, the token stats over
+        every trained token, ratio_max and grad_norm_max over all of them."""
         num_seqs = int(counts[1].item())
         sums = torch.stack([u[0] for u in updates]).sum(0)
         denom = max(float(sums[4]), 1.0)
@@ -373,13 +396,17 @@ class Learner:
             "ratio": float(sums[3]) / denom,
             "is_weight": float(sums[5]) / denom,
             "mis_masked_seqs": float(sums[6]),  # each sequence is in one mini-batch
+            "entropy": float(sums[7]) / denom,
+            "ratio_max": float(sums[9]),
+            "zero_adv_fraction": float(counts[6]) / max(num_seqs, 1),
             "grad_norm": sum(float(u[1]) for u in updates) / len(updates),
+            "grad_norm_max": max(float(u[1]) for u in updates),
             "reward": float(counts[2]) / max(num_seqs, 1),
             "policy_lag_mean": float(counts[3]) / max(num_seqs, 1),
             "dropped_stale": float(counts[4]),
             "tokens": float(sums[4]),
-            "model_tokens": float(sums[7]),
-            "tokens_forwarded": float(sums[7]),  # with prefix sharing: shared prompt tokens once
+            "model_tokens": float(sums[8]),
+            "tokens_forwarded": float(sums[8]),  # with prefix sharing: shared prompt tokens once
             "tokens_flat_equivalent": float(counts[5]),  # what flat packing would forward
             "micro_batches": float(sum(u[3] for u in updates)),
             "updates": float(len(updates)),

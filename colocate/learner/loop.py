@@ -24,7 +24,7 @@ from colocate.channel import AdapterSender
 from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
 from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_poison, maybe_raise, parse_fault
-from colocate.metrics import MetricsWriter, make_profiler, role_monitors, write_json_atomic
+from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role_monitors, write_json_atomic
 from colocate.models import canonical_name
 from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
@@ -43,6 +43,8 @@ class LearnerRank:
         self.fault = parse_fault()
         self.eta = StepClock(cfg.learner.num_steps)
         self.history: dict[str, list[float]] = {"reward": [], "loss": []}
+        self.monitor = CollapseMonitor(cfg.metrics)  # same global stats on every learner: same verdicts
+        self.collapsed_at: int | None = None  # the step whose reward_drop alert stopped the run
         self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
         # Per step: [wait start, train start, train end, step end (unix s), policy lag mean, adapter
         # gather s, adapter send s]; the e2e benchmark takes steady-state figures from it.
@@ -76,6 +78,8 @@ class LearnerRank:
         stats["mfu"] = 4 * self.block_params * stats["model_tokens"] / max(
             stats["step_s"] * self.topo.num_learners * self.cfg.metrics.peak_tflops * 1e12, 1e-9)
         self.check_finite(stats["loss"], step)
+        for name, message in self.monitor.update(step + 1, stats["reward"], stats["entropy"], stats["grad_norm_max"]):
+            self.writer.alert(name, message, step)
         self.history["reward"].append(stats["reward"])
         self.history["loss"].append(stats["loss"])
         return stats
@@ -120,6 +124,8 @@ class LearnerRank:
         if step % self.cfg.metrics.log_every == 0 or last:
             self.writer.print(f"step {step + 1}/{self.cfg.learner.num_steps} reward {stats['reward']:.3f} "
                               f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
+                              f"ent {stats['entropy']:.3f} gnorm {stats['grad_norm']:.3f} "
+                              f"ratio {stats['ratio']:.3f}/{stats['ratio_max']:.2f} zadv {stats['zero_adv_fraction']:.2f} "
                               f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
                               f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{self.eta.text(step)}")
         self.timeline.append([waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
@@ -139,7 +145,10 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     maybe_raise(rank.fault, rank.topo.rank, step)
     batch, stop_elsewhere, waits = rank.receive()
     stats = rank.train(batch, step, waits)
-    stop_requested = rank.agree_to_stop(stop_elsewhere)
+    collapse = cfg.metrics.stop_on_collapse and rank.monitor.collapsed
+    stop_requested = rank.agree_to_stop(stop_elsewhere or collapse)
+    if collapse:
+        rank.collapsed_at = step + 1
     last = step == cfg.learner.num_steps - 1
     stopping = stop_requested and not last
     checkpointing = cfg.checkpoint.enabled and (
@@ -147,20 +156,41 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     flags = (RunFlags.CHECKPOINT if checkpointing else RunFlags.NONE) | (RunFlags.STOP if stopping else RunFlags.NONE)
     adapter, gather_s, sync_s = rank.publish(flags)
     if checkpointing:
-        write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.fault)
+        write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.fault,
+                         protect_step=rank.monitor.good_step if cfg.metrics.stop_on_collapse else None)
+        if collapse and rank.topo.rank == rank.topo.sync_src:
+            note_last_good(cfg, rank.writer, rank.monitor.good_step, step + 1)
     if (last or stopping) and rank.topo.role_rank == 0:  # the run's model, checkpoints on or off
         from colocate.checkpoint import peft_config_dict, save_adapter
         save_adapter(os.path.join(cfg.metrics.run_dir, "adapter"), adapter, peft_config_dict(rank.learner.model))
     rank.log(step, stats, waits, gather_s, sync_s)
     if stopping:
         rank.drain(step)
-        rank.writer.print(f"stop requested (signal): checkpoint at step {step + 1}, exiting")
+        why = "metrics.stop_on_collapse" if collapse else "signal"
+        rank.writer.print(f"stop requested ({why}): checkpoint at step {step + 1}, exiting")
     return stopping
 
 
+def note_last_good(cfg: Config, writer: MetricsWriter, good_step: int, step: int) -> None:
+    """<run_dir>/checkpoints/last_good.json: the newest checkpoint at or before `good_step` (the
+    collapse monitor's last step before the drop), and one line saying which."""
+    from colocate.checkpoint import checkpoint_root, checkpoints
+    root = checkpoint_root(cfg.metrics.run_dir)
+    good = [p for p in checkpoints(root) if checkpoint_step(p) <= good_step]  # newest first
+    path = good[0] if good else None
+    write_json_atomic(os.path.join(root, "last_good.json"),
+                      {"path": path, "step": checkpoint_step(path) if path else None, "collapse_step": step})
+    writer.print(f"collapse at step {step}: last good checkpoint {path or 'none (set checkpoint.every)'}")
+
+
+def checkpoint_step(path: str) -> int:
+    return int(os.path.basename(path).rpartition("-")[2])
+
+
 def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, resume: dict | None,
-                stop: StopSignal) -> None:
-    """The learner role: receive shards, train, hand the adapter to the inference ranks."""
+                stop: StopSignal) -> int | None:
+    """The learner role: receive shards, train, hand the adapter to the inference ranks -> the step
+    whose collapse stopped the run (metrics.stop_on_collapse), or None."""
     rank = LearnerRank(cfg, topo, learner, sender, stop)
     start = 0
     if resume is not None:
@@ -189,10 +219,11 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
         write_summary(cfg, topo, rank.history, wall, rank.writer, {**eval_summary(evaluation),
             "learner_busy_fraction": rank.busy_s / max(wall, 1e-9), "dropped_stale": rank.dropped,
             "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
-            "timeline": rank.timeline, "gpu_util": gpu_util})
+            "timeline": rank.timeline, "gpu_util": gpu_util, "collapse_step": rank.collapsed_at})
         if topo.rank == topo.sync_src:
             rank.writer.print(run_files(cfg))
     rank.writer.close()
+    return rank.collapsed_at
 
 
 def run_files(cfg: Config) -> str:
@@ -247,7 +278,7 @@ def restore_learner(learner, resume: dict) -> int:
 
 
 def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, history: dict, step: int,
-                     fault: dict) -> None:
+                     fault: dict, protect_step: int | None = None) -> None:
     """Every learner joins the optimizer-state gather; learner rank 0 collects the inference ranks'
     states and writes the checkpoint atomically."""
     from colocate.checkpoint import checkpoint_root, flatten_optimizer, peft_config_dict, save_checkpoint
@@ -261,7 +292,7 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
         checkpoint_root(cfg.metrics.run_dir), step, adapter=adapter, peft_config=peft_config_dict(learner.model),
         optimizer=optimizer_state, rng={"torch_cpu": torch.get_rng_state()}, trainer_state=trainer_state,
         config_yaml=yaml.safe_dump(to_dict(cfg), sort_keys=False), keep=cfg.checkpoint.keep,
-        fault_hook=checkpoint_fault_hook(fault, step))
+        fault_hook=checkpoint_fault_hook(fault, step), protect_step=protect_step)
     print(f"[learner] checkpoint written: {path}", flush=True)
 
 
