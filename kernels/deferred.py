@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import Objective, objective_from_logprobs, per_token_logprobs, token_entropy
+from .reference import Objective, objective_from_logprobs, per_token_logprobs
 
 __all__ = ["deferred_loss", "scale_grad_rows", "scale_rows"]
 
@@ -84,7 +84,6 @@ def deferred_loss(
     d logp / d(logits) on the trained rows, unscaled, and `row_scale` receives the scale."""
     active = (weights > 0).float()
     write_grad = torch.is_grad_enabled() and logits.requires_grad
-    entropy = None  # fused: the sampled tokens' -logp (`reference.token_stats`)
     if fused:
         from .triton_grpo import unit_pass
         carrier, logp = unit_pass(logits, targets, active, torch.ones_like(active), temperature=temperature,
@@ -93,10 +92,9 @@ def deferred_loss(
         logp_graph = per_token_logprobs(logits, targets, temperature)
         logp = logp_graph.detach()
         carrier = ((logp_graph - logp) * active).sum()  # 0, with the gradient d logp / d(logits) on trained rows
-        entropy = token_entropy(logits, temperature)
     loss, dlogp, stats = objective_from_logprobs(
         logp, behaviour_logprobs, advantages, ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high, beta=beta,
-        objective=objective, seq_ids=seq_ids, old_logprobs=old_logprobs, want_dlogp=write_grad, entropy=entropy)
+        objective=objective, seq_ids=seq_ids, old_logprobs=old_logprobs, want_dlogp=write_grad)
     if dlogp is not None:
         row_scale.copy_(dlogp)
     return loss + carrier, stats

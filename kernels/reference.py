@@ -81,13 +81,6 @@ def token_weights(
     raise ValueError(f"unknown norm {norm!r}; expected one of {NORM_MODES}")
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[N, V] -> [N] float32 entropy (nats) of each row's sampling distribution softmax(logits / T),
-    detached; -inf logits (a restricted vocabulary's padding) count as probability 0."""
-    with torch.no_grad():
-        return torch.special.entr(torch.softmax(logits.float() / temperature, dim=-1)).sum(-1)
-
-
 def per_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """[N, V], [N] -> [N] float32 log-probs of targets (materializes a float32 [N, V]: reference only)."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -163,21 +156,20 @@ def objective_terms(logp, behaviour, advantages, ref_logprobs, weights, *, eps_l
 
 
 def objective_loss(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
-                   objective: Objective, seq_ids, old_logprobs, entropy=None):
+                   objective: Objective, seq_ids, old_logprobs):
     """[N] log-probs -> (scalar loss, differentiable in `logp`; detached stats): the objective summed
     with its effective weights. The reference's loss and the fused paths' objective on [N] vectors.
-    `entropy` [N]: each row's entropy when the caller has the logits; else the stat is the sampled
-    token's -logp (its expectation under the sampler is the entropy: `token_stats`)."""
+    The entropy stat is each trained token's -logp: its expectation under the sampler is the
+    entropy, and every path (this one, the fused kernels) has it without another pass over the logits."""
     f32 = lambda t: None if t is None else t.float()  # noqa: E731
     loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
         logp, behaviour.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
         eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
-    entropy = -logp.detach().float() if entropy is None else entropy
-    return (w_eff * loss_t).sum(), token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids, entropy)
+    return (w_eff * loss_t).sum(), token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids, -logp.detach())
 
 
 def objective_from_logprobs(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
-                            objective: Objective, seq_ids, old_logprobs, want_dlogp: bool = True, entropy=None):
+                            objective: Objective, seq_ids, old_logprobs, want_dlogp: bool = True):
     """[N] log-probs known before any gradient -> (scalar loss, [N] dL/dlogp or None, stats): the
     objective on [N] vectors (`objective_loss`), for the fused paths whose per-row coefficient
     needs every row's log-prob first. No host sync, so it queues behind the kernel that made `logp`."""
@@ -185,7 +177,7 @@ def objective_from_logprobs(logp, behaviour, advantages, ref_logprobs, weights, 
         logp = logp.detach().float().requires_grad_()
         loss, stats = objective_loss(logp, behaviour, advantages, ref_logprobs, weights, eps_low=eps_low,
                                      eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids,
-                                     old_logprobs=old_logprobs, entropy=entropy)
+                                     old_logprobs=old_logprobs)
         dlogp = torch.autograd.grad(loss, logp)[0] if want_dlogp else None
     return loss.detach(), dlogp, stats
 
@@ -206,11 +198,10 @@ def grpo_loss_reference(
     seq_ids: torch.Tensor | None = None,       # [N] sequence index (sequence ratio, mis_threshold)
     old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Differentiable reference: returns (scalar loss, detached stats over rows with weight > 0; the
-    entropy from the logits it already has)."""
+    """Differentiable reference: returns (scalar loss, detached stats over rows with weight > 0)."""
     return objective_loss(per_token_logprobs(logits, targets, temperature), behaviour_logprobs, advantages,
                           ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective,
-                          seq_ids=seq_ids, old_logprobs=old_logprobs, entropy=token_entropy(logits, temperature))
+                          seq_ids=seq_ids, old_logprobs=old_logprobs)
 
 
 def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=None,
@@ -218,7 +209,7 @@ def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=Non
     """Means over the trained tokens (effective weight w * keep > 0), detached; `is_weight` is the
     mean importance weight against the sampler (1 unless decoupled), `mis_masked_seqs` the
     sequences the off-policy mask dropped, `ratio_max` the largest ratio, `entropy` the mean of the
-    given [N] per-row entropies (exact, or a sampled token's -logp: its unbiased estimate)."""
+    given [N] sampled tokens' -logp (on the sampler's own tokens, an unbiased estimate of the entropy)."""
     active = ((weights if w_eff is None else w_eff) > 0).float()
     n = active.sum().clamp(min=1.0)
     masked = torch.zeros((), device=weights.device)

@@ -35,8 +35,8 @@ __all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad", "unit_pas
 def stats_from_rows(row_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """[N, 6] per-row outputs -> (loss, stats); stats are means over rows with weight > 0 (the
     off-policy ones of plain GRPO: importance weight 1, nothing masked). The entropy is the
-    sampled tokens' mean -logp, its unbiased estimate from the column the kernel already writes:
-    the exact entropy would need a second sum in the kernel (not built: docs/design.md)."""
+    sampled tokens' mean -logp, from the column the kernel already writes, as on every path
+    (`reference.objective_loss`)."""
     sums = row_out.sum(0)  # one reduction for all columns
     num_tokens = sums[ACTIVE]
     means = sums / num_tokens.clamp(min=1.0)

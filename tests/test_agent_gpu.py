@@ -59,7 +59,9 @@ def mean(values):
 
 
 def test_calculator_agent_learns_with_vllm(tmp_path):
-    summary = train(tmp_path, timeout=540)
+    # 300 steps, not the CPU config's 200: on vLLM (one H200, 2026-11-26) the 10-step mean stood at
+    # 0.88 at step 200 of one run and first reached 0.9 near step 110 of another (profiles/README.md)
+    summary = train(tmp_path, "--learner.num_steps=300", timeout=600)
     print(json.dumps({k: summary[k] for k in ("steps", "reward_start", "reward_end", "wall_time_s")}))
     assert summary["reached_target"], summary["reward_end"]
     rollout = tb_scalars(str(tmp_path / "run" / "tb" / "inference"))
