@@ -7,9 +7,9 @@ name), from learner rank 0 only: one run per job in the tracker. Each is an opti
 config error before launch (`check_loggers`, from `preflight`-time code in `train.check_config`).
 
 Where they write is theirs to decide, through their own environment variables: `WANDB_MODE=offline`
-(and `WANDB_DIR`) keeps W&B on disk, `MLFLOW_TRACKING_URI` picks MLflow's store (default: a local
-`./mlruns` file store), `TRACKIO_DIR` trackio's local database. Nothing here touches the network
-unless those say so.
+(and `WANDB_DIR`) keeps W&B on disk, `MLFLOW_TRACKING_URI` picks MLflow's store (a local file
+store such as `./mlruns` also needs `MLFLOW_ALLOW_FILE_STORE=true` from MLflow 3 on), `TRACKIO_DIR`
+trackio's local database. Nothing here touches the network unless those say so.
 """
 from __future__ import annotations
 
