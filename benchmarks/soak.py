@@ -2,13 +2,17 @@
 Not a CI test: hours of CPU.
 
 Runs cpu-tiny for `--steps` (5000) on each of `--seeds` (0,1,2) and the Diplomacy tiny preset for
-`--diplomacy-steps` (1500), one after the other (2 processes each), with extra `--set` overrides
-(e.g. `--set loss.clip_ratio_c=3`). Per run: the reward of the last 1000 steps (mean, min of the
-100-step windows), the first step whose 100-step window reached the env's target, the lowest
-100-step window after that, every ALERT line, the exit code and the wall time.
+`--diplomacy-steps` (1500), 2 processes each, `--jobs` runs at a time, with extra `--set` overrides
+for every run (e.g. `--set loss.clip_ratio_c=3`). `--variant NAME:key=value,key=value` (repeatable)
+runs the cpu-tiny seeds once per variant, its overrides on top of `--set` (a sweep in one call).
+Per run: the reward of the last 1000 steps (mean, min of the 100-step windows), the first step
+whose 100-step window reached the env's target, the lowest 100-step window after that, every ALERT
+line, the exit code and the wall time.
 
     python scripts/benchmark.py --profile soak                       # the whole soak
     python scripts/benchmark.py --profile soak --seeds 0 --diplomacy-steps 0   # one cpu-tiny seed
+    python scripts/benchmark.py --profile soak --jobs 6 --diplomacy-steps 0 \
+        --variant signal:learner.scale_lr_by_signal=true --variant wd:learner.weight_decay=0.5
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 def add_args(parser) -> None:
@@ -25,6 +30,9 @@ def add_args(parser) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--diplomacy-steps", type=int, default=1500, help="0 skips the Diplomacy run")
     parser.add_argument("--set", action="append", default=[], help="extra section.key=value for every run")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME:section.key=value,... : the cpu-tiny seeds once more with these overrides")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (2 processes each)")
 
 
 def windows(rewards: list[float], size: int = 100) -> list[float]:
@@ -44,8 +52,16 @@ def reward_figures(rewards: list[float], target: float) -> dict:
             "min_window_after_target": min(after, default=None), "held_target": bool(after) and min(after) >= target}
 
 
-def one_run(config: str, steps: int, seed: int, extra: list[str], root: str) -> dict:
-    run_dir = os.path.join(root, f"{os.path.basename(config)}-seed{seed}")
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """'NAME:a.b=1,c.d=2' -> ('NAME', ['a.b=1', 'c.d=2'])."""
+    name, _, sets = text.partition(":")
+    if not name or not sets:
+        raise SystemExit(f"soak: --variant {text!r}: expected NAME:section.key=value[,section.key=value]")
+    return name, [item for item in sets.split(",") if item]
+
+
+def one_run(config: str, steps: int, seed: int, extra: list[str], name: str, root: str) -> dict:
+    run_dir = os.path.join(root, f"{name}-seed{seed}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "colocate.train", "--config", config, f"--learner.num_steps={steps}", f"--rollout.seed={seed}",
            f"--metrics.run_dir={run_dir}", "--metrics.nvml_interval_s=0", *[f"--{s}" for s in extra]]
@@ -53,8 +69,9 @@ def one_run(config: str, steps: int, seed: int, extra: list[str], root: str) -> 
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
     alerts = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if " ALERT " in line]
-    out = {"config": config, "seed": seed, "steps": steps, "exit_code": proc.returncode, "wall_s": wall,
-           "alerts": alerts}
+    out = {"name": name, "config": config, "seed": seed, "steps": steps, "overrides": extra,
+           "exit_code": proc.returncode, "wall_s": wall, "alerts": alerts}
+    print(f"[soak] {name}-seed{seed}: exit {proc.returncode} in {wall:.0f} s", flush=True)
     try:
         with open(os.path.join(run_dir, "summary.json")) as f:
             summary = json.load(f)
@@ -65,12 +82,17 @@ def one_run(config: str, steps: int, seed: int, extra: list[str], root: str) -> 
 
 def run(args) -> dict:
     root = tempfile.mkdtemp(prefix="soak-")
-    runs = [one_run("configs/cpu-tiny.yaml", args.steps, int(s), args.set, root) for s in args.seeds.split(",") if s]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    variants = [parse_variant(v) for v in args.variant] or [("cpu-tiny", [])]  # a sweep runs its variants only
+    jobs = [("configs/cpu-tiny.yaml", args.steps, seed, [*args.set, *sets], name)
+            for name, sets in variants for seed in seeds]
     if args.diplomacy_steps > 0:
-        runs.append(one_run("configs/cpu-diplomacy-tiny.yaml", args.diplomacy_steps, 0, args.set, root))
+        jobs.append(("configs/cpu-diplomacy-tiny.yaml", args.diplomacy_steps, 0, args.set, "cpu-diplomacy-tiny"))
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        runs = list(pool.map(lambda job: one_run(*job, root), jobs))
     figures = {}
     for r in runs:
-        name = f"{os.path.basename(r['config']).removesuffix('.yaml')}-seed{r['seed']}"
+        name = f"{r['name']}-seed{r['seed']}"
         for key in ("last1000_mean", "last1000_min_window", "min_window_after_target", "held_target", "exit_code",
                     "wall_s"):
             figures[f"{name}/{key}"] = r.get(key)

@@ -284,6 +284,12 @@ class LearnerConfig:
     """Steps of linear warm-up from lr / warmup_steps to `lr`, before either schedule; 0 = none."""
     min_lr_ratio: float = 0.0
     """cosine: the learning rate at the last step, as a fraction of `lr`."""
+    scale_lr_by_signal: bool = False
+    """Multiply each batch's learning rate by the fraction of its sequences with a nonzero advantage
+    (the groups that carry a gradient). AdamW divides a gradient by its running size, so without
+    this a batch where 9 groups in 10 are uniform still moves every weight by about `lr`, steered by
+    the few groups left: what makes a converged run drift and collapse (docs/design.md, "Why a
+    converged run collapses"). With it the step shrinks with the signal, as SGD's would."""
 
 
 @dataclass

@@ -2,15 +2,29 @@
 # Both roles on one GPU (an 80 GB H100), detached so it can outlast one device command:
 #   bash scripts/gpu_one_gpu_session.sh start      starts the chain in a new session and returns
 #   bash scripts/gpu_one_gpu_session.sh wait SECS  polls up to SECS seconds, copies results to $OUT
-# Call `wait` again at once until it prints "chain done". vLLM & co. on PYTHONPATH (the GPU bundle).
-# The chain (ONE_STEPS picks and orders them; default test,gpu1,sync,gpu1-7b):
+# Call `wait` again at once until it prints "chain done"; it prints the e2e table once e2e jobs are in.
+# vLLM & co. on PYTHONPATH (the GPU bundle, DEVELOPERS.md). The chain (ONE_STEPS picks and orders
+# them; default test,gpu1,sync,gpu1-7b):
 #   test     tests/test_shared_gpu.py on the GPU (HF engine, 3 steps, adapter by CUDA IPC, checksums)
 #   gpu1     configs/gpu-1.yaml, 10 steps (0.5B shape, vLLM)
 #   sync     the sync benchmark at the 7B shape with the engine on the learner's GPU (IPC) and the disk path
 #   gpu1-7b  configs/gpu-1-7b.yaml, 5 steps (7B shape); gpu1-7b-tree: the same with learner.prefix_sharing=tree
 #   gputests the one-GPU tests marked gpu: kernels, objectives, prefix trees, varlen packing, shared GPU
-#   kernel   the loss-kernel benchmark (GRPO and the other objectives at 16,384 x 152,064)
+#   kernel   the loss-kernel benchmark (GRPO and the other objectives at 16,384 x 152,064); KERNEL_TREE=DIR
+#            runs it a second time from another checkout (kernel-tree.json: a before/after pair)
 #   tree     the trainer benchmark on the e2e workload's shapes: flat against tree and group packing
+#   e2e1     configs/gpu-1.yaml, 10 steps per rollout.update mode in E2E_MODES (default drain,inflight),
+#            back to back (e2e benchmark: steady state past --warmup 3; s/step, learner busy, NVML)
+#   e2egsm   configs/gpu-1-gsm8k.yaml the same (eval off; GSM8K_MODEL=/path sets model.path, else the
+#            0.5B shape with random weights: every completion runs to 256 tokens)
+#   e2e7b    configs/gpu-1-7b.yaml the same
+#   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight
+#   flame    py-spy flame graphs of configs/gpu-1.yaml's ranks and vLLM engine core, FLAME_DELAY s
+#            (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg)
+#   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape)
+# SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain, pinned to
+# cores SOAK_CORES (default 6-15) while the chain keeps CHAIN_CORES (0-5); SOAK_1, SOAK_2, ... run
+# more soaks at once.
 # Each job's GPU memory per process is sampled by nvidia-smi every 2 s (mem-*.csv: the peak per role).
 set -u
 GS=/tmp/gs1
@@ -29,37 +43,96 @@ with_memory() {  # with_memory NAME CMD... : run CMD, sampling per-process GPU m
   echo "== $(date +%T) $name rc=$rc" >> "$GS/chain.log"
 }
 
+e2e_modes() {  # e2e_modes NAME CONFIG [OVERRIDES...]: 10 steps per mode of E2E_MODES, back to back, one record
+  local name=$1 config=$2 order="" variants=() m
+  shift 2
+  for m in $(echo "${E2E_MODES:-drain,inflight}" | tr , ' '); do
+    order="$order${order:+,}async+$m"; variants+=("$m:rollout.update=$m")
+  done
+  with_memory "$name" timeout 3000 python3 scripts/benchmark.py --profile e2e --config "$config" --nproc 2 \
+    --steps 10 --warmup 3 --order "$order" --variant "${variants[@]}" --set checkpoint.enabled=false "$@" \
+    --out "$GS/$name.json"
+}
+
+step() {  # one step of the chain, by name
+  local gsm_model=()
+  [ -n "${GSM8K_MODEL:-}" ] && gsm_model=("model.path=$GSM8K_MODEL")
+  case $1 in
+    test) with_memory test timeout 600 python3 -m pytest -q -m gpu tests/test_shared_gpu.py -p no:cacheprovider ;;
+    gpu1) with_memory gpu1 timeout 900 torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1.yaml \
+            --learner.num_steps=10 --metrics.run_dir=$GS/run-gpu1 ;;
+    sync) with_memory sync timeout 700 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
+            --budget-s 420 --out "$GS/sync-7b-1gpu.json" ;;
+    gpu1-7b) with_memory gpu1-7b timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
+            --config configs/gpu-1-7b.yaml --learner.num_steps=5 --metrics.run_dir=$GS/run-gpu1-7b ;;
+    gpu1-7b-tree) with_memory gpu1-7b-tree timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
+            --config configs/gpu-1-7b.yaml --learner.num_steps=5 --learner.prefix_sharing=tree \
+            --metrics.run_dir=$GS/run-gpu1-7b-tree ;;
+    prefixtest) with_memory prefixtest timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/test_prefix_sharing.py ;;
+    gputests) with_memory gputests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/test_kernel_bulk.py tests/test_kernel_triton.py tests/test_prefix_sharing.py \
+            tests/test_packing.py tests/test_shared_gpu.py tests/test_loss_reference.py ;;
+    kernel) with_memory kernel timeout 600 python3 scripts/benchmark.py --profile kernel --iters 20 --no-compile \
+            --out "$GS/kernel.json"
+          if [ -n "${KERNEL_TREE:-}" ]; then
+            (cd "$KERNEL_TREE" && with_memory kernel-tree timeout 600 python3 scripts/benchmark.py --profile kernel \
+              --iters 20 --no-compile --out "$GS/kernel-tree.json")
+          fi ;;
+    tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
+            --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
+            --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
+    e2e1) e2e_modes e2e1 configs/gpu-1.yaml ;;
+    e2egsm) e2e_modes e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
+    e2e7b) e2e_modes e2e7b configs/gpu-1-7b.yaml ;;
+    learn) with_memory learn timeout 2000 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu" ;;
+    flame) with_memory flame timeout 900 bash scripts/flamegraph.sh --delay "${FLAME_DELAY:-150}" --duration 40 \
+            --out "$GS/flame" -- torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1.yaml \
+            --learner.num_steps="${FLAME_STEPS:-40}" --checkpoint.enabled=false --metrics.run_dir=$GS/run-flame ;;
+    dsroll) with_memory dsroll timeout 1200 python3 scripts/benchmark.py --profile dataset_rollout \
+            --out "$GS/dataset-rollout.json" ;;
+    *) echo "== unknown step $1" >> "$GS/chain.log" ;;
+  esac
+}
+
 chain() {
   cd "$1" || exit 1
+  local pids=() v cores
+  for v in $(compgen -v SOAK); do  # CPU soaks beside the chain, on their own cores
+    case $v in SOAK|SOAK_[0-9]*) ;; *) continue ;; esac
+    cores=${SOAK_CORES:-6-15}
+    ( eval "taskset -c $cores timeout 3600 python3 scripts/benchmark.py --profile soak ${!v} \
+        --out $GS/soak-${v,,}.json" > "$GS/soak-${v,,}.log" 2>&1
+      echo "== $(date +%T) soak $v rc=$?" >> "$GS/chain.log" ) &
+    pids+=($!)
+  done
+  [ ${#pids[@]} -gt 0 ] && taskset -p -c "${CHAIN_CORES:-0-5}" $$ > /dev/null  # the GPU steps keep their cores
   for s in $(echo "${ONE_STEPS:-test,gpu1,sync,gpu1-7b}" | tr , ' '); do
     echo "== $(date +%T) $s start" >> "$GS/chain.log"
-    case $s in
-      test) with_memory test timeout 600 python3 -m pytest -q -m gpu tests/test_shared_gpu.py -p no:cacheprovider ;;
-      gpu1) with_memory gpu1 timeout 900 torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1.yaml \
-              --learner.num_steps=10 --metrics.run_dir=$GS/run-gpu1 ;;
-      sync) with_memory sync timeout 700 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
-              --budget-s 420 --out "$GS/sync-7b-1gpu.json" ;;
-      gpu1-7b) with_memory gpu1-7b timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
-              --config configs/gpu-1-7b.yaml --learner.num_steps=5 --metrics.run_dir=$GS/run-gpu1-7b ;;
-      gpu1-7b-tree) with_memory gpu1-7b-tree timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
-              --config configs/gpu-1-7b.yaml --learner.num_steps=5 --learner.prefix_sharing=tree \
-              --metrics.run_dir=$GS/run-gpu1-7b-tree ;;
-      prefixtest) with_memory prefixtest timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-              tests/test_prefix_sharing.py ;;
-      gputests) with_memory gputests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
-              tests/test_kernel_bulk.py tests/test_kernel_triton.py tests/test_prefix_sharing.py \
-              tests/test_packing.py tests/test_shared_gpu.py tests/test_loss_reference.py ;;
-      kernel) with_memory kernel timeout 600 python3 scripts/benchmark.py --profile kernel --iters 20 --no-compile \
-              --out "$GS/kernel.json" ;;
-      tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
-              --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
-              --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
-    esac
+    step "$s"
   done
+  [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   echo "chain done" >> "$GS/chain.log"
 }
-export -f chain with_memory
+export -f chain step with_memory e2e_modes
 export GS
+
+table() {  # the e2e records so far: one row per config and mode
+  python3 - "$GS" <<'PY'
+import glob, json, os, sys
+paths = sorted(glob.glob(os.path.join(sys.argv[1], "e2e*.json")))
+if paths:
+    print(f"{'config':<22} {'update':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8}")
+for path in paths:
+    record = json.load(open(path))
+    for job, r in record["runs"].items():
+        util = r.get("inference_nvml_busy") or r.get("learner_nvml_busy")
+        print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} {r['seconds_per_step']:>7.2f} "
+              f"{100 * r['learner_busy_fraction']:>12.0f}% {'' if util is None else f'{100 * util:.0f}%':>9} "
+              f"{r['dropped_stale']:>8.0f}")
+PY
+}
 
 case $mode in
   start)
@@ -72,7 +145,10 @@ case $mode in
     end=$(( $(date +%s) + ${2:-500} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q "chain done" "$GS/chain.log" 2>/dev/null; do sleep 10; done
     cat "$GS/chain.log"
-    for f in "$GS"/*.log; do echo "---- $f"; grep -E "step [0-9]+/|summary|colocate:|Error|error|passed|failed" "$f" | tail -n 12; done
+    for f in "$GS"/*.log; do
+      echo "---- $f"; grep -E "step [0-9]+/|\[e2e\]|\[soak\]|summary|colocate:|Error|error|passed|failed" "$f" | tail -n 8 | cut -c1-300
+    done
+    table | tee "$GS/table.txt"
     mkdir -p "$OUT"
     tar czf "$OUT/one-gpu.tgz" -C "$GS" --exclude='run-*/checkpoints' --exclude='*.tfevents*' . 2>/dev/null
     ls -la "$OUT" ;;

@@ -281,10 +281,11 @@ def learner_loss_and_grads(learner, batch, mode: str):
     set_attention(learner.model, learner.attention)
     learner.model.zero_grad(set_to_none=True)
     work = learner.micro_batches(batch)
-    counts = learner._global_counts(batch, 0.0, 0)  # the step's own normalizers: trained tokens first
-    totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences, float(counts[0]))
+    from colocate.learner.learner import BATCH_COUNTS, MICRO_BATCH_STATS, by_name
+    counts = by_name(learner._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # the step's own normalizers
+    totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences, counts["tokens"])
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
-    return totals[0], grads, tokens
+    return totals[MICRO_BATCH_STATS.index("loss")], grads, tokens
 
 
 def reference_loss_and_grads(learner, batch, mask):

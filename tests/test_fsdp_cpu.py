@@ -185,3 +185,36 @@ def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, t
     for key, want in (("loss", loss), ("clip_fraction", stats["clip_fraction"]), ("kl", stats["kl"]),
                       ("ratio", stats["ratio"])):
         assert got[key] == pytest.approx(float(want), rel=1e-5, abs=1e-7), key
+
+
+def test_scale_lr_by_signal_stops_adamw_drifting_on_a_batch_without_signal(tiny_cfg, tiny_tokenizer):
+    """The drift behind a converged run's collapse (docs/design.md): after a batch whose sequences all
+    have a zero advantage (zero gradient: beta 0 here), AdamW still moves the adapter, its momentum
+    carrying the last step on. At the second step with g = 0, the bias-corrected update per
+    coordinate is lr * (0.1 * 0.9 / 0.19) / sqrt(0.001 * 0.999 / 0.001999) = 0.67 lr where the
+    first gradient was nonzero. With learner.scale_lr_by_signal the rate is lr times the fraction of
+    sequences with a nonzero advantage: exactly lr / 2 for half of them, and 0 for none, where the
+    adapter stays bit for bit."""
+    from colocate.learner.learner import Learner
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    for scale in (False, True):
+        cfg, tok = _setup(tiny_cfg.model.cache_dir, {"fsdp": False, "scale_lr_by_signal": scale})
+        cfg.loss.beta = 0.0
+        learner = Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok)
+        batch = random_batch(len(tok), SHAPES)
+        assert bool((batch.advantages != 0).all())
+        batch.advantages[: len(SHAPES) // 2] = 0.0  # half the sequences carry no signal
+        batch.versions[:] = learner.version
+        assert learner.train_step(batch)["lr"] == cfg.learner.lr * (0.5 if scale else 1.0)
+        before = {n: t.clone() for n, t in learner.lora_state().items()}
+        batch.advantages[:] = 0.0  # none does
+        batch.versions[:] = learner.version
+        stats = learner.train_step(batch)
+        moved = max(float((t - before[n]).abs().max()) for n, t in learner.lora_state().items())
+        if scale:
+            assert stats["lr"] == 0.0 and moved == 0.0
+        else:
+            assert stats["lr"] == cfg.learner.lr and moved == pytest.approx(0.67 * cfg.learner.lr, rel=0.01)

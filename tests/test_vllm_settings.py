@@ -67,3 +67,25 @@ def test_profiler_settings_trace_the_engine_core_for_a_bounded_number_of_steps()
     assert not s["torch_profiler_dump_cuda_time_total"]  # no table built mid-batch when the window ends
     with pytest.raises(ValueError, match=">= 1"):
         profiler_settings("d", 0)  # vLLM would read 0 as "no limit"
+
+
+def test_merged_mode_takes_its_weight_copy_out_of_the_engine_share(tiny_cfg, tiny_tokenizer):
+    """lora_mode=merged keeps W0 of every adapted weight beside vLLM's pool: the copy's size comes
+    from the adapter's shapes (every adapted base weight, counted on the meta model), and vLLM's
+    share shrinks by it plus the worker's 1 GiB headroom."""
+    import torch
+    from colocate.engine.vllm import lora_spec_for
+    from colocate.engine.vllm_settings import MERGED_HEADROOM_BYTES, merged_copy_bytes, merged_memory_share
+    from colocate.models import add_lora, build_model
+    spec = lora_spec_for(tiny_cfg, tiny_tokenizer)
+    with torch.device("meta"):
+        model = add_lora(build_model(tiny_cfg.model, tiny_tokenizer, "meta"), tiny_cfg.lora)
+    adapted = [m.base_layer.weight for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert adapted and merged_copy_bytes(spec.names, spec.shapes, "bfloat16") == sum(2 * w.numel() for w in adapted)
+    assert merged_copy_bytes(spec.names, spec.shapes, "float32") == sum(4 * w.numel() for w in adapted)
+    gib = 1 << 30
+    # the dataset_rollout benchmark's case: 0.95 of an 80 GiB card, a 12 GiB copy -> 0.95 - 13/80
+    assert merged_memory_share(0.95, 12 * gib, 80 * gib) == pytest.approx(0.95 - 13 / 80, abs=1e-12)
+    assert MERGED_HEADROOM_BYTES == gib
+    with pytest.raises(ValueError, match="lora_mode=slot"):
+        merged_memory_share(0.2, 12 * gib, 80 * gib)

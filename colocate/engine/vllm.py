@@ -40,7 +40,8 @@ from colocate.engine.base import Engine
 from colocate.engine.model_dir import ensure_model_dir
 from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
-from colocate.engine.vllm_settings import VLLMSettings, engine_settings, llm_arguments
+from colocate.engine.vllm_settings import (VLLMSettings, engine_settings, llm_arguments, merged_copy_bytes,
+                                            merged_memory_share)
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
@@ -162,6 +163,12 @@ class VLLMEngine(Engine):
         self._stash: list[tuple[int, Completion]] = []  # streamed answers read by `generate`, for the next poll
         self._next_ticket = 0
         self._busy_since = 0.0
+        if s.lora_mode == "merged" and torch.cuda.is_available():  # the W0 copy comes out of the engine's share
+            total = torch.cuda.get_device_properties(gpu or 0).total_memory
+            copy = merged_copy_bytes(spec.names, spec.shapes, s.dtype)
+            s = s.replace(gpu_memory_utilization=merged_memory_share(s.gpu_memory_utilization, copy, total))
+            print(f"colocate: lora_mode=merged: vLLM takes {s.gpu_memory_utilization:.3f} of the GPU, "
+                  f"{copy / 2**30:.1f} GiB go to the copy of the adapted weights", flush=True)
         kwargs = llm_arguments(model_dir, s)  # refuses bad arguments before vLLM starts
         from vllm import LLM
         if not s.validate_grammars:

@@ -120,6 +120,30 @@ def profiler_settings(profile_dir: str, steps: int) -> dict:
             "max_iterations": steps}
 
 
+MERGED_HEADROOM_BYTES = 1 << 30
+"""Free memory `vllm_worker.colocate_init_merged` wants beside the copy of W0 it allocates."""
+
+
+def merged_copy_bytes(names, shapes, dtype: str) -> int:
+    """Bytes of the W0 copy that lora_mode=merged keeps (`vllm_worker.colocate_init_merged`): one
+    [out, in] weight per adapted module, from its adapter's A [r, in] and B [out, r] shapes."""
+    shape = dict(zip(names, shapes))
+    per_elem = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    return sum(shape[a][1] * shape[a.replace("lora_A", "lora_B")][0] * per_elem for a in names if "lora_A" in a)
+
+
+def merged_memory_share(utilization: float, copy_bytes: int, total_bytes: int) -> float:
+    """vLLM's `gpu_memory_utilization` under lora_mode=merged: `engine.gpu_memory_utilization` is
+    the engine's whole share of the card, so vLLM's pool gives up room for the W0 copy (allocated
+    after vLLM sized its KV cache) and its headroom, instead of the copy finding no room."""
+    share = utilization - (copy_bytes + MERGED_HEADROOM_BYTES) / total_bytes
+    if share <= 0.05:
+        raise ValueError(f"engine.lora_mode=merged keeps a {copy_bytes / 2**30:.1f} GiB copy of the adapted weights, "
+                         f"which leaves vLLM {max(share, 0):.2f} of the card at engine.gpu_memory_utilization="
+                         f"{utilization}: raise it or use lora_mode=slot")
+    return share
+
+
 def check_engine_args(lora_mode: str) -> None:
     """Refuse what vLLM would reject only after a minute of start-up, before vLLM is imported."""
     if lora_mode not in LORA_MODES:

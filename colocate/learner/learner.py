@@ -51,8 +51,23 @@ from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
 
-STAT_COLUMNS = 9  # per micro-batch on the device: loss, clip*n, kl*n, ratio*n, n, is_weight*n, masked seqs,
-#                  entropy*n, ratio max (the one column reduced by max, not summed)
+MICRO_BATCH_STATS = ("loss", "clipped", "kl", "ratio", "tokens", "is_weight", "mis_masked_seqs", "entropy",
+                     "ratio_max")
+"""One micro-batch's statistics, stacked in this order on the device (nothing read back until the
+step's one reduction): its loss; over its n trained tokens, n times the mean clip fraction, KL,
+ratio, importance weight and entropy, and n itself; its masked sequences; its largest ratio (the
+one column reduced by max, not summed: kept last)."""
+STEP_STATS = (*MICRO_BATCH_STATS[:-1], "model_tokens", "ratio_max")
+"""One update's statistics summed (ratio_max: maxed) over the learner ranks, and the model tokens run."""
+BATCH_COUNTS = ("tokens", "sequences", "reward", "lag", "dropped", "flat_tokens", "zero_adv")
+"""A batch's counts summed over the learner ranks (`Learner._global_counts`): trained completion
+tokens, sequences, reward sum, lag sum, dropped (stale) sequences, tokens of the sequences laid
+flat, sequences with a zero advantage."""
+
+
+def by_name(values: torch.Tensor, names: tuple[str, ...]) -> dict[str, float]:
+    """A reduced statistics vector -> {name: value}, read back to the host once."""
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 def mini_batch_indices(num_sequences: int, k: int, seed: int) -> list[list[int]]:
@@ -91,6 +106,12 @@ def lr_factor(step: int, lc) -> float:
         return 1.0
     progress = min(1.0, (step - lc.warmup_steps) / max(lc.num_steps - 1 - lc.warmup_steps, 1))
     return lc.min_lr_ratio + (1.0 - lc.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def signal_fraction(counts: dict[str, float]) -> float:
+    """The fraction of a batch's sequences with a nonzero advantage, from its global counts
+    (`BATCH_COUNTS`); 0 for an empty batch."""
+    return (counts["sequences"] - counts["zero_adv"]) / counts["sequences"] if counts["sequences"] else 0.0
 
 
 def lm_head_frozen(model) -> bool:
@@ -208,7 +229,7 @@ class Learner:
     def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
                           num_tokens: float) -> tuple[int, torch.Tensor | None]:
         """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
-        rank runs as many passes as the busiest one) -> (model tokens, [STAT_COLUMNS] on the device).
+        rank runs as many passes as the busiest one) -> (model tokens, [MICRO_BATCH_STATS] on the device).
         Nothing here reads a value back to the host, so the host queues the next micro-batch while
         the GPU runs this one."""
         cfg = self.cfg
@@ -240,10 +261,11 @@ class Learner:
         loss.backward()
         del logits
         n = stats["num_tokens"].float()
-        return mb.num_tokens, torch.stack([loss.detach().float(), stats["clip_fraction"] * n, stats["kl"] * n,
-                                           stats["ratio"] * n, n, stats["is_weight"] * n,
-                                           stats["mis_masked_seqs"].float(), stats["entropy"] * n,
-                                           stats["ratio_max"].float()])
+        micro = {"loss": loss.detach().float(), "clipped": stats["clip_fraction"] * n, "kl": stats["kl"] * n,
+                 "ratio": stats["ratio"] * n, "tokens": n, "is_weight": stats["is_weight"] * n,
+                 "mis_masked_seqs": stats["mis_masked_seqs"].float(), "entropy": stats["entropy"] * n,
+                 "ratio_max": stats["ratio_max"].float()}
+        return mb.num_tokens, torch.stack([micro[k] for k in MICRO_BATCH_STATS])
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -254,16 +276,17 @@ class Learner:
         t0 = time.perf_counter()
         batch, lag_sum, dropped = self._drop_stale(batch)
         k = self.cfg.learner.updates_per_batch
+        counts = by_name(self._global_counts(batch, lag_sum, dropped), BATCH_COUNTS)  # all-reduce
         lr = self.cfg.learner.lr * lr_factor(self.version, self.cfg.learner)
+        if self.cfg.learner.scale_lr_by_signal:
+            lr *= signal_fraction(counts)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if k == 1:
             with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
                 work = self.micro_batches(batch) if batch.num_sequences else []
-            counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
-            updates, gap = [self._update(work, counts)], {}
+            updates, gap = [self._update(work, counts["tokens"], int(counts["sequences"]))], {}
         else:
-            counts = self._global_counts(batch, lag_sum, dropped)  # all-reduce
             with record_function("learner/start_logprobs"):
                 batch.old_logprobs = self.start_logprobs(batch)  # FSDP: all-reduce (max), all-gathers
             gap = self._sampler_gap(batch)  # all-reduce
@@ -274,8 +297,9 @@ class Learner:
                 with record_function("learner/pack"):
                     work = self.micro_batches(mini) if mini.num_sequences else []
                 # the mini-batch's own global normalizers: all-reduce
-                updates.append(self._update(work, self._all_reduce(torch.tensor(
-                    [float(mini.num_trained_tokens), float(mini.num_sequences)], device=self.device))))
+                tokens, seqs = self._all_reduce(torch.tensor(
+                    [float(mini.num_trained_tokens), float(mini.num_sequences)], device=self.device)).tolist()
+                updates.append(self._update(work, tokens, int(seqs)))
         self.version += 1
         return {**self._step_stats(counts, updates, t0), **gap, "lr": lr}
 
@@ -291,15 +315,14 @@ class Learner:
         if batch.allowed_ids is not None:
             keep &= (batch.allowed_ids >= 0).sum(1) > 1
         diff = (batch.old_logprobs - batch.behaviour_logprobs).abs()
-        sums = self._all_reduce(torch.tensor([float(diff[keep].sum()), float(keep.sum())], device=self.device))
-        tokens = float(sums[1])
-        return {"sampler_gap_tokens": tokens, **({"sampler_logprob_gap": float(sums[0]) / tokens} if tokens else {})}
+        gap, tokens = self._all_reduce(torch.tensor([float(diff[keep].sum()), float(keep.sum())],
+                                                    device=self.device)).tolist()
+        return {"sampler_gap_tokens": tokens, **({"sampler_logprob_gap": gap / tokens} if tokens else {})}
 
-    def _update(self, work: list[tuple[TrajectoryBatch, MicroBatch]],
-                counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
-        """Forward/backward over `work` normalized by the global `counts` (completion tokens,
-        sequences first), then one optimizer step -> (global stat sums, grad norm, skipped, passes)."""
-        num_tokens, num_seqs = counts[0].item(), int(counts[1].item())
+    def _update(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_tokens: float,
+                num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
+        """Forward/backward over `work` normalized by the global trained tokens and sequences, then
+        one optimizer step -> ([STEP_STATS] over the ranks, grad norm, skipped, passes)."""
         num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
         # FSDP: all-gathers and reduce-scatters per micro-batch
         totals, model_tokens = self._forward_backward(work, num_micro, num_seqs, num_tokens)
@@ -319,13 +342,12 @@ class Learner:
         return (batch.select(keep) if dropped else batch), lag_sum, dropped
 
     def _global_counts(self, batch: TrajectoryBatch, lag_sum: float, dropped: int) -> torch.Tensor:
-        """[7] summed over the learner ranks: trained completion tokens, sequences, reward sum, lag sum,
-        dropped sequences, tokens of the sequences laid flat, sequences with a zero advantage (a
-        group whose rewards are all equal: no signal). The first two are the loss's global normalizers."""
-        return self._all_reduce(torch.tensor(
-            [float(batch.num_trained_tokens), float(batch.num_sequences), float(batch.rewards.sum()),
-             lag_sum, float(dropped), float(batch.seq_lens.sum()), float((batch.advantages == 0).sum())],
-            device=self.device))
+        """[BATCH_COUNTS] summed over the learner ranks (a zero advantage: a group whose rewards are
+        all equal, no signal). Its tokens and sequences are the loss's global normalizers."""
+        local = {"tokens": batch.num_trained_tokens, "sequences": batch.num_sequences,
+                 "reward": float(batch.rewards.sum()), "lag": lag_sum, "dropped": dropped,
+                 "flat_tokens": float(batch.seq_lens.sum()), "zero_adv": float((batch.advantages == 0).sum())}
+        return self._all_reduce(torch.tensor([float(local[k]) for k in BATCH_COUNTS], device=self.device))
 
     def _num_micro_batches(self, local: int) -> int:
         """Under FSDP every rank must run the same number of forward/backward passes: the busiest
@@ -337,11 +359,10 @@ class Learner:
 
     def _forward_backward(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_micro: int, num_seqs: int,
                           num_tokens: float) -> tuple[torch.Tensor, int]:
-        """`num_micro` passes (dummies past this rank's own) -> ([STAT_COLUMNS] on the device: loss,
-        clip*n, kl*n, ratio*n, n, is_weight*n, masked sequences, with n the trained completion tokens;
-        model tokens run)."""
+        """`num_micro` passes (dummies past this rank's own) -> ([MICRO_BATCH_STATS] over them on the
+        device, model tokens run)."""
         self.model.train()
-        totals = torch.zeros(STAT_COLUMNS, device=self.device)
+        totals = torch.zeros(len(MICRO_BATCH_STATS), device=self.device)
         model_tokens = 0
         for i in range(num_micro):
             with record_function("learner/micro_batch"):
@@ -363,8 +384,8 @@ class Learner:
             dist.all_reduce(p.grad, group=self.topology.learner_group)
 
     def _optimizer_step(self, totals: torch.Tensor, model_tokens: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Clip the global grad norm, sum the stats over the ranks, step AdamW -> (global sums:
-        `totals` then model tokens, the grad norm, whether the update was skipped).
+        """Clip the global grad norm, reduce the stats over the ranks, step AdamW -> ([STEP_STATS], the
+        grad norm, whether the update was skipped).
 
         A non-finite loss or gradient skips the update on every rank alike (both values are global);
         the version still advances, so the step protocol with the inference ranks is unchanged."""
@@ -374,43 +395,45 @@ class Learner:
             grad_norm = grad_norm.full_tensor()
         sums = self._all_reduce(torch.cat([totals[:-1], torch.tensor([float(model_tokens)], device=self.device)]))
         sums = torch.cat([sums, self._all_reduce(totals[-1:].clone(), op=dist.ReduceOp.MAX)])
-        skipped = not (torch.isfinite(sums[0]) and torch.isfinite(grad_norm))
+        skipped = not (torch.isfinite(sums[STEP_STATS.index("loss")]) and torch.isfinite(grad_norm))
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return sums, grad_norm, skipped
 
     @staticmethod
-    def _step_stats(counts: torch.Tensor, updates: list, t0: float) -> dict[str, float]:
-        """Stats of the batch from `counts` and each update's (global sums, grad norm, skipped, passes):
-        the loss and grad norm (before clipping) are means over the updates, the token stats over
-        every trained token, ratio_max and grad_norm_max over all of them."""
-        num_seqs = int(counts[1].item())
-        sums = torch.stack([u[0] for u in updates]).sum(0)
-        denom = max(float(sums[4]), 1.0)
+    def _step_stats(counts: dict[str, float], updates: list, t0: float) -> dict[str, float]:
+        """Stats of the batch from its `counts` and each update's ([STEP_STATS], grad norm, skipped,
+        passes): the loss and grad norm (before clipping) are means over the updates, the token stats
+        over every trained token, ratio_max and grad_norm_max over all of them."""
+        per_update = [by_name(u[0], STEP_STATS) for u in updates]
+        s = {k: sum(p[k] for p in per_update) for k in STEP_STATS}
+        s["ratio_max"] = max(p["ratio_max"] for p in per_update)
+        num_seqs = max(counts["sequences"], 1.0)
+        denom = max(s["tokens"], 1.0)
         elapsed = time.perf_counter() - t0
         return {
-            "loss": float(sums[0]) / len(updates),
-            "clip_fraction": float(sums[1]) / denom,
-            "kl": float(sums[2]) / denom,
-            "ratio": float(sums[3]) / denom,
-            "is_weight": float(sums[5]) / denom,
-            "mis_masked_seqs": float(sums[6]),  # each sequence is in one mini-batch
-            "entropy": float(sums[7]) / denom,
-            "ratio_max": float(sums[9]),
-            "zero_adv_fraction": float(counts[6]) / max(num_seqs, 1),
+            "loss": s["loss"] / len(updates),
+            "clip_fraction": s["clipped"] / denom,
+            "kl": s["kl"] / denom,
+            "ratio": s["ratio"] / denom,
+            "is_weight": s["is_weight"] / denom,
+            "mis_masked_seqs": s["mis_masked_seqs"],  # each sequence is in one mini-batch
+            "entropy": s["entropy"] / denom,
+            "ratio_max": s["ratio_max"],
+            "zero_adv_fraction": counts["zero_adv"] / num_seqs,
             "grad_norm": sum(float(u[1]) for u in updates) / len(updates),
             "grad_norm_max": max(float(u[1]) for u in updates),
-            "reward": float(counts[2]) / max(num_seqs, 1),
-            "policy_lag_mean": float(counts[3]) / max(num_seqs, 1),
-            "dropped_stale": float(counts[4]),
-            "tokens": float(sums[4]),
-            "model_tokens": float(sums[8]),
-            "tokens_forwarded": float(sums[8]),  # with prefix sharing: shared prompt tokens once
-            "tokens_flat_equivalent": float(counts[5]),  # what flat packing would forward
+            "reward": counts["reward"] / num_seqs,
+            "policy_lag_mean": counts["lag"] / num_seqs,
+            "dropped_stale": counts["dropped"],
+            "tokens": s["tokens"],
+            "model_tokens": s["model_tokens"],
+            "tokens_forwarded": s["model_tokens"],  # with prefix sharing: shared prompt tokens once
+            "tokens_flat_equivalent": counts["flat_tokens"],  # what flat packing would forward
             "micro_batches": float(sum(u[3] for u in updates)),
             "updates": float(len(updates)),
             "skipped_update": float(any(u[2] for u in updates)),
             "step_s": elapsed,
-            "tokens_per_s": float(sums[4]) / max(elapsed, 1e-9),
+            "tokens_per_s": s["tokens"] / max(elapsed, 1e-9),
         }
