@@ -80,6 +80,36 @@ def one_run(config: str, steps: int, seed: int, extra: list[str], name: str, roo
     return {**out, **reward_figures(summary["rewards"], summary["reward_target"]), "rewards": summary["rewards"]}
 
 
+def curves_svg(runs: list[dict], target: float = 0.9, size: int = 100) -> str:
+    """The 100-step window means of every run as lines on one plot (SVG, no plotting library):
+    x = step, y = reward 0..1, the target dashed."""
+    w, h, pad = 640, 320, 40
+    longest = max((len(r.get("rewards", [])) for r in runs), default=0) or 1
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+
+    def xy(step: float, reward: float) -> str:
+        return f"{pad + (w - 2 * pad) * step / longest:.1f},{h - pad - (h - 2 * pad) * reward:.1f}"
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<polyline points="{xy(0, 0)} {xy(longest, 0)}" stroke="black" fill="none"/>',
+           f'<polyline points="{xy(0, 0)} {xy(0, 1)}" stroke="black" fill="none"/>',
+           f'<polyline points="{xy(0, target)} {xy(longest, target)}" stroke="gray" stroke-dasharray="4" fill="none"/>',
+           f'<text x="{pad - 30}" y="{h - pad + 4}">0</text><text x="{pad - 30}" y="{pad + 4}">1</text>',
+           f'<text x="{pad - 34}" y="{h - pad - (h - 2 * pad) * target + 4}">{target}</text>',
+           f'<text x="{w - pad - 30}" y="{h - pad + 16}">{longest} steps</text>']
+    for i, r in enumerate(runs):
+        means = windows(r.get("rewards", []), size)
+        if not means:
+            continue
+        color = colors[i % len(colors)]
+        points = " ".join(xy((j + 1) * size, m) for j, m in enumerate(means))
+        out.append(f'<polyline points="{points}" stroke="{color}" fill="none"/>')
+        out.append(f'<text x="{w - pad - 150}" y="{h - pad - 12 - 13 * i}" fill="{color}">{r["name"]} seed {r["seed"]}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def run(args) -> dict:
     root = tempfile.mkdtemp(prefix="soak-")
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -90,6 +120,9 @@ def run(args) -> dict:
         jobs.append(("configs/cpu-diplomacy-tiny.yaml", args.diplomacy_steps, 0, args.set, "cpu-diplomacy-tiny"))
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
         runs = list(pool.map(lambda job: one_run(*job, root), jobs))
+    if args.out:  # the window curves beside the JSON
+        with open(os.path.splitext(args.out)[0] + "-curves.svg", "w") as f:
+            f.write(curves_svg(runs))
     figures = {}
     for r in runs:
         name = f"{r['name']}-seed{r['seed']}"

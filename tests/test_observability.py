@@ -419,3 +419,16 @@ def test_soak_figures_hold_the_target_only_if_every_later_window_does():
     f = reward_figures(rewards, 0.9)
     assert f["first_window_at_target"] == 200 and f["min_window_after_target"] == 0.875 and not f["held_target"]
     assert reward_figures(rewards[:300], 0.9)["held_target"]
+
+
+def test_soak_curves_draw_one_line_per_run_through_its_window_means():
+    """The soak's SVG: axes, the dashed target, then one polyline per run whose vertices are its
+    100-step window means (x = the window's last step, y = reward, on a 560 x 240 plot area)."""
+    import xml.etree.ElementTree as ET
+    from benchmarks.soak import curves_svg
+    runs = [{"name": "a", "seed": 0, "rewards": [0.5] * 100 + [1.0] * 100},
+            {"name": "b", "seed": 1, "rewards": [0.0] * 100 + [0.25] * 100}]
+    lines = ET.fromstring(curves_svg(runs)).findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 3 + len(runs)
+    assert lines[3].get("points") == "320.0,160.0 600.0,40.0"  # (100, 0.5) and (200, 1.0)
+    assert lines[4].get("points") == "320.0,280.0 600.0,220.0"

@@ -8,41 +8,47 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from colocate.config_schema import CUDAGRAPH_MODES, LORA_MODES
+from colocate.config_schema import (CUDAGRAPH_MODES, LORA_MODES, EngineConfig, LoraConfig, MetricsConfig,
+                                    RolloutConfig)
 
 WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
 """vLLM imports it by dotted path inside its GPU worker (the adapter slot: `vllm_worker.py`)."""
 
 
+_E, _L, _M, _R = EngineConfig, LoraConfig, MetricsConfig, RolloutConfig  # a field mirroring a config key: its default
+
+
 @dataclass(frozen=True)
 class VLLMSettings:
     """Everything a `VLLMEngine` is built with besides the model directory, the adapter layout and
-    its GPU (`engine_settings` fills it from a run's config; benchmarks set what they measure)."""
-    max_num_seqs: int = 512
+    its GPU (`engine_settings` fills it from a run's config; benchmarks set what they measure).
+    Fields named after a config key default to that key's default, so the two cannot drift."""
+    max_num_seqs: int = _E.max_num_seqs
     max_model_len: int = 1024
-    gpu_memory_utilization: float = 0.85
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
+    """A length (the config's 0, derive it from the workload, is resolved by `engine_settings`)."""
+    gpu_memory_utilization: float = _E.gpu_memory_utilization
+    enforce_eager: bool = _E.enforce_eager
+    enable_prefix_caching: bool = _E.enable_prefix_caching
     seed: int = 0
     dtype: str = "bfloat16"
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
+    lora_rank: int = _L.rank
+    lora_alpha: float = _L.alpha
     max_loras: int = 1
-    lora_mode: str = "slot"
+    lora_mode: str = _E.lora_mode
     """slot or merged (config `engine.lora_mode`)."""
     grammar_mode: str = "tokens"
     """Token-id grammars (`vllm_grammar.py`); text grammars are for measurements."""
-    validate_grammars: bool = True
+    validate_grammars: bool = _E.validate_grammars
     async_scheduling: bool | None = None
     """None: vLLM's default."""
-    max_num_batched_tokens: int = 0
+    max_num_batched_tokens: int = _E.max_num_batched_tokens
     """0: vLLM's default."""
-    max_capture_tokens: int = 2048
-    cudagraph_mode: str = ""
+    max_capture_tokens: int = _E.max_capture_tokens
+    cudagraph_mode: str = _E.cudagraph_mode
     profile_dir: str = ""
     """Non-empty: `start_profile` / `stop_profile` trace the engine core's worker into it."""
-    profile_steps: int = 40
-    update: str = "drain"
+    profile_steps: int = _M.profile_engine_steps
+    update: str = _R.update
     """`rollout.update`: inflight lets adapter updates land under running requests."""
 
     def replace(self, **changes) -> "VLLMSettings":
