@@ -394,6 +394,7 @@ def test_stop_on_collapse_exits_3_with_a_checkpoint_from_before_the_drop(tmp_pat
     cmd = [sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml", "--nproc", "2",
            "--learner.num_steps=200", f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}",
            "--metrics.nvml_interval_s=0", "--metrics.stop_on_collapse=true", "--metrics.alert_window=10",
+           "--metrics.reward_drop_alert=0.2", "--learner.scale_lr_by_signal=false",  # this test's own settings
            "--checkpoint.enabled=true", "--checkpoint.every=10", "--checkpoint.keep=1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "COLOCATE_FAULT": "flip:from=80"})
