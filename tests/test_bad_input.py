@@ -348,16 +348,20 @@ def test_bad_input_is_one_line_and_exit_2(case_id, text, overrides, expected, tm
     assert catalogue()[case_id][3] == shown, "docs/errors.md is stale: run `python scripts/bad_inputs.py`"
 
 
-def test_the_shipped_configs_pass_the_check(tmp_path):
-    # GPU presets without vLLM here: everything but the engine kind (their data files, values, roles)
+def test_the_shipped_configs_pass_the_check(tmp_path, monkeypatch, capsys):
+    """`python -m colocate.train --config FILE --check` (in-process: `train.main`) on each shipped CPU
+    config; GPU presets without vLLM here: everything but the engine kind (their data files, values,
+    roles)."""
+    from colocate.train import main
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
     for name, world, extra in (("cpu-tiny.yaml", 2, []), ("cpu-diplomacy-tiny.yaml", 2, []),
                                ("cpu-dataset-tiny.yaml", 2, []), ("gpu-1-gsm8k.yaml", 2, ["--engine.kind=hf"]),
                                ("cpu-calculator-agent.yaml", 2, [])):
-        out = subprocess.run([sys.executable, "-m", "colocate.train", "--config", os.path.join("configs", name),
-                              "--check", f"--world-size={world}", f"--metrics.run_dir={tmp_path / 'run'}", *extra],
-                             cwd=REPO, capture_output=True, text=True, timeout=120,
-                             env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
-        assert out.returncode == 0 and "learner:" in out.stdout, out.stderr
+        main(["--config", os.path.join("configs", name), "--check", f"--world-size={world}",
+              f"--metrics.run_dir={tmp_path / 'run'}", *extra])
+        assert "learner:" in capsys.readouterr().out, name
         assert not os.path.exists(tmp_path / "run")  # a check writes nothing
 
 

@@ -41,21 +41,25 @@ def _policy(model, prompt, answers):
 
 def _batch_loss(model, samples):
     """The learner's loss (dapo, behaviour = the dump's log-probs) over the completion tokens of
-    `samples`, through the model, one sequence at a time."""
-    losses = []
-    num_tokens = sum(len(s["completion"]) for s in samples)
+    `samples`, through the model: one forward per (prompt, completion) length, every sequence's
+    completion rows in one loss call (dapo's per-token mean over all of them is linear in the rows)."""
+    by_len: dict[tuple[int, int], list[dict]] = {}
     for s in samples:
-        ids = s["prompt"] + s["completion"]
-        n, p = len(ids), len(s["prompt"])
-        logits = model(torch.tensor([ids])).logits[0, p - 1:n - 1]
-        allowed = torch.full((n - p, 9), -1, dtype=torch.int32)
-        for j, a in enumerate(s["allowed"]):
-            allowed[j, :len(a)] = torch.tensor(a)
-        loss, _ = grpo_loss(logits, torch.tensor(s["completion"]), torch.ones(n - p, dtype=torch.bool),
-                            torch.tensor(s["logprobs"]), torch.full((n - p,), s["advantage"]), norm="dapo",
-                            num_tokens=num_tokens, allowed_ids=allowed, impl="torch")
-        losses.append(loss)
-    return torch.stack(losses).sum()
+        by_len.setdefault((len(s["prompt"]), len(s["completion"])), []).append(s)
+    logits, ordered = [], []
+    for (p, c), group in by_len.items():
+        out = model(torch.tensor([s["prompt"] + s["completion"] for s in group])).logits[:, p - 1:p + c - 1]
+        logits.append(out.reshape(-1, out.shape[-1]))
+        ordered += group
+    rows = [(s, j) for s in ordered for j in range(len(s["completion"]))]
+    allowed = torch.full((len(rows), 9), -1, dtype=torch.int32)
+    for i, (s, j) in enumerate(rows):
+        allowed[i, :len(s["allowed"][j])] = torch.tensor(s["allowed"][j])
+    loss, _ = grpo_loss(torch.cat(logits), torch.tensor([s["completion"][j] for s, j in rows]),
+                        torch.ones(len(rows), dtype=torch.bool), torch.tensor([s["logprobs"][j] for s, j in rows]),
+                        torch.tensor([float(s["advantage"]) for s, _ in rows]), norm="dapo",
+                        num_tokens=len(rows), allowed_ids=allowed, impl="torch")
+    return loss
 
 
 def test_collapsed_prompts_get_no_signal_and_stay_wrong(tiny_policy):

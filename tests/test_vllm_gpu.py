@@ -148,3 +148,7 @@ def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update):
     assert "rollout/version_span" in rollout and "rollout/requests_in_flight" in rollout
     if update == "drain":
         assert set(rollout["rollout/requests_in_flight"]) == {0.0}
+    learner = tb_scalars(str(tmp_path / "run" / "tb" / "learner"))  # the collapse watch on the GPU path
+    for tag in ("learner/entropy", "learner/grad_norm", "learner/grad_norm_max", "learner/ratio",
+                "learner/ratio_max", "learner/zero_adv_fraction", "learner/lr"):
+        assert learner.get(tag), tag
