@@ -268,13 +268,20 @@ def row_scale_case(dt, *, device, rows=6, cols=700):
             "dtype_ok": float(got.dtype == grad.dtype and got.shape == grad.shape)}
 
 
-def run_all(device):
-    out = {name: kernel_case(*args, device=device) for name, *args in CASES}
-    out.update({name: objective_case(*args, device=device, deferred=name.endswith("-deferred"))
+def all_cases(device):
+    """name -> a thunk running that case on `device` (every kernel, objective and helper case)."""
+    out = {name: (lambda a=args: kernel_case(*a, device=device)) for name, *args in CASES}
+    out.update({name: (lambda a=args, n=name: objective_case(*a, device=device, deferred=n.endswith("-deferred")))
                 for name, *args in OBJECTIVE_CASES})
-    out.update({f"token_logprobs-{dt}": token_logprobs_case(dt, device=device) for dt in DTYPES})
-    out.update({f"row_scale-{dt}": row_scale_case(dt, device=device) for dt in DTYPES})
+    out.update({f"token_logprobs-{dt}": (lambda d=dt: token_logprobs_case(d, device=device)) for dt in DTYPES})
+    out.update({f"row_scale-{dt}": (lambda d=dt: row_scale_case(d, device=device)) for dt in DTYPES})
     return out
+
+
+def run_all(device, part: int = 0, parts: int = 1):
+    """Every `parts`-th case from `part` (the interpreter's cases are split over processes)."""
+    cases = all_cases(device)
+    return {name: cases[name]() for name in list(cases)[part::parts]}
 
 
 def check_objective_case(name, errors):
@@ -300,17 +307,26 @@ def check_kernel_case(name, errors):
 
 @pytest.fixture(scope="module")
 def interpreted():
-    """All cases under TRITON_INTERPRET=1 in one fresh process (~20 s of CPU)."""
+    """All cases under TRITON_INTERPRET=1 in fresh processes, one per core (up to 2), each taking
+    every other case (the interpreter is single-threaded Python: ~1 min of CPU in all)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
-        # Triton 3.6's interpreter turns loop bounds into ints with int(1-element array), which
-        # NumPy >= 2.4 refuses; newer Triton (3.9) squeezes first.
-        pytest.skip("this Triton's interpreter cannot run dynamic loops under this NumPy (Triton 3.9 can)")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    parts = max(1, min(2, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(i), str(parts)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(parts)]
+    out = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in stderr:
+            # Triton 3.6's interpreter turns loop bounds into ints with int(1-element array), which
+            # NumPy >= 2.4 refuses; newer Triton (3.9) squeezes first.
+            for other in procs:
+                other.kill()
+            pytest.skip("this Triton's interpreter cannot run dynamic loops under this NumPy (Triton 3.9 can)")
+        assert proc.returncode == 0, stderr[-4000:]
+        out.update(json.loads(stdout.strip().splitlines()[-1]))
+    assert set(out) == set(all_cases("cpu")), "every case ran once"
+    return out
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
@@ -484,6 +500,6 @@ def test_cuda_entry_objectives_triton_equal_torch(objective, with_old, deferred)
     assert peak < 0.1 * num_rows * vocab * 4  # in place: no [N, V] temporary
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(min(4, os.cpu_count() or 1))
-    print(json.dumps(run_all("cpu")))
+if __name__ == "__main__":  # [PART PARTS]: the interpreter subprocess of the `interpreted` fixture
+    torch.set_num_threads(1)
+    print(json.dumps(run_all("cpu", *map(int, sys.argv[1:3]))))
