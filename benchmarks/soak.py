@@ -53,7 +53,7 @@ def reward_figures(rewards: list[float], target: float) -> dict:
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """'NAME:a.b=1,c.d=2' -> ('NAME', ['a.b=1', 'c.d=2'])."""
+    """'NAME:a.b=1,c.d=2' -> ('NAME', ['a.b=1', 'c.d=2']) (a value cannot hold a comma: use --set)."""
     name, _, sets = text.partition(":")
     if not name or not sets:
         raise SystemExit(f"soak: --variant {text!r}: expected NAME:section.key=value[,section.key=value]")
@@ -111,9 +111,12 @@ def curves_svg(runs: list[dict], target: float = 0.9, size: int = 100) -> str:
 
 
 def run(args) -> dict:
-    root = tempfile.mkdtemp(prefix="soak-")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     variants = [parse_variant(v) for v in args.variant] or [("cpu-tiny", [])]  # a sweep runs its variants only
+    names = [name for name, _ in variants]
+    if len(set(names)) != len(names) or "cpu-diplomacy-tiny" in names:
+        raise SystemExit(f"soak: variant names must be unique (each names its run directories): {names}")
+    root = tempfile.mkdtemp(prefix="soak-")
     jobs = [("configs/cpu-tiny.yaml", args.steps, seed, [*args.set, *sets], name)
             for name, sets in variants for seed in seeds]
     if args.diplomacy_steps > 0:

@@ -203,7 +203,9 @@ def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBat
 
 
 def group_advantages(samples: list[Sample], eps: float = 1e-6, scale_by_std: bool = True) -> list[float]:
-    """GRPO advantage: (reward - mean) / (std + eps) over the anchors of each group key."""
+    """GRPO advantage: (reward - mean) / (std + eps) over the anchors of each group key; exactly 0 for
+    every sample of a group whose rewards are all equal (the mean of six 0.7s is not 0.7 in floating
+    point: without this a uniform group would carry ~1e-10 advantages and count as signal)."""
     stats: dict[Any, list[float]] = {}
     for s in samples:
         if s.is_anchor:
@@ -211,6 +213,9 @@ def group_advantages(samples: list[Sample], eps: float = 1e-6, scale_by_std: boo
     out = []
     for s in samples:
         rewards = torch.tensor(stats.get(s.group_key, [s.reward]), dtype=torch.float64)
+        if bool((rewards == rewards[0]).all()) and s.reward == float(rewards[0]):
+            out.append(0.0)  # a uniform group: no signal
+            continue
         mean = rewards.mean()
         std = rewards.std(unbiased=False) if rewards.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
         adv = (s.reward - mean) / (std + eps) if scale_by_std else s.reward - mean

@@ -22,9 +22,10 @@
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's ranks and vLLM engine core, FLAME_DELAY s
 #            (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg)
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape)
-# SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain, pinned to
-# cores SOAK_CORES (default 6-15) while the chain keeps CHAIN_CORES (0-5); SOAK_1, SOAK_2, ... run
-# more soaks at once.
+# SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain (no GPU:
+# CUDA_VISIBLE_DEVICES empty), pinned to cores SOAK_CORES (default 6-15) while the chain keeps
+# CHAIN_CORES (0-5); SOAK_1, SOAK_2, ... run more soaks at once (SOAK_1_CORES, ... pin each apart),
+# each cut at SOAK_TIMEOUT seconds (default 14400; its JSON is written at the end).
 # Each job's GPU memory per process is sampled by nvidia-smi every 2 s (mem-*.csv: the peak per role).
 set -u
 GS=/tmp/gs1
@@ -98,11 +99,13 @@ step() {  # one step of the chain, by name
 
 chain() {
   cd "$1" || exit 1
-  local pids=() v cores
-  for v in $(compgen -v SOAK); do  # CPU soaks beside the chain, on their own cores
-    case $v in SOAK|SOAK_[0-9]*) ;; *) continue ;; esac
-    cores=${SOAK_CORES:-6-15}
-    ( eval "taskset -c $cores timeout 3600 python3 scripts/benchmark.py --profile soak ${!v} \
+  local pids=() v cores cores_var
+  for v in $(compgen -v SOAK); do  # CPU soaks beside the chain, on their own cores, off the GPU
+    case $v in SOAK|SOAK_[0-9]|SOAK_[0-9][0-9]) ;; *) continue ;; esac
+    cores_var=${v}_CORES
+    cores=${!cores_var:-${SOAK_CORES:-6-15}}
+    ( eval "CUDA_VISIBLE_DEVICES= taskset -c $cores timeout ${SOAK_TIMEOUT:-14400} python3 scripts/benchmark.py \
+        --profile soak ${!v} \
         --out $GS/soak-${v,,}.json" > "$GS/soak-${v,,}.log" 2>&1
       echo "== $(date +%T) soak $v rc=$?" >> "$GS/chain.log" ) &
     pids+=($!)

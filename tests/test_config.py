@@ -42,12 +42,13 @@ def test_every_field_documented():
 
 
 BAD = [
-    (["--learner.lrr=1"], "unknown config key 'learner.lrr'"),
-    (["--model.path=/nonexistent/model"], "not a local directory"),
+    (["--learner.lrr=1"], "unknown config key 'learner.lrr'"),  # refused while parsing
+    (["--topology.num_inference=3"], "do not fit world size"),  # parsed, refused by the world-size check
+    (["--model.path=/nonexistent/model"], "not a local directory"),  # refused by the preflight
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD, ids=["unknown", "path"])
+@pytest.mark.parametrize("args,message", BAD, ids=["unknown", "roles", "path"])
 def test_bad_config_exits_2_before_anything_is_built(args, message, tmp_path):
     """The process itself (tests/test_bad_input.py runs every other case in-process): exit 2, one
     line, and nothing written under the model cache or the run directory (no tokenizer, no model,

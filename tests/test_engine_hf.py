@@ -87,6 +87,9 @@ def test_group_advantages_normalize_per_key():
     adv = group_advantages(samples)
     assert adv[0] == pytest.approx(1.0, abs=1e-4) and adv[1] == pytest.approx(-1.0, abs=1e-4)
     assert adv[2] == adv[3] == 0.0 and adv[4] == pytest.approx(-1.0, abs=1e-4)
+    # a uniform group of a reward that binary floating point cannot hold: still exactly 0
+    assert sum(0.7 for _ in range(6)) / 6 != 0.7
+    assert group_advantages([Sample([1], c, 0.7, "c") for _ in range(6)]) == [0.0] * 6
 
 
 def test_temperature_zero_is_greedy_and_ignores_the_seed(tiny_tokenizer, tiny_policy):

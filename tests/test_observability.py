@@ -433,3 +433,19 @@ def test_soak_curves_draw_one_line_per_run_through_its_window_means():
     assert len(lines) == 3 + len(runs)
     assert lines[3].get("points") == "320.0,160.0 600.0,40.0"  # (100, 0.5) and (200, 1.0)
     assert lines[4].get("points") == "320.0,280.0 600.0,220.0"
+
+
+def test_soak_variants_parse_and_duplicate_names_are_refused():
+    """Each variant names its run directories ({name}-seed{seed}): two of one name would share them."""
+    import argparse
+    from benchmarks.soak import add_args, parse_variant, run
+    assert parse_variant("wd:learner.weight_decay=0.5,loss.beta=0") == ("wd", ["learner.weight_decay=0.5",
+                                                                              "loss.beta=0"])
+    for bad in ("wd", ":learner.lr=1", "wd:"):
+        with pytest.raises(SystemExit, match="expected NAME:section.key=value"):
+            parse_variant(bad)
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--variant", "a:learner.lr=1", "--variant", "a:learner.lr=2"])
+    with pytest.raises(SystemExit, match="variant names must be unique"):
+        run(args)

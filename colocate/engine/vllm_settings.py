@@ -132,7 +132,10 @@ MERGED_HEADROOM_BYTES = 1 << 30
 
 def merged_copy_bytes(names, shapes, dtype: str) -> int:
     """Bytes of the W0 copy that lora_mode=merged keeps (`vllm_worker.colocate_init_merged`): one
-    [out, in] weight per adapted module, from its adapter's A [r, in] and B [out, r] shapes."""
+    [out, in] weight per adapted module, from its adapter's A [r, in] and B [out, r] shapes. Exact
+    when every part of a fused vLLM module is adapted (q, k, v together; gate and up together: the
+    presets' targets); the worker copies a partly adapted fused module whole, which this undercounts,
+    and its own free-memory check then refuses at start naming the setting to lower."""
     shape = dict(zip(names, shapes))
     per_elem = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
     return sum(shape[a][1] * shape[a.replace("lora_A", "lora_B")][0] * per_elem for a in names if "lora_A" in a)
