@@ -127,7 +127,8 @@ def profiler_settings(profile_dir: str, steps: int) -> dict:
 
 
 MERGED_HEADROOM_BYTES = 1 << 30
-"""Free memory `vllm_worker.colocate_init_merged` wants beside the copy of W0 it allocates."""
+"""Free memory `vllm_worker.colocate_init_merged` wants beside the copy of W0 it allocates (its
+check and `merged_memory_share` both use this)."""
 
 
 def merged_copy_bytes(names, shapes, dtype: str) -> int:

@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from colocate.engine.vllm_settings import MERGED_HEADROOM_BYTES
 from colocate.wire import (ADAPTER_HEADER_NUMEL, LoraSpec, checksum, open_cuda_buffer, parse_adapter_header,
                            unflatten_lora)
 
@@ -246,7 +247,7 @@ class ColocateWorkerExtension:
         plan = merge_plan(spec.names, spec.shapes, set(linear), packed)
         need = sum(linear[m].numel() * linear[m].element_size() for m in {p[0] for p in plan})
         free, _ = torch.cuda.mem_get_info(self.device)
-        if need + (1 << 30) > free:
+        if need + MERGED_HEADROOM_BYTES > free:
             raise RuntimeError(f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} "
                                f"GiB) but only {free / 2**30:.1f} GiB are free on {self.device}: lower "
                                "engine.gpu_memory_utilization")
