@@ -281,7 +281,7 @@ def learner_loss_and_grads(learner, batch, mode: str):
     set_attention(learner.model, learner.attention)
     learner.model.zero_grad(set_to_none=True)
     work = learner.micro_batches(batch)
-    from colocate.learner.learner import BATCH_COUNTS, MICRO_BATCH_STATS, by_name
+    from colocate.learner.stats import BATCH_COUNTS, MICRO_BATCH_STATS, by_name
     counts = by_name(learner._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # the step's own normalizers
     totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences, counts["tokens"])
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
