@@ -18,9 +18,12 @@
 #   e2egsm   configs/gpu-1-gsm8k.yaml the same (eval off; GSM8K_MODEL=/path sets model.path, else the
 #            0.5B shape with random weights: every completion runs to 256 tokens)
 #   e2e7b    configs/gpu-1-7b.yaml the same
+#            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
+#            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v")
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's ranks and vLLM engine core, FLAME_DELAY s
-#            (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg)
+#            (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg); FLAME_SET
+#            adds overrides ("--engine.lora_mode=merged ...")
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape)
 # SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain (no GPU:
 # CUDA_VISIBLE_DEVICES empty), pinned to cores SOAK_CORES (default 6-15) while the chain keeps
@@ -44,14 +47,19 @@ with_memory() {  # with_memory NAME CMD... : run CMD, sampling per-process GPU m
   echo "== $(date +%T) $name rc=$rc" >> "$GS/chain.log"
 }
 
-e2e_modes() {  # e2e_modes NAME CONFIG [OVERRIDES...]: 10 steps per mode of E2E_MODES, back to back, one record
-  local name=$1 config=$2 order="" variants=() m
+e2e_modes() {  # e2e_modes NAME CONFIG [OVERRIDES...]: 10 steps per job, back to back, one record
+  local name=$1 config=$2 order="" variants=() m order_var
   shift 2
-  for m in $(echo "${E2E_MODES:-drain,inflight}" | tr , ' '); do
-    order="$order${order:+,}async+$m"; variants+=("$m:rollout.update=$m")
-  done
+  order_var=$(echo "${name}_ORDER" | tr '[:lower:]' '[:upper:]')
+  if [ -n "${!order_var:-}" ]; then  # e.g. E2E1_ORDER="async+old,async" with E2E_VARIANTS="old:k=v,k=v ..."
+    order=${!order_var}; read -r -a variants <<< "${E2E_VARIANTS:-}"
+  else
+    for m in $(echo "${E2E_MODES:-drain,inflight}" | tr , ' '); do
+      order="$order${order:+,}async+$m"; variants+=("$m:rollout.update=$m")
+    done
+  fi
   with_memory "$name" timeout 3000 python3 scripts/benchmark.py --profile e2e --config "$config" --nproc 2 \
-    --steps 10 --warmup 3 --order "$order" --variant "${variants[@]}" --set checkpoint.enabled=false "$@" \
+    --steps 10 --warmup 3 --order "$order" ${variants[@]:+--variant "${variants[@]}"} --set checkpoint.enabled=false "$@" \
     --out "$GS/$name.json"
 }
 
@@ -90,7 +98,8 @@ step() {  # one step of the chain, by name
             "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu" ;;
     flame) with_memory flame timeout 900 bash scripts/flamegraph.sh --delay "${FLAME_DELAY:-150}" --duration 40 \
             --out "$GS/flame" -- torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1.yaml \
-            --learner.num_steps="${FLAME_STEPS:-40}" --checkpoint.enabled=false --metrics.run_dir=$GS/run-flame ;;
+            --learner.num_steps="${FLAME_STEPS:-40}" --checkpoint.enabled=false --metrics.run_dir=$GS/run-flame \
+            ${FLAME_SET:-} ;;
     dsroll) with_memory dsroll timeout 1200 python3 scripts/benchmark.py --profile dataset_rollout \
             --out "$GS/dataset-rollout.json" ;;
     *) echo "== unknown step $1" >> "$GS/chain.log" ;;
