@@ -1,5 +1,6 @@
 """`--profile dataset_rollout`: output tokens/s of the dataset env's rollout through our engine
-against plain vLLM with the old GSM8K rollout script's settings, on the same prompts. NOT RUN YET.
+against plain vLLM with the old GSM8K rollout script's settings, on the same prompts (figures:
+profiles/README.md).
 
 Workload (the old script's): 16 questions x 8 samples = 128 sequences, 200-400-token prompts
 (GSM8K-format word problems behind few-shot examples, through the chat template when the model

@@ -69,7 +69,7 @@ def test_memory_split_refuses_what_cannot_fit():
     parts = learner_bytes(cfg, model)
     assert 14 * GIB < parts["weights"] < 16 * GIB  # 7.6B parameters in bf16
     split = plan_split(cfg, model, 80 * GIB)
-    check_split(split)  # the one-GPU 7B preset's split fits an 80 GB card
+    check_split(split)
     assert "to spare" in split.line("2 processes")
     with pytest.raises(ConfigError, match="cannot hold vLLM's"):
         check_split(plan_split(load_config(None, {**cfg_dict(cfg), "engine": {"gpu_memory_utilization": 0.9}}),
@@ -77,6 +77,16 @@ def test_memory_split_refuses_what_cannot_fit():
     with pytest.raises(ConfigError, match="less than its weights"):
         check_split(plan_split(load_config(None, {**cfg_dict(cfg), "engine": {"gpu_memory_utilization": 0.1}}),
                                model, 80 * GIB))
+
+
+H100_80GB = 81559 * 2**20  # what an H100 80GB HBM3 reports (79.6 GiB)
+
+
+@pytest.mark.parametrize("name", ["gpu-1", "gpu-1-7b", "gpu-1-gsm8k"])
+def test_the_one_gpu_presets_fit_an_80gb_card(name):
+    """Each one-GPU preset's planned split (vLLM's share and the learner's estimate) fits an H100."""
+    cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=2)
+    check_split(plan_split(cfg, meta_model(cfg), H100_80GB))
 
 
 def cfg_dict(cfg) -> dict:
