@@ -304,13 +304,17 @@ def load_checkpoint(path: str, trust_unverified: bool = False) -> dict:
     return out
 
 
-TASK_FIELDS = (("env", "name"), ("env", "unit_labels"), ("env", "list_supports"), ("env", "use_constraint"))
-"""Config fields that define what the policy reads and writes; a resumed run must keep them."""
+TASK_FIELDS = (("env", "name"), ("env", "unit_labels"), ("env", "list_supports"), ("env", "use_constraint"),
+               ("env", "prompt_column"), ("env", "answer_column"), ("env", "answer_choices"), ("env", "reward"),
+               ("env", "reward_weights"), ("env", "tools"), ("env", "environment"), ("env", "tool_parser"))
+"""Config fields that define what the policy reads and writes, and what it is rewarded for (a
+dataset's columns and rewards, an agent's tools and parser); a resumed run must keep them. The data
+files may move: the dataset env checks its row count on resume instead."""
 
 
 def check_same_task(cfg, path: str) -> None:
-    """Refuse to resume with another env or completion format than the checkpoint's run had (the
-    presets changed `env.unit_labels` and `env.list_supports`; a silent switch would change the
+    """Refuse to resume with another env, completion format or reward than the checkpoint's run had
+    (the presets changed `env.unit_labels` and `env.list_supports`; a silent switch would change the
     policy's task mid-run). Fields the saved config lacks (older checkpoints) count as their
     defaults."""
     import yaml
@@ -329,6 +333,8 @@ def check_same_task(cfg, path: str) -> None:
         then = (saved.get(section) or {}).get(key, getattr(type(getattr(cfg, section))(), key))
         if then != now:
             flag = str(then).lower() if isinstance(then, bool) else then
+            if isinstance(then, list):  # YAML's flow form, as the command line reads it: [exact,gsm8k]
+                flag = "[" + ",".join(map(str, then)) + "]"
             raise CheckpointError(f"{file}: the checkpoint's run had {section}.{key}={then!r}, this run has {now!r}; "
                                   f"resume with --{section}.{key}={flag} or start a new metrics.run_dir")
 

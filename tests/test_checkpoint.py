@@ -65,6 +65,21 @@ def test_resume_keeps_the_task_format(tmp_path):
         check_same_task(cfg, str(tmp_path))
 
 
+def test_resume_keeps_the_rewards_and_columns(tmp_path):
+    """A dataset run resumed with other rewards or columns is refused, naming the key and the flag
+    that restores the checkpoint's value."""
+    from colocate.checkpoint import check_same_task
+    from colocate.config import load_config, save_config
+    path = os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml")
+    cfg = load_config(path)
+    save_config(cfg, str(tmp_path / "config.yaml"))
+    check_same_task(cfg, str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"env.reward=\['exact'\].*this run has \['exact', 'gsm8k'\].*--env.reward=\[exact\] "):
+        check_same_task(load_config(path, {"env": {"reward": ["exact", "gsm8k"]}}), str(tmp_path))
+    with pytest.raises(CheckpointError, match="env.prompt_column='prompt'.*--env.prompt_column=prompt"):
+        check_same_task(load_config(path, {"env": {"prompt_column": "text"}}), str(tmp_path))
+
+
 def test_keep_last_k_and_temp_dirs_ignored(tmp_path, tiny_policy):
     for step in (1, 2, 3):
         _save(str(tmp_path), step, tiny_policy, keep=2)
