@@ -1,6 +1,6 @@
 """Checks of what a valid config points at, before any process group or model exists.
 
-`config.validate` checks values (types, ranges, cross-field rules); this checks the world they name:
+`config_checks.validate` checks values (types, ranges, cross-field rules); this checks the world they name:
 the run directory can be written, a model directory holds a `config.json` that parses, the
 Diplomacy state cache loads, the dataset env's files load with their columns and reward functions,
 a custom env class imports, an agent's tools and environment class import and give tool schemas,

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from colocate.config import Config, resolve_roles
+from colocate.config import Config
+from colocate.config_checks import resolve_roles
 
 
 def split_cpu_threads(local_world: int) -> int:

@@ -109,7 +109,8 @@ def test_kernels_import_nothing_of_colocate():
 def test_config_sits_at_the_bottom():
     graph = import_graph()
     assert graph["colocate.config_schema"] == set()
-    assert graph["colocate.config"] <= {"colocate.config_schema"}
+    assert graph["colocate.config_checks"] <= {"colocate.config_schema"}
+    assert graph["colocate.config"] <= {"colocate.config_schema", "colocate.config_checks"}
 
 
 def test_no_function_over_sixty_lines():

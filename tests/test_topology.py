@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from colocate.config import ConfigError, load_config, resolve_roles
+from colocate.config import ConfigError, load_config
+from colocate.config_checks import resolve_roles
 from tests.conftest import REPO
 
 
