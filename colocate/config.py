@@ -197,17 +197,10 @@ def sampling_lag(cfg: Config) -> int:
     trained with a later batch, at least one step later, so the batch waits for one version
     fresher than the budget (lag - 1): groups trained with their own batch are lag - 1 behind,
     groups carried over one batch exactly lag, and only those carried twice are dropped. In-flight
-    updates (`rollout.update=inflight`) carry requests across batches the same way: lag - 1. With
-    `rollout.refill` a group started late in one batch can be trained two batches later: lag - 2."""
-    return cfg.learner.max_policy_lag - carries(cfg)  # `validate` keeps this >= 1 where groups carry
-
-
-def carries(cfg: Config) -> int:
-    """How many batches later than the one it started in a group may be trained (0, 1 or 2)."""
-    r = cfg.rollout
-    if r.refill and r.oversample_groups > 0 and r.update == "drain":
-        return 2
-    return int(r.oversample_groups > 0 or r.update == "inflight")
+    updates (`rollout.update=inflight`) carry requests across batches the same way: lag - 1."""
+    lag = cfg.learner.max_policy_lag
+    carries = cfg.rollout.oversample_groups > 0 or cfg.rollout.update == "inflight"
+    return lag - 1 if carries else lag  # `validate` keeps lag >= 2 (oversampling) / >= 1 (inflight) there
 
 
 def eval_enabled(cfg: Config) -> bool:

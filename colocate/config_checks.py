@@ -68,7 +68,6 @@ _RANGES = {
     ("engine", "max_model_len"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 sizes it from the workload)"),
     ("engine", "max_num_batched_tokens"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 keeps vLLM's default)"),
     ("engine", "max_capture_tokens"): (lambda v: v >= 0, _NON_NEGATIVE),
-    ("engine", "switch_interval_ms"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("env", "max_operand"): (lambda v: v >= 1, "must be >= 1 (operands are drawn from 0..max_operand)"),
     ("env", "horizon_years"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "stall_years"): (lambda v: v >= 1, "must be >= 1"),
@@ -244,14 +243,6 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
                           "a group carried over to the next batch is trained a step later, so batches start one "
                           "version fresher than the budget (lag 1 would make rollouts wait for every learner step)")
-    if r.refill and (r.oversample_groups < 1 or r.update != "drain"):
-        raise ConfigError(f"rollout.refill needs rollout.oversample_groups >= 1 and rollout.update=drain (got "
-                          f"{r.oversample_groups}, {r.update}): it replaces completed groups among the oversampled "
-                          "ones (update=inflight already does)")
-    if r.refill and cfg.learner.max_policy_lag < 3:
-        raise ConfigError(f"rollout.refill needs learner.max_policy_lag >= 3 (got {cfg.learner.max_policy_lag}): a "
-                          "group started late in a batch is trained two batches later, so batches start two versions "
-                          "fresher than the budget (less would make rollouts wait for every learner step)")
     if r.update == "inflight" and cfg.learner.max_policy_lag < 1:
         raise ConfigError("rollout.update=inflight needs learner.max_policy_lag >= 1: requests still in flight when a "
                           "batch ships are trained with a later batch, at least one version after their first token")

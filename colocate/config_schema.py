@@ -100,15 +100,6 @@ class EngineConfig:
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
     update (no LoRA kernels; keeps a copy of the adapted base weights; bf16 rounds away updates
     below half an ulp of W0, see engine/vllm_worker.py)."""
-    switch_interval_ms: float = 0.0
-    """vLLM: Python's GIL switch interval (`sys.setswitchinterval`) in the inference rank and its
-    engine core, in ms; 0 keeps Python's 5 ms. vLLM's engine core runs its loop beside grammar and
-    socket threads: each time the loop gives the GIL up (a GPU wait, a Rust call) it may wait a
-    whole interval to get it back."""
-    serial_grammar_masks: bool = False
-    """vLLM: fill the grammar bitmasks of every step in the engine core's loop instead of vLLM's 8
-    threads (which it uses past 128 constrained sequences; each llguidance call there drops and
-    retakes the GIL)."""
     validate_grammars: bool = True
     """vLLM: let vLLM's client check every request's grammar with llguidance before queueing it.
     false skips that host time: our grammars are generated and tested, and the engine core
@@ -223,14 +214,6 @@ class RolloutConfig:
     learner.max_policy_lag >= 2: a batch then starts on a version one fresher than the budget
     allows, so a group carried over one batch is trained exactly at the budget (one carried twice
     is dropped as stale and counted)."""
-    refill: bool = False
-    """With oversample_groups > 0 and update=drain: replace a completed group at once, so
-    groups_per_step share + oversample_groups games stay live and a batch ships every
-    share / live of a game's length, instead of once per game length (new groups otherwise start
-    only when a batch starts). Worth it where a group lasts many engine steps (Diplomacy's chain of
-    phases). A group can then be carried over twice, so it needs learner.max_policy_lag >= 3: batches
-    start two versions fresher than the budget (one carried three times is dropped as stale and
-    counted)."""
     stream: bool = False
     """Each game sends its next phase to the engine as soon as its current one is answered, instead
     of every game waiting for the round's slowest completion (a phase barrier). Both engines

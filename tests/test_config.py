@@ -84,22 +84,6 @@ def test_oversampled_batches_start_one_version_fresher():
     assert sampling_lag(load_config(None, {"learner": {"max_policy_lag": 3}, "rollout": {"oversample_groups": 1}})) == 2
 
 
-def test_refilled_batches_start_two_versions_fresher():
-    """With rollout.refill a group started late in batch k is trained with batch k + 2: batches start
-    two versions fresher than the budget, which therefore must be >= 3 for rollouts to overlap."""
-    from colocate.config import sampling_lag
-    refill = {"rollout": {"oversample_groups": 4, "refill": True}}
-    assert sampling_lag(load_config(None, {**refill, "learner": {"max_policy_lag": 3}})) == 1
-    assert sampling_lag(load_config(None, {**refill, "learner": {"max_policy_lag": 4}})) == 2
-    with pytest.raises(ConfigError, match=r"rollout.refill needs learner.max_policy_lag >= 3 \(got 2\)"):
-        load_config(None, {**refill, "learner": {"max_policy_lag": 2}})
-    with pytest.raises(ConfigError, match=r"rollout.refill needs rollout.oversample_groups >= 1"):
-        load_config(None, {"rollout": {"refill": True}, "learner": {"max_policy_lag": 3}})
-    with pytest.raises(ConfigError, match=r"rollout.refill needs .*rollout.update=drain"):
-        load_config(None, {"rollout": {"oversample_groups": 4, "refill": True, "update": "inflight"},
-                           "learner": {"max_policy_lag": 3}})
-
-
 def test_world_of_one_does_not_fit():
     with pytest.raises(ConfigError, match="do not fit world size 1"):
         load_config(None, {}, world_size=1)

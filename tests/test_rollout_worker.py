@@ -325,61 +325,6 @@ def test_inflight_ships_without_draining_and_loses_nothing():
     assert not set(shipped) & in_play
 
 
-class PhasedEnv(IdentityEnv):
-    """IdentityEnv whose groups last `phases` rounds: (g, i) asks again until it was answered that
-    many times (a game's chain of phases); its sample is the first answer (the fork phase)."""
-
-    def __init__(self, phases: int = 4):
-        super().__init__()
-        self.phases, self.rounds, self.first = phases, {}, {}
-        self.stepped, self.mid_batch_starts = False, 0  # groups started after an answer, within a batch
-
-    def start_group(self, g):
-        self.mid_batch_starts += self.stepped
-        super().start_group(g)
-
-    def step(self, completions):
-        self.stepped = True
-        for key, c in completions.items():
-            self.first.setdefault(key, c)
-            self.rounds[key] = self.rounds.get(key, 0) + 1
-            if self.rounds[key] < self.phases:
-                continue  # the next phase: same key, asked again
-            del self.waiting[key]
-            self.answers[key] = self.first.pop(key)
-            if all((key[0], i) in self.answers for i in range(2)):
-                self.done.append(key[0])
-
-
-def test_refill_replaces_completed_groups_within_a_batch():
-    """rollout.refill: a group that completes is replaced at once, so the live groups stay at the
-    share + oversample while a batch plays (new groups start mid-batch), the batch still drains, and
-    across batches nothing is lost or shipped twice. Without refill new groups start only when a
-    batch starts, so a batch lasts about a group's length; with it, about 4 / 6 of one."""
-    def run(refill):
-        env, engine = PhasedEnv(), DelayedStreamEngine()
-        worker = RolloutWorker(env, engine, groups_per_batch=4, oversample=2, stream=True, refill=refill)
-        shipped, polls = [], 0
-        for _ in range(16):
-            env.stepped = False
-            batch, stats, _ = worker.collect()
-            assert not engine.pending and stats["requests_in_flight"] == 0  # drained: an update may land
-            ids = _sample_ids(batch)
-            assert len(ids) == 8 and len({g for g, _ in ids}) == 4
-            shipped += ids
-            polls += stats["polls"]
-            assert len(worker._live) + (0 if refill else len(worker._complete)) <= 4 + 2
-        assert len(shipped) == len(set(shipped))  # nothing twice
-        in_play = {(g, i) for g in worker._live | set(worker._complete) for i in range(2)}
-        assert set(shipped) | in_play == {(g, i) for g in env.started for i in range(2)}  # nothing lost
-        return polls, env.mid_batch_starts
-
-    polls_refill, starts_refill = run(refill=True)
-    polls_plain, starts_plain = run(refill=False)
-    assert starts_refill > 0 and starts_plain == 0
-    assert polls_refill < polls_plain
-
-
 def test_drain_ships_with_nothing_in_flight():
     env, engine = IdentityEnv(), DelayedStreamEngine()
     worker = RolloutWorker(env, engine, groups_per_batch=4, oversample=2, stream=True)

@@ -42,12 +42,10 @@ def test_engine_settings_from_config(tiny_cfg):
     assert s.validate_grammars is True  # vLLM's own check stays on unless the config turns it off
     # 16 groups on 3 ranks: 6, 5, 5; the engine is sized for the largest share
     assert engine_settings(tiny_cfg, num_inference=3, seed=0, **facts).max_num_seqs == 6 * 8
-    # the oversampled groups are live beside the share (drain or inflight), so they count
-    for update in ("drain", "inflight"):
-        cfg = dataclasses.replace(tiny_cfg, rollout=dataclasses.replace(tiny_cfg.rollout, update=update,
-                                                                       oversample_groups=2))
-        assert engine_settings(cfg, num_inference=2, seed=0, **facts).max_num_seqs == (8 + 2) * 8
-    # Diplomacy: seven requests per continuation
+    # inflight: the oversampled groups stay live, so they count; Diplomacy: seven requests per continuation
+    cfg = dataclasses.replace(tiny_cfg, rollout=dataclasses.replace(tiny_cfg.rollout, update="inflight",
+                                                                   oversample_groups=2))
+    assert engine_settings(cfg, num_inference=2, seed=0, **facts).max_num_seqs == (8 + 2) * 8
     dip = dataclasses.replace(tiny_cfg, env=dataclasses.replace(tiny_cfg.env, name="diplomacy"))
     assert env_facts(dip) == {"prompt_bound": 1536, "requests_per_group": 8 * 7}
 

@@ -42,7 +42,7 @@ from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
 from colocate.engine.vllm_settings import (VLLMSettings, engine_settings, llm_arguments, merged_copy_bytes,
                                             merged_memory_share)
-from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID, apply_host_settings
+from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
 TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -177,9 +177,6 @@ class VLLMEngine(Engine):
         with engine_environment(gpu):
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
-        if s.switch_interval_ms > 0 or s.serial_grammar_masks:  # here and in the engine core's process
-            apply_host_settings(s.switch_interval_ms / 1e3, False)
-            self.llm.collective_rpc("colocate_host_settings", args=(s.switch_interval_ms / 1e3, s.serial_grammar_masks))
         self.slot_info = self._init_adapter(s.lora_rank, s.lora_alpha / s.lora_rank)
         self._lora_request = self._make_lora_request()
 

@@ -39,8 +39,6 @@ class VLLMSettings:
     grammar_mode: str = "tokens"
     """Token-id grammars (`vllm_grammar.py`); text grammars are for measurements."""
     validate_grammars: bool = _E.validate_grammars
-    switch_interval_ms: float = _E.switch_interval_ms
-    serial_grammar_masks: bool = _E.serial_grammar_masks
     async_scheduling: bool | None = None
     """None: vLLM's default."""
     max_num_batched_tokens: int = _E.max_num_batched_tokens
@@ -93,12 +91,11 @@ def compilation_settings(max_num_seqs: int, max_num_batched_tokens: int, max_cap
 
 def requests_per_round(cfg, num_inference: int, requests_per_group: int) -> int:
     """Prompts one inference rank has in the engine at once (every live group's requests, as the
-    env states them: `Env.requests_per_group`). The oversampled groups count: a batch starts with
-    the stragglers of the last one live beside its own groups (and with `rollout.refill` or
-    `update=inflight` a completed group is replaced at once), so engine slots sized for the share
-    alone would queue their requests behind the others'."""
+    env states them: `Env.requests_per_group`). With `rollout.update=inflight` the oversampled
+    groups stay live too (a completed group is replaced at once), so they count."""
     most_groups = -(-cfg.rollout.groups_per_step // num_inference)  # the first ranks may take one more
-    most_groups += cfg.rollout.oversample_groups
+    if cfg.rollout.update == "inflight":
+        most_groups += cfg.rollout.oversample_groups
     return max(1, most_groups) * requests_per_group
 
 
@@ -114,8 +111,7 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
-                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
-                switch_interval_ms=cfg.engine.switch_interval_ms, serial_grammar_masks=cfg.engine.serial_grammar_masks)
+                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:

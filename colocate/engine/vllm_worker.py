@@ -216,28 +216,8 @@ class MergedAdapter:
         return all(torch.equal(out, torch.addmm(w0, b, a, alpha=self.scaling)) for out, w0, b, a in self.ops)
 
 
-def apply_host_settings(switch_interval_s: float, serial_grammar_masks: bool) -> None:
-    """This process's GIL switch interval (0: leave it), and vLLM's grammar bitmasks filled on the
-    engine core's loop instead of its thread pool (`engine.serial_grammar_masks`; the worker shares
-    the engine core's process with one GPU per engine, vLLM's UniProcExecutor)."""
-    import sys
-    if switch_interval_s > 0:
-        sys.setswitchinterval(switch_interval_s)
-    if serial_grammar_masks:
-        from vllm.v1.structured_output import StructuredOutputManager
-        parallel = StructuredOutputManager.grammar_bitmask
-
-        def grammar_bitmask(manager, *args, **kwargs):
-            manager.fill_bitmask_parallel_threshold = 1 << 30  # never the thread pool
-            return parallel(manager, *args, **kwargs)
-        StructuredOutputManager.grammar_bitmask = grammar_bitmask
-
-
 class ColocateWorkerExtension:
     """Methods injected into vLLM's GPU worker (`self` is the worker: `model_runner`, `device`)."""
-
-    def colocate_host_settings(self, switch_interval_s: float, serial_grammar_masks: bool) -> None:
-        apply_host_settings(switch_interval_s, serial_grammar_masks)
 
     def colocate_init_adapter(self, names: list[str], shapes: list[list[int]], dtype: str, rank: int,
                               scaling: float) -> dict:

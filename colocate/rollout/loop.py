@@ -48,7 +48,7 @@ class InferenceRank:
                                     stream=cfg.rollout.stream, drop_uniform=cfg.rollout.drop_uniform_groups,
                                     overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens,
                                     max_env_errors=cfg.env.max_reward_errors,
-                                    inflight=cfg.rollout.update == "inflight", refill=cfg.rollout.refill)
+                                    inflight=cfg.rollout.update == "inflight")
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
                                     tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)

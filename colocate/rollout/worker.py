@@ -10,9 +10,7 @@ and returns as soon as `groups_per_batch` of them are complete; the slow ones ke
 next call and join a later batch (their samples keep the adapter version that sampled them, so
 the learner's lag budget still applies). At most `oversample` complete groups wait in a buffer, so
 memory stays bounded. With `oversample` = 0 every call plays exactly its own groups to the end
-(what resume-exactness relies on). With `refill` a completed group is replaced at once instead of
-when the next call starts, so `groups_per_batch + oversample` groups stay live and a call lasts a
-fraction of a group's length (the buffer then holds what completed while the call drained).
+(what resume-exactness relies on).
 
 No drain (`inflight`, `rollout.update=inflight`): a call returns as soon as `groups_per_batch`
 groups are complete, with requests still in flight; they keep running in the engine (and through
@@ -95,7 +93,7 @@ class _Play:
 class RolloutWorker:
     def __init__(self, env: Env, engine: Engine, *, groups_per_batch: int, first_group_id: int = 0,
                  oversample: int = 0, stream: bool = False, drop_uniform: bool = False, overlong_buffer: int = 0,
-                 max_new_tokens: int = 0, max_env_errors: int = 100, inflight: bool = False, refill: bool = False):
+                 max_new_tokens: int = 0, max_env_errors: int = 100, inflight: bool = False):
         self.env = env
         self.check = ResultCheck(env, max_env_errors)  # what the env's methods return
         self.engine = engine
@@ -103,7 +101,6 @@ class RolloutWorker:
         self.oversample = oversample
         self.stream = stream or inflight  # no drain: a poll must leave unfinished requests running
         self.inflight = inflight
-        self.refill = refill or inflight  # a completed group is replaced at once
         self.drop_uniform = drop_uniform
         self.overlong_buffer = overlong_buffer
         self.max_new_tokens = max_new_tokens
@@ -139,8 +136,8 @@ class RolloutWorker:
 
     def _start_groups(self) -> None:
         """Keep `groups_per_batch + oversample` groups in play (live or complete and waiting); with
-        `refill` (or `inflight`), that many live: a completed group is replaced at once."""
-        waiting = 0 if self.refill else len(self._complete)
+        `inflight`, that many live: a completed group is replaced at once."""
+        waiting = 0 if self.inflight else len(self._complete)
         while len(self._live) + waiting < self.groups_per_batch + self.oversample:
             self.env.start_group(self.next_group)
             self._live.add(self.next_group)
