@@ -17,6 +17,9 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
   rollout_*         means over the batches collected inside the window (both inference ranks):
                     engine polls, requests per poll, poll and request latency, generate fraction, the time
                     a rank waited for an adapter version (`wait_version_s`) or for its sends
+  rollout_step_ms   collect time per engine step (vLLM counts its steps), and rollout_tokens_per_step
+                    the answer tokens one step decoded: at 0.5B a step's host time grows with it, so
+                    more games in play at once do not shorten a batch (profiles/README.md)
   queue_batches_*   batches the inference ranks had finished and the learners not yet trained, at the
                     window's start and end (mean over ranks). Equal in a steady state; a drop means the
                     window drained a backlog built before it (with `config.sampling_lag` >= 2 the
@@ -166,7 +169,19 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "queue_batches_start": queued(rows, inference, t0),
         "queue_batches_end": queued(rows, inference, t1),
         **rollout_means(inference, t0, t1),
+        **engine_steps(inference, t0, t1),
     }
+
+
+def engine_steps(inference: list[dict], t0: float, t1: float) -> dict:
+    """Over the batches inside the window: collect ms per engine step and answer tokens per step
+    (none when the engine counts no steps)."""
+    picked = [b for r in inference for b in r["batches"] if b["collect_start"] >= t0 and b["collect_end"] <= t1]
+    steps = sum(b.get("steps", 0.0) for b in picked)
+    if not steps:
+        return {}
+    return {"rollout_step_ms": 1e3 * sum(b["collect_s"] for b in picked) / steps,
+            "rollout_tokens_per_step": sum(b["out_tokens"] for b in picked) / steps}
 
 
 def queued(rows: list, inference: list[dict], t: float) -> float:

@@ -47,7 +47,7 @@ with_memory() {  # with_memory NAME CMD... : run CMD, sampling per-process GPU m
   echo "== $(date +%T) $name rc=$rc" >> "$GS/chain.log"
 }
 
-e2e_modes() {  # e2e_modes NAME CONFIG [OVERRIDES...]: 10 steps per job, back to back, one record
+e2e_jobs() {  # e2e_jobs NAME CONFIG [OVERRIDES...]: 10 steps per job, back to back, one record
   local name=$1 config=$2 order="" variants=() m order_var
   shift 2
   order_var=$(echo "${name}_ORDER" | tr '[:lower:]' '[:upper:]')
@@ -91,9 +91,9 @@ step() {  # one step of the chain, by name
     tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
             --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
             --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
-    e2e1) e2e_modes e2e1 configs/gpu-1.yaml ;;
-    e2egsm) e2e_modes e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
-    e2e7b) e2e_modes e2e7b configs/gpu-1-7b.yaml ;;
+    e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
+    e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
+    e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
     learn) with_memory learn timeout 2000 python3 -m pytest -q -m gpu -p no:cacheprovider \
             "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu" ;;
     flame) with_memory flame timeout 900 bash scripts/flamegraph.sh --delay "${FLAME_DELAY:-150}" --duration 40 \
@@ -127,7 +127,7 @@ chain() {
   [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   echo "chain done" >> "$GS/chain.log"
 }
-export -f chain step with_memory e2e_modes
+export -f chain step with_memory e2e_jobs
 export GS
 
 table() {  # the e2e records so far: one row per config and mode
@@ -135,14 +135,14 @@ table() {  # the e2e records so far: one row per config and mode
 import glob, json, os, sys
 paths = sorted(glob.glob(os.path.join(sys.argv[1], "e2e*.json")))
 if paths:
-    print(f"{'config':<22} {'update':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8}")
+    print(f"{'config':<22} {'job':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8} {'step ms':>8}")
 for path in paths:
     record = json.load(open(path))
     for job, r in record["runs"].items():
         util = r.get("inference_nvml_busy") or r.get("learner_nvml_busy")
         print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} {r['seconds_per_step']:>7.2f} "
               f"{100 * r['learner_busy_fraction']:>12.0f}% {'' if util is None else f'{100 * util:.0f}%':>9} "
-              f"{r['dropped_stale']:>8.0f}")
+              f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f}")
 PY
 }
 

@@ -37,6 +37,7 @@ def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
     assert out["adapter_send_ms_mean"] == pytest.approx(10.0)
     assert out["rollout_phases"] == pytest.approx((11 + 12 + 13 + 14) / 4)  # batch 0 (60-66 s) is warm-up
     assert out["rollout_wait_version_s"] == pytest.approx(0.5)
+    assert "rollout_step_ms" not in out  # these batches count no engine steps
     # steady: the same queue at 70 s and 110 s (-1: this timeline has no batch record for step 0)
     assert out["queue_batches_start"] == pytest.approx(-1.0) and out["queue_batches_end"] == pytest.approx(-1.0)
 
@@ -51,6 +52,18 @@ def test_queue_figures_show_a_drained_backlog():
     # at 10 s: 5 batches done, 2 steps -> 3 queued; at 40 s: 6 + 3 = 9 done (20, 28, 36), 8 steps -> 1
     assert out["queue_batches_start"] == pytest.approx(3.0)
     assert out["queue_batches_end"] == pytest.approx(1.0)
+
+
+def test_engine_step_figures_are_totals_over_the_window_batches():
+    """Collect time and answer tokens per engine step over the batches inside the window: sums over
+    sums (a 6 s batch of 300 steps and a 4 s batch of 100 are 25 ms a step, not the mean 26.7)."""
+    rows = learner_rows(10.0, 9.0, 4)
+    batches = [{"collect_start": 1.0, "collect_end": 9.0, "collect_s": 8.0, "steps": 50.0, "out_tokens": 1.0},  # warm-up
+               {"collect_start": 21.0, "collect_end": 27.0, "collect_s": 6.0, "steps": 300.0, "out_tokens": 600.0},
+               {"collect_start": 31.0, "collect_end": 35.0, "collect_s": 4.0, "steps": 100.0, "out_tokens": 1000.0}]
+    out = steady_state({"timeline": rows}, [{"batches": batches}], warmup=2)
+    assert out["rollout_step_ms"] == pytest.approx(1e3 * 10.0 / 400)
+    assert out["rollout_tokens_per_step"] == pytest.approx(1600 / 400)
 
 
 def test_steady_state_needs_more_steps_than_warmup():
