@@ -144,9 +144,19 @@ def test_answer_choices_constrain_sampling_to_the_answers(tiny_tokenizer, tmp_pa
 @pytest.mark.slow
 def test_resumed_training_draws_the_prompts_it_would_have_drawn(tmp_path):
     """Two epochs of the 25-row file in 6 steps; the resumed half continues at the saved position
-    (a different prompt order would change the rewards and losses)."""
+    (a different prompt order would change the rewards and losses). With prefix trees (each group's
+    samples share their prompt), so their packing is exact across a resume too, and TensorBoard
+    holds both token counts."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tests.test_checkpoint import assert_resume_reproduces_uninterrupted_run
     assert_resume_reproduces_uninterrupted_run(tmp_path, ["--config", "configs/cpu-dataset-tiny.yaml",
-                                                          "--eval.every=0", "--eval.at_end=false"])
+                                                          "--eval.every=0", "--eval.at_end=false",
+                                                          "--learner.prefix_sharing=tree"])
     state = json.loads((tmp_path / "b" / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert state["inference"]["0"]["env"]["epoch"] >= 1  # the run crossed into a reshuffled epoch
+    acc = EventAccumulator(str(tmp_path / "a" / "tb" / "learner"))
+    acc.Reload()
+    forwarded = [e.value for e in acc.Scalars("learner/tokens_forwarded")]
+    flat = [e.value for e in acc.Scalars("learner/tokens_flat_equivalent")]
+    assert len(forwarded) == len(flat) == 6
+    assert all(0 < f < x for f, x in zip(forwarded, flat)), (forwarded, flat)

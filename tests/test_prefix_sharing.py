@@ -201,21 +201,6 @@ def test_train_step_reports_tokens_forwarded_and_flat_equivalent(tiny_cfg, tiny_
 
 
 @pytest.mark.slow
-def test_resume_with_trees_reproduces_uninterrupted_run(tmp_path):
-    """cpu-tiny (groups of 8 samples share a prompt) with prefix trees: 6 steps in one go, and 3 steps
-    then a resume to 6, end alike; TensorBoard holds both token counts."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tests.test_checkpoint import assert_resume_reproduces_uninterrupted_run
-    assert_resume_reproduces_uninterrupted_run(tmp_path, ["--learner.prefix_sharing=tree"])
-    acc = EventAccumulator(str(tmp_path / "a" / "tb" / "learner"))
-    acc.Reload()
-    forwarded = [e.value for e in acc.Scalars("learner/tokens_forwarded")]
-    flat = [e.value for e in acc.Scalars("learner/tokens_flat_equivalent")]
-    assert len(forwarded) == len(flat) == 6
-    assert all(0 < f < x for f, x in zip(forwarded, flat)), (forwarded, flat)
-
-
-@pytest.mark.slow
 def test_trainer_benchmark_runs_tree_beside_flat(tmp_path):
     """`--prefix-sharing tree` adds a tree variant at each budget, reported beside flat packing, and
     `--objectives gspo` a GSPO one (CPU smoke run; the GPU figures are the benchmark's job)."""

@@ -34,41 +34,28 @@ def test_groups_split_as_evenly_as_possible_over_inference_ranks():
                     world_size=8)
 
 
-@pytest.mark.parametrize("roles,group_size,per_rank", [
-    ((2, 1), 8, [16.0, 8.0]),   # 3 groups over 2 inference ranks: 2 + 1
-    ((1, 2), 5, [15.0]),        # 15 samples over 2 learners: shards of 8 and 7
-])
-def test_uneven_shares_train_on_cpu(tmp_path, roles, group_size, per_rank):
-    run = tmp_path / "run3"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", "-m", "colocate.train",
-           "--config", "configs/cpu-tiny.yaml", f"--topology.num_inference={roles[0]}", "--rollout.groups_per_step=3",
-           f"--rollout.group_size={group_size}", f"--rollout.batch_size={3 * group_size}", "--learner.num_steps=2",
-           f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.nvml_interval_s=0",
-           "--sync.check_checksum=true"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert (summary["num_inference"], summary["num_learners"], summary["steps"]) == (*roles, 2)
-    for r, samples in enumerate(per_rank):
-        batches = json.loads((run / f"inference-rank{r}.json").read_text())["batches"]
-        assert [b["samples"] for b in batches] == [samples, samples]
-
-
 def test_roles_must_fill_the_world():
     with pytest.raises(ConfigError, match="do not fit world size 8"):
         load_config(None, {"topology": {"num_inference": 4, "num_learners": 3}}, world_size=8)
 
 
 @pytest.mark.slow
-def test_eight_rank_topology_trains_on_cpu(tmp_path):
+def test_eight_rank_topology_with_uneven_shares_trains_on_cpu(tmp_path):
+    """8 ranks, 3 inference + 5 learners: 4 groups over 3 inference ranks are shares of 2, 1, 1, and
+    each rank's batch (8, 4, 4 samples) goes to 5 learners in uneven shards (2, 1, 2, 1, 2 and
+    1, 1, 0, 1, 1: a learner may get nothing from a rank); two steps train with checksummed adapters."""
     run = tmp_path / "run8"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8", "-m", "colocate.train",
-           "--config", "configs/cpu-tiny.yaml", "--learner.num_steps=2", f"--metrics.run_dir={run}",
+           "--config", "configs/cpu-tiny.yaml", "--topology.num_inference=3", "--rollout.groups_per_step=4",
+           "--rollout.group_size=4", "--rollout.batch_size=16", "--learner.num_steps=2", f"--metrics.run_dir={run}",
            f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.nvml_interval_s=0", "--sync.check_checksum=true"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["num_inference"], summary["num_learners"], summary["steps"]) == (4, 4, 2)
+    assert (summary["num_inference"], summary["num_learners"], summary["steps"]) == (3, 5, 2)
+    for r, samples in enumerate([8.0, 4.0, 4.0]):
+        batches = json.loads((run / f"inference-rank{r}.json").read_text())["batches"]
+        assert [b["samples"] for b in batches] == [samples, samples]
 
 
 def test_split_cpu_threads_gives_each_local_rank_its_share_of_the_cores(monkeypatch):
