@@ -148,6 +148,7 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
     def inside(b: dict) -> float:
         return overlap(b["collect_start"], b["collect_end"], t0, t1)
 
+    means = rollout_means(inference, t0, t1)
     busy = [sum(inside(b) for b in r["batches"]) / window for r in inference]
     tokens = [sum(b["out_tokens"] * inside(b) / max(b["collect_end"] - b["collect_start"], 1e-9)
                   for b in r["batches"]) / window for r in inference]
@@ -168,20 +169,19 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "adapter_send_ms_mean": 1e3 * sum(r[6] for r in measured) / len(measured),
         "queue_batches_start": queued(rows, inference, t0),
         "queue_batches_end": queued(rows, inference, t1),
-        **rollout_means(inference, t0, t1),
-        **engine_steps(inference, t0, t1),
+        **means,
+        **per_engine_step(means),
     }
 
 
-def engine_steps(inference: list[dict], t0: float, t1: float) -> dict:
-    """Over the batches inside the window: collect ms per engine step and answer tokens per step
-    (none when the engine counts no steps)."""
-    picked = [b for r in inference for b in r["batches"] if b["collect_start"] >= t0 and b["collect_end"] <= t1]
-    steps = sum(b.get("steps", 0.0) for b in picked)
+def per_engine_step(means: dict) -> dict:
+    """Collect ms and answer tokens per engine step, from the window's means (a ratio of means over
+    the same batches is the ratio of their sums); none when the engine counts no steps."""
+    steps = means.get("rollout_steps", 0.0)
     if not steps:
         return {}
-    return {"rollout_step_ms": 1e3 * sum(b["collect_s"] for b in picked) / steps,
-            "rollout_tokens_per_step": sum(b["out_tokens"] for b in picked) / steps}
+    return {"rollout_step_ms": 1e3 * means["rollout_collect_s"] / steps,
+            "rollout_tokens_per_step": means["rollout_out_tokens"] / steps}
 
 
 def queued(rows: list, inference: list[dict], t: float) -> float:

@@ -312,6 +312,16 @@ dataset's columns and rewards, an agent's tools and parser); a resumed run must 
 files may move: the dataset env checks its row count on resume instead."""
 
 
+def flag_value(value) -> str:
+    """A config value as `--section.key=` reads it back: booleans lower-case, lists in YAML's flow
+    form ([exact,gsm8k])."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
+
+
 def check_same_task(cfg, path: str) -> None:
     """Refuse to resume with another env, completion format or reward than the checkpoint's run had
     (the presets changed `env.unit_labels` and `env.list_supports`; a silent switch would change the
@@ -332,11 +342,8 @@ def check_same_task(cfg, path: str) -> None:
         now = getattr(getattr(cfg, section), key)
         then = (saved.get(section) or {}).get(key, getattr(type(getattr(cfg, section))(), key))
         if then != now:
-            flag = str(then).lower() if isinstance(then, bool) else then
-            if isinstance(then, list):  # YAML's flow form, as the command line reads it: [exact,gsm8k]
-                flag = "[" + ",".join(map(str, then)) + "]"
             raise CheckpointError(f"{file}: the checkpoint's run had {section}.{key}={then!r}, this run has {now!r}; "
-                                  f"resume with --{section}.{key}={flag} or start a new metrics.run_dir")
+                                  f"resume with --{section}.{key}={flag_value(then)} or start a new metrics.run_dir")
 
 
 def check_adapter_matches(adapter: dict[str, torch.Tensor], live: dict[str, torch.Tensor], path: str) -> None:
