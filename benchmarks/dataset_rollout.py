@@ -10,8 +10,13 @@ has one), unconstrained answers up to 500 tokens, temperature 1.
   ours   `DatasetEnv` + `VLLMEngine` + `RolloutWorker.collect()` (16 groups of 8: prompt ids,
          requests, engine, decoding, rewards), the engine sized as configs/gpu-gsm8k.yaml with the
          same max_model_len / max_num_seqs / memory fraction
+  vllm_logprobs  plain vLLM asking what ours asks (the sampled token's log-prob after temperature,
+         `logprobs_mode="processed_logprobs"`, no detokenizing): what ours's asks cost vLLM alone
+  ours_single  ours with each sample its own vLLM request (no parallel sampling)
 Each side runs in its own process on GPU 0 (TP 1), one warm-up round, then `--rounds` timed
-rounds. `--model-path` takes a local model; without it the random qwen2.5-7b shape is written once
+rounds. Each round's wall time splits into the engine's span (first request in to last answer
+out; its engine steps) and the host work outside it (ours: prompts before, rewards and the batch
+after). `--model-path` takes a local model; without it the random qwen2.5-7b shape is written once
 under the cache (answers then run to the 500-token limit on both sides).
 """
 from __future__ import annotations
@@ -24,13 +29,16 @@ import tempfile
 import time
 
 QUESTIONS, SAMPLES, MAX_TOKENS = 16, 8, 500
+SIDES = ("vllm", "vllm_logprobs", "ours", "ours_single")
 VLLM_SETTINGS = dict(max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=0.95, enable_chunked_prefill=True)
 
 
 def add_args(parser) -> None:
     parser.add_argument("--model-path", default="", help="local HF model directory (default: random 7B shape)")
+    parser.add_argument("--shape", default="", help="random-weight model shape (default: the preset's, qwen2.5-7b)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--side", default="", help="internal: run one side (ours / vllm) in this process")
+    parser.add_argument("--sides", default="vllm,ours", help=f"comma-separated, of {SIDES}; the first is the baseline")
+    parser.add_argument("--side", default="", help="internal: run one side in this process")
     parser.add_argument("--data", default="")
     parser.add_argument("--result", default="")
 
@@ -52,8 +60,9 @@ def write_workload(path: str) -> None:
 
 def config(args):
     from colocate.config import load_config
+    model = {"path": args.model_path, **({"shape": args.shape} if args.shape else {})}
     return load_config("configs/gpu-gsm8k.yaml", {
-        "model": {"path": args.model_path}, "env": {"data_files": [args.data], "eval_files": []},
+        "model": model, "env": {"data_files": [args.data], "eval_files": []},
         "engine": {"max_new_tokens": MAX_TOKENS, "max_num_seqs": VLLM_SETTINGS["max_num_seqs"],
                    "max_model_len": VLLM_SETTINGS["max_model_len"],
                    "gpu_memory_utilization": VLLM_SETTINGS["gpu_memory_utilization"], "lora_mode": "merged"},
@@ -75,71 +84,103 @@ def build(args):
     return cfg, tokenizer, model_dir, make_env(cfg, tokenizer, seed=0)
 
 
-def side_ours(args) -> dict:
+def side_ours(args, parallel_sampling: bool = True) -> dict:
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
     from colocate.engine.vllm_settings import engine_settings
     from colocate.envs import env_facts
     from colocate.rollout.worker import RolloutWorker
     cfg, tokenizer, model_dir, env = build(args)
     engine = VLLMEngine(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id,
-                        engine_settings(cfg, 1, seed=0, **env_facts(cfg)))
+                        engine_settings(cfg, 1, seed=0, **env_facts(cfg)).replace(parallel_sampling=parallel_sampling))
     worker = RolloutWorker(env, engine, groups_per_batch=QUESTIONS, stream=cfg.rollout.stream)
     rounds = []
     for i in range(args.rounds + 1):
+        before = dict(engine.counters)
         t0 = time.perf_counter()
         batch, stats, engine_stats = worker.collect()
         wall = time.perf_counter() - t0
         if i:  # the first round warms up
             rounds.append({"wall_s": wall, "out_tokens": engine_stats["out_tokens"],
+                           "engine_s": engine.counters["generate_s"] - before["generate_s"],
+                           "engine_steps": engine.counters["steps"] - before["steps"],
                            "prompt_tokens_mean": float(batch.prompt_lens.float().mean()),
                            "sequences": batch.num_sequences})
     return summarize(rounds)
 
 
-def side_vllm(args) -> dict:
+def side_vllm(args, logprobs: bool) -> dict:
     from vllm import LLM, SamplingParams
     cfg, tokenizer, model_dir, env = build(args)
-    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **VLLM_SETTINGS)
-    params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS)
+    extra = {"logprobs_mode": "processed_logprobs"} if logprobs else {}
+    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **VLLM_SETTINGS, **extra)
+    asks = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
+    params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, **asks)
+    steps, engine_step = [0], llm.llm_engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return engine_step()
+    llm.llm_engine.step = counted_step  # LLM.generate steps its engine through this attribute
     rounds = []
     for i in range(args.rounds + 1):
         # the env's own rows and prompt ids, in its order: the same prompts as ours
         prompts = [{"prompt_token_ids": env.chat.ids(env.next_row()[env.prompt_column])} for _ in range(QUESTIONS)]
+        steps[0] = 0
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         if i:
             rounds.append({"wall_s": wall, "out_tokens": sum(len(o.token_ids) for r in outputs for o in r.outputs),
+                           "engine_s": wall, "engine_steps": steps[0],
                            "prompt_tokens_mean": sum(len(p["prompt_token_ids"]) for p in prompts) / len(prompts),
                            "sequences": sum(len(r.outputs) for r in outputs)})
     return summarize(rounds)
 
 
 def summarize(rounds: list[dict]) -> dict:
+    """Out tokens/s over the rounds; the engine's share (ms per engine step, steps per round) and
+    the host work outside it per round."""
     tokens, wall = sum(r["out_tokens"] for r in rounds), sum(r["wall_s"] for r in rounds)
-    return {"out_tokens_per_s": tokens / wall, "rounds": rounds}
+    engine_s, steps = sum(r["engine_s"] for r in rounds), sum(r["engine_steps"] for r in rounds)
+    return {"out_tokens_per_s": tokens / wall, "engine_ms_per_step": 1e3 * engine_s / max(steps, 1),
+            "engine_steps_per_round": steps / len(rounds), "outside_engine_s": (wall - engine_s) / len(rounds),
+            "rounds": rounds}
+
+
+def run_side(args) -> dict:
+    if args.side in ("ours", "ours_single"):
+        return side_ours(args, parallel_sampling=args.side == "ours")
+    if args.side in ("vllm", "vllm_logprobs"):
+        return side_vllm(args, logprobs=args.side == "vllm_logprobs")
+    raise SystemExit(f"--side {args.side!r}: one of {SIDES}")
 
 
 def run(args) -> dict:
     if args.side:
-        result = side_ours(args) if args.side == "ours" else side_vllm(args)
+        result = run_side(args)
         with open(args.result, "w") as f:
             json.dump(result, f)
         return {"figures": result}
+    names = args.sides.split(",")
+    if not names or any(n not in SIDES for n in names) or len(set(names)) != len(names):
+        raise SystemExit(f"--sides {args.sides!r}: distinct names of {SIDES}")
     tmp = tempfile.mkdtemp(prefix="dataset-rollout-")
     data = os.path.join(tmp, "workload.jsonl")
     write_workload(data)
     sides = {}
-    for side in ("vllm", "ours"):
+    for side in names:
         out = os.path.join(tmp, f"{side}.json")
         cmd = [sys.executable, "scripts/benchmark.py", "--profile", "dataset_rollout", "--side", side,
                "--data", data, "--result", out, "--rounds", str(args.rounds), "--out", os.path.join(tmp, "x.json")]
         if args.model_path:
             cmd += ["--model-path", args.model_path]
+        if args.shape:
+            cmd += ["--shape", args.shape]
         subprocess.run(cmd, check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
         with open(out) as f:
             sides[side] = json.load(f)
-    ratio = sides["ours"]["out_tokens_per_s"] / sides["vllm"]["out_tokens_per_s"]
-    return {"figures": {"ours_out_tokens_per_s": sides["ours"]["out_tokens_per_s"], "detail": sides},
-            "baseline": {"vllm_out_tokens_per_s": sides["vllm"]["out_tokens_per_s"]},
-            "ratios": {"ours_vs_vllm": ratio}}
+    base = names[0]
+    rate = {n: sides[n]["out_tokens_per_s"] for n in names}
+    return {"figures": {f"{n}_out_tokens_per_s": rate[n] for n in names if n != base} | {"detail": sides},
+            "baseline": {f"{base}_out_tokens_per_s": rate[base]},
+            "ratios": {f"{n}_vs_{base}": rate[n] / rate[base] for n in names if n != base}}

@@ -21,10 +21,11 @@
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v")
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight
-#   flame    py-spy flame graphs of configs/gpu-1.yaml's ranks and vLLM engine core, FLAME_DELAY s
-#            (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg); FLAME_SET
-#            adds overrides ("--engine.lora_mode=merged ...")
-#   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape)
+#   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
+#            FLAME_DELAY s (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg);
+#            FLAME_SET adds overrides ("--engine.lora_mode=merged ...")
+#   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
+#            picks its --sides (default vllm,ours); dsroll05 the same at the 0.5B shape
 # SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain (no GPU:
 # CUDA_VISIBLE_DEVICES empty), pinned to cores SOAK_CORES (default 6-15) while the chain keeps
 # CHAIN_CORES (0-5); SOAK_1, SOAK_2, ... run more soaks at once (SOAK_1_CORES, ... pin each apart),
@@ -97,11 +98,13 @@ step() {  # one step of the chain, by name
     learn) with_memory learn timeout 2000 python3 -m pytest -q -m gpu -p no:cacheprovider \
             "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu" ;;
     flame) with_memory flame timeout 900 bash scripts/flamegraph.sh --delay "${FLAME_DELAY:-150}" --duration 40 \
-            --out "$GS/flame" -- torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1.yaml \
+            --out "$GS/flame" -- torchrun --nproc-per-node 2 -m colocate.train --config "${FLAME_CONFIG:-configs/gpu-1.yaml}" \
             --learner.num_steps="${FLAME_STEPS:-40}" --checkpoint.enabled=false --metrics.run_dir=$GS/run-flame \
             ${FLAME_SET:-} ;;
-    dsroll) with_memory dsroll timeout 1200 python3 scripts/benchmark.py --profile dataset_rollout \
-            --out "$GS/dataset-rollout.json" ;;
+    dsroll) with_memory dsroll timeout 1500 python3 scripts/benchmark.py --profile dataset_rollout \
+            --sides "${DSROLL_SIDES:-vllm,ours}" --out "$GS/dataset-rollout.json" ;;
+    dsroll05) with_memory dsroll05 timeout 900 python3 scripts/benchmark.py --profile dataset_rollout \
+            --sides "${DSROLL_SIDES:-vllm,ours}" --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
     *) echo "== unknown step $1" >> "$GS/chain.log" ;;
   esac
 }
@@ -143,6 +146,12 @@ for path in paths:
         print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} {r['seconds_per_step']:>7.2f} "
               f"{100 * r['learner_busy_fraction']:>12.0f}% {'' if util is None else f'{100 * util:.0f}%':>9} "
               f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f}")
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "dataset-rollout*.json"))):
+    detail = json.load(open(path))["figures"]["detail"]
+    print(f"{os.path.basename(path):<28} {'side':<14} {'out tok/s':>10} {'ms/step':>8} {'steps':>6} {'outside s':>10}")
+    for side, d in detail.items():
+        print(f"{'':<28} {side:<14} {d['out_tokens_per_s']:>10.0f} {d.get('engine_ms_per_step', 0):>8.2f} "
+              f"{d.get('engine_steps_per_round', 0):>6.0f} {d.get('outside_engine_s', 0):>10.3f}")
 PY
 }
 

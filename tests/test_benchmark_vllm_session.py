@@ -1,5 +1,8 @@
-"""The vLLM benchmark session's synthetic workload (`benchmarks/vllm_session.py`), on CPU."""
+"""The vLLM benchmarks on CPU: the session's synthetic workload (`benchmarks/vllm_session.py`) and the
+dataset rollout's accounting (`benchmarks/dataset_rollout.py`)."""
 import random
+
+import pytest
 
 from tests.test_vllm_grammar import EOS, random_walk
 
@@ -11,3 +14,20 @@ def test_synthetic_workload_shapes(tiny_tokenizer):
     assert reqs[0].constraint is reqs[7].constraint and reqs[8].constraint is not reqs[0].constraint
     rng = random.Random(0)
     assert {len(random_walk(r.constraint, rng)) for r in reqs} == {32}  # 31 order tokens + EOS
+
+
+def test_dataset_rollout_splits_each_round_into_engine_and_host_time():
+    """Tokens/s over all rounds; ms per engine step over the engine's spans; the host work outside
+    the engine per round; an unknown or repeated side is refused before any process starts."""
+    from types import SimpleNamespace
+
+    from benchmarks.dataset_rollout import run, summarize
+    rounds = [{"wall_s": 4.5, "out_tokens": 64000, "engine_s": 4.3, "engine_steps": 500},
+              {"wall_s": 4.7, "out_tokens": 64000, "engine_s": 4.4, "engine_steps": 502}]
+    s = summarize(rounds)
+    assert s["out_tokens_per_s"] == pytest.approx(128000 / 9.2)
+    assert s["engine_ms_per_step"] == pytest.approx(1e3 * 8.7 / 1002)
+    assert s["engine_steps_per_round"] == 501 and s["outside_engine_s"] == pytest.approx(0.25)
+    for sides in ("vllm,theirs", "ours,ours", ""):
+        with pytest.raises(SystemExit, match="--sides"):
+            run(SimpleNamespace(side="", sides=sides))

@@ -160,3 +160,20 @@ def test_resumed_training_draws_the_prompts_it_would_have_drawn(tmp_path):
     flat = [e.value for e in acc.Scalars("learner/tokens_flat_equivalent")]
     assert len(forwarded) == len(flat) == 6
     assert all(0 < f < x for f, x in zip(forwarded, flat)), (forwarded, flat)
+
+
+def test_decode_texts_is_the_tokenizers_decode(tiny_tokenizer):
+    """One call to the Rust tokenizer gives `decode`'s text; where transformers would clean up
+    spaces (which the Rust side does not) each answer goes through `decode`."""
+    import random
+    from types import SimpleNamespace
+
+    from colocate.envs.dataset import decode_texts
+    rng = random.Random(0)
+    id_lists = [[rng.randrange(len(tiny_tokenizer)) for _ in range(rng.randrange(0, 40))] for _ in range(12)]
+    id_lists.append(tiny_tokenizer.encode("a , b . c", add_special_tokens=False))
+    expected = [tiny_tokenizer.decode(ids) for ids in id_lists]
+    assert not tiny_tokenizer.clean_up_tokenization_spaces and decode_texts(tiny_tokenizer, id_lists) == expected
+    cleaning = SimpleNamespace(backend_tokenizer=tiny_tokenizer.backend_tokenizer, clean_up_tokenization_spaces=True,
+                               decode=lambda ids: "clean:" + tiny_tokenizer.decode(ids))
+    assert decode_texts(cleaning, id_lists) == ["clean:" + t for t in expected]
