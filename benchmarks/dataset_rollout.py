@@ -12,7 +12,9 @@ has one), unconstrained answers up to 500 tokens, temperature 1.
          same max_model_len / max_num_seqs / memory fraction
   vllm_logprobs  plain vLLM asking what ours asks (the sampled token's log-prob after temperature,
          `logprobs_mode="processed_logprobs"`, no detokenizing): what ours's asks cost vLLM alone
-  ours_single  ours with each sample its own vLLM request (no parallel sampling)
+  vllm_ours_args  vllm_logprobs with our engine's `LLM` arguments (`llm_arguments`): what our
+         engine settings cost without our loop around the engine
+  ours+NAME  ours with the config overrides of `--variant NAME:section.key=value,...`
 Each side runs in its own process on GPU 0 (TP 1), one warm-up round, then `--rounds` timed
 rounds. Each round's wall time splits into the engine's span (first request in to last answer
 out; its engine steps) and the host work outside it (ours: prompts before, rewards and the batch
@@ -29,7 +31,7 @@ import tempfile
 import time
 
 QUESTIONS, SAMPLES, MAX_TOKENS = 16, 8, 500
-SIDES = ("vllm", "vllm_logprobs", "ours", "ours_single")
+SIDES = ("vllm", "vllm_logprobs", "vllm_ours_args", "ours")
 VLLM_SETTINGS = dict(max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=0.95, enable_chunked_prefill=True)
 
 
@@ -37,7 +39,9 @@ def add_args(parser) -> None:
     parser.add_argument("--model-path", default="", help="local HF model directory (default: random 7B shape)")
     parser.add_argument("--shape", default="", help="random-weight model shape (default: the preset's, qwen2.5-7b)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sides", default="vllm,ours", help=f"comma-separated, of {SIDES}; the first is the baseline")
+    parser.add_argument("--sides", default="vllm,ours",
+                        help=f"comma-separated, of {SIDES} and ours+NAME; the first is the baseline")
+    parser.add_argument("--variant", nargs="*", default=[], help="NAME:section.key=value,... for the side ours+NAME")
     parser.add_argument("--side", default="", help="internal: run one side in this process")
     parser.add_argument("--data", default="")
     parser.add_argument("--result", default="")
@@ -58,16 +62,35 @@ def write_workload(path: str) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def deep_update(base: dict, extra: dict) -> dict:
+    for k, v in extra.items():
+        base[k] = deep_update(base.get(k, {}), v) if isinstance(v, dict) else v
+    return base
+
+
+def side_overrides(side: str, variants: list[str]) -> dict:
+    """The config overrides of side `ours+NAME` (none for the others) as a nested dict."""
+    from benchmarks.e2e import parse_variants
+    from colocate.config import parse_overrides
+    name = side.partition("+")[2]
+    if not name:
+        return {}
+    items = parse_variants(variants).get(name)
+    if items is None:
+        raise SystemExit(f"--sides: {side!r} names a variant that no --variant defines")
+    return parse_overrides([f"--{item}" for item in items])[1]
+
+
 def config(args):
     from colocate.config import load_config
     model = {"path": args.model_path, **({"shape": args.shape} if args.shape else {})}
-    return load_config("configs/gpu-gsm8k.yaml", {
+    return load_config("configs/gpu-gsm8k.yaml", deep_update({
         "model": model, "env": {"data_files": [args.data], "eval_files": []},
         "engine": {"max_new_tokens": MAX_TOKENS, "max_num_seqs": VLLM_SETTINGS["max_num_seqs"],
                    "max_model_len": VLLM_SETTINGS["max_model_len"],
                    "gpu_memory_utilization": VLLM_SETTINGS["gpu_memory_utilization"], "lora_mode": "merged"},
         "rollout": {"groups_per_step": QUESTIONS, "group_size": SAMPLES, "batch_size": QUESTIONS * SAMPLES,
-                    "oversample_groups": 0, "stream": True}})
+                    "oversample_groups": 0, "stream": True}}, side_overrides(args.side, args.variant)))
 
 
 def build(args):
@@ -84,14 +107,14 @@ def build(args):
     return cfg, tokenizer, model_dir, make_env(cfg, tokenizer, seed=0)
 
 
-def side_ours(args, parallel_sampling: bool = True) -> dict:
+def side_ours(args) -> dict:
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
     from colocate.engine.vllm_settings import engine_settings
     from colocate.envs import env_facts
     from colocate.rollout.worker import RolloutWorker
     cfg, tokenizer, model_dir, env = build(args)
     engine = VLLMEngine(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id,
-                        engine_settings(cfg, 1, seed=0, **env_facts(cfg)).replace(parallel_sampling=parallel_sampling))
+                        engine_settings(cfg, 1, seed=0, **env_facts(cfg)))
     worker = RolloutWorker(env, engine, groups_per_batch=QUESTIONS, stream=cfg.rollout.stream)
     rounds = []
     for i in range(args.rounds + 1):
@@ -108,11 +131,17 @@ def side_ours(args, parallel_sampling: bool = True) -> dict:
     return summarize(rounds)
 
 
-def side_vllm(args, logprobs: bool) -> dict:
+def side_vllm(args, logprobs: bool, ours_args: bool = False) -> dict:
     from vllm import LLM, SamplingParams
+
+    from colocate.engine.vllm_settings import engine_settings, llm_arguments
+    from colocate.envs import env_facts
     cfg, tokenizer, model_dir, env = build(args)
-    extra = {"logprobs_mode": "processed_logprobs"} if logprobs else {}
-    llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **VLLM_SETTINGS, **extra)
+    if ours_args:
+        llm = LLM(**llm_arguments(model_dir, engine_settings(cfg, 1, seed=0, **env_facts(cfg))))
+    else:
+        extra = {"logprobs_mode": "processed_logprobs"} if logprobs else {}
+        llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **VLLM_SETTINGS, **extra)
     asks = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, **asks)
     steps, engine_step = [0], llm.llm_engine.step
@@ -148,11 +177,9 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 def run_side(args) -> dict:
-    if args.side in ("ours", "ours_single"):
-        return side_ours(args, parallel_sampling=args.side == "ours")
-    if args.side in ("vllm", "vllm_logprobs"):
-        return side_vllm(args, logprobs=args.side == "vllm_logprobs")
-    raise SystemExit(f"--side {args.side!r}: one of {SIDES}")
+    if args.side == "ours" or args.side.startswith("ours+"):
+        return side_ours(args)
+    return side_vllm(args, logprobs=args.side != "vllm", ours_args=args.side == "vllm_ours_args")
 
 
 def run(args) -> dict:
@@ -162,8 +189,10 @@ def run(args) -> dict:
             json.dump(result, f)
         return {"figures": result}
     names = args.sides.split(",")
-    if not names or any(n not in SIDES for n in names) or len(set(names)) != len(names):
-        raise SystemExit(f"--sides {args.sides!r}: distinct names of {SIDES}")
+    if any(n not in SIDES and not n.startswith("ours+") for n in names) or len(set(names)) != len(names):
+        raise SystemExit(f"--sides {args.sides!r}: distinct names of {SIDES} or ours+NAME")
+    for n in names:
+        side_overrides(n, args.variant)  # refuses an undefined variant before any process starts
     tmp = tempfile.mkdtemp(prefix="dataset-rollout-")
     data = os.path.join(tmp, "workload.jsonl")
     write_workload(data)
@@ -176,6 +205,8 @@ def run(args) -> dict:
             cmd += ["--model-path", args.model_path]
         if args.shape:
             cmd += ["--shape", args.shape]
+        if args.variant:
+            cmd += ["--variant", *args.variant]
         subprocess.run(cmd, check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
         with open(out) as f:
             sides[side] = json.load(f)

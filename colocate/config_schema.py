@@ -104,9 +104,6 @@ class EngineConfig:
     """vLLM: let vLLM's client check every request's grammar with llguidance before queueing it.
     false skips that host time: our grammars are generated and tested, and the engine core
     compiles each one anyway (a bad one then fails at replay instead of at submit)."""
-    parallel_sampling: bool = True
-    """vLLM: a group's samples of one prompt (the dataset env's) go to vLLM as one request with n
-    samples, its prompt processed and sent once; false sends each sample as its own request."""
 
 
 @dataclass

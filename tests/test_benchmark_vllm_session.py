@@ -28,6 +28,20 @@ def test_dataset_rollout_splits_each_round_into_engine_and_host_time():
     assert s["out_tokens_per_s"] == pytest.approx(128000 / 9.2)
     assert s["engine_ms_per_step"] == pytest.approx(1e3 * 8.7 / 1002)
     assert s["engine_steps_per_round"] == 501 and s["outside_engine_s"] == pytest.approx(0.25)
-    for sides in ("vllm,theirs", "ours,ours", ""):
+    for sides in ("vllm,theirs", "ours,ours", "", "vllm,ours+nocap"):
         with pytest.raises(SystemExit, match="--sides"):
-            run(SimpleNamespace(side="", sides=sides))
+            run(SimpleNamespace(side="", sides=sides, variant=[]))
+
+
+def test_dataset_rollout_variants_override_ours_config():
+    """Side ours+NAME runs the benchmark's config with the variant's overrides on top; the others
+    keep it."""
+    from types import SimpleNamespace
+
+    from benchmarks.dataset_rollout import MAX_TOKENS, config
+    args = SimpleNamespace(model_path="", shape="qwen2.5-0.5b", data="x.jsonl",
+                           variant=["nocap:engine.max_capture_tokens=0,engine.max_new_tokens=300"])
+    plain, nocap = config(SimpleNamespace(**vars(args), side="ours")), config(SimpleNamespace(**vars(args), side="ours+nocap"))
+    assert plain.engine.max_capture_tokens > 0 and plain.engine.max_new_tokens == MAX_TOKENS
+    assert nocap.engine.max_capture_tokens == 0 and nocap.engine.max_new_tokens == 300
+    assert nocap.model.shape == plain.model.shape == "qwen2.5-0.5b" and nocap.env.data_files == ["x.jsonl"]

@@ -146,8 +146,8 @@ class FakeLLM:
 
     def enqueue(self, prompts, params, lora_request=None, use_tqdm=True):
         ids = []
-        for p, sp in zip(prompts, params):
-            self.running[str(self.counter)] = (p["prompt_token_ids"], sp.n)
+        for p in prompts:
+            self.running[str(self.counter)] = p["prompt_token_ids"]
             ids.append(f"{self.counter}-{self.rng.getrandbits(32):08x}")
             self.counter += 1
         return ids
@@ -157,11 +157,11 @@ class FakeLLM:
         self.rng.shuffle(names)
         out = []
         for name in names[:self.rng.randint(0, 3)]:
-            prompt, n = self.running.pop(name)
-            # the "sampled" tokens name the prompt they answer and the sample's index
-            results = [SimpleNamespace(token_ids=[prompt[-1] + 1, i, EOS], finish_reason="stop",
-                                       logprobs=SimpleNamespace(logprobs=[-0.5, -0.2, -0.1])) for i in range(n)]
-            out.append(SimpleNamespace(request_id=name, finished=True, outputs=results, num_cached_tokens=1))
+            prompt = self.running.pop(name)
+            tok = prompt[-1] + 1  # the "sampled" token names the prompt it answers
+            result = SimpleNamespace(token_ids=[tok, EOS], logprobs=SimpleNamespace(logprobs=[-0.5, -0.1]),
+                                     finish_reason="stop")
+            out.append(SimpleNamespace(request_id=name, finished=True, outputs=[result], num_cached_tokens=1))
         return out
 
 
@@ -174,9 +174,8 @@ def _streaming_engine(monkeypatch, seed=0):
     engine.inflight = False
     engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "engine_errors", "host_s", "generate_s",
                                      "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps"), 0)
-    engine.parallel_sampling = True
-    monkeypatch.setattr(engine, "_params", lambda runs: ([{"prompt_token_ids": r.prompt_ids} for r, _ in runs],
-                                                         [SimpleNamespace(n=n) for _, n in runs]))
+    monkeypatch.setattr(engine, "_params", lambda requests: ([{"prompt_token_ids": r.prompt_ids} for r in requests],
+                                                             [None] * len(requests)))
     return engine
 
 
@@ -192,33 +191,9 @@ def test_vllm_submit_poll_maps_outputs_to_tickets(monkeypatch):
         got.update(done)
     assert engine.poll() == [] and not engine._pending
     for t, r in zip(tickets, requests):
-        assert got[t].token_ids == [r.prompt_ids[-1] + 1, 0, EOS] and got[t].version == 3
-    assert engine.counters["requests"] == 12 and engine.counters["out_tokens"] == 36
+        assert got[t].token_ids == [r.prompt_ids[-1] + 1, EOS] and got[t].version == 3
+    assert engine.counters["requests"] == 12 and engine.counters["out_tokens"] == 24
     assert engine.counters["steps"] >= 4  # at most 3 finish per fake step
-
-
-def test_a_groups_samples_of_one_request_go_to_vllm_as_one_request_with_n(monkeypatch):
-    """A run of one Request object (a dataset group) is one vLLM request with n samples; its
-    answers come back to the tickets in order, beside single requests; with parallel sampling off
-    every ticket is its own request."""
-    from colocate.engine.vllm import sample_runs
-    group, other = Request(prompt_ids=[5, 40], max_new_tokens=3), Request(prompt_ids=[5, 50], max_new_tokens=3)
-    requests = [group] * 4 + [other] + [group] * 2 + [Request(prompt_ids=[5, 40], max_new_tokens=3)]
-    assert [n for _, n in sample_runs(requests)] == [4, 1, 2, 1]  # equal but distinct objects stay apart
-    for parallel, vllm_requests in ((True, 4), (False, 8)):
-        engine = _streaming_engine(monkeypatch, seed=4)
-        engine.parallel_sampling = parallel
-        tickets = engine.submit(requests)
-        assert len(engine.llm.running) == vllm_requests
-        got = dict(engine.poll(wait_all=True))
-        assert sorted(got) == tickets and engine.counters["requests"] == 8
-        answers = [got[t].token_ids for t in tickets]
-        if parallel:
-            assert answers == [[41, i, EOS] for i in range(4)] + [[51, 0, EOS]] + [[41, i, EOS] for i in range(2)] + [
-                [41, 0, EOS]]
-        else:
-            assert answers == [[r.prompt_ids[-1] + 1, 0, EOS] for r in requests]
-        assert engine.counters["prompt_tokens"] == 16 and engine.counters["cached_prompt_tokens"] == 8
 
 
 def test_vllm_poll_wait_all_and_no_update_while_streaming(monkeypatch):

@@ -95,22 +95,9 @@ def lora_spec_for(cfg, tokenizer) -> LoraSpec:
 
 # ---------------------------------------------------------------------------------- requests
 
-def sample_runs(requests: list[Request]) -> list[tuple[Request, int]]:
-    """Consecutive requests that are one object -> (request, count). A dataset group's samples are
-    one Request: they go to vLLM as one request with n = count (its parallel sampling: the prompt
-    is processed and sent once, the n answers come back together in index order)."""
-    runs: list[list] = []
-    for r in requests:
-        if runs and runs[-1][0] is r:
-            runs[-1][1] += 1
-        else:
-            runs.append([r, 1])
-    return [(r, n) for r, n in runs]
-
-
-def sampling_kwargs(request: Request, eos_id: int, n: int = 1) -> dict:
-    """SamplingParams fields for `n` samples of one request (its grammar goes in `structured_outputs`)."""
-    kw = dict(n=n, temperature=request.temperature, max_tokens=request.max_new_tokens, logprobs=0,
+def sampling_kwargs(request: Request, eos_id: int) -> dict:
+    """SamplingParams fields for one request (its grammar goes in `structured_outputs`)."""
+    kw = dict(n=1, temperature=request.temperature, max_tokens=request.max_new_tokens, logprobs=0,
               flat_logprobs=True, detokenize=False)
     if request.constraint is not None and not request.constraint.slots:
         kw.update(max_tokens=1, allowed_token_ids=[eos_id])  # nothing to choose: only EOS
@@ -170,7 +157,6 @@ class VLLMEngine(Engine):
         self.spec, self.eos_id, self.lora_mode, self.grammar_mode = spec, eos_id, s.lora_mode, s.grammar_mode
         self.inflight = s.update == "inflight"  # adapter updates may land under running requests
         self.max_num_seqs, self.profile_dir, self.version = s.max_num_seqs, s.profile_dir, 0
-        self.parallel_sampling = s.parallel_sampling
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._reported = dict(self.counters)
         self._pending: dict[str, tuple[int, Request, int]] = {}  # vLLM request id -> (ticket, request, version)
@@ -294,30 +280,24 @@ class VLLMEngine(Engine):
         if self._pending:
             return self._generate_beside(requests)
         t0 = time.perf_counter()
-        runs = self._runs(requests)
-        prompts, params = self._params(runs)
+        prompts, params = self._params(requests)
         t1 = time.perf_counter()
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         t2 = time.perf_counter()
-        completions = [c for out, (r, n) in zip(outputs, runs) for c in self._completions(out, r, n)]
+        completions = [self._completion(out, r) for out, r in zip(outputs, requests)]
         self.counters["requests"] += len(requests)
         self.counters["host_s"] += (t1 - t0) + (time.perf_counter() - t2)
         self.counters["generate_s"] += t2 - t1
         return completions
 
     # -- streaming (the rollout worker with rollout.stream) -----------------------------------------
-    def _runs(self, requests: list[Request]) -> list[tuple[Request, int]]:
-        """vLLM requests for `requests`: a run of one Request object is one request with n samples
-        (`sample_runs`), unless the settings turned parallel sampling off."""
-        return sample_runs(requests) if self.parallel_sampling else [(r, 1) for r in requests]
-
-    def _params(self, runs: list[tuple[Request, int]]) -> tuple[list[dict], list]:
-        """Prompts and SamplingParams for `runs` (one grammar string per distinct Constraint)."""
+    def _params(self, requests: list[Request]) -> tuple[list[dict], list]:
+        """Prompts and SamplingParams for `requests` (one grammar string per distinct Constraint)."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
         grammars: dict[int, str] = {}
         prompts, params = [], []
-        for r, n in runs:
+        for r in requests:
             structured = None
             if r.constraint is not None and r.constraint.slots:
                 key = id(r.constraint)
@@ -325,7 +305,7 @@ class VLLMEngine(Engine):
                     grammars[key] = constraint_grammar(r.constraint, self.grammar_mode)
                 structured = StructuredOutputsParams(grammar=grammars[key])
             prompts.append({"prompt_token_ids": r.prompt_ids, **self._cache_salt()})
-            params.append(SamplingParams(**sampling_kwargs(r, self.eos_id, n), structured_outputs=structured))
+            params.append(SamplingParams(**sampling_kwargs(r, self.eos_id), structured_outputs=structured))
         return prompts, params
 
     def _cache_salt(self) -> dict:
@@ -351,18 +331,15 @@ class VLLMEngine(Engine):
         if not requests:
             return []
         t0 = time.perf_counter()
-        runs = self._runs(requests)
-        prompts, params = self._params(runs)
+        prompts, params = self._params(requests)
         ids = self.llm.enqueue(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         tickets = list(range(self._next_ticket, self._next_ticket + len(requests)))
         self._next_ticket += len(requests)
         if not self._pending:
             self._busy_since = t0  # the engine works from the first submit until the last answer
-        first = 0
-        for rid, (r, n) in zip(ids, runs):
+        for rid, ticket, r in zip(ids, tickets, requests):
             # outputs carry the id the LLM numbered the request with; vLLM appends "-<random>" inside
-            self._pending[rid.split("-", 1)[0]] = (tickets[first:first + n], r, self.version)
-            first += n
+            self._pending[rid.split("-", 1)[0]] = (ticket, r, self.version)
         self.counters["host_s"] += time.perf_counter() - t0
         return tickets
 
@@ -384,29 +361,21 @@ class VLLMEngine(Engine):
         t1 = time.perf_counter()
         out = []
         for o in finished:
-            tickets, r, version = self._pending.pop(o.request_id)
-            out.extend(zip(tickets, self._completions(o, r, len(tickets), version)))
+            ticket, r, version = self._pending.pop(o.request_id)
+            out.append((ticket, self._completion(o, r, version)))
         self.counters["host_s"] += time.perf_counter() - t1
-        self.counters["requests"] += len(out)
+        self.counters["requests"] += len(finished)
         if not self._pending:
             self.counters["generate_s"] += time.perf_counter() - self._busy_since
         return out
 
-    def _completions(self, out, request: Request, n: int, version: int | None = None) -> list[Completion]:
-        """The `n` answers of one finished vLLM request, in sample order."""
-        if len(out.outputs) != n:
-            raise RuntimeError(f"vLLM answered {len(out.outputs)} samples of a request that asked for {n}")
-        # vLLM counts cached prompt tokens once per request: with n samples, the one that finished last
-        cached = (getattr(out, "num_cached_tokens", None) or 0) * n
-        self.counters["cached_prompt_tokens"] += cached
-        return [self._completion(o, request, version) for o in out.outputs]
-
-    def _completion(self, output, request: Request, version: int | None = None) -> Completion:
+    def _completion(self, out, request: Request, version: int | None = None) -> Completion:
         """`version`: the one at submit (streamed); the answer's last token is no newer than now."""
         first = self.version if version is None else version
-        completion, counts = completion_from_output(output, request, first, self.eos_id)
+        completion, counts = completion_from_output(out.outputs[0], request, first, self.eos_id)
         completion.last_version = self.version
         self.counters["prompt_tokens"] += len(request.prompt_ids)
+        self.counters["cached_prompt_tokens"] += getattr(out, "num_cached_tokens", None) or 0
         self.counters["out_tokens"] += len(completion.token_ids)
         for k, v in counts.items():
             self.counters[k] += v

@@ -50,8 +50,6 @@ class VLLMSettings:
     profile_steps: int = _M.profile_engine_steps
     update: str = _R.update
     """`rollout.update`: inflight lets adapter updates land under running requests."""
-    parallel_sampling: bool = _E.parallel_sampling
-    """A group's samples of one prompt go to vLLM as one request with n samples (`vllm.sample_runs`)."""
 
     def replace(self, **changes) -> "VLLMSettings":
         return dataclasses.replace(self, **changes)
@@ -113,8 +111,7 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
-                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
-                parallel_sampling=cfg.engine.parallel_sampling)
+                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
