@@ -25,7 +25,8 @@
 #            FLAME_DELAY s (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg);
 #            FLAME_SET adds overrides ("--engine.lora_mode=merged ..."), FLAME_FORMAT flamegraph.sh's --format
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
-#            picks its --sides (default vllm,ours); dsroll05 the same at the 0.5B shape
+#            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
+#            dsroll05 the same at the 0.5B shape
 # SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain (no GPU:
 # CUDA_VISIBLE_DEVICES empty), pinned to cores SOAK_CORES (default 6-15) while the chain keeps
 # CHAIN_CORES (0-5); SOAK_1, SOAK_2, ... run more soaks at once (SOAK_1_CORES, ... pin each apart),
@@ -103,9 +104,11 @@ step() {  # one step of the chain, by name
             --learner.num_steps="${FLAME_STEPS:-40}" --checkpoint.enabled=false --metrics.run_dir=$GS/run-flame \
             ${FLAME_SET:-} ;;
     dsroll) with_memory dsroll timeout 1500 python3 scripts/benchmark.py --profile dataset_rollout \
-            --sides "${DSROLL_SIDES:-vllm,ours}" --out "$GS/dataset-rollout.json" ;;
+            --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
+            --out "$GS/dataset-rollout.json" ;;
     dsroll05) with_memory dsroll05 timeout 900 python3 scripts/benchmark.py --profile dataset_rollout \
-            --sides "${DSROLL_SIDES:-vllm,ours}" --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
+            --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
+            --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
     *) echo "== unknown step $1" >> "$GS/chain.log" ;;
   esac
 }
