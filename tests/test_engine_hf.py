@@ -90,6 +90,17 @@ def test_group_advantages_normalize_per_key():
     # a uniform group of a reward that binary floating point cannot hold: still exactly 0
     assert sum(0.7 for _ in range(6)) / 6 != 0.7
     assert group_advantages([Sample([1], c, 0.7, "c") for _ in range(6)]) == [0.0] * 6
+    # a key without anchors: each sample is its own group's mean
+    assert group_advantages([Sample([1], c, 3.0, "d", is_anchor=False), Sample([1], c, 1.0, "a")]) == [0.0, 0.0]
+
+
+def test_host_tensor_is_torch_tensor():
+    """A batch's host lists become tensors through numpy: same dtype and values as torch.tensor."""
+    from colocate.data import host_tensor
+    for values, dtype in (([5, 151_000, 0], torch.int32), ([], torch.int32), ([-0.5, -12.25, 0.0], torch.float32),
+                          ([True, False, True], torch.bool)):
+        got, want = host_tensor(values, dtype), torch.tensor(values, dtype=dtype)
+        assert got.dtype == want.dtype and torch.equal(got, want)
 
 
 def test_temperature_zero_is_greedy_and_ignores_the_seed(tiny_tokenizer, tiny_policy):
