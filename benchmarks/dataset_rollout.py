@@ -11,7 +11,7 @@ has one), unconstrained answers up to 500 tokens, temperature 1.
          requests, engine, decoding, rewards), the engine sized as configs/gpu-gsm8k.yaml with the
          same max_model_len / max_num_seqs / memory fraction
   vllm_logprobs  plain vLLM asking what ours asks (the sampled token's log-prob after temperature,
-         `logprobs_mode="processed_logprobs"`, no detokenizing): what ours's asks cost vLLM alone
+         `logprobs_mode="processed_logprobs"`, no detokenizing): what ours asks costs vLLM alone
   vllm_ours_args  vllm_logprobs with our engine's `LLM` arguments (`llm_arguments`): what our
          engine settings cost without our loop around the engine
   ours+NAME  ours with the config overrides of `--variant NAME:section.key=value,...`
