@@ -165,10 +165,10 @@ def shard_batch(batch: TrajectoryBatch, num_shards: int) -> list[TrajectoryBatch
     return [batch.select(list(range(bounds[i], bounds[i + 1]))) for i in range(num_shards)]
 
 
-def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.tensor(values, dtype=dtype)` for a flat list of numbers, by way of numpy: ~3.5x faster
-    for a batch's 10^5 tokens (a batch is built after its last answer, while the learner waits)."""
-    return torch.from_numpy(np.asarray(values, dtype=torch.empty((), dtype=dtype).numpy().dtype))
+def host_tensor(values: list, dtype) -> torch.Tensor:
+    """A flat list of numbers as a tensor of numpy `dtype`: ~3.5x faster than `torch.tensor` for a
+    batch's 10^5 tokens (a batch is built after its last answer, while the learner waits)."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype))
 
 
 def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBatch:
@@ -197,15 +197,15 @@ def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBat
         for i, a in enumerate(allowed):
             allowed_t[i, : len(a)] = torch.tensor(a, dtype=torch.int32)
     return TrajectoryBatch(
-        tokens=host_tensor(tokens, torch.int32),
+        tokens=host_tensor(tokens, np.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         prompt_lens=torch.tensor(prompt_lens, dtype=torch.int32),
-        behaviour_logprobs=host_tensor(logprobs, torch.float32),
+        behaviour_logprobs=host_tensor(logprobs, np.float32),
         advantages=torch.tensor(advantages, dtype=torch.float32),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         versions=torch.tensor(versions, dtype=torch.int32),
         allowed_ids=allowed_t,
-        loss_mask=host_tensor(loss_mask, torch.bool) if masked else None,
+        loss_mask=host_tensor(loss_mask, np.bool_) if masked else None,
     )
 
 

@@ -96,10 +96,13 @@ def test_group_advantages_normalize_per_key():
 
 def test_host_tensor_is_torch_tensor():
     """A batch's host lists become tensors through numpy: same dtype and values as torch.tensor."""
+    import numpy as np
+
     from colocate.data import host_tensor
-    for values, dtype in (([5, 151_000, 0], torch.int32), ([], torch.int32), ([-0.5, -12.25, 0.0], torch.float32),
-                          ([True, False, True], torch.bool)):
-        got, want = host_tensor(values, dtype), torch.tensor(values, dtype=dtype)
+    for values, np_dtype, dtype in (([5, 151_000, 0], np.int32, torch.int32), ([], np.int32, torch.int32),
+                                    ([-0.5, -12.25, 0.0], np.float32, torch.float32),
+                                    ([True, False, True], np.bool_, torch.bool)):
+        got, want = host_tensor(values, np_dtype), torch.tensor(values, dtype=dtype)
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
