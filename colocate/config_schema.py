@@ -14,6 +14,7 @@ MODEL_SHAPES = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b")  # keys of colocate.models
 DTYPES = ("float32", "bfloat16")
 ENGINE_KINDS = ("auto", "hf", "vllm")
 LORA_MODES = ("slot", "merged")
+LOGPROB_KERNELS = ("ours", "vllm")
 CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
 ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by path, "my_pkg.my_env:MyEnv"
 CHAT_TEMPLATES = ("auto", "none")
@@ -100,6 +101,10 @@ class EngineConfig:
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
     update (no LoRA kernels; keeps a copy of the adapted base weights; bf16 rounds away updates
     below half an ulp of W0, see engine/vllm_worker.py)."""
+    logprob_kernel: str = "ours"
+    """vLLM: what computes the sampled token's log-prob in vLLM's sampler. ours: one read of the
+    logits spread over the GPU (`colocate.kernels.sampled_logprob`); vllm: vLLM's own (one program
+    per sequence, three reads). Same values up to float rounding (tested)."""
     validate_grammars: bool = True
     """vLLM: let vLLM's client check every request's grammar with llguidance before queueing it.
     false skips that host time: our grammars are generated and tested, and the engine core

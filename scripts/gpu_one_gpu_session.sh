@@ -27,6 +27,8 @@
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
 #            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
 #            dsroll05 the same at the 0.5B shape
+#   logprob  the sampled-token log-prob kernel: its GPU parity test (against vLLM's sampler function
+#            too) and `--profile logprob` (vLLM's against ours, device ms per decode step)
 # SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain (no GPU:
 # CUDA_VISIBLE_DEVICES empty), pinned to cores SOAK_CORES (default 6-15) while the chain keeps
 # CHAIN_CORES (0-5); SOAK_1, SOAK_2, ... run more soaks at once (SOAK_1_CORES, ... pin each apart),
@@ -109,6 +111,9 @@ step() {  # one step of the chain, by name
     dsroll05) with_memory dsroll05 timeout 900 python3 scripts/benchmark.py --profile dataset_rollout \
             --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
             --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
+    logprob) with_memory logprob-test timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/test_sampled_logprob.py
+          with_memory logprob timeout 300 python3 scripts/benchmark.py --profile logprob --out "$GS/logprob.json" ;;
     *) echo "== unknown step $1" >> "$GS/chain.log" ;;
   esac
 }

@@ -79,19 +79,21 @@ def test_sampling_kwargs():
 
 def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg):
     """config -> engine_settings -> VLLMEngine -> the kwargs `vllm.LLM` receives (a stand-in vllm
-    module records them): CUDA graphs up to the step's token budget, the configured graph mode."""
+    module records them): CUDA graphs up to the step's token budget, the configured graph mode; the
+    worker is asked to use our log-prob kernel unless `engine.logprob_kernel=vllm`."""
     import dataclasses
     import sys
     import types
     from colocate.engine.vllm import VLLMEngine
-    seen = {}
+    seen, calls = {}, []
 
     class LLM:
         def __init__(self, **kwargs):
             seen.update(kwargs)
 
         def collective_rpc(self, method, args=()):
-            return [{"method": method}]
+            calls.append(method)
+            return ["ours"] if method == "colocate_use_logprob_kernel" else [{"method": method}]
 
     lora_request = types.ModuleType("vllm.lora.request")
     lora_request.LoRARequest = lambda **kw: SimpleNamespace(**kw)
@@ -108,9 +110,13 @@ def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg)
     assert compilation["cudagraph_mode"] == "FULL" and seen["max_num_batched_tokens"] == 1024
     assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings.max_num_seqs, 1024)
     assert compilation["cudagraph_capture_sizes"][-1] == 1024 and engine.slot_info["method"] == "colocate_init_adapter"
-    # max_capture_tokens 0: decode sizes only
-    VLLMEngine("/nowhere", spec, 2, settings.replace(max_capture_tokens=0, cudagraph_mode=""))
+    assert engine.logprob_kernel == "ours" and calls.count("colocate_use_logprob_kernel") == 1
+    # max_capture_tokens 0: decode sizes only; vLLM's own log-probs
+    calls.clear()
+    engine = VLLMEngine("/nowhere", spec, 2, settings.replace(max_capture_tokens=0, cudagraph_mode="",
+                                                              logprob_kernel="vllm"))
     assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings.max_num_seqs)}
+    assert engine.logprob_kernel == "vllm" and "colocate_use_logprob_kernel" not in calls
 
 
 def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):

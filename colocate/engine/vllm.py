@@ -6,7 +6,8 @@ What it does beyond `LLM.generate`:
     generation `replay_allowed` walks `ConstraintState` over the sampled ids to rebuild
     `Completion.allowed_ids` (the learner restricts its softmax to them) and checks the walk;
   * log-probs are `logprobs_mode="processed_logprobs"`: after temperature and the grammar mask, i.e.
-    what the learner computes over `allowed_ids`;
+    what the learner computes over `allowed_ids`; with `logprob_kernel="ours"` the sampler computes
+    them with our one-read kernel (`vllm_logprobs.py`) instead of vLLM's own;
   * `lora_mode="slot"`: the adapter sits in one pinned LoRA slot and is overwritten in place, from
     an NCCL broadcast of learner rank 0 (`vllm_channel.py`) or from tensors (`load_lora`); no files
     (`vllm_worker.py`). Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache
@@ -177,6 +178,9 @@ class VLLMEngine(Engine):
         with engine_environment(gpu):
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
+        self.logprob_kernel = "vllm"
+        if s.logprob_kernel == "ours":  # every worker the same: the first one's answer stands for all
+            self.logprob_kernel = self.llm.collective_rpc("colocate_use_logprob_kernel")[0]
         self.slot_info = self._init_adapter(s.lora_rank, s.lora_alpha / s.lora_rank)
         self._lora_request = self._make_lora_request()
 

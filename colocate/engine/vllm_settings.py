@@ -39,6 +39,8 @@ class VLLMSettings:
     grammar_mode: str = "tokens"
     """Token-id grammars (`vllm_grammar.py`); text grammars are for measurements."""
     validate_grammars: bool = _E.validate_grammars
+    logprob_kernel: str = _E.logprob_kernel
+    """ours or vllm (config `engine.logprob_kernel`)."""
     async_scheduling: bool | None = None
     """None: vLLM's default."""
     max_num_batched_tokens: int = _E.max_num_batched_tokens
@@ -111,7 +113,8 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
-                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update)
+                cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
+                logprob_kernel=cfg.engine.logprob_kernel)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:

@@ -256,6 +256,11 @@ class ColocateWorkerExtension:
         return {"slot": None, "numel": spec.numel, "lora_dtype": str(self.colocate_slot.staged.dtype),
                 "modules": len({p[0] for p in plan}), "base_copy_gib": need / 2**30}
 
+    def colocate_use_logprob_kernel(self) -> str:
+        """Our sampled-token log-prob kernel in this worker's sampler (`vllm_logprobs.py`)."""
+        from colocate.engine.vllm_logprobs import install
+        return install()
+
     def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 900.0) -> str:
         self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device, timeout_s=timeout_s)
         return str(self.device)
