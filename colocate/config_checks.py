@@ -72,6 +72,7 @@ _RANGES = {
     ("env", "max_operand"): (lambda v: v >= 1, "must be >= 1 (operands are drawn from 0..max_operand)"),
     ("env", "horizon_years"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "stall_years"): (lambda v: v >= 1, "must be >= 1"),
+    ("env", "prefetch_prompts"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 builds prompts when their group starts)"),
     ("env", "reward_workers"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 computes rewards inline)"),
     ("env", "max_reward_errors"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "overlong_buffer"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no length penalty)"),

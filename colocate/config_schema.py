@@ -168,6 +168,10 @@ class EnvConfig:
     reward_workers: int = 0
     """dataset: threads that compute rewards while the rollout keeps feeding the engine (for slow
     functions: judges, sandboxes); 0 computes them inline when a group's completions are in."""
+    prefetch_prompts: int = 64
+    """dataset: prompt token ids (chat template and tokenizer) built ahead, for the next this many rows
+    of the epoch's order, by one background thread while the engine decodes; 0 builds each when its
+    group starts, on the thread that feeds the engine."""
     max_reward_errors: int = 100
     """dataset: a reward function that raises or returns the wrong length, NaN or None scores that
     sample 0 and is counted (`rollout/reward_errors`); this many bad samples in a row stop the run."""

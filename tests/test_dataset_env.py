@@ -93,6 +93,23 @@ def test_epochs_reshuffle_and_resume_restores_the_position(tiny_tokenizer, tmp_p
     assert first[:5] != first[5:] + after[:3]  # epoch 1 is another permutation than epoch 0
 
 
+def test_prefetched_prompts_are_the_same_prompts_in_the_same_order(tiny_tokenizer, tmp_path):
+    """env.prefetch_prompts: built ahead on the prompt thread, across an epoch's end and a resume
+    mid-epoch, the groups get the prompts (and the env the position) they get without it."""
+    engine = ScriptedEngine(tiny_tokenizer, true_sum)
+    plain = make_env(tiny_tokenizer, tmp_path, n=5, group_size=2, seed=3)
+    ahead = make_env(tiny_tokenizer, tmp_path, n=5, group_size=2, seed=3, prefetch_prompts=3)
+    for groups in (range(3), range(3, 8)):  # the second call crosses into epoch 1
+        assert [ids_of(s) for s in play(ahead, engine, groups)] == [ids_of(s) for s in play(plain, engine, groups)]
+        assert ahead.state_dict() == plain.state_dict()
+    assert ahead._ahead, "the next rows are queued"
+    state = plain.state_dict()
+    for env in (plain, ahead):
+        play(env, engine, range(20, 22))  # moves on; the resume goes back
+        env.load_state_dict(state)
+    assert [ids_of(s) for s in play(ahead, engine, range(8, 12))] == [ids_of(s) for s in play(plain, engine, range(8, 12))]
+
+
 def test_rewards_on_threads_give_the_inline_result(tiny_tokenizer, tmp_path):
     engine = ScriptedEngine(tiny_tokenizer, lambda p, t: true_sum(p) if "add 1" not in p else " 0")
     inline = play(make_env(tiny_tokenizer, tmp_path), engine, range(5))

@@ -4,7 +4,10 @@ The files (json / jsonl / parquet / csv) are loaded with Hugging Face `datasets`
 them once into Arrow files under `model.cache_dir` and memory-maps them: every inference rank reads
 the same pages from the page cache instead of holding its own copy, and a row is only materialized
 when its group starts. Each group is G samples of one prompt (GRPO's group); the prompt's token ids
-are computed once per group (`colocate.chat`: raw text or the chat template).
+are computed once per group (`colocate.chat`: raw text or the chat template), ahead of time by one
+background thread for the next `env.prefetch_prompts` rows of the order (the thread that feeds the
+engine then only picks them up; every prompt is built on that one thread, so the tokenizer is
+never called from two at once), or when the group starts with 0.
 
 Order: each epoch is a permutation of the rows seeded by (rank seed, epoch); the position in it is
 the env's resume state, so a resumed run continues with the prompt it would have drawn next.
@@ -158,7 +161,8 @@ class Group:
 class DatasetEnv(Env):
     def __init__(self, tokenizer, rows, rewards: RewardSet, *, group_size: int, prompt_column: str,
                  max_new_tokens: int, temperature: float, seed: int, chat: ChatFormat | None = None,
-                 eval_rows=None, reward_workers: int = 0, choices: list[str] | None = None):
+                 eval_rows=None, reward_workers: int = 0, choices: list[str] | None = None,
+                 prefetch_prompts: int = 0):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
         self.tokenizer, self.rows, self.rewards, self.eval_rows = tokenizer, rows, rewards, eval_rows
@@ -177,6 +181,9 @@ class DatasetEnv(Env):
         self._done: dict[int, list[Sample]] = {}
         self._pool = ThreadPoolExecutor(reward_workers, thread_name_prefix="colocate-reward") \
             if reward_workers > 0 else None
+        self.prefetch_prompts = prefetch_prompts
+        self._prompts = ThreadPoolExecutor(1, thread_name_prefix="colocate-prompts") if prefetch_prompts > 0 else None
+        self._ahead: dict[int, Future] = {}         # row index -> its prompt ids, being built
         self._counts = dict.fromkeys(("completions", "tokens", "truncated"), 0)
         self.dropped: dict[str, float] = {}  # rows dropped when opened (env.bad_rows=skip), by reason
 
@@ -192,7 +199,8 @@ class DatasetEnv(Env):
         made = cls(tokenizer, rows, rewards, choices=choices,
                    group_size=cfg.rollout.group_size, prompt_column=env.prompt_column,
                    max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
-                   chat=chat, eval_rows=eval_rows, reward_workers=env.reward_workers)
+                   chat=chat, eval_rows=eval_rows, reward_workers=env.reward_workers,
+                   prefetch_prompts=env.prefetch_prompts)
         made.dropped = {**{f"dropped/{r}": float(n) for r, n in scan.counts.items()},
                         **{f"dropped_eval/{r}": float(n) for r, n in eval_scan.counts.items()}}
         return made
@@ -209,12 +217,28 @@ class DatasetEnv(Env):
 
     def next_row(self) -> dict:
         """The next row of this epoch's order (a new epoch reshuffles)."""
+        return self.rows[self._next_index()]
+
+    def _next_index(self) -> int:
         if self.position >= len(self._order):
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
-        row = self.rows[self._order[self.position]]
+        index = self._order[self.position]
         self.position += 1
-        return row
+        return index
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        """Row `index`'s prompt ids (prefetched, or built now), then the next rows' queued."""
+        if self._prompts is None:
+            return self.chat.ids(self.rows[index][self.prompt_column])
+        future = self._ahead.pop(index, None) or self._prompts.submit(self._build_ids, index)
+        for pos in range(self.position, min(self.position + self.prefetch_prompts, len(self._order))):
+            if self._order[pos] not in self._ahead:  # this epoch's order only: the next one is not drawn yet
+                self._ahead[self._order[pos]] = self._prompts.submit(self._build_ids, self._order[pos])
+        return future.result()
+
+    def _build_ids(self, index: int) -> list[int]:
+        return self.chat.ids(self.rows[index][self.prompt_column])
 
     def state_dict(self) -> dict:
         """Epoch and position in its order (groups still in play when a checkpoint is taken restart
@@ -226,13 +250,15 @@ class DatasetEnv(Env):
             raise ValueError(f"the checkpoint's dataset had {state['rows']} rows, this one {len(self.rows)}")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
+        self._ahead.clear()  # prefetched for the old position
 
     # ------------------------------------------------------------------ Env protocol
 
     def start_group(self, group_id: int) -> None:
-        row = self.next_row()
+        index = self._next_index()
+        row = self.rows[index]
         prompt = row[self.prompt_column]
-        request = Request(prompt_ids=self.chat.ids(prompt), max_new_tokens=self.max_new_tokens,
+        request = Request(prompt_ids=self._prompt_ids(index), max_new_tokens=self.max_new_tokens,
                           temperature=self.temperature, constraint=self.constraint)
         columns = {k: v for k, v in row.items() if k != self.prompt_column}
         self._groups[group_id] = Group(prompt, request, columns)
