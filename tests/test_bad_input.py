@@ -62,6 +62,7 @@ CONFIG_CASES = [
     ("cudagraph mode", None, ["--engine.cudagraph_mode=SOMETIMES"], "engine.cudagraph_mode"),
     ("max_capture_tokens negative", None, ["--engine.max_capture_tokens=-1"], "engine.max_capture_tokens"),
     ("batched tokens negative", None, ["--engine.max_num_batched_tokens=-1"], "engine.max_num_batched_tokens"),
+    ("logprob kernel", None, ["--engine.logprob_kernel=triton"], "engine.logprob_kernel"),
     # env
     ("env name", None, ["--env.name=chess"], "env.name"),
     ("max_operand negative", None, ["--env.max_operand=-1"], "env.max_operand"),
@@ -108,6 +109,7 @@ CONFIG_CASES = [
      "env.reward_weights"),
     ("max reward errors 0", None, ["--env.max_reward_errors=0"], "env.max_reward_errors"),
     ("reward workers negative", None, ["--env.reward_workers=-1"], "env.reward_workers"),
+    ("prefetch prompts negative", None, ["--env.prefetch_prompts=-1"], "env.prefetch_prompts"),
     ("custom env missing", None, ["--env.name=no_such_pkg.envs:MyEnv"], "cannot import 'no_such_pkg.envs'"),
     ("custom env not an Env", None, ["--env.name=colocate.rewards:RewardSet"], "not a subclass"),
     ("chat template", None, ["--model.chat_template=chatml"], "model.chat_template"),
