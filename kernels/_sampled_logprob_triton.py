@@ -18,7 +18,7 @@ def _blocks(logits_ptr, stride, token_ptr, max_ptr, sum_ptr, count_ptr, vocab, n
     m = tl.max(x, axis=0)
     shift = tl.where(m == float("-inf"), 0.0, m)  # a block of only -inf: every exp is 0
     s = tl.sum(tl.exp(x - shift), axis=0)
-    n = tl.sum((x >= chosen).to(tl.int32), axis=0)
+    n = tl.sum(((x >= chosen) & (cols < vocab)).to(tl.int32), axis=0)  # not the -inf padding
     out = row * num_blocks + blk
     tl.store(max_ptr + out, m)
     tl.store(sum_ptr + out, s)
@@ -42,7 +42,10 @@ def _combine(logits_ptr, stride, token_ptr, max_ptr, sum_ptr, count_ptr, logprob
 
 
 def launch(logits: torch.Tensor, token_ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    assert logits.dim() == 2 and logits.stride(1) == 1, "rows of contiguous logits"
+    if logits.dim() != 2:
+        raise ValueError(f"sampled_logprob: logits must be [B, V], got {tuple(logits.shape)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     rows, vocab = logits.shape
     num_blocks = triton.cdiv(vocab, block)
     token_ids = token_ids.reshape(-1).to(torch.int64).contiguous()

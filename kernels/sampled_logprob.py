@@ -3,9 +3,9 @@
 What vLLM's sampler returns when a request asks `logprobs=0` (the engine's behaviour log-prob):
   logprob[b] = x[b, t_b] - logsumexp(x[b, :])        rank[b] = #{v : x[b, v] >= x[b, t_b]}
 vLLM 0.25's V2 sampler computes them with one program per row (`_topk_log_softmax_kernel`, two
-passes over the row, then `_ranks_kernel`, a third): 128 programs, each reading its 152,064
-logits three times in turn, leave most of an H100 idle for ~0.3 ms per decode step at B = 128.
-Here the row is cut into blocks of `BLOCK` logits, one program each (B x V / BLOCK programs):
+passes over the row, then `_ranks_kernel`, a third), so a decode step's few rows read the whole
+vocabulary three times on a few SMs while the rest of the GPU idles (figures: profiles/README.md,
+`--profile logprob`). Here the row is cut into blocks of `BLOCK` logits, one program each (B x V / BLOCK programs):
 each reads its block once and writes its max, its sum of exp(x - max) and its count of logits at
 or above the sampled one; `_combine` folds a row's blocks into its logsumexp and rank.
 

@@ -6,11 +6,16 @@ The kernel runs under Triton's interpreter in a subprocess (the interpreter is c
 on CUDA, compiled at the real shape; both against float64 from the same float32 logits, and on
 CUDA against vLLM's own `compute_topk_logprobs` where vLLM is installed.
 
-Tolerance, from the arithmetic: the kernel sums V float32 exponentials (each within one rounding,
-eps = 2**-24 relative, of its value) in a tree of depth <= log2(V), so the sum is within
-(log2(V) + 2) eps relative, its log within that absolutely; the max, the subtraction and the
-logit add at most 3 roundings of the largest magnitude involved. Ranks are counts of the same
-float32 comparisons: exact.
+Tolerance, from the arithmetic (eps = 2**-24, float32's relative rounding):
+  * each exponential exp(x - m): the argument rounds by eps |x - m| <= 2 eps max|x|, and the
+    GPU's approximate exp adds up to 2 eps relative (PTX ex2.approx: 2 ulp);
+  * the sum: Triton adds each thread's BLOCK / (32 * 8 warps) = 16 values in sequence, then a tree
+    over the 256 threads (8 levels), then the fold over the row's blocks (log2 of their number):
+    at most (16 + 8 + log2(V / BLOCK) + 1) eps relative, and its log that much absolutely;
+  * the max, the log and the two subtractions: 4 roundings of at most max|x| + log(V).
+vLLM's own sums each thread's 149 values of a 152,064-wide row in sequence (blocks of 1,024 over
+128 threads): its bound has V / 1,024 in place of 16 (`vllm_tolerance`).
+Ranks are counts of the same float32 comparisons: exact.
 """
 import json
 import math
@@ -28,9 +33,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS = 2.0 ** -24
 
 
-def tolerance(logits: torch.Tensor) -> float:
+def tolerance(logits: torch.Tensor, sequential: float = BLOCK / 256) -> float:
     finite = logits[torch.isfinite(logits)]
-    return (math.log2(logits.shape[1]) + 2) * EPS + 3 * EPS * float(finite.abs().max())
+    largest = float(finite.abs().max())
+    vocab = logits.shape[1]
+    summed = sequential + 8 + math.log2(max(vocab / BLOCK, 1)) + 1
+    return (summed + 2) * EPS + 2 * EPS * largest + 4 * EPS * (largest + math.log(vocab))
+
+
+def vllm_tolerance(logits: torch.Tensor) -> float:
+    return tolerance(logits, sequential=math.ceil(logits.shape[1] / 1024))
 
 
 def float64_truth(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +67,8 @@ def cases(device: str = "cpu") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     ties = torch.zeros(2, BLOCK + 9)
     ties[:, ::3] = 1.0
     out["ties"] = (ties, torch.tensor([3, 1]))  # rank counts every logit at or above the sampled one
+    # a sampled id the mask had ruled out (a NaN row upstream): log-prob -inf, rank V (not the padding)
+    out["sampled_masked"] = (masked[:1].clone(), torch.tensor([5]))
     out["no_rows"] = (torch.zeros(0, 100), torch.zeros(0, dtype=torch.long))
     return {k: (x.to(device), i.to(device)) for k, (x, i) in out.items()}
 
@@ -63,8 +77,11 @@ def check(name: str, logits, ids, logprobs, ranks) -> None:
     truth_lp, truth_rank = float64_truth(logits.cpu(), ids.cpu())
     assert logprobs.dtype == torch.float32 and ranks.dtype == torch.int64, name
     assert logprobs.shape == ranks.shape == ids.shape, name
-    if ids.numel():
-        assert float((logprobs.cpu().double() - truth_lp).abs().max()) <= tolerance(logits.cpu()), name
+    ours = logprobs.cpu().double()
+    assert torch.equal(torch.isneginf(ours), torch.isneginf(truth_lp)), name
+    finite = torch.isfinite(truth_lp)
+    if finite.any():
+        assert float((ours[finite] - truth_lp[finite]).abs().max()) <= tolerance(logits.cpu()), name
     assert torch.equal(ranks.cpu(), truth_rank), name
 
 
@@ -73,10 +90,11 @@ def test_reference_matches_float64():
         check(name, logits, ids, *sampled_logprob_reference(logits, ids))
 
 
-def test_masked_single_token_is_certain():
+def test_masked_single_token_is_certain(interpreted):
     logits, ids = cases()["masked"]
-    logprobs, ranks = sampled_logprob_reference(logits, ids)
-    assert logprobs[2] == 0 and ranks[2] == 1
+    for logprobs, ranks in (sampled_logprob_reference(logits, ids), interpreted["masked"]):
+        assert logprobs[2] == 0 and ranks[2] == 1  # exp(0) / exp(0): exact in any float
+    assert interpreted["sampled_masked"][1].tolist() == [logits.shape[1]]
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +134,12 @@ def fake_vllm(monkeypatch, with_sampler: bool = True) -> types.SimpleNamespace:
 def test_install_takes_sampled_only_requests_and_hands_on_the_rest(monkeypatch):
     from colocate.engine import vllm_logprobs
     fake = fake_vllm(monkeypatch)
-    assert vllm_logprobs.install() == "ours"
+    v2 = "vllm.v1.worker.gpu.model_runner"
+    assert vllm_logprobs.install("vllm.v1.worker.gpu_model_runner") == "vllm"  # the V1 runner: left alone
+    assert not hasattr(fake.sampler.compute_topk_logprobs, "colocate_original")
+    assert vllm_logprobs.install(v2) == "ours"
     patched = fake.sampler.compute_topk_logprobs
-    assert vllm_logprobs.install() == "ours" and fake.sampler.compute_topk_logprobs is patched  # not wrapped twice
+    assert vllm_logprobs.install(v2) == "ours" and fake.sampler.compute_topk_logprobs is patched  # not wrapped twice
     logits, ids = cases()["ragged_last_block"]
     out = patched(logits, 0, ids, [0, 1, 2, 3, 4], logprob_token_ids_state=None, max_per_req_token_ids=0)
     truth_lp, truth_rank = float64_truth(logits, ids)
@@ -130,12 +151,15 @@ def test_install_takes_sampled_only_requests_and_hands_on_the_rest(monkeypatch):
     assert patched(logits, 5, ids, None, max_per_req_token_ids=0) == "vllm's"
     assert patched(logits, 0, ids, None, max_per_req_token_ids=2) == "vllm's"
     assert [c[0][1] for c in fake.calls] == [5, 0] and fake.calls[1][1] == {"max_per_req_token_ids": 2}
+    # a call this wrapper was not written for (another argument): vLLM's own, untouched
+    assert patched(logits, 0, ids, None, logits_mode="raw") == "vllm's"
+    assert patched(logits, 0, ids, None, "extra") == "vllm's" and len(fake.calls) == 4
 
 
 def test_install_without_a_v2_sampler_leaves_vllm_alone(monkeypatch):
     from colocate.engine import vllm_logprobs
     fake_vllm(monkeypatch, with_sampler=False)
-    assert vllm_logprobs.install() == "vllm"
+    assert vllm_logprobs.install("vllm.v1.worker.gpu.model_runner") == "vllm"
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -154,10 +178,10 @@ def test_cuda_kernel_matches_float64_and_vllm():
     try:
         from vllm.v1.worker.gpu.sample.logprob import compute_topk_logprobs
     except ImportError:
-        return
+        pytest.skip("the kernel matched float64; vLLM is not installed to compare with its function")
     theirs = compute_topk_logprobs(logits, 0, ids)
     assert torch.equal(theirs.selected_token_ranks, ranks)
-    assert float((theirs.logprobs.squeeze(1) - logprobs).abs().max()) <= 2 * tolerance(logits)
+    assert float((theirs.logprobs.squeeze(1) - logprobs).abs().max()) <= tolerance(logits) + vllm_tolerance(logits)
 
 
 if __name__ == "__main__":  # the interpreter subprocess

@@ -181,6 +181,9 @@ class VLLMEngine(Engine):
         self.logprob_kernel = "vllm"
         if s.logprob_kernel == "ours":  # every worker the same: the first one's answer stands for all
             self.logprob_kernel = self.llm.collective_rpc("colocate_use_logprob_kernel")[0]
+            print(f"colocate: engine.logprob_kernel=ours: the sampler's log-probs come from "
+                  f"{'our kernel' if self.logprob_kernel == 'ours' else 'vLLM (no V2 model runner to patch)'}",
+                  flush=True)
         self.slot_info = self._init_adapter(s.lora_rank, s.lora_alpha / s.lora_rank)
         self._lora_request = self._make_lora_request()
 

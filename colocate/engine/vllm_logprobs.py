@@ -13,16 +13,31 @@ vLLM's shapes and dtypes; vLLM's function is the reference of the parity test
 from __future__ import annotations
 
 SAMPLER_MODULE = "vllm.v1.worker.gpu.sample.sampler"
+HANDLED_KEYWORDS = {"cu_num_logits", "logprob_token_ids_state", "expanded_idx_mapping", "max_per_req_token_ids"}
+"""vLLM 0.25's keywords; a call with any other goes to vLLM's own function."""
+
+
+def sampled_only_call(args: tuple, kwargs: dict):
+    """(logits, sampled ids, cu_num_logits) of a `compute_topk_logprobs` call that asks only the
+    sampled token's log-prob, as vLLM 0.25's sampler calls it; None for any other call."""
+    if not 3 <= len(args) <= 4 or not set(kwargs) <= HANDLED_KEYWORDS:
+        return None
+    named = dict(zip(("logits", "num_logprobs", "sampled_token_ids", "cu_num_logits"), args)) | kwargs
+    if named["num_logprobs"] != 0 or named.get("max_per_req_token_ids", 0):
+        return None  # top-k log-probs or custom token ids
+    return named["logits"], named["sampled_token_ids"], named.get("cu_num_logits")
 
 
 def sampled_only(original):
     """vLLM's `compute_topk_logprobs` -> the same function, with our kernel for `num_logprobs=0`."""
     from colocate.kernels.sampled_logprob import sampled_logprob
 
-    def compute_topk_logprobs(logits, num_logprobs, sampled_token_ids, cu_num_logits=None, **kwargs):
-        if num_logprobs != 0 or kwargs.get("max_per_req_token_ids", 0):
-            return original(logits, num_logprobs, sampled_token_ids, cu_num_logits, **kwargs)
+    def compute_topk_logprobs(*args, **kwargs):
+        call = sampled_only_call(args, kwargs)
+        if call is None:
+            return original(*args, **kwargs)
         from vllm.v1.outputs import LogprobsTensors
+        logits, sampled_token_ids, cu_num_logits = call
         logprobs, ranks = sampled_logprob(logits, sampled_token_ids)
         return LogprobsTensors(logprob_token_ids=sampled_token_ids.unsqueeze(-1), logprobs=logprobs.unsqueeze(-1),
                                selected_token_ranks=ranks, cu_num_generated_tokens=cu_num_logits)
@@ -30,10 +45,13 @@ def sampled_only(original):
     return compute_topk_logprobs
 
 
-def install() -> str:
-    """Put `sampled_only` in vLLM's sampler; returns what computes the log-probs now ("ours", or
-    "vllm" where this vLLM has no V2 sampler to patch)."""
+def install(runner_module: str) -> str:
+    """Put `sampled_only` in vLLM's sampler when the worker runs the V2 model runner (module
+    `runner_module`, under vllm.v1.worker.gpu.); returns what computes the log-probs now: "ours",
+    or "vllm" (the V1 runner, or a vLLM without the V2 sampler)."""
     import importlib
+    if not runner_module.startswith("vllm.v1.worker.gpu."):
+        return "vllm"
     try:
         sampler = importlib.import_module(SAMPLER_MODULE)
     except ImportError:

@@ -259,7 +259,7 @@ class ColocateWorkerExtension:
     def colocate_use_logprob_kernel(self) -> str:
         """Our sampled-token log-prob kernel in this worker's sampler (`vllm_logprobs.py`)."""
         from colocate.engine.vllm_logprobs import install
-        return install()
+        return install(type(self.model_runner).__module__)
 
     def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 900.0) -> str:
         self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device, timeout_s=timeout_s)

@@ -6,8 +6,10 @@ the same pages from the page cache instead of holding its own copy, and a row is
 when its group starts. Each group is G samples of one prompt (GRPO's group); the prompt's token ids
 are computed once per group (`colocate.chat`: raw text or the chat template), ahead of time by one
 background thread for the next `env.prefetch_prompts` rows of the order (the thread that feeds the
-engine then only picks them up; every prompt is built on that one thread, so the tokenizer is
-never called from two at once), or when the group starts with 0.
+engine then only picks them up), or when the group starts with 0. Training prompts are built on
+that one thread; the reward threads' decoding and `evaluate`'s prompts may use the tokenizer at
+the same time, which read-only calls of a fast tokenizer allow (nothing here changes its
+truncation or padding).
 
 Order: each epoch is a permutation of the rows seeded by (rank seed, epoch); the position in it is
 the env's resume state, so a resumed run continues with the prompt it would have drawn next.
@@ -250,7 +252,9 @@ class DatasetEnv(Env):
             raise ValueError(f"the checkpoint's dataset had {state['rows']} rows, this one {len(self.rows)}")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
-        self._ahead.clear()  # prefetched for the old position
+        for future in self._ahead.values():  # prefetched for the old position
+            future.cancel()
+        self._ahead.clear()
 
     # ------------------------------------------------------------------ Env protocol
 
