@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import median_time
+from benchmarks.common import gpu_time_ms, median_time
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 LOSS_KW = dict(temperature=1.0, eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA)
@@ -96,23 +96,6 @@ def restore(x, pristine, inplace=True):
     if inplace:
         with torch.no_grad():
             x.copy_(pristine)
-
-
-def gpu_time_ms(step, setup, iters):
-    """Median device ms of `step()` between two CUDA events, with the host running ahead as in a
-    training step: `setup()` (the untimed restore copy) is enqueued without a sync, so the Python
-    launch overhead of `step` overlaps that copy instead of leaving the GPU idle inside the events."""
-    times = []
-    for i in range(iters + 3):
-        setup()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return round(sorted(times)[len(times) // 2], 3)
 
 
 def measure(loss_fn, x, pristine, inplace, iters):

@@ -229,11 +229,12 @@ class DatasetEnv(Env):
         self.position += 1
         return index
 
-    def _prompt_ids(self, index: int) -> list[int]:
-        """Row `index`'s prompt ids (prefetched, or built now), then the next rows' queued."""
+    def _prompt_ids(self, index: int, prompt) -> list[int]:
+        """Row `index`'s prompt ids (prefetched, or built now from its `prompt`), then the next
+        rows' queued."""
         if self._prompts is None:
-            return self.chat.ids(self.rows[index][self.prompt_column])
-        future = self._ahead.pop(index, None) or self._prompts.submit(self._build_ids, index)
+            return self.chat.ids(prompt)
+        future = self._ahead.pop(index, None) or self._prompts.submit(self.chat.ids, prompt)
         for pos in range(self.position, min(self.position + self.prefetch_prompts, len(self._order))):
             if self._order[pos] not in self._ahead:  # this epoch's order only: the next one is not drawn yet
                 self._ahead[self._order[pos]] = self._prompts.submit(self._build_ids, self._order[pos])
@@ -262,7 +263,7 @@ class DatasetEnv(Env):
         index = self._next_index()
         row = self.rows[index]
         prompt = row[self.prompt_column]
-        request = Request(prompt_ids=self._prompt_ids(index), max_new_tokens=self.max_new_tokens,
+        request = Request(prompt_ids=self._prompt_ids(index, prompt), max_new_tokens=self.max_new_tokens,
                           temperature=self.temperature, constraint=self.constraint)
         columns = {k: v for k, v in row.items() if k != self.prompt_column}
         self._groups[group_id] = Group(prompt, request, columns)
