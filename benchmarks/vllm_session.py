@@ -196,7 +196,7 @@ def connect_sender(engine, spec):
 def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.85, max_loras: int = 2, lora_b_std: float = 0.02,
                  cache_dir: str = "", lora_mode: str = "slot", async_scheduling: bool | None = None,
-                 trace_dir: str = "", engine_kw: dict | None = None, one_gpu: bool = False) -> Session:
+                 trace_dir: str = "", compile_kw: dict | None = None, one_gpu: bool = False) -> Session:
     from colocate.config import load_config
     from colocate.engine.model_dir import ensure_model_dir
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
@@ -220,7 +220,7 @@ def open_session(shape: str, *, max_num_seqs: int = 512, max_model_len: int = 10
                             gpu_memory_utilization=gpu_memory_utilization, lora_rank=cfg.lora.rank,
                             lora_alpha=cfg.lora.alpha, max_loras=max_loras, lora_mode=lora_mode,
                             async_scheduling=async_scheduling, profile_dir=trace_dir, profile_steps=TRACE_STEPS,
-                            **(engine_kw or {}))
+                            **(compile_kw or {}))
     engine = VLLMEngine(model_dir, spec, tokenizer.eos_token_id, settings, gpu=0 if one_gpu else 1)
     figures["engine/startup_s"] = engine.startup_s
     log(f"{shape}: engine up in {engine.startup_s:.0f}s, slot {engine.slot_info}")
@@ -256,16 +256,16 @@ def run_parts(s: Session, parts: dict[str, Part], figures: dict, deadline: float
 
 def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, num_seqs: int = 512,
                 lora_mode: str = "slot", async_scheduling: bool | None = None, trace: Part | None = None,
-                trace_dir: str = "", engine_kw: dict | None = None, one_gpu: bool = False) -> dict:
+                trace_dir: str = "", compile_kw: dict | None = None, one_gpu: bool = False) -> dict:
     """Open one engine for `shape`, run `parts` in their order (of priority), then `trace` when
     `trace_dir` is set (last: vLLM's engine stays slower after its profiler window)."""
     deadline = time.time() + budget_s
     # merged keeps a copy of the adapted base weights; one GPU also holds the learner's policy
     share = (0.85 if lora_mode == "slot" else 0.75) - (0.4 if one_gpu else 0.0)
     s = open_session(shape, max_num_seqs=max(num_seqs, 64), lora_mode=lora_mode, gpu_memory_utilization=share,
-                     async_scheduling=async_scheduling, trace_dir=trace_dir, engine_kw=engine_kw, one_gpu=one_gpu)
+                     async_scheduling=async_scheduling, trace_dir=trace_dir, compile_kw=compile_kw, one_gpu=one_gpu)
     figures = dict(s.figures)
-    figures["engine/settings"] = dict(engine_kw or {})  # graphs, KV cache type
+    figures["engine/compilation"] = dict(compile_kw or {})
     figures["engine/lora_mode"] = lora_mode
     figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
     run_parts(s, parts, figures, deadline)
@@ -283,7 +283,7 @@ def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, 
 
 # -- the `sync` and `rollout` profiles share one session and one argument list --------------------
 def add_session_args(parser, *, others: str) -> None:
-    from colocate.config_schema import CUDAGRAPH_MODES, KV_CACHE_DTYPES
+    from colocate.config_schema import CUDAGRAPH_MODES
     parser.add_argument("--shape", default="7b", choices=("0.5b", "7b", "tiny"))
     parser.add_argument("--learner-device", default="cuda:0", help="cpu: dry run against a stand-in vllm")
     parser.add_argument("--iters", type=int, default=10, help="sync iterations")
@@ -298,7 +298,6 @@ def add_session_args(parser, *, others: str) -> None:
                         help="engine.cudagraph_mode (default: vLLM's FULL_AND_PIECEWISE)")
     parser.add_argument("--max-capture-tokens", type=int, default=2048,
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="engine.kv_cache_dtype")
     parser.add_argument("--one-gpu", action="store_true",
                         help="the engine shares cuda:0 with the learner; the adapter goes by CUDA IPC")
     parser.add_argument("--trace-dir", default="",
@@ -322,8 +321,8 @@ def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: 
                           num_seqs=args.num_seqs, lora_mode=args.lora_mode,
                           async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                           trace=trace, trace_dir=args.trace_dir,
-                          engine_kw={"cudagraph_mode": args.cudagraph_mode, "max_capture_tokens": args.max_capture_tokens,
-                                     "kv_cache_dtype": args.kv_cache_dtype}, one_gpu=args.one_gpu)
+                          compile_kw={"cudagraph_mode": args.cudagraph_mode,
+                                      "max_capture_tokens": args.max_capture_tokens}, one_gpu=args.one_gpu)
     return split(figures)
 
 

@@ -15,7 +15,6 @@ DTYPES = ("float32", "bfloat16")
 ENGINE_KINDS = ("auto", "hf", "vllm")
 LORA_MODES = ("slot", "merged")
 LOGPROB_KERNELS = ("ours", "vllm")
-KV_CACHE_DTYPES = ("auto", "fp8")
 CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
 ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by path, "my_pkg.my_env:MyEnv"
 CHAT_TEMPLATES = ("auto", "none")
@@ -106,11 +105,6 @@ class EngineConfig:
     """vLLM: what computes the sampled token's log-prob in vLLM's sampler. ours: one read of the
     logits spread over the GPU (`colocate.kernels.sampled_logprob`); vllm: vLLM's own (one program
     per sequence, three reads). Same values up to float rounding (tested)."""
-    kv_cache_dtype: str = "auto"
-    """vLLM: the KV cache's element type. auto: the model's (bf16); fp8: e4m3 with scale 1, half the
-    bytes per cached token (decode steps read half the KV; twice the tokens fit). The sampler's
-    log-probs stay those of the tokens it drew, so the importance ratio and `loss.tis_cap` stay
-    exact; the learner's bf16 forward sits further from the sampler's (profiles: log-prob parity)."""
     validate_grammars: bool = True
     """vLLM: let vLLM's client check every request's grammar with llguidance before queueing it.
     false skips that host time: our grammars are generated and tested, and the engine core

@@ -27,8 +27,6 @@
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
 #            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
 #            dsroll05 the same at the 0.5B shape
-#   parity   vLLM's sampled-token log-probs against the learner's at the 7B shape, both on the GPU (the sync
-#            profile's parity part, LoRA slot), once per KV cache type in PARITY_KV (default "auto fp8")
 #   logprob  the sampled-token log-prob kernel: its GPU parity test (against vLLM's sampler function
 #            too) and `--profile logprob` (vLLM's against ours, device ms per decode step)
 # SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain (no GPU:
@@ -113,10 +111,6 @@ step() {  # one step of the chain, by name
     dsroll05) with_memory dsroll05 timeout 900 python3 scripts/benchmark.py --profile dataset_rollout \
             --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
             --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
-    parity) for kv in ${PARITY_KV:-auto fp8}; do
-              with_memory "parity-$kv" timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
-                --iters 3 --also parity --kv-cache-dtype "$kv" --budget-s 400 --out "$GS/parity-7b-$kv.json"
-            done ;;
     logprob) with_memory logprob-test timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
             tests/test_sampled_logprob.py
           with_memory logprob timeout 300 python3 scripts/benchmark.py --profile logprob --out "$GS/logprob.json" ;;
@@ -167,17 +161,6 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "dataset-rollout*.json"))
     for side, d in detail.items():
         print(f"{'':<28} {side:<14} {d['out_tokens_per_s']:>10.0f} {d.get('engine_ms_per_step', 0):>8.2f} "
               f"{d.get('engine_steps_per_round', 0):>6.0f} {d.get('outside_engine_s', 0):>10.3f}")
-
-
-def leaves(d, prefix=""):
-    for k, v in d.items():
-        yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
-
-
-for path in sorted(glob.glob(os.path.join(sys.argv[1], "parity-*.json"))):
-    for key, v in leaves(json.load(open(path))):
-        if key.endswith(("mean_abs_diff", "/tokens", "/error")):
-            print(f"{os.path.basename(path):<22} {key:<56} {v}")
 PY
 }
 

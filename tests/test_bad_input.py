@@ -63,7 +63,6 @@ CONFIG_CASES = [
     ("max_capture_tokens negative", None, ["--engine.max_capture_tokens=-1"], "engine.max_capture_tokens"),
     ("batched tokens negative", None, ["--engine.max_num_batched_tokens=-1"], "engine.max_num_batched_tokens"),
     ("logprob kernel", None, ["--engine.logprob_kernel=triton"], "engine.logprob_kernel"),
-    ("KV cache type", None, ["--engine.kv_cache_dtype=fp16"], "engine.kv_cache_dtype"),
     # env
     ("env name", None, ["--env.name=chess"], "env.name"),
     ("max_operand negative", None, ["--env.max_operand=-1"], "env.max_operand"),

@@ -50,22 +50,6 @@ def test_engine_settings_from_config(tiny_cfg):
     assert env_facts(dip) == {"prompt_bound": 1536, "requests_per_group": 8 * 7}
 
 
-def test_kv_cache_dtype_reaches_vllm(tiny_cfg):
-    """`engine.kv_cache_dtype` goes from the config to `vllm.LLM`'s kv_cache_dtype: the model's own
-    type unless fp8 is asked for; anything else is a config error naming the key."""
-    import dataclasses
-
-    from colocate.config import ConfigError, load_config
-    from colocate.engine.vllm_settings import llm_arguments
-    facts = {"prompt_bound": 64, "requests_per_group": 8}
-    assert llm_arguments("m", engine_settings(tiny_cfg, 1, seed=0, **facts))["kv_cache_dtype"] == "auto"
-    fp8 = dataclasses.replace(tiny_cfg, engine=dataclasses.replace(tiny_cfg.engine, kv_cache_dtype="fp8"))
-    kw = llm_arguments("m", engine_settings(fp8, 1, seed=0, **facts))
-    assert kw["kv_cache_dtype"] == "fp8" and kw["logprobs_mode"] == "processed_logprobs"
-    with pytest.raises(ConfigError, match="engine.kv_cache_dtype"):
-        load_config("configs/cpu-tiny.yaml", {"engine": {"kv_cache_dtype": "int4"}})
-
-
 def test_engine_args_refused_before_vllm_starts():
     from colocate.engine.vllm_settings import check_engine_args
     check_engine_args("slot")

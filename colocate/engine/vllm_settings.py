@@ -41,8 +41,6 @@ class VLLMSettings:
     validate_grammars: bool = _E.validate_grammars
     logprob_kernel: str = _E.logprob_kernel
     """ours or vllm (config `engine.logprob_kernel`)."""
-    kv_cache_dtype: str = _E.kv_cache_dtype
-    """auto or fp8 (config `engine.kv_cache_dtype`)."""
     async_scheduling: bool | None = None
     """None: vLLM's default."""
     max_num_batched_tokens: int = _E.max_num_batched_tokens
@@ -116,7 +114,7 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
                 cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
-                logprob_kernel=cfg.engine.logprob_kernel, kv_cache_dtype=cfg.engine.kv_cache_dtype)
+                logprob_kernel=cfg.engine.logprob_kernel)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
@@ -173,7 +171,7 @@ def llm_arguments(model_dir: str, s: VLLMSettings) -> dict:
     kw = dict(model=model_dir, tokenizer=model_dir, max_num_seqs=s.max_num_seqs, dtype=s.dtype, seed=s.seed,
               max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
               enforce_eager=s.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
-              kv_cache_dtype=s.kv_cache_dtype, logprobs_mode="processed_logprobs", structured_outputs_config={"backend": "guidance"},
+              logprobs_mode="processed_logprobs", structured_outputs_config={"backend": "guidance"},
               compilation_config=compilation_settings(s.max_num_seqs, s.max_num_batched_tokens, s.max_capture_tokens,
                                                       s.cudagraph_mode),
               worker_extension_cls=WORKER_EXTENSION)
