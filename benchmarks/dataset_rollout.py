@@ -128,7 +128,7 @@ def side_ours(args) -> dict:
                            "engine_steps": engine.counters["steps"] - before["steps"],
                            "prompt_tokens_mean": float(batch.prompt_lens.float().mean()),
                            "sequences": batch.num_sequences})
-    return summarize(rounds)
+    return summarize(rounds) | {"logprob_calls": engine.logprob_calls()}
 
 
 def side_vllm(args, logprobs: bool, ours_args: bool = False) -> dict:

@@ -27,8 +27,11 @@
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
 #            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
 #            dsroll05 the same at the 0.5B shape
+#   parity   vLLM's sampled-token log-probs against the learner's at the 7B shape, both on the GPU (the sync
+#            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot)
 #   logprob  the sampled-token log-prob kernel: its GPU parity test (against vLLM's sampler function
-#            too) and `--profile logprob` (vLLM's against ours, device ms per decode step)
+#            too) and `--profile logprob` (vLLM's against ours, device ms per decode step); lpcalls: only
+#            the test that a running engine's sampler calls reach the kernel
 # SOAK="ARGS" runs `scripts/benchmark.py --profile soak ARGS` on the CPU beside the chain (no GPU:
 # CUDA_VISIBLE_DEVICES empty), pinned to cores SOAK_CORES (default 6-15) while the chain keeps
 # CHAIN_CORES (0-5); SOAK_1, SOAK_2, ... run more soaks at once (SOAK_1_CORES, ... pin each apart),
@@ -111,8 +114,12 @@ step() {  # one step of the chain, by name
     dsroll05) with_memory dsroll05 timeout 900 python3 scripts/benchmark.py --profile dataset_rollout \
             --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
             --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
+    parity) with_memory parity timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
+              --iters 3 --also parity --budget-s 400 --out "$GS/parity-7b.json" ;;
+    lpcalls) with_memory lpcalls timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider \
+              "tests/test_vllm_gpu.py::test_running_engine_takes_log_probs_from_our_kernel" ;;
     logprob) with_memory logprob-test timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
-            tests/test_sampled_logprob.py
+            tests/test_sampled_logprob.py "tests/test_vllm_gpu.py::test_running_engine_takes_log_probs_from_our_kernel"
           with_memory logprob timeout 300 python3 scripts/benchmark.py --profile logprob --out "$GS/logprob.json" ;;
     *) echo "== unknown step $1" >> "$GS/chain.log" ;;
   esac
@@ -160,7 +167,18 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "dataset-rollout*.json"))
     print(f"{os.path.basename(path):<28} {'side':<14} {'out tok/s':>10} {'ms/step':>8} {'steps':>6} {'outside s':>10}")
     for side, d in detail.items():
         print(f"{'':<28} {side:<14} {d['out_tokens_per_s']:>10.0f} {d.get('engine_ms_per_step', 0):>8.2f} "
-              f"{d.get('engine_steps_per_round', 0):>6.0f} {d.get('outside_engine_s', 0):>10.3f}")
+              f"{d.get('engine_steps_per_round', 0):>6.0f} {d.get('outside_engine_s', 0):>10.3f} {d.get('logprob_calls', '')}")
+
+
+def leaves(d, prefix=""):
+    for k, v in d.items():
+        yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+
+
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "parity-*.json"))):
+    for key, v in leaves(json.load(open(path))):
+        if key.endswith(("mean_abs_diff", "/tokens", "/error")):
+            print(f"{os.path.basename(path):<22} {key:<56} {v}")
 PY
 }
 

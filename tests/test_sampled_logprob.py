@@ -134,6 +134,7 @@ def fake_vllm(monkeypatch, with_sampler: bool = True) -> types.SimpleNamespace:
 def test_install_takes_sampled_only_requests_and_hands_on_the_rest(monkeypatch):
     from colocate.engine import vllm_logprobs
     fake = fake_vllm(monkeypatch)
+    monkeypatch.setattr(vllm_logprobs, "CALLS", {"ours": 0, "vllm": 0})
     v2 = "vllm.v1.worker.gpu.model_runner"
     assert vllm_logprobs.install("vllm.v1.worker.gpu_model_runner") == "vllm"  # the V1 runner: left alone
     assert not hasattr(fake.sampler.compute_topk_logprobs, "colocate_original")
@@ -154,6 +155,7 @@ def test_install_takes_sampled_only_requests_and_hands_on_the_rest(monkeypatch):
     # a call this wrapper was not written for (another argument): vLLM's own, untouched
     assert patched(logits, 0, ids, None, logits_mode="raw") == "vllm's"
     assert patched(logits, 0, ids, None, "extra") == "vllm's" and len(fake.calls) == 4
+    assert vllm_logprobs.calls() == {"ours": 1, "vllm": 4}  # what the worker reports (colocate_logprob_calls)
 
 
 def test_install_without_a_v2_sampler_leaves_vllm_alone(monkeypatch):

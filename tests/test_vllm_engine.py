@@ -93,6 +93,8 @@ def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg)
 
         def collective_rpc(self, method, args=()):
             calls.append(method)
+            if method == "colocate_logprob_calls":  # two workers' counts
+                return [{"ours": 5, "vllm": 0}, {"ours": 4, "vllm": 1}]
             return ["ours"] if method == "colocate_use_logprob_kernel" else [{"method": method}]
 
     lora_request = types.ModuleType("vllm.lora.request")
@@ -111,12 +113,14 @@ def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg)
     assert compilation["cudagraph_capture_sizes"] == capture_sizes(settings.max_num_seqs, 1024)
     assert compilation["cudagraph_capture_sizes"][-1] == 1024 and engine.slot_info["method"] == "colocate_init_adapter"
     assert engine.logprob_kernel == "ours" and calls.count("colocate_use_logprob_kernel") == 1
+    assert engine.logprob_calls() == {"ours": 9, "vllm": 1}  # summed over the workers
     # max_capture_tokens 0: decode sizes only; vLLM's own log-probs
     calls.clear()
     engine = VLLMEngine("/nowhere", spec, 2, settings.replace(max_capture_tokens=0, cudagraph_mode="",
                                                               logprob_kernel="vllm"))
     assert seen["compilation_config"] == {"cudagraph_capture_sizes": capture_sizes(settings.max_num_seqs)}
     assert engine.logprob_kernel == "vllm" and "colocate_use_logprob_kernel" not in calls
+    assert engine.logprob_calls() == {"ours": 0, "vllm": 0} and "colocate_logprob_calls" not in calls
 
 
 def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):

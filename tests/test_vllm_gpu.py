@@ -10,6 +10,7 @@ module; pytest's stays out of it) and checks what that run wrote:
   * session: one engine, the learner's adapter pushed in place -> checksum, slot == received bytes,
     engine bytes == learner bytes; sync faster than the disk path; vLLM's log-probs of constrained
     completions equal the learner's over `allowed_ids` within 0.02 nats, with no replay failure;
+  * log-probs (one GPU): a running engine's sampler calls reach our log-prob kernel, none vLLM's;
   * learning (one GPU): configs/cpu-tiny.yaml with vLLM, both roles on GPU 0 (CUDA IPC), reaches its
     0.9 target with `rollout.update` drain and inflight: an adapter that never reached the engine,
     or reached it wrong under running requests, would leave the reward at chance (1/9).
@@ -131,6 +132,18 @@ def test_session_sync_checksum_and_logprob_parity(tmp_path):
     assert f["parity/free_mean_abs_diff"] <= 0.02 and f["parity_diplomacy/free_mean_abs_diff"] <= 0.02
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # a token that was the only choice has log-prob 0
 
+
+
+def test_running_engine_takes_log_probs_from_our_kernel(tmp_path):
+    """One GPU: in a running engine (the dataset rollout's side `ours`, tiny shape, one round) every
+    sampler log-prob call reaches our kernel and none falls back to vLLM's function: the patch is
+    not only installed but matches the calls vLLM's sampler makes."""
+    out = tmp_path / "dsroll.json"
+    run([sys.executable, "scripts/benchmark.py", "--profile", "dataset_rollout", "--shape", "tiny", "--sides", "ours",
+         "--rounds", "1", "--out", str(out)], timeout=600,
+        env_extra={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]})
+    calls = json.loads(out.read_text())["figures"]["detail"]["ours"]["logprob_calls"]
+    assert calls["ours"] > 0 and calls["vllm"] == 0, calls
 
 
 @pytest.mark.parametrize("update", ["drain", "inflight"])

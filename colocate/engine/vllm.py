@@ -187,6 +187,14 @@ class VLLMEngine(Engine):
         self.slot_info = self._init_adapter(s.lora_rank, s.lora_alpha / s.lora_rank)
         self._lora_request = self._make_lora_request()
 
+    def logprob_calls(self) -> dict[str, int]:
+        """The sampler's log-prob calls since start, summed over the engine's workers: {"ours": served
+        by our kernel, "vllm": handed to vLLM's function} (both 0 with `logprob_kernel=vllm`)."""
+        if self.logprob_kernel != "ours":
+            return {"ours": 0, "vllm": 0}
+        counts = self.llm.collective_rpc("colocate_logprob_calls")
+        return {k: sum(c[k] for c in counts) for k in ("ours", "vllm")}
+
     @classmethod
     def from_config(cls, cfg, topo, tokenizer, *, prompt_bound: int, requests_per_group: int) -> "VLLMEngine":
         """The engine of an inference rank of a torchrun job (its adapter channel is joined after:

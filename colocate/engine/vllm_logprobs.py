@@ -28,6 +28,15 @@ def sampled_only_call(args: tuple, kwargs: dict):
     return named["logits"], named["sampled_token_ids"], named.get("cu_num_logits")
 
 
+CALLS = {"ours": 0, "vllm": 0}
+"""Sampler calls served by our kernel and handed to vLLM's function in this worker since the
+install (`calls`): that the patch is reached in a running engine, not only installed."""
+
+
+def calls() -> dict[str, int]:
+    return dict(CALLS)
+
+
 def sampled_only(original):
     """vLLM's `compute_topk_logprobs` -> the same function, with our kernel for `num_logprobs=0`."""
     from colocate.kernels.sampled_logprob import sampled_logprob
@@ -35,7 +44,9 @@ def sampled_only(original):
     def compute_topk_logprobs(*args, **kwargs):
         call = sampled_only_call(args, kwargs)
         if call is None:
+            CALLS["vllm"] += 1
             return original(*args, **kwargs)
+        CALLS["ours"] += 1
         from vllm.v1.outputs import LogprobsTensors
         logits, sampled_token_ids, cu_num_logits = call
         logprobs, ranks = sampled_logprob(logits, sampled_token_ids)

@@ -261,6 +261,11 @@ class ColocateWorkerExtension:
         from colocate.engine.vllm_logprobs import install
         return install(type(self.model_runner).__module__)
 
+    def colocate_logprob_calls(self) -> dict:
+        """{"ours": n, "vllm": m}: the sampler's log-prob calls each function served in this worker."""
+        from colocate.engine.vllm_logprobs import calls
+        return calls()
+
     def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 900.0) -> str:
         self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device, timeout_s=timeout_s)
         return str(self.device)
