@@ -18,7 +18,8 @@ has one), unconstrained answers up to 500 tokens, temperature 1.
 Each side runs in its own process on GPU 0 (TP 1), one warm-up round, then `--rounds` timed
 rounds. Each round's wall time splits into the engine's span (first request in to last answer
 out; its engine steps) and the host work outside it (ours: prompts before, rewards and the batch
-after). `--model-path` takes a local model; without it the random qwen2.5-7b shape is written once
+after). Ours also records its sampler's log-prob calls by function (`logprob_calls`: our kernel's
+and vLLM's own). `--model-path` takes a local model; without it the random qwen2.5-7b shape is written once
 under the cache (answers then run to the 500-token limit on both sides).
 """
 from __future__ import annotations

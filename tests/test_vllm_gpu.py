@@ -133,7 +133,6 @@ def test_session_sync_checksum_and_logprob_parity(tmp_path):
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # a token that was the only choice has log-prob 0
 
 
-
 def test_running_engine_takes_log_probs_from_our_kernel(tmp_path):
     """One GPU: in a running engine (the dataset rollout's side `ours`, tiny shape, one round) every
     sampler log-prob call reaches our kernel and none falls back to vLLM's function: the patch is
