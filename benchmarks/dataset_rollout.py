@@ -19,8 +19,8 @@ Each side runs in its own process on GPU 0 (TP 1), one warm-up round, then `--ro
 rounds. Each round's wall time splits into the engine's span (first request in to last answer
 out; its engine steps) and the host work outside it (ours: prompts before, rewards and the batch
 after). Ours also records its sampler's log-prob calls by function (`logprob_calls`: our kernel's
-and vLLM's own). `--model-path` takes a local model; without it the random qwen2.5-7b shape is written once
-under the cache (answers then run to the 500-token limit on both sides).
+and vLLM's own). `--model-path` takes a local model; without it the random qwen2.5-7b shape is
+written once under the cache (answers then run to the 500-token limit on both sides).
 """
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .reference import per_token_logprobs
+
 BLOCK = 4096
 
 
@@ -24,9 +26,7 @@ def sampled_logprob_reference(logits: torch.Tensor, token_ids: torch.Tensor) -> 
     """[B, V] float logits, [B] ids -> ([B] float32 log-probs, [B] int64 ranks)."""
     x = logits.float()
     chosen = x.gather(1, token_ids.long().view(-1, 1))
-    logprobs = (chosen - torch.logsumexp(x, dim=-1, keepdim=True)).squeeze(1)
-    ranks = (x >= chosen).sum(dim=-1)
-    return logprobs, ranks
+    return per_token_logprobs(x, token_ids, 1.0), (x >= chosen).sum(dim=-1)
 
 
 def sampled_logprob(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
