@@ -104,5 +104,6 @@ def measure_parity(s: Session, n: int = 64) -> dict:
     out.update(parity_stats("parity_unconstrained", s, ureqs, s.engine.generate(ureqs)))
     out.update({"parity/walk_failures": s.engine.counters["walk_failures"],
                 "parity/eos_appended": s.engine.counters["eos_appended"],
-                "parity/engine_errors": s.engine.counters["engine_errors"]})
+                "parity/engine_errors": s.engine.counters["engine_errors"],
+                "parity/constraint_masks": s.engine.constraint_masks, "parity/masked_rows": s.engine.masked_rows()})
     return out

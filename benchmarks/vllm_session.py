@@ -298,6 +298,8 @@ def add_session_args(parser, *, others: str) -> None:
                         help="engine.cudagraph_mode (default: vLLM's FULL_AND_PIECEWISE)")
     parser.add_argument("--max-capture-tokens", type=int, default=2048,
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
+    parser.add_argument("--constraint-masks", default="vllm", choices=("vllm", "ours"),
+                        help="engine.constraint_masks: vLLM's grammars or our automata on the GPU")
     parser.add_argument("--one-gpu", action="store_true",
                         help="the engine shares cuda:0 with the learner; the adapter goes by CUDA IPC")
     parser.add_argument("--trace-dir", default="",
@@ -322,7 +324,8 @@ def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: 
                           async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                           trace=trace, trace_dir=args.trace_dir,
                           compile_kw={"cudagraph_mode": args.cudagraph_mode,
-                                      "max_capture_tokens": args.max_capture_tokens}, one_gpu=args.one_gpu)
+                                      "max_capture_tokens": args.max_capture_tokens,
+                                      "constraint_masks": args.constraint_masks}, one_gpu=args.one_gpu)
     return split(figures)
 
 

@@ -12,7 +12,7 @@ import math
 import re
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
-                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
+                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
                                     NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
                                     UPDATE_MODES, Config, EnvConfig, RolloutConfig)
 
@@ -28,6 +28,7 @@ _CHOICES = {
     ("engine", "kind"): ENGINE_KINDS,
     ("engine", "lora_mode"): LORA_MODES,
     ("engine", "logprob_kernel"): LOGPROB_KERNELS,
+    ("engine", "constraint_masks"): CONSTRAINT_MASKS,
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
     ("env", "name"): ENV_NAMES,
     ("env", "bad_rows"): BAD_ROWS,

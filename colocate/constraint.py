@@ -10,7 +10,10 @@ is handled without lookahead: both continuations stay allowed.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass
@@ -36,6 +39,13 @@ class Constraint:
                 node[None] = {}
             out.append(root)
         return out
+
+    def table(self) -> "TrieTable":
+        """The constraint as a deterministic automaton (`trie_table`), built once per Constraint."""
+        cached = self.__dict__.get("_table")
+        if cached is None:
+            cached = self.__dict__["_table"] = trie_table(self)
+        return cached
 
 
 class ConstraintState:
@@ -100,3 +110,123 @@ def forced_positions(constraint: Constraint, token_ids: list[int]) -> list[bool]
             break
     return out
 
+
+
+@dataclass(frozen=True)
+class TrieTable:
+    """A Constraint as a deterministic automaton over token ids, in flat int32 arrays (what the
+    vLLM engine's GPU masks walk: `colocate.kernels.trie_mask`). State 0 is the start; state s
+    allows tokens[offsets[s]:offsets[s+1]] (sorted) and moves to targets[...] on each. EOS is an
+    edge like any other, into the state after the end, which has no edges. Each state is one set of
+    `ConstraintState` positions, so the two allow the same tokens after every prefix."""
+    offsets: np.ndarray
+    tokens: np.ndarray
+    targets: np.ndarray
+    eos_id: int
+    key: str
+    """Digest of the three arrays: equal tables share one copy on the GPU."""
+
+    @property
+    def max_degree(self) -> int:
+        return int(np.diff(self.offsets).max())
+
+
+def _positions_after(positions: tuple, token: int, tries: list[dict], eos_id: int) -> tuple | None:
+    """`ConstraintState.advance` on a set of (slot, node) positions; None: the walk is done (EOS)."""
+    nxt: list[tuple[int, dict | None]] = []
+    for slot, node in positions:
+        if node is None:
+            if token == eos_id:
+                return None
+            continue
+        child = node.get(token)
+        if child is None:
+            continue
+        if any(k is not None for k in child):
+            nxt.append((slot, child))
+        if None in child:
+            nxt.append((slot + 1, tries[slot + 1] if slot + 1 < len(tries) else None))
+    return tuple(nxt)
+
+
+def trie_table(constraint: Constraint) -> TrieTable:
+    """Determinize the Constraint's slot tries. Where no choice is a prefix of another in its slot
+    (Diplomacy's order lines) the tries are chained as they are (`_chained_edges`, ~5x faster);
+    otherwise breadth first over `ConstraintState` position sets (`_determinized_edges`)."""
+    edges = _chained_edges(constraint)
+    if edges is None:
+        edges = _determinized_edges(constraint)
+    node, tok, tgt = (np.asarray(a, dtype=np.int32) for a in edges)
+    num_states = int(max(node.max(initial=-1), tgt.max(initial=-1))) + 1
+    order = np.lexsort((tok, node))
+    offsets = np.zeros(num_states + 1, dtype=np.int32)
+    np.cumsum(np.bincount(node, minlength=num_states), out=offsets[1:])
+    arrays = (offsets, tok[order], tgt[order])
+    eos = constraint.eos_id
+    digest = hashlib.blake2b(b"".join(a.tobytes() for a in arrays) + eos.to_bytes(8, "little", signed=True),
+                             digest_size=12).hexdigest()
+    return TrieTable(*arrays, eos_id=eos, key=digest)
+
+
+def _chained_edges(constraint: Constraint) -> tuple[list, list, list] | None:
+    """(state, token, next state) of the slot tries chained end to root, then EOS; None when some
+    choice ends where another of its slot goes on."""
+    node_of, tok_of, next_of = [], [], []
+    base = 0
+    for choices in constraint.slots:
+        children: dict[tuple[int, int], int] = {}  # (local node, token) -> local child, or -1: a choice ends
+        count = 1
+        for seq in choices:
+            node, last = 0, len(seq) - 1
+            for i, t in enumerate(seq):
+                child = children.get((node, t))
+                if i == last:
+                    if child is not None and child >= 0:
+                        return None
+                    children[(node, t)] = -1
+                elif child is None:
+                    child = children[(node, t)] = count
+                    count += 1
+                elif child < 0:
+                    return None
+                node = child
+        for (node, t), child in children.items():
+            node_of.append(base + node)
+            tok_of.append(t)
+            next_of.append(base + count if child < 0 else base + child)  # a choice's end: the next slot's root
+        base += count
+    node_of.append(base)  # every slot filled: EOS, into a state without edges
+    tok_of.append(constraint.eos_id)
+    next_of.append(base + 1)
+    return node_of, tok_of, next_of
+
+
+def _determinized_edges(constraint: Constraint) -> tuple[list, list, list]:
+    """(state, token, next state), each state a set of (slot, node) positions reached breadth first."""
+    tries, eos = constraint.tries(), constraint.eos_id
+    start = ((0, tries[0] if tries else None),)
+    key_of = lambda positions: tuple(sorted((slot, id(node)) for slot, node in positions))  # noqa: E731
+    index, queue = {key_of(start): 0}, [start]
+    node_of, tok_of, next_of = [], [], []
+    done_state = -1
+    for state, positions in enumerate(queue):
+        allowed = set()
+        for _, node in positions:
+            allowed.update([eos] if node is None else (k for k in node if k is not None))
+        for tok in sorted(allowed):
+            nxt = _positions_after(positions, tok, tries, eos)
+            if nxt is None:
+                if done_state < 0:
+                    done_state = len(queue)
+                    queue.append(())
+                target = done_state
+            else:
+                k = key_of(nxt)
+                if k not in index:
+                    index[k] = len(queue)
+                    queue.append(nxt)
+                target = index[k]
+            node_of.append(state)
+            tok_of.append(tok)
+            next_of.append(target)
+    return node_of, tok_of, next_of

@@ -20,7 +20,8 @@
 #   e2e7b    configs/gpu-1-7b.yaml the same
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v")
-#   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight
+#   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
+#            only with engine.constraint_masks=ours)
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
 #            FLAME_DELAY s (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg);
 #            FLAME_SET adds overrides ("--engine.lora_mode=merged ..."), FLAME_FORMAT flamegraph.sh's --format
@@ -28,7 +29,9 @@
 #            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
 #            dsroll05 the same at the 0.5B shape
 #   parity   vLLM's sampled-token log-probs against the learner's at the 7B shape, both on the GPU (the sync
-#            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot)
+#            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot); paritymask: the
+#            same at the 0.5B shape with engine.constraint_masks=ours
+#   masks    the constraint-mask kernel's GPU test (against its PyTorch reference)
 #   logprob  the sampled-token log-prob kernel: its GPU parity test (against vLLM's sampler function
 #            too) and `--profile logprob` (vLLM's against ours, device ms per decode step); lpcalls: only
 #            the test that a running engine's sampler calls reach the kernel
@@ -103,6 +106,8 @@ step() {  # one step of the chain, by name
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
     learn) with_memory learn timeout 2000 python3 -m pytest -q -m gpu -p no:cacheprovider \
             "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu" ;;
+    learnmask) with_memory learnmask timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
+            "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu[drain-ours]" ;;
     flame) with_memory flame timeout 900 bash scripts/flamegraph.sh --delay "${FLAME_DELAY:-150}" --duration 40 \
             --format "${FLAME_FORMAT:-flamegraph}" \
             --out "$GS/flame" -- torchrun --nproc-per-node 2 -m colocate.train --config "${FLAME_CONFIG:-configs/gpu-1.yaml}" \
@@ -116,6 +121,10 @@ step() {  # one step of the chain, by name
             --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
     parity) with_memory parity timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
               --iters 3 --also parity --budget-s 400 --out "$GS/parity-7b.json" ;;
+    paritymask) with_memory paritymask timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu \
+              --shape 0.5b --iters 3 --also parity --budget-s 400 --constraint-masks ours \
+              --out "$GS/parity-05b-masks.json" ;;
+    masks) with_memory masks timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_constraint_masks.py ;;
     lpcalls) with_memory lpcalls timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider \
               "tests/test_vllm_gpu.py::test_running_engine_takes_log_probs_from_our_kernel" ;;
     logprob) with_memory logprob-test timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \

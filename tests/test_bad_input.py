@@ -63,6 +63,7 @@ CONFIG_CASES = [
     ("max_capture_tokens negative", None, ["--engine.max_capture_tokens=-1"], "engine.max_capture_tokens"),
     ("batched tokens negative", None, ["--engine.max_num_batched_tokens=-1"], "engine.max_num_batched_tokens"),
     ("logprob kernel", None, ["--engine.logprob_kernel=triton"], "engine.logprob_kernel"),
+    ("constraint masks", None, ["--engine.constraint_masks=llguidance"], "engine.constraint_masks"),
     # env
     ("env name", None, ["--env.name=chess"], "env.name"),
     ("max_operand negative", None, ["--env.max_operand=-1"], "env.max_operand"),

@@ -12,7 +12,8 @@ module; pytest's stays out of it) and checks what that run wrote:
     completions equal the learner's over `allowed_ids` within 0.02 nats, with no replay failure;
   * log-probs (one GPU): a running engine's sampler calls reach our log-prob kernel, none vLLM's;
   * learning (one GPU): configs/cpu-tiny.yaml with vLLM, both roles on GPU 0 (CUDA IPC), reaches its
-    0.9 target with `rollout.update` drain and inflight: an adapter that never reached the engine,
+    0.9 target with `rollout.update` drain and inflight, and with `engine.constraint_masks: ours`:
+    an adapter that never reached the engine,
     or reached it wrong under running requests, would leave the reward at chance (1/9).
 vLLM is never imported here (only `importlib.util.find_spec`).
 """
@@ -145,12 +146,13 @@ def test_running_engine_takes_log_probs_from_our_kernel(tmp_path):
     assert calls["ours"] > 0 and calls["vllm"] == 0, calls
 
 
-@pytest.mark.parametrize("update", ["drain", "inflight"])
-def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update):
+@pytest.mark.parametrize("update,masks", [("drain", "vllm"), ("inflight", "vllm"), ("drain", "ours")])
+def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update, masks):
     """The GPU learning test: the embedded default on vLLM, both roles on one GPU, 300 steps, must
-    reach env.reward_target (0.9) in both update modes."""
+    reach env.reward_target (0.9) in both update modes, and with our constraint masks."""
     run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "colocate.train",
          "--config", "configs/cpu-tiny.yaml", "--engine.kind=vllm", f"--rollout.update={update}",
+         f"--engine.constraint_masks={masks}",
          f"--model.cache_dir={tmp_path / 'cache'}", f"--metrics.run_dir={tmp_path / 'run'}"], timeout=900,
         env_extra={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]})
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

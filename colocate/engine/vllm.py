@@ -1,8 +1,9 @@
 """vLLM engine (vllm==0.25.0) for inference ranks: one engine per rank, TP=1, engine core in a child.
 
 What it does beyond `LLM.generate`:
-  * constraints become vLLM structured outputs (llguidance, token-id grammars: `vllm_grammar.py`);
-    vLLM masks on its own host threads and the GPU, our Python never touches a logit. After
+  * constraints become vLLM structured outputs (llguidance, token-id grammars: `vllm_grammar.py`;
+    vLLM masks on its own host threads and the GPU), or with `constraint_masks="ours"` automata our
+    kernel walks and applies on the GPU inside vLLM's sampler (`vllm_trie.py`). After
     generation `replay_allowed` walks `ConstraintState` over the sampled ids to rebuild
     `Completion.allowed_ids` (the learner restricts its softmax to them) and checks the walk;
   * log-probs are `logprobs_mode="processed_logprobs"`: after temperature and the grammar mask, i.e.
@@ -43,6 +44,7 @@ from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
 from colocate.engine.vllm_settings import (VLLMSettings, engine_settings, llm_arguments, merged_copy_bytes,
                                             merged_memory_share)
+from colocate.engine.vllm_trie import PAYLOAD_KEY, trie_payload
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
@@ -184,8 +186,20 @@ class VLLMEngine(Engine):
             print(f"colocate: engine.logprob_kernel=ours: the sampler's log-probs come from "
                   f"{'our kernel' if self.logprob_kernel == 'ours' else 'vLLM (no V2 model runner to patch)'}",
                   flush=True)
+        self.constraint_masks = "vllm"
+        if s.constraint_masks == "ours":
+            self.constraint_masks = self.llm.collective_rpc("colocate_use_constraint_masks")[0]
+            print(f"colocate: engine.constraint_masks=ours: constraints are enforced by "
+                  f"{'our automaton kernel' if self.constraint_masks == 'ours' else 'vLLM grammars (no V2 sampler to wrap)'}",
+                  flush=True)
         self.slot_info = self._init_adapter(s.lora_rank, s.lora_alpha / s.lora_rank)
         self._lora_request = self._make_lora_request()
+
+    def masked_rows(self) -> int:
+        """Logit rows our constraint masks served since start, summed over the engine's workers."""
+        if self.constraint_masks != "ours":
+            return 0
+        return sum(self.llm.collective_rpc("colocate_masked_rows"))
 
     def logprob_calls(self) -> dict[str, int]:
         """The sampler's log-prob calls since start, summed over the engine's workers: {"ours": served
@@ -307,20 +321,24 @@ class VLLMEngine(Engine):
 
     # -- streaming (the rollout worker with rollout.stream) -----------------------------------------
     def _params(self, requests: list[Request]) -> tuple[list[dict], list]:
-        """Prompts and SamplingParams for `requests` (one grammar string per distinct Constraint)."""
+        """Prompts and SamplingParams for `requests`: each Constraint as our automaton (its table,
+        built once per Constraint) or as a grammar string (one per distinct Constraint)."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
         grammars: dict[int, str] = {}
         prompts, params = [], []
         for r in requests:
-            structured = None
+            extra = {}
             if r.constraint is not None and r.constraint.slots:
-                key = id(r.constraint)
-                if key not in grammars:
-                    grammars[key] = constraint_grammar(r.constraint, self.grammar_mode)
-                structured = StructuredOutputsParams(grammar=grammars[key])
+                c = r.constraint
+                if self.constraint_masks == "ours":
+                    extra["extra_args"] = {PAYLOAD_KEY: trie_payload(c.table())}
+                else:
+                    if id(c) not in grammars:
+                        grammars[id(c)] = constraint_grammar(c, self.grammar_mode)
+                    extra["structured_outputs"] = StructuredOutputsParams(grammar=grammars[id(c)])
             prompts.append({"prompt_token_ids": r.prompt_ids, **self._cache_salt()})
-            params.append(SamplingParams(**sampling_kwargs(r, self.eos_id), structured_outputs=structured))
+            params.append(SamplingParams(**sampling_kwargs(r, self.eos_id), **extra))
         return prompts, params
 
     def _cache_salt(self) -> dict:

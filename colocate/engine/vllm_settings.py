@@ -41,6 +41,8 @@ class VLLMSettings:
     validate_grammars: bool = _E.validate_grammars
     logprob_kernel: str = _E.logprob_kernel
     """ours or vllm (config `engine.logprob_kernel`)."""
+    constraint_masks: str = _E.constraint_masks
+    """ours or vllm (config `engine.constraint_masks`)."""
     async_scheduling: bool | None = None
     """None: vLLM's default."""
     max_num_batched_tokens: int = _E.max_num_batched_tokens
@@ -114,7 +116,7 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
                 cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
-                logprob_kernel=cfg.engine.logprob_kernel)
+                logprob_kernel=cfg.engine.logprob_kernel, constraint_masks=cfg.engine.constraint_masks)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:

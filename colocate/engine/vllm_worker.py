@@ -266,6 +266,16 @@ class ColocateWorkerExtension:
         from colocate.engine.vllm_logprobs import calls
         return calls()
 
+    def colocate_use_constraint_masks(self) -> str:
+        """Our constraint masks in this worker's sampler (`vllm_trie.py`): "ours", or "vllm"."""
+        from colocate.engine.vllm_trie import install
+        return install(self.model_runner)
+
+    def colocate_masked_rows(self) -> int:
+        """Logit rows our constraint masks served in this worker."""
+        from colocate.engine.vllm_trie import masked_rows
+        return masked_rows(self.model_runner)
+
     def colocate_init_sync(self, host: str, port: int, world_size: int, rank: int, timeout_s: float = 900.0) -> str:
         self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device, timeout_s=timeout_s)
         return str(self.device)

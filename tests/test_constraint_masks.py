@@ -1,0 +1,297 @@
+"""Constraints as automata on the GPU (`engine.constraint_masks: ours`): the table
+(`colocate.constraint.trie_table`), the kernel that walks and applies it
+(`colocate.kernels.trie_mask`) and its place in vLLM's sampler (`colocate.engine.vllm_trie`).
+
+The reference of all three is `ConstraintState`, the HF engine's walk: after every prefix the
+tokens left finite must be exactly the ones it allows (EOS alone once it is done). Masks are exact:
+a logit is kept bit for bit or set to -inf, so every comparison here is equality. The Triton kernel
+runs under the interpreter in a subprocess (the interpreter is chosen when `triton.jit` decorates
+the kernel) against the PyTorch reference on the same inputs.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from colocate.constraint import Constraint, ConstraintState, _chained_edges, trie_table
+from colocate.engine import vllm_trie
+from colocate.kernels.trie_mask import Pool, Requests, advance_and_mask_reference
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+V, EOS = 40, 0
+
+
+def random_constraint(rng: random.Random, prefixes: bool) -> Constraint:
+    """1-4 slots of 1-6 choices of 1-3 tokens; without `prefixes` every choice ends in token V-1
+    (an order line's newline), so none is a prefix of another."""
+    slots = []
+    for _ in range(rng.randint(1, 4)):
+        choices = set()
+        for _ in range(rng.randint(1, 6)):
+            seq = tuple(rng.randint(1, V - 2) for _ in range(rng.randint(1, 3)))
+            choices.add(seq if prefixes else seq + (V - 1,))
+        slots.append([list(c) for c in sorted(choices)])
+    return Constraint(slots=slots, eos_id=EOS)
+
+
+def edges(table, state: int) -> list[int]:
+    return table.tokens[table.offsets[state]:table.offsets[state + 1]].tolist()
+
+
+@pytest.mark.parametrize("prefixes", [False, True])
+def test_table_allows_what_constraint_state_allows(prefixes):
+    rng = random.Random(int(prefixes))
+    for _ in range(200):
+        c = random_constraint(rng, prefixes)
+        table = trie_table(c)
+        for _ in range(10):
+            walk, state = ConstraintState(c), 0
+            while not walk.done:
+                assert edges(table, state) == walk.allowed()
+                tok = rng.choice(walk.allowed())
+                state = int(table.targets[table.offsets[state] + edges(table, state).index(tok)])
+                walk.advance(tok)
+            assert edges(table, state) == []  # after EOS nothing
+
+
+def test_prefix_choices_take_the_determinized_path():
+    c = Constraint(slots=[[[5], [5, 6]], [[7]]], eos_id=EOS)  # "5" ends where "5 6" goes on
+    assert _chained_edges(c) is None
+    table = trie_table(c)
+    after_5 = int(table.targets[table.offsets[0]])
+    assert edges(table, after_5) == [6, 7]  # the longer choice or the next slot
+    assert _chained_edges(Constraint(slots=[[[5, 9], [6, 9]]], eos_id=EOS)) is not None
+
+
+def test_equal_constraints_share_a_key():
+    rng = random.Random(3)
+    a = random_constraint(rng, False)
+    b = Constraint(slots=[[list(s) for s in slot] for slot in a.slots], eos_id=EOS)
+    assert trie_table(a).key == trie_table(b).key
+    assert a.table() is a.table()  # built once per Constraint
+    assert trie_table(Constraint(slots=a.slots, eos_id=EOS + 1)).key != trie_table(a).key
+
+
+# ------------------------------------------------------------------------------ the kernel
+
+def kernel_case(seed: int):
+    """A pool of tables, six request indices (one without a table, one reused with a new epoch) and
+    a walk of 6 steps: (logits per step, rows per step, the pool, the requests at the start, the
+    tokens appended after each step)."""
+    rng = random.Random(seed)
+    tables = [trie_table(random_constraint(rng, bool(i % 2))) for i in range(4)]
+    offsets, tokens, targets, bases = [], [], [], []
+    for t in tables:
+        bases.append((sum(map(len, offsets)), sum(map(len, tokens))))
+        offsets.append(t.offsets), tokens.append(t.tokens), targets.append(t.targets)
+    pool = Pool(*(torch.from_numpy(np.concatenate(a)) for a in (offsets, tokens, targets)))
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    req = Requests(active=i32([1, 1, 1, 1, 0, 1]), eos=i32([EOS] * 6), sbase=i32([bases[i % 4][0] for i in range(6)]),
+                   ebase=i32([bases[i % 4][1] for i in range(6)]), epoch=i32([1, 1, 1, 1, 1, 2]),
+                   state=i32([0, 0, 0, 0, 0, 3]), consumed=i32([0, 0, 0, 0, 0, 9]), seen=i32([0, 0, 0, 0, 0, 1]),
+                   history=torch.zeros(6, 64, dtype=torch.int32), prompt_len=i32([3, 4, 5, 3, 3, 2]),
+                   total_len=i32([3, 4, 5, 3, 3, 2]))
+    return tables, pool, req
+
+
+def run_kernel(fn, seed: int, device: str = "cpu") -> dict:
+    """Drive `fn` (the reference or the kernel) over a walk whose tokens are drawn among the
+    finite logits it left; returns each step's finite columns per row and the final states."""
+    tables, pool, req = kernel_case(seed)
+    pool = Pool(*(t.to(device) for t in (pool.offsets, pool.tokens, pool.targets)))
+    req = Requests(**{k: v.to(device) for k, v in vars(req).items()})
+    rng = torch.Generator().manual_seed(seed)
+    rows_req = torch.tensor([5, 0, -1, 1, 2, 3, 4], dtype=torch.int32, device=device)
+    steps = []
+    for _ in range(6):
+        logits = torch.randn(len(rows_req), V, generator=rng).to(device)
+        before = logits.clone()
+        fn(logits, rows_req, pool, req, max(t.max_degree for t in tables))
+        logits, before = logits.cpu(), before.cpu()
+        finite = torch.isfinite(logits)
+        assert torch.equal(logits[finite], before[finite])  # kept bit for bit
+        steps.append([finite[row].nonzero().flatten().tolist() for row in range(len(rows_req))])
+        for row, r in enumerate(rows_req.tolist()):
+            allowed = steps[-1][row]
+            if r >= 0 and r != 4 and allowed != [EOS]:
+                pick = allowed[int(torch.randint(len(allowed), (1,), generator=rng))]
+                req.history[r, req.total_len[r]] = pick
+                req.total_len[r] += 1
+    return {"steps": steps, "state": req.state.tolist(), "consumed": req.consumed.tolist(),
+            "history": req.history.tolist(), "total_len": req.total_len.tolist()}
+
+
+def reference(logits, rows_req, pool, req, max_degree):
+    advance_and_mask_reference(logits, rows_req, pool, req)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_keeps_what_constraint_state_allows(seed):
+    tables, _, _ = kernel_case(seed)
+    got = run_kernel(reference, seed)
+    rows_req = [5, 0, -1, 1, 2, 3, 4]
+    for r in (0, 1, 2, 3, 5):  # replay each request's drawn tokens through ConstraintState
+        walk = ConstraintState(random_constraint_of(tables, seed, r))
+        tokens = got["history"][r][[3, 4, 5, 3, 3, 2][r]:got["total_len"][r]]
+        for step, tok in enumerate(tokens):
+            assert got["steps"][step][rows_req.index(r)] == walk.allowed()
+            walk.advance(tok)
+    assert got["steps"][0][rows_req.index(-1)] == list(range(V)) and got["steps"][0][rows_req.index(4)] == list(range(V))
+
+
+def random_constraint_of(tables, seed: int, r: int) -> Constraint:
+    rng = random.Random(seed)
+    constraints = [random_constraint(rng, bool(i % 2)) for i in range(4)]
+    return constraints[r % 4]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_interpreted_kernel_matches_reference(interpreted, seed):
+    assert interpreted[str(seed)] == run_kernel(reference, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cuda_kernel_matches_reference(seed):
+    from colocate.kernels.trie_mask import advance_and_mask
+    assert run_kernel(advance_and_mask, seed, "cuda") == run_kernel(reference, seed)
+
+
+# ------------------------------------------------------------------------------ in vLLM's sampler
+
+class FakeSampler:
+    """vLLM's V2 Sampler as `MaskingSampler` sees it: it records what it is handed."""
+
+    def __init__(self):
+        self.added, self.staged, self.seen = [], 0, []
+        self.sampling_states = "vllm's"
+
+    def add_request(self, req_idx, prompt_len, sampling_params):
+        self.added.append(req_idx)
+
+    def apply_staged_writes(self):
+        self.staged += 1
+
+    def __call__(self, logits, input_batch):
+        self.seen.append(logits.clone())
+        return "sampled"
+
+
+def fake_req_states(max_reqs: int, max_len: int) -> types.SimpleNamespace:
+    uva = lambda t: types.SimpleNamespace(gpu=t)  # noqa: E731
+    return types.SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"),
+                                 all_token_ids=uva(torch.zeros(max_reqs, max_len, dtype=torch.int32)),
+                                 prompt_len=uva(torch.zeros(max_reqs, dtype=torch.int32)),
+                                 total_len=uva(torch.zeros(max_reqs, dtype=torch.int32)))
+
+
+def test_masking_sampler_follows_requests_through_steps_reuse_and_a_pool_rebuild():
+    """Requests come and go at vLLM's indices (one without a constraint, one index reused, one
+    preempted and re-added with its outputs as prefill); the pool is small enough to be rebuilt.
+    Each step the rows handed to vLLM's sampler keep exactly what `ConstraintState` allows."""
+    rng = random.Random(7)
+    states = fake_req_states(4, 64)
+    masks = vllm_trie.ConstraintMasks(4, torch.device("cpu"), vllm_trie.TablePool(torch.device("cpu"), 24, 48))
+    inner = FakeSampler()
+    sampler = vllm_trie.MaskingSampler(inner, masks, states)
+    walks: dict[int, ConstraintState | None] = {}
+
+    def add(index: int, constraint: Constraint | None, prompt: int, outputs: list[int] = ()):
+        extra = {vllm_trie.PAYLOAD_KEY: vllm_trie.trie_payload(constraint.table())} if constraint else None
+        sampler.add_request(index, prompt, types.SimpleNamespace(extra_args=extra))
+        states.prompt_len.gpu[index] = prompt
+        states.all_token_ids.gpu[index, prompt:prompt + len(outputs)] = torch.tensor(outputs, dtype=torch.int32)
+        states.total_len.gpu[index] = prompt + len(outputs)
+        walks[index] = ConstraintState(constraint) if constraint else None
+        for tok in outputs:
+            walks[index].advance(tok)
+
+    def step(indices: list[int]):
+        sampler.apply_staged_writes()
+        batch = types.SimpleNamespace(expanded_idx_mapping=torch.tensor(indices, dtype=torch.int32),
+                                      idx_mapping_np=np.array(indices, dtype=np.int32))
+        assert sampler(torch.randn(len(indices), V), batch) == "sampled"
+        logits = inner.seen[-1]
+        for row, i in enumerate(indices):
+            finite = torch.isfinite(logits[row]).nonzero().flatten().tolist()
+            walk = walks[i]
+            if walk is None:
+                assert finite == list(range(V))
+                continue
+            assert finite == (walk.allowed() if not walk.done else [EOS])
+            if not walk.done:
+                tok = rng.choice(finite)
+                walk.advance(tok)
+                states.all_token_ids.gpu[i, states.total_len.gpu[i]] = tok
+                states.total_len.gpu[i] += 1
+
+    constraints = [random_constraint(rng, bool(k % 2)) for k in range(6)]
+    add(0, constraints[0], 5)
+    add(1, constraints[1], 7)
+    add(2, None, 4)
+    for _ in range(3):
+        step([0, 1, 2])
+    add(1, constraints[2], 3)  # index 1 reused by a new request
+    add(3, constraints[3], 6)
+    for _ in range(3):
+        step([3, 0, 1])
+    walk = ConstraintState(constraints[4])
+    outputs = []
+    while len(outputs) < 2 and not walk.done:
+        outputs.append(rng.choice(walk.allowed()))
+        walk.advance(outputs[-1])
+    add(0, constraints[4], 4, outputs)  # preempted, back with two outputs in its prefill
+    add(2, constraints[5], 2)
+    for _ in range(4):
+        step([0, 1, 2, 3])
+    assert masks.tables.rebuilds >= 1
+    assert inner.added == [0, 1, 2, 1, 3, 0, 2] and inner.staged == 10
+    assert sampler.sampling_states == "vllm's"  # everything else is vLLM's sampler's own
+
+
+def test_payload_round_trip_and_unconstrained_batches_launch_nothing(monkeypatch):
+    table = trie_table(random_constraint(random.Random(0), True))
+    back = vllm_trie.table_from_payload(vllm_trie.trie_payload(table))
+    assert back.key == table.key and back.eos_id == table.eos_id
+    assert all(np.array_equal(getattr(back, k), getattr(table, k)) for k in ("offsets", "tokens", "targets"))
+    masks = vllm_trie.ConstraintMasks(2, torch.device("cpu"))
+    masks.add_request(0, types.SimpleNamespace(extra_args=None))
+    monkeypatch.setattr(vllm_trie, "advance_and_mask", lambda *a: pytest.fail("no constrained row: no launch"))
+    masks.apply(torch.zeros(1, V), torch.tensor([0], dtype=torch.int32), np.array([0]), None, None, None)
+
+
+def test_install_wraps_only_a_v2_runner_without_speculation():
+    v2 = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu.model_runner"})
+    runner = v2()
+    runner.sampler, runner.speculator, runner.req_states = FakeSampler(), None, fake_req_states(2, 8)
+    assert vllm_trie.install(runner) == "ours" and isinstance(runner.sampler, vllm_trie.MaskingSampler)
+    assert vllm_trie.install(runner) == "ours" and isinstance(runner.sampler._sampler, FakeSampler)  # once
+    runner.speculator = object()
+    runner.sampler = FakeSampler()
+    assert vllm_trie.install(runner) == "vllm"
+    v1 = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu_model_runner"})()
+    v1.sampler, v1.speculator = FakeSampler(), None
+    assert vllm_trie.install(v1) == "vllm" and vllm_trie.masked_rows(v1) == 0
+
+
+if __name__ == "__main__":  # the interpreter subprocess
+    from colocate.kernels.trie_mask import advance_and_mask
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    print(json.dumps({str(seed): run_kernel(advance_and_mask, seed) for seed in (0, 1, 2)}))
