@@ -10,6 +10,7 @@ is handled without lookahead: both continuations stay allowed.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -129,6 +130,11 @@ class TrieTable:
     @property
     def max_degree(self) -> int:
         return int(np.diff(self.offsets).max())
+
+    @functools.cached_property
+    def lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(offsets, tokens, targets) as Python lists, for walks on the host."""
+        return self.offsets.tolist(), self.tokens.tolist(), self.targets.tolist()
 
 
 def _positions_after(positions: tuple, token: int, tries: list[dict], eos_id: int) -> tuple | None:

@@ -6,6 +6,10 @@ import triton
 import triton.language as tl
 
 BLOCK_E, BLOCK_V = 64, 4096
+SCRATCH_ALIGN = 64
+"""The scratch row's length is rounded up to this: its stride keeps one Triton specialization
+(divisible by 16) whatever the pool's largest degree, so a new table never recompiles the kernel
+inside a running engine (a compile stalls the engine ~1 s)."""
 
 
 @triton.jit
@@ -71,7 +75,8 @@ def launch(logits: torch.Tensor, rows_req: torch.Tensor, pool, req, max_degree: 
         return
     if logits.stride(1) != 1:
         raise ValueError("trie masks: logits rows must be contiguous")
-    scratch = torch.empty(rows, max(max_degree, 1), dtype=logits.dtype, device=logits.device)
+    width = -(-max(max_degree, 1) // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    scratch = torch.empty(rows, width, dtype=logits.dtype, device=logits.device)
     _advance_and_mask[(rows,)](logits, logits.stride(0), vocab, rows_req,
                                req.active, req.eos, req.sbase, req.ebase, req.epoch, req.state, req.consumed, req.seen,
                                pool.offsets, pool.tokens, pool.targets, req.history, req.history.stride(0),

@@ -196,7 +196,7 @@ class FakeSampler:
 
 def fake_req_states(max_reqs: int, max_len: int) -> types.SimpleNamespace:
     uva = lambda t: types.SimpleNamespace(gpu=t)  # noqa: E731
-    return types.SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"),
+    return types.SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"), vocab_size=V,
                                  all_token_ids=uva(torch.zeros(max_reqs, max_len, dtype=torch.int32)),
                                  prompt_len=uva(torch.zeros(max_reqs, dtype=torch.int32)),
                                  total_len=uva(torch.zeros(max_reqs, dtype=torch.int32)))
@@ -289,6 +289,23 @@ def test_install_wraps_only_a_v2_runner_without_speculation():
     v1 = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu_model_runner"})()
     v1.sampler, v1.speculator = FakeSampler(), None
     assert vllm_trie.install(v1) == "vllm" and vllm_trie.masked_rows(v1) == 0
+
+
+def test_a_kernel_that_fails_at_start_leaves_vllms_grammars(monkeypatch, capsys):
+    """The kernel is compiled when installed (not inside the first batch); if that fails the
+    sampler stays vLLM's and the engine says so (its requests then carry grammars)."""
+    compiled = []
+    monkeypatch.setattr(vllm_trie, "advance_and_mask", lambda logits, *a: compiled.append(logits.dtype))
+    runner = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu.model_runner"})()
+    runner.sampler, runner.speculator, runner.req_states = FakeSampler(), None, fake_req_states(2, 8)
+    assert vllm_trie.install(runner) == "ours" and compiled == [torch.float32, torch.bfloat16]
+
+    def broken(*a):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(vllm_trie, "advance_and_mask", broken)
+    runner.sampler = FakeSampler()
+    assert vllm_trie.install(runner) == "vllm" and isinstance(runner.sampler, FakeSampler)
+    assert "vLLM's grammars stay" in capsys.readouterr().out
 
 
 if __name__ == "__main__":  # the interpreter subprocess

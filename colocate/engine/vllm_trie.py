@@ -137,6 +137,15 @@ class ConstraintMasks:
         return Requests(*self._device_host, *self._owned, history=history, prompt_len=prompt_len,
                         total_len=total_len)
 
+    def warm_up(self, req_states) -> None:
+        """Compile the kernel now, at engine start, for float32 and bfloat16 logits of the model's
+        width (a row of no request: nothing is masked), instead of inside the first batch."""
+        rows_req = torch.full((1,), -1, dtype=torch.int32, device=self.device)
+        requests = self.requests(req_states.all_token_ids.gpu, req_states.prompt_len.gpu, req_states.total_len.gpu)
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = torch.zeros(1, req_states.vocab_size, dtype=dtype, device=self.device)
+            advance_and_mask(logits, rows_req, self.tables.pool, requests, self.tables.max_degree)
+
     def apply(self, logits: torch.Tensor, rows_req: torch.Tensor, rows_req_host: np.ndarray,
               history: torch.Tensor, prompt_len: torch.Tensor, total_len: torch.Tensor) -> None:
         """Mask the rows whose request carries a table (a no-op, no launch, when none does)."""
@@ -183,6 +192,12 @@ def install(model_runner) -> str:
         return "vllm"
     states = model_runner.req_states
     masks = ConstraintMasks(states.max_num_reqs, states.device)
+    try:
+        masks.warm_up(states)
+    except Exception as exc:  # noqa: BLE001 - the engine then keeps vLLM's grammars, and says so
+        print(f"colocate: constraint masks unavailable ({type(exc).__name__}: {exc}); vLLM's grammars stay",
+              flush=True)
+        return "vllm"
     model_runner.sampler = MaskingSampler(model_runner.sampler, masks, states)
     return "ours"
 
