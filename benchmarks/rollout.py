@@ -37,22 +37,14 @@ def part(args) -> Part:
 
 
 def _vllm_inputs(engine, requests, constrained: bool = True):
-    """Prompts + SamplingParams exactly as VLLMEngine builds them, built before the clock starts."""
+    """Prompts + SamplingParams, built before the clock starts: constrained exactly as VLLMEngine
+    builds them (its constraint masks or grammars); unconstrained ones run to their length."""
+    if constrained:
+        return engine._params(requests)
     from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
     from colocate.engine.vllm import sampling_kwargs
-    from colocate.engine.vllm_grammar import constraint_grammar
-    grammars = {}
-    params = []
-    for r in requests:
-        so = None
-        if constrained and r.constraint is not None:
-            g = grammars.setdefault(id(r.constraint), constraint_grammar(r.constraint, engine.grammar_mode))
-            so = StructuredOutputsParams(grammar=g)
-        kw = sampling_kwargs(r, engine.eos_id)
-        if not constrained:
-            kw.update(min_tokens=r.max_new_tokens, ignore_eos=True)
-        params.append(SamplingParams(**kw, structured_outputs=so))
+    params = [SamplingParams(**sampling_kwargs(r, engine.eos_id), min_tokens=r.max_new_tokens, ignore_eos=True)
+              for r in requests]
     return [{"prompt_token_ids": r.prompt_ids} for r in requests], params
 
 
@@ -163,7 +155,7 @@ def measure_text_grammar(s: Session, n: int = 128) -> dict:
     from colocate.envs.diplomacy import DiplomacyEnv
     e = s.engine
     before = dict(e.counters)
-    e.grammar_mode = "text"
+    masks, e.grammar_mode, e.constraint_masks = e.constraint_masks, "text", "vllm"  # text grammars are vLLM's
     try:
         env = DiplomacyEnv(s.tokenizer, group_size=8, horizon_years=1, seed=6)
         for g in range(3):
@@ -173,7 +165,7 @@ def measure_text_grammar(s: Session, n: int = 128) -> dict:
     except Exception as exc:
         return {"text_grammar/error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
-        e.grammar_mode = "tokens"
+        e.grammar_mode, e.constraint_masks = "tokens", masks
     failures = e.counters["walk_failures"] - before["walk_failures"]
     e.counters["walk_failures"] = before["walk_failures"]
     return {"text_grammar/completions": len(comps), "text_grammar/walk_failures": failures,

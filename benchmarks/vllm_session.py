@@ -283,7 +283,7 @@ def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, 
 
 # -- the `sync` and `rollout` profiles share one session and one argument list --------------------
 def add_session_args(parser, *, others: str) -> None:
-    from colocate.config_schema import CUDAGRAPH_MODES
+    from colocate.config_schema import CONSTRAINT_MASKS, CUDAGRAPH_MODES, EngineConfig
     parser.add_argument("--shape", default="7b", choices=("0.5b", "7b", "tiny"))
     parser.add_argument("--learner-device", default="cuda:0", help="cpu: dry run against a stand-in vllm")
     parser.add_argument("--iters", type=int, default=10, help="sync iterations")
@@ -298,8 +298,8 @@ def add_session_args(parser, *, others: str) -> None:
                         help="engine.cudagraph_mode (default: vLLM's FULL_AND_PIECEWISE)")
     parser.add_argument("--max-capture-tokens", type=int, default=2048,
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
-    parser.add_argument("--constraint-masks", default="vllm", choices=("vllm", "ours"),
-                        help="engine.constraint_masks: vLLM's grammars or our automata on the GPU")
+    parser.add_argument("--constraint-masks", default=EngineConfig.constraint_masks, choices=CONSTRAINT_MASKS,
+                        help="engine.constraint_masks: our automata on the GPU or vLLM's grammars")
     parser.add_argument("--one-gpu", action="store_true",
                         help="the engine shares cuda:0 with the learner; the adapter goes by CUDA IPC")
     parser.add_argument("--trace-dir", default="",

@@ -159,6 +159,8 @@ def trie_table(constraint: Constraint) -> TrieTable:
     """Determinize the Constraint's slot tries. Where no choice is a prefix of another in its slot
     (Diplomacy's order lines) the tries are chained as they are (`_chained_edges`, ~5x faster);
     otherwise breadth first over `ConstraintState` position sets (`_determinized_edges`)."""
+    if any(not choices or not all(choices) for choices in constraint.slots):
+        raise ValueError("every constraint slot needs a choice, and every choice a token")
     edges = _chained_edges(constraint)
     if edges is None:
         edges = _determinized_edges(constraint)
@@ -211,7 +213,7 @@ def _determinized_edges(constraint: Constraint) -> tuple[list, list, list]:
     """(state, token, next state), each state a set of (slot, node) positions reached breadth first."""
     tries, eos = constraint.tries(), constraint.eos_id
     start = ((0, tries[0] if tries else None),)
-    key_of = lambda positions: tuple(sorted((slot, id(node)) for slot, node in positions))  # noqa: E731
+    key_of = lambda positions: tuple(sorted({(slot, id(node)) for slot, node in positions}))  # noqa: E731
     index, queue = {key_of(start): 0}, [start]
     node_of, tok_of, next_of = [], [], []
     done_state = -1

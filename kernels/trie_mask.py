@@ -12,8 +12,9 @@ targets, each table at its own state and edge base). Per request r (vLLM's reque
               epoch it belongs to
 A row (one logit row of the step, request `rows_req[row]`) first walks its state over the output
 tokens it has not consumed yet (`history[r, prompt_len[r] + k]` for k < total_len[r] - prompt_len[r]:
-vLLM's own token history on the device, so the walk needs nothing from the host and survives
-asynchronous scheduling and re-prefill after preemption), then keeps only the allowed logits.
+vLLM's own token history, pinned host memory the GPU reads through unified addressing: the walk
+needs no copy and no host step, so it survives asynchronous scheduling and re-prefill after
+preemption), then keeps only the allowed logits.
 
 `advance_and_mask_reference` is the same in PyTorch (the parity tests' reference, and the path off
 CUDA); `advance_and_mask` runs the Triton kernel on CUDA or under TRITON_INTERPRET=1.

@@ -80,49 +80,79 @@ def test_equal_constraints_share_a_key():
 
 # ------------------------------------------------------------------------------ the kernel
 
-def kernel_case(seed: int):
-    """A pool of tables, six request indices (one without a table, one reused with a new epoch) and
-    a walk of 6 steps: (logits per step, rows per step, the pool, the requests at the start, the
-    tokens appended after each step)."""
+CASES = [(0, V), (1, V), (2, V), (0, 5000)]
+"""(seed, vocabulary): 5,000 takes the kernel's vocabulary loop past one block."""
+PROMPTS = [3, 4, 5, 3, 3, 2, 4, 2]
+ROWS = [5, 0, -1, 1, 2, 3, 4, 6, 7]
+"""Logit rows' request indices (-1: vLLM's padding). 0-3: fresh requests; 4: no table; 5: an index
+taken by a new request (its epoch moved on, its old state is stale); 6: back from preemption with
+three outputs already (the first launch walks all three); 7: an output its table does not allow
+(dead: only EOS from there)."""
+
+
+def kernel_constraints(seed: int, vocab: int) -> list[Constraint]:
+    """Four random constraints (two with prefix choices); with a wide vocabulary also one slot of
+    150 one-token choices (a state of more edges than one block of the kernel)."""
     rng = random.Random(seed)
-    tables = [trie_table(random_constraint(rng, bool(i % 2))) for i in range(4)]
+    out = [random_constraint(rng, bool(i % 2)) for i in range(4)]
+    if vocab > 4096:
+        out[2] = Constraint(slots=[[[t] for t in rng.sample(range(1, vocab), 150)], *out[2].slots], eos_id=EOS)
+    return out
+
+
+def kernel_case(seed: int, vocab: int):
+    """(constraints, pool of their tables, requests at the start; see ROWS)."""
+    constraints = kernel_constraints(seed, vocab)
+    tables = [c.table() for c in constraints]
     offsets, tokens, targets, bases = [], [], [], []
     for t in tables:
         bases.append((sum(map(len, offsets)), sum(map(len, tokens))))
         offsets.append(t.offsets), tokens.append(t.tokens), targets.append(t.targets)
     pool = Pool(*(torch.from_numpy(np.concatenate(a)) for a in (offsets, tokens, targets)))
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    req = Requests(active=i32([1, 1, 1, 1, 0, 1]), eos=i32([EOS] * 6), sbase=i32([bases[i % 4][0] for i in range(6)]),
-                   ebase=i32([bases[i % 4][1] for i in range(6)]), epoch=i32([1, 1, 1, 1, 1, 2]),
-                   state=i32([0, 0, 0, 0, 0, 3]), consumed=i32([0, 0, 0, 0, 0, 9]), seen=i32([0, 0, 0, 0, 0, 1]),
-                   history=torch.zeros(6, 64, dtype=torch.int32), prompt_len=i32([3, 4, 5, 3, 3, 2]),
-                   total_len=i32([3, 4, 5, 3, 3, 2]))
-    return tables, pool, req
+    req = Requests(active=i32([1, 1, 1, 1, 0, 1, 1, 1]), eos=i32([EOS] * 8),
+                   sbase=i32([bases[i % 4][0] for i in range(8)]), ebase=i32([bases[i % 4][1] for i in range(8)]),
+                   epoch=i32([1, 1, 1, 1, 1, 2, 1, 1]), state=i32([0, 0, 0, 0, 0, 3, 0, 0]),
+                   consumed=i32([0, 0, 0, 0, 0, 9, 0, 0]), seen=i32([0, 0, 0, 0, 0, 1, 0, 0]),
+                   history=torch.zeros(8, 64, dtype=torch.int32), prompt_len=i32(PROMPTS), total_len=i32(PROMPTS))
+    walk, rng = ConstraintState(constraints[6 % 4]), random.Random(seed)
+    for _ in range(3):  # index 6: three valid outputs from before its preemption
+        tok = rng.choice([t for t in walk.allowed() if t != EOS] or walk.allowed())
+        req.history[6, req.total_len[6]] = tok
+        req.total_len[6] += 1
+        walk.advance(tok)
+    req.history[7, req.total_len[7]] = vocab - 1  # never a choice's first token
+    req.total_len[7] += 1
+    return constraints, tables, pool, req
 
 
-def run_kernel(fn, seed: int, device: str = "cpu") -> dict:
-    """Drive `fn` (the reference or the kernel) over a walk whose tokens are drawn among the
-    finite logits it left; returns each step's finite columns per row and the final states."""
-    tables, pool, req = kernel_case(seed)
+def run_kernel(fn, seed: int, vocab: int = V, device: str = "cpu") -> dict:
+    """Drive `fn` (the reference or the kernel) for 20 steps (every walk ends within them), each row's next token drawn among the
+    finite logits it left (EOS once only EOS is left, then nothing); returns each step's finite
+    columns per row, the final states and the token histories."""
+    _, tables, pool, req = kernel_case(seed, vocab)
     pool = Pool(*(t.to(device) for t in (pool.offsets, pool.tokens, pool.targets)))
     req = Requests(**{k: v.to(device) for k, v in vars(req).items()})
     rng = torch.Generator().manual_seed(seed)
-    rows_req = torch.tensor([5, 0, -1, 1, 2, 3, 4], dtype=torch.int32, device=device)
-    steps = []
-    for _ in range(6):
-        logits = torch.randn(len(rows_req), V, generator=rng).to(device)
+    rows_req = torch.tensor(ROWS, dtype=torch.int32, device=device)
+    steps, done = [], set()
+    for _ in range(20):
+        logits = torch.randn(len(rows_req), vocab, generator=rng).to(device)
         before = logits.clone()
         fn(logits, rows_req, pool, req, max(t.max_degree for t in tables))
         logits, before = logits.cpu(), before.cpu()
         finite = torch.isfinite(logits)
         assert torch.equal(logits[finite], before[finite])  # kept bit for bit
         steps.append([finite[row].nonzero().flatten().tolist() for row in range(len(rows_req))])
-        for row, r in enumerate(rows_req.tolist()):
+        for row, r in enumerate(ROWS):
             allowed = steps[-1][row]
-            if r >= 0 and r != 4 and allowed != [EOS]:
-                pick = allowed[int(torch.randint(len(allowed), (1,), generator=rng))]
-                req.history[r, req.total_len[r]] = pick
-                req.total_len[r] += 1
+            if r < 0 or r == 4 or r in done:
+                continue
+            pick = allowed[int(torch.randint(len(allowed), (1,), generator=rng))]
+            req.history[r, req.total_len[r]] = pick
+            req.total_len[r] += 1
+            if pick == EOS:
+                done.add(r)
     return {"steps": steps, "state": req.state.tolist(), "consumed": req.consumed.tolist(),
             "history": req.history.tolist(), "total_len": req.total_len.tolist()}
 
@@ -131,24 +161,23 @@ def reference(logits, rows_req, pool, req, max_degree):
     advance_and_mask_reference(logits, rows_req, pool, req)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reference_keeps_what_constraint_state_allows(seed):
-    tables, _, _ = kernel_case(seed)
-    got = run_kernel(reference, seed)
-    rows_req = [5, 0, -1, 1, 2, 3, 4]
-    for r in (0, 1, 2, 3, 5):  # replay each request's drawn tokens through ConstraintState
-        walk = ConstraintState(random_constraint_of(tables, seed, r))
-        tokens = got["history"][r][[3, 4, 5, 3, 3, 2][r]:got["total_len"][r]]
-        for step, tok in enumerate(tokens):
-            assert got["steps"][step][rows_req.index(r)] == walk.allowed()
+@pytest.mark.parametrize("seed,vocab", CASES)
+def test_reference_keeps_what_constraint_state_allows(seed, vocab):
+    constraints, _, _, _ = kernel_case(seed, vocab)
+    got = run_kernel(reference, seed, vocab)
+    for r in (0, 1, 2, 3, 5, 6):  # each request's tokens through ConstraintState
+        walk, earlier = ConstraintState(constraints[r % 4]), 3 if r == 6 else 0
+        tokens = got["history"][r][PROMPTS[r]:got["total_len"][r]]
+        for i, tok in enumerate(tokens):
+            if i >= earlier:
+                assert got["steps"][i - earlier][ROWS.index(r)] == walk.allowed()
             walk.advance(tok)
-    assert got["steps"][0][rows_req.index(-1)] == list(range(V)) and got["steps"][0][rows_req.index(4)] == list(range(V))
-
-
-def random_constraint_of(tables, seed: int, r: int) -> Constraint:
-    rng = random.Random(seed)
-    constraints = [random_constraint(rng, bool(i % 2)) for i in range(4)]
-    return constraints[r % 4]
+        assert walk.done and tokens[-1] == EOS
+        for step in got["steps"][len(tokens) - earlier:]:
+            assert step[ROWS.index(r)] == [EOS]  # after EOS the state has no edges: EOS alone
+    assert all(step[ROWS.index(7)] == [EOS] for step in got["steps"])  # dead
+    assert got["state"][7] == -1
+    assert all(step[ROWS.index(-1)] == step[ROWS.index(4)] == list(range(vocab)) for step in got["steps"])
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +190,17 @@ def interpreted():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_interpreted_kernel_matches_reference(interpreted, seed):
-    assert interpreted[str(seed)] == run_kernel(reference, seed)
+@pytest.mark.parametrize("seed,vocab", CASES)
+def test_interpreted_kernel_matches_reference(interpreted, seed, vocab):
+    assert interpreted[f"{seed}-{vocab}"] == run_kernel(reference, seed, vocab)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_cuda_kernel_matches_reference(seed):
+@pytest.mark.parametrize("seed,vocab", CASES)
+def test_cuda_kernel_matches_reference(seed, vocab):
     from colocate.kernels.trie_mask import advance_and_mask
-    assert run_kernel(advance_and_mask, seed, "cuda") == run_kernel(reference, seed)
+    assert run_kernel(advance_and_mask, seed, vocab, "cuda") == run_kernel(reference, seed, vocab)
 
 
 # ------------------------------------------------------------------------------ in vLLM's sampler
@@ -311,4 +340,4 @@ def test_a_kernel_that_fails_at_start_leaves_vllms_grammars(monkeypatch, capsys)
 if __name__ == "__main__":  # the interpreter subprocess
     from colocate.kernels.trie_mask import advance_and_mask
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    print(json.dumps({str(seed): run_kernel(advance_and_mask, seed) for seed in (0, 1, 2)}))
+    print(json.dumps({f"{seed}-{vocab}": run_kernel(advance_and_mask, seed, vocab) for seed, vocab in CASES}))

@@ -60,6 +60,43 @@ def test_replay_matches_constraint_state_on_random_walks():
             state.advance(tok)
 
 
+def replay_by_state(c: Constraint, token_ids: list[int]):
+    """The replay as `ConstraintState` walks it (the reference `replay_allowed` must equal)."""
+    state, allowed = ConstraintState(c), []
+    for tok in token_ids:
+        if state.done:
+            return allowed, False, True, False
+        now = state.allowed()
+        if tok not in now:
+            return allowed, False, False, False
+        allowed.append(now)
+        state.advance(tok)
+    return allowed, True, state.done, not state.done and state.allowed() == [c.eos_id]
+
+
+def test_replay_equals_constraint_state_on_hard_constraints():
+    """Tiny vocabularies (many prefix choices, duplicates, EOS inside choices), walks that are
+    valid, cut short, carry a disallowed token or go on after EOS."""
+    rng = random.Random(5)
+    for _ in range(400):
+        vocab = rng.randint(2, 5)
+        slots = [[[rng.randint(0, vocab) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 4))]
+                 for _ in range(rng.randint(1, 3))]
+        c = Constraint(slots=slots, eos_id=EOS)
+        for _ in range(5):
+            ids = random_walk(c, rng)
+            for case in (ids, ids[:rng.randint(0, len(ids))], ids + [rng.randint(0, vocab)],
+                         ids[:rng.randint(0, len(ids))] + [vocab + 1]):
+                r = replay_allowed(c, case)
+                assert (r.allowed_ids, r.is_valid, r.is_done, r.only_eos_next) == replay_by_state(c, case), case
+
+
+def test_a_table_refuses_empty_slots_and_choices():
+    for slots in ([[]], [[[5]], []], [[[5], []]]):
+        with pytest.raises(ValueError):
+            Constraint(slots=slots, eos_id=EOS).table()
+
+
 def test_replay_prefix_choice_allows_eos_and_continuation():
     c = Constraint(slots=[[[5], [5, 6]]], eos_id=EOS)
     assert replay_allowed(c, [5, EOS]).allowed_ids == [[5], [EOS, 6]]

@@ -1,10 +1,10 @@
 """vLLM engine (vllm==0.25.0) for inference ranks: one engine per rank, TP=1, engine core in a child.
 
 What it does beyond `LLM.generate`:
-  * constraints become vLLM structured outputs (llguidance, token-id grammars: `vllm_grammar.py`;
-    vLLM masks on its own host threads and the GPU), or with `constraint_masks="ours"` automata our
-    kernel walks and applies on the GPU inside vLLM's sampler (`vllm_trie.py`). After
-    generation `replay_allowed` walks `ConstraintState` over the sampled ids to rebuild
+  * constraints (`constraint_masks="ours"`, the default) become automata that our kernel walks and
+    applies on the GPU inside vLLM's sampler (`vllm_trie.py`), or (`"vllm"`) vLLM structured outputs
+    (llguidance token-id grammars, `vllm_grammar.py`, masked on vLLM's host threads). After
+    generation `replay_allowed` walks the same automaton over the sampled ids to rebuild
     `Completion.allowed_ids` (the learner restricts its softmax to them) and checks the walk;
   * log-probs are `logprobs_mode="processed_logprobs"`: after temperature and the grammar mask, i.e.
     what the learner computes over `allowed_ids`; with `logprob_kernel="ours"` the sampler computes
@@ -99,7 +99,7 @@ def lora_spec_for(cfg, tokenizer) -> LoraSpec:
 # ---------------------------------------------------------------------------------- requests
 
 def sampling_kwargs(request: Request, eos_id: int) -> dict:
-    """SamplingParams fields for one request (its grammar goes in `structured_outputs`)."""
+    """SamplingParams fields for one request (its constraint is added by `VLLMEngine._params`)."""
     kw = dict(n=1, temperature=request.temperature, max_tokens=request.max_new_tokens, logprobs=0,
               flat_logprobs=True, detokenize=False)
     if request.constraint is not None and not request.constraint.slots:

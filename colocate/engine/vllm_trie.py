@@ -7,9 +7,9 @@ on host threads before it can sample: the host work grows with every constrained
 GPU waits on it (profiles/README.md, issue 36). Here each request carries its Constraint as a
 `TrieTable` (`SamplingParams.extra_args[PAYLOAD_KEY]`, built once per Constraint on the inference
 rank); the worker keeps the tables in one device pool and, before each sampling, one kernel walks
-every constrained row's state over its new tokens from vLLM's device-side token history and masks
-its logits (`colocate.kernels.trie_mask`). Nothing waits for the host, so vLLM's asynchronous
-scheduling keeps running ahead.
+every constrained row's state over its new tokens from vLLM's token history (which the GPU reads
+in place) and masks its logits (`colocate.kernels.trie_mask`). Nothing waits for the host, so
+vLLM's asynchronous scheduling keeps running ahead.
 
 `install` (through `ColocateWorkerExtension.colocate_use_constraint_masks`) wraps the V2 model
 runner's sampler: `add_request` registers a request's table, `apply_staged_writes` sends the
