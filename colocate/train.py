@@ -146,8 +146,23 @@ def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
         return None
     state = load_checkpoint(path, trust)
     check_same_task(cfg, path)
+    check_same_data(cfg, state["trainer_state"], path)
     state["path"] = path
     return state
+
+
+def check_same_data(cfg: Config, trainer_state: dict, path: str) -> None:
+    """A dataset run resumes only on the data files it was saved with: its position indexes their
+    rows, so other files (even with as many rows) would silently train on other prompts."""
+    from colocate.checkpoint import CheckpointError
+    from colocate.envs.dataset import data_fingerprint
+    saved = {s["env"].get("data") for s in (trainer_state.get("inference") or {}).values()
+             if isinstance(s, dict) and isinstance(s.get("env"), dict)} - {None}
+    if cfg.env.name != "dataset" or not saved:
+        return
+    if saved != {data_fingerprint(cfg.env.data_files, cfg.env.split)}:
+        raise CheckpointError(f"{path}: env.data_files hold other contents than when this checkpoint was saved; "
+                              "resume with those files, or start a new metrics.run_dir")
 
 
 def check_config(argv: list[str], world: int | None = None,

@@ -93,6 +93,20 @@ def test_epochs_reshuffle_and_resume_restores_the_position(tiny_tokenizer, tmp_p
     assert first[:5] != first[5:] + after[:3]  # epoch 1 is another permutation than epoch 0
 
 
+def test_the_state_names_its_data_and_another_data_is_refused(tiny_tokenizer, tmp_path):
+    env = make_env(tiny_tokenizer, tmp_path, n=5)
+    assert "data" not in env.state_dict()  # built without files (no digest): nothing to compare
+    env.fingerprint = "digest-a"
+    state = json.loads(json.dumps(env.state_dict()))
+    assert state["data"] == "digest-a"
+    other = make_env(tiny_tokenizer, tmp_path, n=5)
+    other.fingerprint = "digest-b"
+    with pytest.raises(ValueError, match="other contents"):
+        other.load_state_dict(state)
+    other.fingerprint = "digest-a"
+    other.load_state_dict(state)
+
+
 def test_prefetched_prompts_are_the_same_prompts_in_the_same_order(tiny_tokenizer, tmp_path):
     """env.prefetch_prompts: built ahead on the prompt thread, across an epoch's end and a resume
     mid-epoch, the groups get the prompts (and the env the position) they get without it."""

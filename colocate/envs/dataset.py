@@ -140,6 +140,19 @@ def corpus_key(cfg) -> str:
     return "dataset-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
+def data_fingerprint(files: list[str], split: str) -> str:
+    """Digest of the train files' contents, in the order their rows are read, and the split: a
+    resumed run's position indexes these rows, so a resume must find the same ones
+    (`train.check_same_data`; ~1 s per GB)."""
+    digest = hashlib.blake2b(split.encode(), digest_size=12)
+    for path in sorted(expand_files(files)):
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def corpus(cfg) -> list[str]:
     """Every prompt and answer of the train and eval files (the embedded tokenizer's training text)."""
     out = []
@@ -168,6 +181,7 @@ class DatasetEnv(Env):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
         self.tokenizer, self.rows, self.rewards, self.eval_rows = tokenizer, rows, rewards, eval_rows
+        self.fingerprint = ""  # of the data files (`data_fingerprint`), set by from_config
         self.group_size, self.prompt_column = group_size, prompt_column
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.chat = chat or ChatFormat(tokenizer, "none")
@@ -203,6 +217,7 @@ class DatasetEnv(Env):
                    max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
                    chat=chat, eval_rows=eval_rows, reward_workers=env.reward_workers,
                    prefetch_prompts=env.prefetch_prompts)
+        made.fingerprint = data_fingerprint(env.data_files, env.split)
         made.dropped = {**{f"dropped/{r}": float(n) for r, n in scan.counts.items()},
                         **{f"dropped_eval/{r}": float(n) for r, n in eval_scan.counts.items()}}
         return made
@@ -246,11 +261,14 @@ class DatasetEnv(Env):
     def state_dict(self) -> dict:
         """Epoch and position in its order (groups still in play when a checkpoint is taken restart
         afresh on resume, as in every env)."""
-        return {"epoch": self.epoch, "position": self.position, "rows": len(self.rows)}
+        return {"epoch": self.epoch, "position": self.position, "rows": len(self.rows),
+                **({"data": self.fingerprint} if self.fingerprint else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("rows", len(self.rows)) != len(self.rows):
             raise ValueError(f"the checkpoint's dataset had {state['rows']} rows, this one {len(self.rows)}")
+        if self.fingerprint and state.get("data", self.fingerprint) != self.fingerprint:
+            raise ValueError("the checkpoint's data files had other contents than these")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._permutation(self.epoch)
         for future in self._ahead.values():  # prefetched for the old position
