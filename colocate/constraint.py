@@ -55,47 +55,36 @@ class ConstraintState:
     def __init__(self, constraint: Constraint):
         self.eos_id = constraint.eos_id
         self._tries = constraint.tries()
-        self._positions: list[tuple[int, dict]] = self._enter(0)
+        self._positions: tuple[tuple[int, dict | None], ...] = (_entry(self._tries, 0),)
         self.done = False
-
-    def _enter(self, slot: int) -> list[tuple[int, dict]]:
-        # Position at the root of `slot`; past the last slot only EOS remains (marked by node None).
-        if slot >= len(self._tries):
-            return [(slot, None)]
-        return [(slot, self._tries[slot])]
 
     def allowed(self) -> list[int]:
         """Sorted token ids allowed next (EOS once every slot is filled)."""
-        if self.done:
-            return []
-        toks: set[int] = set()
-        for _, node in self._positions:
-            if node is None:
-                toks.add(self.eos_id)
-            else:
-                toks.update(k for k in node if k is not None)
-        return sorted(toks)
+        return [] if self.done else sorted(_allowed(self._positions, self.eos_id))
 
     def advance(self, token: int) -> None:
         if self.done:
             raise ValueError("constraint already finished")
-        nxt: list[tuple[int, dict]] = []
-        for slot, node in self._positions:
-            if node is None:
-                if token == self.eos_id:
-                    self.done = True
-                    return
-                continue
-            child = node.get(token)
-            if child is None:
-                continue
-            if any(k is not None for k in child):
-                nxt.append((slot, child))
-            if None in child:  # a choice ends here: the next slot may start
-                nxt.extend(self._enter(slot + 1))
-        if not nxt:
+        nxt = _positions_after(self._positions, token, self._tries, self.eos_id)
+        if nxt is None:
+            self.done = True
+        elif not nxt:
             raise ValueError(f"token {token} is not allowed by the constraint")
-        self._positions = nxt
+        else:
+            self._positions = nxt
+
+
+def _allowed(positions: tuple, eos_id: int) -> set[int]:
+    """The tokens a set of (slot, node) positions allows: each node's children, EOS past the end."""
+    out: set[int] = set()
+    for _, node in positions:
+        out.update([eos_id] if node is None else (k for k in node if k is not None))
+    return out
+
+
+def _entry(tries: list[dict], slot: int) -> tuple[int, dict | None]:
+    """The position at the root of `slot`; past the last slot only EOS remains (node None)."""
+    return (slot, tries[slot] if slot < len(tries) else None)
 
 
 def forced_positions(constraint: Constraint, token_ids: list[int]) -> list[bool]:
@@ -138,7 +127,8 @@ class TrieTable:
 
 
 def _positions_after(positions: tuple, token: int, tries: list[dict], eos_id: int) -> tuple | None:
-    """`ConstraintState.advance` on a set of (slot, node) positions; None: the walk is done (EOS)."""
+    """The (slot, node) positions after `token`: empty when it is not allowed, None when it is the
+    EOS that ends the walk. A choice that ends enters the next slot's root too."""
     nxt: list[tuple[int, dict | None]] = []
     for slot, node in positions:
         if node is None:
@@ -151,7 +141,7 @@ def _positions_after(positions: tuple, token: int, tries: list[dict], eos_id: in
         if any(k is not None for k in child):
             nxt.append((slot, child))
         if None in child:
-            nxt.append((slot + 1, tries[slot + 1] if slot + 1 < len(tries) else None))
+            nxt.append(_entry(tries, slot + 1))
     return tuple(nxt)
 
 
@@ -212,16 +202,13 @@ def _chained_edges(constraint: Constraint) -> tuple[list, list, list] | None:
 def _determinized_edges(constraint: Constraint) -> tuple[list, list, list]:
     """(state, token, next state), each state a set of (slot, node) positions reached breadth first."""
     tries, eos = constraint.tries(), constraint.eos_id
-    start = ((0, tries[0] if tries else None),)
+    start = (_entry(tries, 0),)
     key_of = lambda positions: tuple(sorted({(slot, id(node)) for slot, node in positions}))  # noqa: E731
     index, queue = {key_of(start): 0}, [start]
     node_of, tok_of, next_of = [], [], []
     done_state = -1
     for state, positions in enumerate(queue):
-        allowed = set()
-        for _, node in positions:
-            allowed.update([eos] if node is None else (k for k in node if k is not None))
-        for tok in sorted(allowed):
+        for tok in sorted(_allowed(positions, eos)):
             nxt = _positions_after(positions, tok, tries, eos)
             if nxt is None:
                 if done_state < 0:
