@@ -11,6 +11,19 @@ from colocate.data import TrajectoryBatch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_interpreted(test_file: str) -> str:
+    """Run `test_file` as a script under Triton's interpreter (chosen when `triton.jit` decorates a
+    kernel, so it must be on before the kernel module is imported) -> its last line of output."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, os.path.abspath(test_file)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,8 +11,6 @@ the kernel) against the PyTorch reference on the same inputs.
 import json
 import os
 import random
-import subprocess
-import sys
 import types
 
 import numpy as np
@@ -22,8 +20,8 @@ import torch
 from colocate.constraint import Constraint, ConstraintState, _chained_edges, trie_table
 from colocate.engine import vllm_trie
 from colocate.kernels.trie_mask import Pool, Requests, advance_and_mask_reference
+from tests.conftest import run_interpreted
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V, EOS = 40, 0
 
 
@@ -182,12 +180,7 @@ def test_reference_keeps_what_constraint_state_allows(seed, vocab):
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_interpreted(__file__))
 
 
 @pytest.mark.parametrize("seed,vocab", CASES)

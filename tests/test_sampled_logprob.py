@@ -20,7 +20,6 @@ Ranks are counts of the same float32 comparisons: exact.
 import json
 import math
 import os
-import subprocess
 import sys
 import types
 
@@ -28,8 +27,8 @@ import pytest
 import torch
 
 from colocate.kernels.sampled_logprob import BLOCK, sampled_logprob_reference
+from tests.conftest import run_interpreted
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS = 2.0 ** -24
 
 
@@ -99,13 +98,8 @@ def test_masked_single_token_is_certain(interpreted):
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     return {k: (torch.tensor(lp, dtype=torch.float32), torch.tensor(r, dtype=torch.int64))
-            for k, (lp, r) in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+            for k, (lp, r) in json.loads(run_interpreted(__file__)).items()}
 
 
 @pytest.mark.parametrize("name", list(cases()))
