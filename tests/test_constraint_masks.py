@@ -230,9 +230,9 @@ def test_masking_sampler_follows_requests_through_steps_reuse_and_a_pool_rebuild
     Each step the rows handed to vLLM's sampler keep exactly what `ConstraintState` allows."""
     rng = random.Random(7)
     states = fake_req_states(4, 64)
-    masks = vllm_trie.ConstraintMasks(4, torch.device("cpu"), vllm_trie.TablePool(torch.device("cpu"), 24, 48))
+    masks = vllm_trie.ConstraintMasks(states, vllm_trie.TablePool(torch.device("cpu"), 24, 48))
     inner = FakeSampler()
-    sampler = vllm_trie.MaskingSampler(inner, masks, states)
+    sampler = vllm_trie.MaskingSampler(inner, masks)
     walks: dict[int, ConstraintState | None] = {}
 
     def add(index: int, constraint: Constraint | None, prompt: int, outputs: list[int] = ()):
@@ -293,10 +293,10 @@ def test_payload_round_trip_and_unconstrained_batches_launch_nothing(monkeypatch
     back = vllm_trie.table_from_payload(vllm_trie.trie_payload(table))
     assert back.key == table.key and back.eos_id == table.eos_id
     assert all(np.array_equal(getattr(back, k), getattr(table, k)) for k in ("offsets", "tokens", "targets"))
-    masks = vllm_trie.ConstraintMasks(2, torch.device("cpu"))
+    masks = vllm_trie.ConstraintMasks(fake_req_states(2, 8))
     masks.add_request(0, types.SimpleNamespace(extra_args=None))
     monkeypatch.setattr(vllm_trie, "advance_and_mask", lambda *a: pytest.fail("no constrained row: no launch"))
-    masks.apply(torch.zeros(1, V), torch.tensor([0], dtype=torch.int32), np.array([0]), None, None, None)
+    masks.apply(torch.zeros(1, V), torch.tensor([0], dtype=torch.int32), np.array([0]))
 
 
 def test_install_wraps_only_a_v2_runner_without_speculation():

@@ -321,22 +321,21 @@ class VLLMEngine(Engine):
 
     # -- streaming (the rollout worker with rollout.stream) -----------------------------------------
     def _params(self, requests: list[Request]) -> tuple[list[dict], list]:
-        """Prompts and SamplingParams for `requests`: each Constraint as our automaton (its table,
-        built once per Constraint) or as a grammar string (one per distinct Constraint)."""
+        """Prompts and SamplingParams for `requests`: each distinct Constraint once as our automaton's
+        payload or as a grammar string."""
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
-        grammars: dict[int, str] = {}
+        ours = self.constraint_masks == "ours"
+        encoded: dict[int, dict | str] = {}
         prompts, params = [], []
         for r in requests:
             extra = {}
-            if r.constraint is not None and r.constraint.slots:
-                c = r.constraint
-                if self.constraint_masks == "ours":
-                    extra["extra_args"] = {PAYLOAD_KEY: trie_payload(c.table())}
-                else:
-                    if id(c) not in grammars:
-                        grammars[id(c)] = constraint_grammar(c, self.grammar_mode)
-                    extra["structured_outputs"] = StructuredOutputsParams(grammar=grammars[id(c)])
+            c = r.constraint
+            if c is not None and c.slots:
+                if id(c) not in encoded:
+                    encoded[id(c)] = trie_payload(c.table()) if ours else constraint_grammar(c, self.grammar_mode)
+                extra = ({"extra_args": {PAYLOAD_KEY: encoded[id(c)]}} if ours
+                         else {"structured_outputs": StructuredOutputsParams(grammar=encoded[id(c)])})
             prompts.append({"prompt_token_ids": r.prompt_ids, **self._cache_salt()})
             params.append(SamplingParams(**sampling_kwargs(r, self.eos_id), **extra))
         return prompts, params

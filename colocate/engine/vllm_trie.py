@@ -99,13 +99,15 @@ class TablePool:
 class ConstraintMasks:
     """The requests' tables and automaton states, indexed by vLLM's request-state index."""
 
-    def __init__(self, max_reqs: int, device: torch.device, pool: TablePool | None = None):
-        self.device = device
-        self.tables = pool or TablePool(device)
+    def __init__(self, req_states, pool: TablePool | None = None):
+        """`req_states`: vLLM's `RequestState` (its size, device and token history)."""
+        self.req_states, self.device = req_states, req_states.device
+        max_reqs = req_states.max_num_reqs
+        self.tables = pool or TablePool(self.device)
         self.host = {name: np.zeros(max_reqs, dtype=np.int32) for name in HOST_FIELDS}
         self.keys: list[str | None] = [None] * max_reqs
-        self._device_host = torch.zeros(len(HOST_FIELDS), max_reqs, dtype=torch.int32, device=device)
-        self._owned = torch.zeros(3, max_reqs, dtype=torch.int32, device=device)  # state, consumed, seen
+        self._device_host = torch.zeros(len(HOST_FIELDS), max_reqs, dtype=torch.int32, device=self.device)
+        self._owned = torch.zeros(3, max_reqs, dtype=torch.int32, device=self.device)  # state, consumed, seen
         self._dirty = False
         self.rows_masked = 0
 
@@ -133,35 +135,33 @@ class ConstraintMasks:
             self._device_host.copy_(host_tensor(stacked, self.device), non_blocking=True)
             self._dirty = False
 
-    def requests(self, history: torch.Tensor, prompt_len: torch.Tensor, total_len: torch.Tensor) -> Requests:
-        return Requests(*self._device_host, *self._owned, history=history, prompt_len=prompt_len,
-                        total_len=total_len)
+    def requests(self) -> Requests:
+        s = self.req_states
+        return Requests(*self._device_host, *self._owned, history=s.all_token_ids.gpu, prompt_len=s.prompt_len.gpu,
+                        total_len=s.total_len.gpu)
 
-    def warm_up(self, req_states) -> None:
+    def warm_up(self) -> None:
         """Compile the kernel now, at engine start, for float32 and bfloat16 logits of the model's
         width (a row of no request: nothing is masked), instead of inside the first batch."""
         rows_req = torch.full((1,), -1, dtype=torch.int32, device=self.device)
-        requests = self.requests(req_states.all_token_ids.gpu, req_states.prompt_len.gpu, req_states.total_len.gpu)
         for dtype in (torch.float32, torch.bfloat16):
-            logits = torch.zeros(1, req_states.vocab_size, dtype=dtype, device=self.device)
-            advance_and_mask(logits, rows_req, self.tables.pool, requests, self.tables.max_degree)
+            logits = torch.zeros(1, self.req_states.vocab_size, dtype=dtype, device=self.device)
+            advance_and_mask(logits, rows_req, self.tables.pool, self.requests(), self.tables.max_degree)
 
-    def apply(self, logits: torch.Tensor, rows_req: torch.Tensor, rows_req_host: np.ndarray,
-              history: torch.Tensor, prompt_len: torch.Tensor, total_len: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, rows_req: torch.Tensor, rows_req_host: np.ndarray) -> None:
         """Mask the rows whose request carries a table (a no-op, no launch, when none does)."""
         live = rows_req_host[rows_req_host >= 0]
         masked = int(self.host["active"][live].sum())
         if masked:
             self.rows_masked += masked
-            advance_and_mask(logits, rows_req, self.tables.pool, self.requests(history, prompt_len, total_len),
-                             self.tables.max_degree)
+            advance_and_mask(logits, rows_req, self.tables.pool, self.requests(), self.tables.max_degree)
 
 
 class MaskingSampler:
     """vLLM's V2 `Sampler` with our constraint masks before it samples; everything else is its own."""
 
-    def __init__(self, sampler, masks: ConstraintMasks, req_states):
-        self.__dict__.update(_sampler=sampler, _masks=masks, _req_states=req_states)
+    def __init__(self, sampler, masks: ConstraintMasks):
+        self.__dict__.update(_sampler=sampler, _masks=masks)
 
     def __getattr__(self, name):
         return getattr(self._sampler, name)
@@ -175,9 +175,7 @@ class MaskingSampler:
         self._sampler.apply_staged_writes()
 
     def __call__(self, logits: torch.Tensor, input_batch):
-        s = self._req_states
-        self._masks.apply(logits, input_batch.expanded_idx_mapping, np.asarray(input_batch.idx_mapping_np),
-                          s.all_token_ids.gpu, s.prompt_len.gpu, s.total_len.gpu)
+        self._masks.apply(logits, input_batch.expanded_idx_mapping, np.asarray(input_batch.idx_mapping_np))
         return self._sampler(logits, input_batch)
 
 
@@ -190,15 +188,14 @@ def install(model_runner) -> str:
         return "vllm"
     if getattr(model_runner, "sampler", None) is None or getattr(model_runner, "speculator", None) is not None:
         return "vllm"
-    states = model_runner.req_states
-    masks = ConstraintMasks(states.max_num_reqs, states.device)
+    masks = ConstraintMasks(model_runner.req_states)
     try:
-        masks.warm_up(states)
+        masks.warm_up()
     except Exception as exc:  # noqa: BLE001 - the engine then keeps vLLM's grammars, and says so
         print(f"colocate: constraint masks unavailable ({type(exc).__name__}: {exc}); vLLM's grammars stay",
               flush=True)
         return "vllm"
-    model_runner.sampler = MaskingSampler(model_runner.sampler, masks, states)
+    model_runner.sampler = MaskingSampler(model_runner.sampler, masks)
     return "ours"
 
 
