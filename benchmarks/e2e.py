@@ -102,10 +102,11 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
 
 
 def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: str = "") -> dict:
-    """One torchrun job of the config; `tree`: run another source tree's code (cwd and PYTHONPATH)."""
+    """One job of the config as a user starts it (`colocate train`: checks, then torchrun, under MPS
+    where topology.mps asks); `tree`: run another source tree's code (cwd and PYTHONPATH)."""
     env = {**os.environ, **({"PYTHONPATH": os.path.abspath(tree)} if tree else {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "colocate.train", "--config", args.config, f"--learner.num_steps={args.steps}",
+    cmd = [sys.executable, "-m", "colocate.cli", "train", f"--nproc={args.nproc}",
+           "--config", args.config, f"--learner.num_steps={args.steps}",
            *([] if lag is None else [f"--learner.max_policy_lag={lag}"]), f"--metrics.run_dir={run_dir}",
            *("--" + o.removeprefix("--") for o in [*args.set, *extra])]
     t0 = time.time()
@@ -226,14 +227,19 @@ def run(args) -> dict:
         tree = args.baseline_tree if job.partition("#")[0].endswith("@base") else ""
         if job.partition("#")[0].endswith("@base") and not tree:
             raise SystemExit(f"--order: job {job!r} runs from --baseline-tree, which is not given")
-        record["runs"][job] = {**run_job(args, lag, run_dir, extra, tree), "settings": extra}
+        try:
+            record["runs"][job] = {**run_job(args, lag, run_dir, extra, tree), "settings": extra}
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other jobs still run; the record says why
+            record.setdefault("failed", {})[job] = {"error": str(e)[-2000:], "settings": extra}
+            print(f"[e2e] {job} failed: {str(e)[-2000:]}", flush=True)
+            continue
         print(f"[e2e] {job}: " + json.dumps(record["runs"][job]), flush=True)
         if args.partial:
             with open(args.partial, "w") as f:
                 json.dump(record, f, indent=1)
     runs = record["runs"]
-    first_async = next((j for j in jobs if j.startswith("async")), None)  # figures: ours
-    first_sync = next((j for j in jobs if j.startswith("sync")), None)    # baseline
+    first_async = next((j for j in runs if j.startswith("async")), None)  # figures: ours
+    first_sync = next((j for j in runs if j.startswith("sync")), None)    # baseline
     if first_async:
         record["figures"] = {f"{first_async}_{k}": v for k, v in runs[first_async].items()}
     if first_sync:

@@ -32,6 +32,7 @@
 #            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot); paritymask: the
 #            same at the 0.5B shape with engine.constraint_masks=ours
 #   masks    the constraint-mask kernel's GPU test (against its PyTorch reference)
+#   mpstest  both roles on the GPU under a private MPS daemon (tests/test_mps.py -m gpu; topology.mps)
 #   logprob  the sampled-token log-prob kernel: its GPU parity test (against vLLM's sampler function
 #            too) and `--profile logprob` (vLLM's against ours, device ms per decode step); lpcalls: only
 #            the test that a running engine's sampler calls reach the kernel
@@ -70,7 +71,7 @@ e2e_jobs() {  # e2e_jobs NAME CONFIG [OVERRIDES...]: 10 steps per job, back to b
   fi
   with_memory "$name" timeout 3000 python3 scripts/benchmark.py --profile e2e --config "$config" --nproc 2 \
     --steps 10 --warmup 3 --order "$order" ${variants[@]:+--variant "${variants[@]}"} --set checkpoint.enabled=false "$@" \
-    --out "$GS/$name.json"
+    --out "$GS/$name.json" --partial "$GS/partial-$name.json"
 }
 
 step() {  # one step of the chain, by name
@@ -125,6 +126,7 @@ step() {  # one step of the chain, by name
               --shape 0.5b --iters 3 --also parity --budget-s 400 --constraint-masks ours \
               --out "$GS/parity-05b-masks.json" ;;
     masks) with_memory masks timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_constraint_masks.py ;;
+    mpstest) with_memory mpstest timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mps.py ;;
     lpcalls) with_memory lpcalls timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider \
               "tests/test_vllm_gpu.py::test_running_engine_takes_log_probs_from_our_kernel" ;;
     logprob) with_memory logprob-test timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -166,6 +168,8 @@ if paths:
     print(f"{'config':<22} {'job':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8} {'step ms':>8}")
 for path in paths:
     record = json.load(open(path))
+    for job, r in record.get("failed", {}).items():
+        print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} failed: {r['error'][-200:]!r}")
     for job, r in record["runs"].items():
         util = r.get("inference_nvml_busy") or r.get("learner_nvml_busy")
         print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} {r['seconds_per_step']:>7.2f} "
