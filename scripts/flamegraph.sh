@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # py-spy flame graphs of every rank of a torchrun job: one SVG per rank, and one per vLLM engine core.
 #
-#   scripts/flamegraph.sh [--duration S] [--delay S] [--native] [--rate HZ] [--format F[,F]] [--out DIR] --pid PID
+#   scripts/flamegraph.sh [--duration S] [--delay S] [--native] [--rate HZ] [--format F[,F]] [--also gil,idle]
+#                         [--out DIR] --pid PID
 #       record the ranks of a running job; PID is the torchrun launcher (or any ancestor of the ranks):
 #       start the job with `&` and pass `$!` (a `pgrep -f` pattern also matches the shell running it)
 #   scripts/flamegraph.sh [options] -- COMMAND...
@@ -12,23 +13,26 @@
 # inference rank's vLLM engine core (its child process "EngineCore", which does the scheduling,
 # the grammar masks and the GPU launches) goes to DIR/rank<n>-enginecore.svg. --delay waits
 # before recording (past engine start-up); --format flamegraph (default), raw (collapsed stacks,
-# .txt, for scripts) or speedscope (.json), several comma-separated.
+# .txt, for scripts) or speedscope (.json), several comma-separated. --also records the same
+# targets again at once: `gil` only the thread holding the GIL (DIR/<name>-gil.*: who keeps the
+# others waiting), `idle` idle samples too (DIR/<name>-idle.*: where threads block).
 # --native adds C/C++ frames (slower, needs symbols). py-spy needs ptrace: in a container, run with
 # CAP_SYS_PTRACE or as root with kernel.yama.ptrace_scope <= 1.
 set -euo pipefail
 
-duration=20 delay=0 native="" rate=100 formats="flamegraph" out="profiles/flamegraphs" pid="" cmd=()
+duration=20 delay=0 native="" rate=100 formats="flamegraph" also="" out="profiles/flamegraphs" pid="" cmd=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
     --delay) delay=$2; shift 2 ;;
     --format) formats=$2; shift 2 ;;
+    --also) also=$2; shift 2 ;;
     --native) native="--native"; shift ;;
     --rate) rate=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --pid) pid=$2; shift 2 ;;
     --) shift; cmd=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "flamegraph.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -82,9 +86,13 @@ for name in "${!targets[@]}"; do
   for fmt in ${formats//,/ }; do
     case $fmt in flamegraph) ext=svg ;; raw) ext=txt ;; speedscope) ext=json ;;
       *) echo "flamegraph.sh: unknown format $fmt" >&2; exit 2 ;; esac
-    py-spy record --pid "${targets[$name]}" --duration "$duration" --rate "$rate" $native --nonblocking \
-      --format "$fmt" --output "$out/$name.$ext" >"$out/$name.$fmt.log" 2>&1 &
-    recorders+=($!)
+    for kind in plain ${also//,/ }; do
+      case $kind in plain) flag="" suffix="" ;; gil) flag="--gil" suffix="-gil" ;; idle) flag="--idle" suffix="-idle" ;;
+        *) echo "flamegraph.sh: unknown --also $kind" >&2; exit 2 ;; esac
+      py-spy record --pid "${targets[$name]}" --duration "$duration" --rate "$rate" $native $flag --nonblocking \
+        --format "$fmt" --output "$out/$name$suffix.$ext" >"$out/$name$suffix.$fmt.log" 2>&1 &
+      recorders+=($!)
+    done
   done
 done
 status=0

@@ -24,7 +24,8 @@
 #            only with engine.constraint_masks=ours)
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
 #            FLAME_DELAY s (default 150: past start-up and warm-up) into the run, for 40 s (flame/*.svg);
-#            FLAME_SET adds overrides ("--engine.lora_mode=merged ..."), FLAME_FORMAT flamegraph.sh's --format
+#            FLAME_SET adds overrides ("--engine.lora_mode=merged ..."), FLAME_FORMAT flamegraph.sh's --format,
+#            FLAME_ALSO its --also (gil,idle)
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
 #            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
 #            dsroll05 the same at the 0.5B shape
@@ -110,7 +111,7 @@ step() {  # one step of the chain, by name
     learnmask) with_memory learnmask timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
             "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu[drain-ours]" ;;
     flame) with_memory flame timeout 900 bash scripts/flamegraph.sh --delay "${FLAME_DELAY:-150}" --duration 40 \
-            --format "${FLAME_FORMAT:-flamegraph}" \
+            --format "${FLAME_FORMAT:-flamegraph}" ${FLAME_ALSO:+--also $FLAME_ALSO} \
             --out "$GS/flame" -- torchrun --nproc-per-node 2 -m colocate.train --config "${FLAME_CONFIG:-configs/gpu-1.yaml}" \
             --learner.num_steps="${FLAME_STEPS:-40}" --checkpoint.enabled=false --metrics.run_dir=$GS/run-flame \
             ${FLAME_SET:-} ;;
