@@ -102,8 +102,8 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
 
 
 def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: str = "") -> dict:
-    """One job of the config as a user starts it (`colocate train`: checks, then torchrun, under MPS
-    where topology.mps asks); `tree`: run another source tree's code (cwd and PYTHONPATH)."""
+    """One job of the config as a user starts it (`colocate train`: the checks, then torchrun);
+    `tree`: run another source tree's code (cwd and PYTHONPATH)."""
     env = {**os.environ, **({"PYTHONPATH": os.path.abspath(tree)} if tree else {})}
     cmd = [sys.executable, "-m", "colocate.cli", "train", f"--nproc={args.nproc}",
            "--config", args.config, f"--learner.num_steps={args.steps}",
@@ -249,10 +249,10 @@ def run(args) -> dict:
                        ("async-stream", "async-barrier"), ("sync-stream", "sync-barrier")):
         if fast in runs and slow in runs:
             ratios[f"steps_per_hour_{fast}_over_{slow}"] = runs[fast]["steps_per_hour"] / runs[slow]["steps_per_hour"]
-    for job in jobs:  # each job against the same job run from the baseline tree
+    for job in runs:  # each job against the same job run from the baseline tree
         if f"{job}@base" in runs:
             ratios[f"steps_per_hour_{job}_over_{job}@base"] = runs[job]["steps_per_hour"] / runs[f"{job}@base"]["steps_per_hour"]
-    for job in jobs:  # each variant against the same job without it
+    for job in list(runs):  # each variant against the same job without it
         plain = job.split("+")[0]
         if "+" in job and plain in runs:
             ratios[f"steps_per_hour_{job}_over_{plain}"] = runs[job]["steps_per_hour"] / runs[plain]["steps_per_hour"]

@@ -152,9 +152,7 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
-    from colocate import mps
     from colocate.checkpoint import CheckpointError
-    from colocate.preflight import gpu_count
     try:
         cmd = train_command(argv)
     except CheckpointError as e:  # a checkpoint to resume that does not verify: as every rank would say it
@@ -163,22 +161,15 @@ def train(argv: list[str]) -> int:
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     cfg = load_config(*parse_overrides([a for a in split_train_args(argv)[2] if a != "--overwrite"])[:2])
-    gpus = gpu_count(cfg)
-    try:
-        with mps.launch(cfg.topology.mps, -(-nproc // gpus) if gpus else 0) as mps_env:
-            if mps_env or cfg.metrics.stop_on_collapse:  # the daemon outlives torchrun; exit code 3 is read back
-                return run_child(cmd, {**launch_env(nproc), **mps_env}, cfg.metrics.run_dir)
-            os.execvpe(cmd[0], cmd, launch_env(nproc))
-    except mps.MpsError as e:
-        print(f"colocate: topology.mps=on: MPS cannot run here: {e}; set topology.mps=auto or off", file=sys.stderr,
-              flush=True)
-        return 2
+    if cfg.metrics.stop_on_collapse:  # torchrun turns a rank's exit code 3 into 1: wait and read the summary
+        return run_and_map_collapse(cmd, launch_env(nproc), cfg.metrics.run_dir)
+    os.execvpe(cmd[0], cmd, launch_env(nproc))
     return 0  # not reached
 
 
-def run_child(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
+def run_and_map_collapse(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
     """torchrun as a child (SIGTERM and SIGINT passed on) -> its exit code, or 3 when the run's
-    summary says metrics.stop_on_collapse ended it (torchrun turns a rank's 3 into 1)."""
+    summary says metrics.stop_on_collapse ended it."""
     import json
     import signal
     import subprocess

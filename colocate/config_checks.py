@@ -12,7 +12,7 @@ import math
 import re
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
-                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, MPS_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
+                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
                                     NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
                                     UPDATE_MODES, Config, EnvConfig, RolloutConfig)
 
@@ -41,7 +41,6 @@ _CHOICES = {
     ("learner", "lr_schedule"): LR_SCHEDULES,
     ("sync", "backend"): SYNC_BACKENDS,
     ("topology", "placement"): PLACEMENTS,
-    ("topology", "mps"): MPS_MODES,
     ("rollout", "update"): UPDATE_MODES,
 }
 def nearest_key(key: str, valid: list[str]) -> str:

@@ -16,7 +16,6 @@ ENGINE_KINDS = ("auto", "hf", "vllm")
 LORA_MODES = ("slot", "merged")
 LOGPROB_KERNELS = ("ours", "vllm")
 CONSTRAINT_MASKS = ("ours", "vllm")
-MPS_MODES = ("off", "auto", "on")
 CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
 ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by path, "my_pkg.my_env:MyEnv"
 CHAT_TEMPLATES = ("auto", "none")
@@ -366,11 +365,6 @@ class TopologyConfig:
     """Roles over several nodes: by_node (inference ranks fill the first nodes, learners the rest:
     FSDP traffic stays inside nodes) or interleaved (every node holds both roles in the same
     proportion). One node: the first num_inference ranks infer either way."""
-    mps: str = "off"
-    """CUDA MPS for processes that share a GPU (MPS_MODES): off; auto (`colocate train` runs the job
-    under a private MPS daemon where ranks share a GPU, or says in one line why it cannot); on (the
-    same, and a daemon that cannot start stops the launch). Under MPS the ranks' kernels run side by
-    side instead of in time slices (colocate/mps.py). torchrun started by hand gets no daemon."""
 
 
 @dataclass

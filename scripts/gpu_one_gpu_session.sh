@@ -33,7 +33,6 @@
 #            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot); paritymask: the
 #            same at the 0.5B shape with engine.constraint_masks=ours
 #   masks    the constraint-mask kernel's GPU test (against its PyTorch reference)
-#   mpstest  both roles on the GPU under a private MPS daemon (tests/test_mps.py -m gpu; topology.mps)
 #   logprob  the sampled-token log-prob kernel: its GPU parity test (against vLLM's sampler function
 #            too) and `--profile logprob` (vLLM's against ours, device ms per decode step); lpcalls: only
 #            the test that a running engine's sampler calls reach the kernel
@@ -127,7 +126,6 @@ step() {  # one step of the chain, by name
               --shape 0.5b --iters 3 --also parity --budget-s 400 --constraint-masks ours \
               --out "$GS/parity-05b-masks.json" ;;
     masks) with_memory masks timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_constraint_masks.py ;;
-    mpstest) with_memory mpstest timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mps.py ;;
     lpcalls) with_memory lpcalls timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider \
               "tests/test_vllm_gpu.py::test_running_engine_takes_log_probs_from_our_kernel" ;;
     logprob) with_memory logprob-test timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -64,7 +64,6 @@ CONFIG_CASES = [
     ("batched tokens negative", None, ["--engine.max_num_batched_tokens=-1"], "engine.max_num_batched_tokens"),
     ("logprob kernel", None, ["--engine.logprob_kernel=triton"], "engine.logprob_kernel"),
     ("constraint masks", None, ["--engine.constraint_masks=llguidance"], "engine.constraint_masks"),
-    ("MPS mode", None, ["--topology.mps=yes"], "topology.mps"),
     # env
     ("env name", None, ["--env.name=chess"], "env.name"),
     ("max_operand negative", None, ["--env.max_operand=-1"], "env.max_operand"),

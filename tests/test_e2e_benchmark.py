@@ -105,3 +105,30 @@ def test_a_baseline_tree_job_has_the_settings_of_the_same_job():
     assert job_settings("sync-stream@base", None) == job_settings("sync-stream", None)
     assert job_keys("async,async@base,async@base") == [("async", "async"), ("async@base", "async@base"),
                                                        ("async@base#2", "async@base")]
+
+
+def test_a_failed_job_is_recorded_and_the_others_still_run(monkeypatch, tmp_path):
+    """A job whose run fails (a lever that crashes on this machine) leaves its error in the record;
+    the next jobs run, and the figures come from the first async job that finished."""
+    import argparse
+
+    import benchmarks.e2e as e2e
+    parser = argparse.ArgumentParser()
+    e2e.add_args(parser)
+    args = parser.parse_args(["--order", "async+bad,async,async+good", "--variant", "bad:x.y=1", "good:x.y=2",
+                              "--partial", str(tmp_path / "partial.json")])
+    ran = []
+
+    def run_job(args, lag, run_dir, extra, tree):
+        ran.append(extra)
+        if extra == ["x.y=1"]:
+            raise RuntimeError("e2e run (lag None) failed, log x.log:\nCUDA error")
+        return {"steps_per_hour": 100.0 if not extra else 120.0}
+
+    monkeypatch.setattr(e2e, "run_job", run_job)
+    record = e2e.run(args)
+    assert ran == [["x.y=1"], [], ["x.y=2"]]
+    assert record["failed"]["async+bad"]["error"].endswith("CUDA error")
+    assert list(record["runs"]) == ["async", "async+good"]
+    assert record["figures"]["async_steps_per_hour"] == 100.0
+    assert record["ratios"] == {"steps_per_hour_async+good_over_async": pytest.approx(1.2)}
