@@ -218,7 +218,7 @@ class FakeSampler:
 
 def fake_req_states(max_reqs: int, max_len: int) -> types.SimpleNamespace:
     uva = lambda t: types.SimpleNamespace(gpu=t)  # noqa: E731
-    return types.SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"), vocab_size=V,
+    return types.SimpleNamespace(max_num_reqs=max_reqs, device=torch.device("cpu"), vocab_size=V, index_to_req_id={},
                                  all_token_ids=uva(torch.zeros(max_reqs, max_len, dtype=torch.int32)),
                                  prompt_len=uva(torch.zeros(max_reqs, dtype=torch.int32)),
                                  total_len=uva(torch.zeros(max_reqs, dtype=torch.int32)))
@@ -237,6 +237,7 @@ def test_masking_sampler_follows_requests_through_steps_reuse_and_a_pool_rebuild
 
     def add(index: int, constraint: Constraint | None, prompt: int, outputs: list[int] = ()):
         extra = {vllm_trie.PAYLOAD_KEY: vllm_trie.trie_payload(constraint.table())} if constraint else None
+        states.index_to_req_id[index] = f"request-{len(inner.added)}"  # vLLM's states first, then the sampler
         sampler.add_request(index, prompt, types.SimpleNamespace(extra_args=extra))
         states.prompt_len.gpu[index] = prompt
         states.all_token_ids.gpu[index, prompt:prompt + len(outputs)] = torch.tensor(outputs, dtype=torch.int32)
@@ -286,6 +287,32 @@ def test_masking_sampler_follows_requests_through_steps_reuse_and_a_pool_rebuild
     assert masks.tables.rebuilds >= 1
     assert inner.added == [0, 1, 2, 1, 3, 0, 2] and inner.staged == 10
     assert sampler.sampling_states == "vllm's"  # everything else is vLLM's sampler's own
+
+
+def test_a_rebuilt_pool_keeps_only_the_tables_of_requests_vllm_still_holds():
+    """vLLM frees an index without telling the sampler: a finished request's table must not be
+    carried into the rebuilt pool (nor keep it growing)."""
+    rng = random.Random(3)
+    tables = [random_constraint(rng, False).table() for _ in range(5)]
+    states = fake_req_states(4, 8)
+    first = (sum(len(t.offsets) for t in tables[:4]), sum(len(t.tokens) for t in tables[:4]))
+    masks = vllm_trie.ConstraintMasks(states, vllm_trie.TablePool(torch.device("cpu"), *first))  # full after 4
+
+    def add(index: int, table):
+        states.index_to_req_id[index] = f"request-{index}"
+        masks.add_request(index, types.SimpleNamespace(extra_args={vllm_trie.PAYLOAD_KEY: vllm_trie.trie_payload(table)}))
+
+    for index in range(4):
+        add(index, tables[index])
+    assert masks.tables.rebuilds == 0
+    del states.index_to_req_id[1], states.index_to_req_id[2]  # two requests finished
+    add(1, tables[4])  # index 1 reused; the pool is full
+    assert masks.tables.rebuilds == 1
+    assert set(masks.tables.tables) == {tables[0].key, tables[3].key, tables[4].key}
+    assert masks.keys == [tables[0].key, tables[4].key, None, tables[3].key]
+    for index in (0, 1, 3):  # the live rows point at their tables' new places
+        _, sbase, ebase = masks.tables.tables[masks.keys[index]]
+        assert (masks.host["sbase"][index], masks.host["ebase"][index]) == (sbase, ebase)
 
 
 def test_payload_round_trip_and_unconstrained_batches_launch_nothing(monkeypatch):

@@ -18,6 +18,8 @@ and with speculative decoding (several logit rows per request).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -63,14 +65,15 @@ class TablePool:
                          torch.zeros(edges, dtype=torch.int32, device=self.device))
         self.used_states = self.used_edges = 0
 
-    def place(self, table: TrieTable, live: set[str]) -> bool:
+    def place(self, table: TrieTable, live: Callable[[], set[str]]) -> bool:
         """Put `table` in the pool (no-op when its key is there); True when the pool was rebuilt,
-        which moves every live table (their bases change)."""
+        which moves every live table (their bases change). `live()`: the keys still in use, asked
+        only when the pool is full."""
         if table.key in self.tables:
             return False
         rebuilt = False
         if not self._fits(table):
-            keep = [self.tables[k][0] for k in live if k in self.tables]
+            keep = [self.tables[k][0] for k in live() if k in self.tables]
             need_s = sum(len(t.offsets) for t in keep) + len(table.offsets)
             need_e = sum(len(t.tokens) for t in keep) + len(table.tokens)
             self._alloc(max(len(self.pool.offsets), 2 * need_s), max(len(self.pool.tokens), 2 * need_e))
@@ -122,12 +125,21 @@ class ConstraintMasks:
             return
         table = table_from_payload(payload)
         self.keys[index] = table.key
-        if self.tables.place(table, {k for k in self.keys if k is not None}):
+        if self.tables.place(table, self.live_keys):
             for i, key in enumerate(self.keys):  # rebuilt: every live table moved
                 if key is not None:
                     _, h["sbase"][i], h["ebase"][i] = self.tables.tables[key]
         _, h["sbase"][index], h["ebase"][index] = self.tables.tables[table.key]
         h["active"][index], h["eos"][index] = 1, table.eos_id
+
+    def live_keys(self) -> set[str]:
+        """The tables of requests vLLM still holds. It frees an index without telling the sampler,
+        so a finished request's key is forgotten here, when the pool is rebuilt."""
+        held = self.req_states.index_to_req_id
+        for i, key in enumerate(self.keys):
+            if key is not None and i not in held:
+                self.keys[i] = None
+        return {k for k in self.keys if k is not None}
 
     def apply_staged_writes(self) -> None:
         if self._dirty:
