@@ -210,6 +210,6 @@ case $mode in
     done
     table | tee "$GS/table.txt"
     mkdir -p "$OUT"
-    tar czf "$OUT/one-gpu.tgz" -C "$GS" --exclude='run-*/checkpoints' --exclude='*.tfevents*' . 2>/dev/null
+    tar czf "$OUT/one-gpu.tgz" -C "$GS" --exclude='run-*/checkpoints' --exclude='run-*/adapter' --exclude='*.tfevents*' . 2>/dev/null
     ls -la "$OUT" ;;
 esac
