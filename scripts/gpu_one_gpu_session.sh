@@ -19,7 +19,8 @@
 #            0.5B shape with random weights: every completion runs to 256 tokens)
 #   e2e7b    configs/gpu-1-7b.yaml the same
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
-#            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v")
+#            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v");
+#            E2E_BASELINE_TREE=DIR runs the jobs named JOB@base from another checkout (before/after code)
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
 #            only with engine.constraint_masks=ours)
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
@@ -71,7 +72,7 @@ e2e_jobs() {  # e2e_jobs NAME CONFIG [OVERRIDES...]: 10 steps per job, back to b
   fi
   with_memory "$name" timeout 3000 python3 scripts/benchmark.py --profile e2e --config "$config" --nproc 2 \
     --steps 10 --warmup 3 --order "$order" ${variants[@]:+--variant "${variants[@]}"} --set checkpoint.enabled=false "$@" \
-    --out "$GS/$name.json" --partial "$GS/partial-$name.json"
+    --out "$GS/$name.json" --partial "$GS/partial-$name.json" ${E2E_BASELINE_TREE:+--baseline-tree "$E2E_BASELINE_TREE"}
 }
 
 step() {  # one step of the chain, by name
