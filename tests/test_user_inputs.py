@@ -74,6 +74,20 @@ def test_the_env_drops_bad_rows_under_skip_and_reports_them(tmp_path, tiny_token
     assert len(env.rows) == 360
 
 
+def test_the_env_hashes_its_data_files_once_when_a_checkpoint_first_asks(tmp_path, tiny_tokenizer, monkeypatch):
+    from colocate.envs import dataset
+    file = tmp_path / "small.jsonl"
+    write_rows(file, 40, bad_every=1000)  # no bad row
+    calls = []
+    real = dataset.data_fingerprint
+    monkeypatch.setattr(dataset, "data_fingerprint", lambda *a: calls.append(a) or real(*a))
+    cfg = dataset_cfg(tmp_path, [str(file)])
+    env = dataset.DatasetEnv.from_config(cfg, tiny_tokenizer, seed=0)
+    assert calls == []  # not at start-up
+    assert env.state_dict()["data"] == env.state_dict()["data"] == real([str(file)], cfg.env.split)
+    assert calls == [([str(file)], cfg.env.split)]
+
+
 def test_a_directory_of_data_files_is_read_as_its_files(tmp_path):
     from colocate.envs.dataset import load_rows
     from colocate.preflight import check_data_files

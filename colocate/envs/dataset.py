@@ -20,6 +20,7 @@ batch once it is scored.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -181,7 +182,7 @@ class DatasetEnv(Env):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
         self.tokenizer, self.rows, self.rewards, self.eval_rows = tokenizer, rows, rewards, eval_rows
-        self.fingerprint = ""  # of the data files (`data_fingerprint`), set by from_config
+        self.data_source: tuple[list[str], str] | None = None  # (data files, split), set by from_config
         self.group_size, self.prompt_column = group_size, prompt_column
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.chat = chat or ChatFormat(tokenizer, "none")
@@ -217,7 +218,7 @@ class DatasetEnv(Env):
                    max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
                    chat=chat, eval_rows=eval_rows, reward_workers=env.reward_workers,
                    prefetch_prompts=env.prefetch_prompts)
-        made.fingerprint = data_fingerprint(env.data_files, env.split)
+        made.data_source = (env.data_files, env.split)
         made.dropped = {**{f"dropped/{r}": float(n) for r, n in scan.counts.items()},
                         **{f"dropped_eval/{r}": float(n) for r, n in eval_scan.counts.items()}}
         return made
@@ -257,6 +258,12 @@ class DatasetEnv(Env):
 
     def _build_ids(self, index: int) -> list[int]:
         return self.chat.ids(self.rows[index][self.prompt_column])
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """`data_fingerprint` of the files this env was built from ("" without files), hashed when a
+        checkpoint first needs it, not at every start."""
+        return data_fingerprint(*self.data_source) if self.data_source else ""
 
     def state_dict(self) -> dict:
         """Epoch and position in its order (groups still in play when a checkpoint is taken restart
