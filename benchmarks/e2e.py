@@ -252,7 +252,7 @@ def run(args) -> dict:
     for job in runs:  # each job against the same job run from the baseline tree
         if f"{job}@base" in runs:
             ratios[f"steps_per_hour_{job}_over_{job}@base"] = runs[job]["steps_per_hour"] / runs[f"{job}@base"]["steps_per_hour"]
-    for job in list(runs):  # each variant against the same job without it
+    for job in runs:  # each variant against the same job without it
         plain = job.split("+")[0]
         if "+" in job and plain in runs:
             ratios[f"steps_per_hour_{job}_over_{plain}"] = runs[job]["steps_per_hour"] / runs[plain]["steps_per_hour"]
