@@ -75,6 +75,7 @@ _RANGES = {
     ("env", "stall_years"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "prefetch_prompts"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 builds prompts when their group starts)"),
     ("env", "reward_workers"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 computes rewards inline)"),
+    ("env", "processes"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 runs the env on the loop that feeds the engine)"),
     ("env", "max_reward_errors"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "overlong_buffer"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no length penalty)"),
     ("env", "max_turns"): (lambda v: v >= 1, "must be >= 1 (policy turns per episode)"),
@@ -246,6 +247,14 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
                           "a group carried over to the next batch is trained a step later, so batches start one "
                           "version fresher than the budget (lag 1 would make rollouts wait for every learner step)")
+    if cfg.env.processes > 0 and cfg.env.name == "dataset":
+        raise ConfigError(f"env.processes={cfg.env.processes} with env.name=dataset: each copy would walk its own "
+                          "epoch of the rows; the dataset env builds prompts ahead on a thread instead "
+                          "(env.prefetch_prompts) and scores on env.reward_workers")
+    if cfg.env.processes > 0 and r.update == "drain" and r.oversample_groups == 0:
+        raise ConfigError(f"env.processes={cfg.env.processes} with rollout.update=drain and no oversample_groups: "
+                          "that mode resumes exactly, which needs samples in the in-process env's order (env "
+                          "processes hand them back as they finish); set env.processes=0 or oversample_groups > 0")
     if r.update == "inflight" and cfg.learner.max_policy_lag < 1:
         raise ConfigError("rollout.update=inflight needs learner.max_policy_lag >= 1: requests still in flight when a "
                           "batch ships are trained with a later batch, at least one version after their first token")

@@ -179,6 +179,11 @@ class EnvConfig:
     """dataset: prompt token ids (chat template and tokenizer) built ahead, for the next this many rows
     of the epoch's order, by one background thread while the engine decodes; 0 builds each when its
     group starts, on the thread that feeds the engine."""
+    processes: int = 0
+    """Copies of the env in worker processes, per inference rank: each plays the groups whose id is
+    its own modulo N, so env stepping (Diplomacy: legal orders, adjudication, prompts, constraint
+    tables) leaves the loop that feeds the engine; 0 runs the env on that loop. Group order within a
+    batch then follows timing, so not with the exact-resume mode (update drain, no oversampling)."""
     max_reward_errors: int = 100
     """dataset: a reward function that raises or returns the wrong length, NaN or None scores that
     sample 0 and is counted (`rollout/reward_errors`); this many bad samples in a row stop the run."""

@@ -233,7 +233,7 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     collapse_step = None
     if topo.role == "inference":
         engine, receiver = make_engine(cfg, topo, model, tokenizer)
-        env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank)
+        env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank, processes=cfg.env.processes)
         run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop)
     else:
         learner = Learner(cfg, topo, model, tokenizer)

@@ -169,3 +169,17 @@ def test_inflight_updates_keep_every_behaviour_logprob_exact(tiny_tokenizer, tin
         expected = torch.where(versions == v, logp, expected)
     assert set(versions.tolist()) == {0, 1, 2}
     torch.testing.assert_close(batch.behaviour_logprobs, expected, atol=1e-5, rtol=0)
+
+
+def test_a_streamed_poll_returns_after_a_chunk_once_woken(tiny_tokenizer, tiny_policy):
+    """`wake` (the env has new work) ends a streamed poll after the chunk it is in, even with
+    nothing finished; unwoken, the poll runs until a request finishes."""
+    from colocate.constraint import Constraint
+    engine = HFEngine(tiny_policy, tiny_tokenizer, seed=0, decode_chunk=2)
+    ids = tiny_tokenizer.encode("add 1 and 2 ; answer :")
+    forced = Constraint(slots=[[ids[:6]]], eos_id=tiny_tokenizer.eos_token_id)  # 6 tokens, then EOS
+    engine.submit([Request(prompt_ids=ids, max_new_tokens=16, constraint=forced)])
+    calls = []
+    assert engine.poll(wake=lambda: calls.append(1) or True) == [] and len(calls) == 1
+    ((_, completion),) = engine.poll(wake=lambda: False)
+    assert completion.token_ids == ids[:6] + [tiny_tokenizer.eos_token_id]

@@ -116,7 +116,7 @@ class ShuffledStreamEngine(Engine):
         self.max_pending = max(self.max_pending, len(self.pending))
         return tickets
 
-    def poll(self, wait_all=False):
+    def poll(self, wait_all=False, wake=None):
         if not self.pending:
             return []
         tickets = list(self.pending)
@@ -248,7 +248,7 @@ class DelayedStreamEngine(Engine):
             self.pending[t] = [1 + t % 5, r, self.version]
         return tickets
 
-    def poll(self, wait_all=False):
+    def poll(self, wait_all=False, wake=None):
         out = []
         while self.pending and (wait_all or not out):
             for t in list(self.pending):

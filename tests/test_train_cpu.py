@@ -66,11 +66,15 @@ def test_local_model_path_loads_and_trains(tmp_path, tiny_cfg, tiny_tokenizer):
 
 
 @pytest.mark.slow
-def test_diplomacy_config_trains_and_logs_game_metrics(tmp_path):
+@pytest.mark.parametrize("processes", [0, 2])
+def test_diplomacy_config_trains_and_logs_game_metrics(tmp_path, processes):
+    """In the inference rank's process, and in two env worker processes (env.processes, which
+    needs oversampling: the sample order then follows timing)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run_dir = tmp_path / "dip"
+    extra = [f"--env.processes={processes}", "--rollout.oversample_groups=1", "--learner.max_policy_lag=2"]
     torchrun(["--config", "configs/cpu-diplomacy-tiny.yaml", "--learner.num_steps=2", f"--metrics.run_dir={run_dir}",
-              f"--model.cache_dir={tmp_path / 'cache'}"])
+              f"--model.cache_dir={tmp_path / 'cache'}", *(extra if processes else [])])
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
     acc = EventAccumulator(str(run_dir / "tb" / "inference"))
     acc.Reload()

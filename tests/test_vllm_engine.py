@@ -206,6 +206,20 @@ def test_vllm_submit_poll_maps_outputs_to_tickets(monkeypatch):
     assert engine.counters["steps"] >= 4  # at most 3 finish per fake step
 
 
+def test_vllm_streamed_poll_returns_after_one_step_once_woken(monkeypatch):
+    """wake() true: the poll ends after the engine step it made, finished or not; every request
+    is still answered once by later polls."""
+    engine = _streaming_engine(monkeypatch, seed=2)
+    engine.submit([Request(prompt_ids=[1, i], max_new_tokens=2) for i in range(20)])
+    got, polls = {}, 0
+    while engine._pending:
+        steps = engine.counters["steps"]
+        got.update(engine.poll(wake=lambda: True))
+        assert engine.counters["steps"] == steps + 1  # one step per woken poll
+        polls += 1
+    assert len(got) == 20 and polls > 20 // 3  # at most 3 finish per fake step
+
+
 def test_vllm_poll_wait_all_and_no_update_while_streaming(monkeypatch):
     engine = _streaming_engine(monkeypatch, seed=1)
     engine.submit([Request(prompt_ids=[1, i], max_new_tokens=2) for i in range(8)])

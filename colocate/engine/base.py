@@ -18,6 +18,8 @@ so the role loops call every method unconditionally:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from colocate.data import Completion, Request
@@ -53,9 +55,11 @@ class Engine:
         pending.extend(zip(tickets, requests))
         return tickets
 
-    def poll(self, wait_all: bool = False) -> list[tuple[int, Completion]]:
+    def poll(self, wait_all: bool = False, wake: Callable[[], bool] | None = None) -> list[tuple[int, Completion]]:
         """Completions of submitted requests, as (ticket, completion): at least one when any is
-        pending (every pending one when `wait_all`); [] when nothing is pending."""
+        pending (every pending one when `wait_all`); [] when nothing is pending. An engine that
+        advances in steps returns early, possibly with nothing, once `wake()` is true after a step
+        (the caller has other work: `Env.has_news`); this one answers everything at once."""
         pending = self.__dict__.get("_stream_pending", [])
         if not pending:
             return []

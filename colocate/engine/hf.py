@@ -19,6 +19,7 @@ Left out on purpose: CUDA graphs, paged KV, prefix sharing (that is vLLM's job).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -190,9 +191,10 @@ class HFEngine(Engine):
         self._queue.extend(zip(tickets, requests))
         return tickets
 
-    def poll(self, wait_all: bool = False) -> list[tuple[int, Completion]]:
+    def poll(self, wait_all: bool = False, wake: Callable[[], bool] | None = None) -> list[tuple[int, Completion]]:
         """Start the queued requests, then advance every cohort `decode_chunk` tokens at a time until
-        a request finished (every one with `wait_all`) -> the finished ones; the rest stay in flight."""
+        a request finished (every one with `wait_all`), or `wake()` is true after a chunk -> the
+        finished ones; the rest stay in flight."""
         for start in range(0, len(self._queue), self.max_batch_size):
             part = self._queue[start:start + self.max_batch_size]
             self._cohorts.append(Cohort([t for t, _ in part], [r for _, r in part], self.eos_id, self.pad_id,
@@ -206,6 +208,8 @@ class HFEngine(Engine):
                         break
                     self._step(co)
             out.extend(self._hand_back())
+            if wake is not None and not wait_all and wake():
+                break
         return out
 
     def _hand_back(self) -> list[tuple[int, Completion]]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -375,11 +376,14 @@ class VLLMEngine(Engine):
         self.counters["host_s"] += time.perf_counter() - t0
         return tickets
 
-    def poll(self, wait_all: bool = False) -> list[tuple[int, Completion]]:
-        """Step the engine until a request finishes (all of them with `wait_all`)."""
+    def poll(self, wait_all: bool = False, wake: Callable[[], bool] | None = None) -> list[tuple[int, Completion]]:
+        """Step the engine until a request finishes (all of them with `wait_all`), or `wake()` is
+        true after a step."""
         out, self._stash = self._stash, []
         while self._pending and (wait_all or not out):
             out.extend(self._step_once())
+            if wake is not None and not wait_all and wake():
+                break
         return out
 
     def _step_once(self) -> list[tuple[int, Completion]]:

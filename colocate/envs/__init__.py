@@ -51,7 +51,11 @@ def env_type(cfg) -> type[Env]:
     return env_class(cfg.env.name)
 
 
-def make_env(cfg, tokenizer, seed: int) -> Env:
+def make_env(cfg, tokenizer, seed: int, processes: int = 0) -> Env:
+    """The run's env; with `processes` > 0, that many copies in worker processes (`EnvProcesses`)."""
+    if processes > 0:
+        from colocate.envs.processes import EnvProcesses
+        return EnvProcesses(env_type(cfg), cfg, tokenizer, seed, processes)
     return env_type(cfg).from_config(cfg, tokenizer, seed=seed)
 
 

@@ -73,6 +73,22 @@ class Env:
         """Counters since the last call (e.g. invalid-order rate), namespaced by the caller."""
         return {}
 
+    @classmethod
+    def merge_metrics(cls, parts: list[dict[str, float]]) -> dict[str, float]:
+        """One `metrics()` from those of several copies of the env (`env.processes`). Default: the
+        mean of each key over the copies that report it."""
+        keys = dict.fromkeys(k for part in parts for k in part)
+        return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
+
+    def settle(self) -> None:
+        """Wait until `requests()` and `pop_finished()` reflect every `start_group` and `step` so far.
+        An env that works in this process always does (default); `EnvProcesses` waits for its copies."""
+
+    def has_news(self) -> bool:
+        """Whether work done elsewhere has come back that `requests()` or `pop_finished()` would now
+        return (a streamed engine poll then stops waiting). Default: never (the work is done in `step`)."""
+        return False
+
     def data_stats(self) -> dict[str, float]:
         """Facts about the env's data fixed when it was opened, written once under `data/` (e.g.
         "dropped/empty_prompt": rows dropped under env.bad_rows=skip). Default: none."""

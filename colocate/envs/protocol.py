@@ -84,7 +84,7 @@ class ResultCheck:
     def requests(self, returned) -> list:
         """`requests()`'s result -> its (key, Request) pairs; anything else is counted."""
         items = self._sequence("requests", returned, "a list of (key, Request) pairs")
-        return [item for item in items if self._item_ok("requests", item, _is_keyed_request(item),
+        return [item for item in items if self._item_ok("requests", item, is_keyed_request(item),
                                                         "a (hashable key, Request) pair")]
 
     def samples(self, returned) -> list:
@@ -122,7 +122,7 @@ class ResultCheck:
         return n
 
 
-def _is_keyed_request(item) -> bool:
+def is_keyed_request(item) -> bool:
     if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Request)):
         return False
     try:

@@ -156,14 +156,17 @@ class RolloutWorker:
 
     def _advance(self, play: _Play) -> list[Sample]:
         """Poll the engine and step the env with what it answered -> samples of groups that finished
-        (with nothing in flight, only what the env has finished without the engine)."""
+        (with nothing in flight, what the env has finished without the engine, once it has settled)."""
         if not self._in_flight:
+            self.env.settle()  # an env working in other processes: wait for what it owes
             finished = self.check.samples(self.env.pop_finished())
-            if not finished:
+            if not finished and not self.env.requests():
                 raise RuntimeError(f"env has no requests and {len(self._live)} unfinished groups")
             return finished
         t = time.perf_counter()
-        done = self.engine.poll(wait_all=not self.stream)
+        # streamed: back as soon as the env has new requests or samples, not only the engine
+        done = self.engine.poll(wait_all=False, wake=self.env.has_news) if self.stream else \
+            self.engine.poll(wait_all=True)
         now = time.perf_counter()
         play.poll_s.append(now - t)
         answers = {}

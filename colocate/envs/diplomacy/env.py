@@ -55,6 +55,14 @@ def power_rewards(start_centres: dict[str, int], game) -> dict[str, float]:
     return out
 
 
+MEAN_OVER = {"invalid_order_rate": "order_slots", "garbled_lines_per_completion": "completions",
+             "truncated_rate": "completions", "parse_ms_per_completion": "completions",
+             "prompt_tokens_mean": "prompts", "fork_ms": "forks", "build_ms_per_phase": "views",
+             "process_ms_per_phase": "phases_processed", "sc_delta_mean": "sc_deltas",
+             "sc_mean": "continuations_finished"}
+"""Each mean `metrics()` reports -> the count it is a mean over (`merge_metrics` weights by it)."""
+
+
 @dataclass
 class PhaseView:
     """One game phase as the policy sees it; shared by every continuation in that exact state."""
@@ -218,8 +226,13 @@ class DiplomacyEnv(Env):
             "garbled_lines_per_completion": c["garbled_lines"] / max(c["completions"], 1),
             "truncated_rate": c["truncated"] / max(c["completions"], 1),
             "completions": float(c["completions"]),
+            "order_slots": float(c["slots"]),
+            "prompts": float(c["prompts"]),
+            "views": float(c["views"]),
+            "forks": float(c["forks"]),
             "phases_processed": float(c["phases"]),
             "continuations_finished": float(len(self._end_centres)),
+            "sc_deltas": float(len(deltas)),
             "stall_stops": float(c["stall_stops"]),
             "prompt_tokens_mean": c["prompt_tokens"] / max(c["prompts"], 1),
             "prompt_tokens_max": float(c["prompt_tokens_max"]),
@@ -236,6 +249,28 @@ class DiplomacyEnv(Env):
             out["sc_delta_max"] = float(max(deltas))
             out["sc_mean"] = sum(self._end_centres) / len(self._end_centres) / len(dg.POWERS)
         self._reset_counters()
+        return out
+
+    @classmethod
+    def merge_metrics(cls, parts: list[dict[str, float]]) -> dict[str, float]:
+        """Counts add up, maxima take the max, each mean is weighted by the count it is a mean over
+        (`MEAN_OVER`), and the spread of centre changes is pooled: what one env would have reported."""
+        out = {}
+        for key in dict.fromkeys(k for p in parts for k in p):
+            have = [p for p in parts if key in p]
+            if key.endswith("_max"):
+                out[key] = max(p[key] for p in have)
+            elif key in MEAN_OVER or key == "sc_delta_std":
+                weight = MEAN_OVER.get(key, "sc_deltas")
+                total = sum(p[weight] for p in have)
+                if key == "sc_delta_std":  # pooled: E[x^2] over all parts, minus the pooled mean squared
+                    square = sum(p[weight] * (p[key] ** 2 + p["sc_delta_mean"] ** 2) for p in have)
+                    mean = sum(p[weight] * p["sc_delta_mean"] for p in have) / max(total, 1)
+                    out[key] = max(square / max(total, 1) - mean ** 2, 0.0) ** 0.5
+                else:
+                    out[key] = sum(p[weight] * p[key] for p in have) / max(total, 1)
+            else:
+                out[key] = sum(p[key] for p in have)
         return out
 
     # ------------------------------------------------------------------ internals

@@ -1,0 +1,244 @@
+"""`EnvProcesses`: the run's env in N worker processes, behind the same `Env` protocol.
+
+`env.processes: N` (per inference rank) builds N copies of the env, each in its own spawned process
+and seeded apart, and gives copy i the groups whose id is i modulo N. The loop that feeds the engine
+then only routes: `start_group` and `step` are sent to the copy that owns the group and return at
+once; the copy applies them and sends back the requests that became ready (their constraint tables
+already built) and the samples of groups that finished. `requests()` and `pop_finished()` take
+what has arrived without waiting; `settle()` waits for every reply, and the rollout worker calls it
+when the engine has nothing in flight. `has_news()` tells a streamed engine poll to return early,
+so a phase built by a copy is submitted without waiting for the engine's next finished request.
+
+Why: on one GPU the Diplomacy rollout is bound by the process that feeds the engine, not by the GPU:
+legal orders, adjudication, prompts and constraint tables ran on that loop while it held the GIL
+(profiles/README.md, "where the inference rank's time goes"). Threads would not help.
+
+What changes for the user: samples arrive as the copies finish them, so the order of groups within
+a batch follows timing. The exact-resume mode (`rollout.update: drain` without oversampling) keeps
+the env in-process (`config_checks` refuses the pair). Metrics are merged by the env class's
+`merge_metrics`; the resume state is one state per copy; evaluation and `data_stats` use a copy of
+the env built in this process when first asked. A copy that raises stops the run with its traceback.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import threading
+import traceback
+from typing import Hashable
+
+from colocate.data import Completion, Request, Sample
+from colocate.envs.base import Env
+from colocate.envs.protocol import is_keyed_request
+
+
+class EnvProcessError(RuntimeError):
+    """A copy of the env raised in its worker process; the message holds its traceback."""
+
+
+def _serve(conn, env_type: type[Env], cfg, tokenizer, seed: int) -> None:
+    """One worker process: build the env, then answer messages until the pipe closes. Replies leave
+    from a thread, so this loop keeps reading while a large reply waits for the inference rank to
+    take it (else both sides could block in send, each on a full pipe)."""
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_send_all, args=(conn, outbox), daemon=True).start()
+    try:
+        env = env_type.from_config(cfg, tokenizer, seed=seed)
+        outbox.put(("ok", env.group_size))
+    except BaseException:
+        outbox.put(("error", traceback.format_exc()))
+        env = None
+    sent: set = set()  # keys whose requests went out and have not been answered
+    while True:
+        try:
+            op, arg = conn.recv()
+        except (EOFError, OSError):  # the inference rank is gone
+            outbox.put(None)
+            return
+        if env is None:
+            continue
+        try:
+            if op == "start":
+                env.start_group(arg)
+            elif op == "step":
+                sent.difference_update(arg)
+                env.step(arg)
+            else:
+                outbox.put(("ok", _query(env, op, arg)))
+                continue
+            outbox.put(("ok", (_new_requests(env, sent), env.pop_finished())))
+        except BaseException:
+            outbox.put(("error", traceback.format_exc()))
+
+
+def _send_all(conn, outbox: queue.SimpleQueue) -> None:
+    while (reply := outbox.get()) is not None:
+        try:
+            conn.send(reply)
+        except OSError:  # the inference rank is gone
+            return
+
+
+def _query(env: Env, op: str, arg):
+    if op == "metrics":
+        return env.metrics()
+    if op == "state":
+        return env.state_dict()
+    if op == "load":
+        return env.load_state_dict(arg)
+    raise ValueError(f"unknown message {op!r}")
+
+
+def _new_requests(env: Env, sent: set) -> list:
+    """The env's waiting requests not sent before, with their constraint tables built here (the
+    engine asks each constraint for its table). Items that are not (key, Request) pairs go through
+    as they are, for the rollout worker's check to count."""
+    returned = env.requests()
+    items = list(returned) if isinstance(returned, list | tuple) else [returned]
+    out = []
+    for item in items:
+        if is_keyed_request(item):
+            if item[0] in sent:
+                continue
+            sent.add(item[0])
+            if item[1].constraint is not None and item[1].constraint.slots:
+                item[1].constraint.table()
+        out.append(item)
+    return out
+
+
+class EnvProcesses(Env):
+    """`num` copies of `env_type` in spawned processes; see the module docstring."""
+
+    def __init__(self, env_type: type[Env], cfg, tokenizer, seed: int, num: int):
+        if num < 1:
+            raise ValueError(f"EnvProcesses needs at least one process, not {num}")
+        self.env_type, self.cfg, self.tokenizer, self.seed = env_type, cfg, tokenizer, seed
+        ctx = mp.get_context("spawn")  # the parent holds CUDA and threads: never fork it
+        self._conns, self._procs = [], []
+        for i in range(num):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(theirs, env_type, cfg, tokenizer, seed * num + i),
+                               name=f"colocate-env-{i}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._procs.append(proc)
+        self._pending = [0] * num                          # replies each process still owes
+        self._waiting: dict[Hashable, Request] = {}        # requests ready and not yet answered
+        self._owner: dict[Hashable, int] = {}              # key -> the process that asked
+        self._bad: list = []                               # items that were not (key, Request) pairs
+        self._finished: list[Sample] = []
+        self._local: Env | None = None
+        sizes = [self._reply(i) for i in range(num)]
+        self.group_size = sizes[0]
+
+    # ------------------------------------------------------------------ Env protocol
+
+    def start_group(self, group_id: int) -> None:
+        self._send(group_id % len(self._conns), "start", group_id)
+
+    def requests(self) -> list[tuple[Hashable, Request]]:
+        self._take(wait=False)
+        bad, self._bad = self._bad, []
+        return list(self._waiting.items()) + bad
+
+    def step(self, completions: dict[Hashable, Completion]) -> None:
+        parts: dict[int, dict] = {}
+        for key, completion in completions.items():
+            if key not in self._owner:
+                raise KeyError(f"completion for {key} was not requested")
+            parts.setdefault(self._owner.pop(key), {})[key] = completion
+            del self._waiting[key]
+        for i, part in parts.items():
+            self._send(i, "step", part)
+
+    def pop_finished(self) -> list[Sample]:
+        self._take(wait=False)
+        out, self._finished = self._finished, []
+        return out
+
+    def settle(self) -> None:
+        self._take(wait=True)
+
+    def has_news(self) -> bool:
+        return any(n and conn.poll() for n, conn in zip(self._pending, self._conns))
+
+    # ------------------------------------------------------------------ the rest of Env
+
+    def metrics(self) -> dict[str, float]:
+        return self.env_type.merge_metrics(self._ask_all("metrics"))
+
+    def state_dict(self) -> dict | None:
+        parts = self._ask_all("state")
+        return None if all(p is None for p in parts) else {"processes": parts}
+
+    def load_state_dict(self, state: dict) -> None:
+        parts = state.get("processes")
+        if not isinstance(parts, list) or len(parts) != len(self._conns):
+            raise ValueError(f"the resume state holds the env of {len(parts or [])} processes, this run has "
+                             f"env.processes={len(self._conns)}: resume with the same number")
+        self.settle()
+        for i, part in enumerate(parts):
+            if part is not None:
+                self._send(i, "load", part)
+                self._take_one(i)
+
+    def data_stats(self) -> dict[str, float]:
+        return self.local().data_stats()
+
+    def evaluate(self, engine, eval_cfg, out_dir: str | None = None) -> dict[str, float]:
+        return self.local().evaluate(engine, eval_cfg, out_dir)
+
+    def local(self) -> Env:
+        """A copy of the env in this process (evaluation, data facts), built when first asked."""
+        if self._local is None:
+            self._local = self.env_type.from_config(self.cfg, self.tokenizer, seed=self.seed)
+        return self._local
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+
+    # ------------------------------------------------------------------ messages
+
+    def _send(self, i: int, op: str, arg) -> None:
+        self._conns[i].send((op, arg))
+        self._pending[i] += 1
+
+    def _ask_all(self, op: str) -> list:
+        self.settle()
+        for i in range(len(self._conns)):
+            self._send(i, op, None)
+        return [self._take_one(i) for i in range(len(self._conns))]
+
+    def _take(self, wait: bool) -> None:
+        """File the replies that have arrived (all that are owed, with `wait`)."""
+        for i, conn in enumerate(self._conns):
+            while self._pending[i] and (wait or conn.poll()):
+                requests, finished = self._take_one(i)
+                for item in requests:
+                    if is_keyed_request(item):
+                        self._waiting[item[0]] = item[1]
+                        self._owner[item[0]] = i
+                    else:
+                        self._bad.append(item)
+                self._finished.extend(finished)
+
+    def _take_one(self, i: int):
+        self._pending[i] -= 1
+        return self._reply(i)
+
+    def _reply(self, i: int):
+        try:
+            status, value = self._conns[i].recv()
+        except EOFError:
+            raise EnvProcessError(f"env process {i} ({self.env_type.__name__}) died "
+                                  f"(exit code {self._procs[i].exitcode})") from None
+        if status == "error":
+            raise EnvProcessError(f"env process {i} ({self.env_type.__name__}) raised:\n{value.rstrip()}")
+        return value
