@@ -101,10 +101,19 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
     return (async_lag if base == "async" else 0), extra
 
 
+def job_env(tree: str) -> dict:
+    """The job's environment: this one, with `tree` first on PYTHONPATH, ahead of what the caller's
+    path holds (the GPU bundle's packages must stay importable for the baseline's code too)."""
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: str = "") -> dict:
     """One job of the config as a user starts it (`colocate train`: the checks, then torchrun);
     `tree`: run another source tree's code (cwd and PYTHONPATH)."""
-    env = {**os.environ, **({"PYTHONPATH": os.path.abspath(tree)} if tree else {})}
+    env = job_env(tree)
     cmd = [sys.executable, "-m", "colocate.cli", "train", f"--nproc={args.nproc}",
            "--config", args.config, f"--learner.num_steps={args.steps}",
            *([] if lag is None else [f"--learner.max_policy_lag={lag}"]), f"--metrics.run_dir={run_dir}",

@@ -315,6 +315,30 @@ def test_a_rebuilt_pool_keeps_only_the_tables_of_requests_vllm_still_holds():
         assert (masks.host["sbase"][index], masks.host["ebase"][index]) == (sbase, ebase)
 
 
+def test_appended_tables_reach_the_device_pool_at_the_flush():
+    """A table goes to the host mirror at once and to the device pool at the next flush (once per
+    engine step), where each array arrives whole at its base."""
+    rng = random.Random(5)
+    pool = vllm_trie.TablePool(torch.device("cpu"), 256, 1024)
+    tables = [random_constraint(rng, k % 2 == 1).table() for k in range(3)]
+    pool.place(tables[0], set)
+    pool.flush()
+    for t in tables[1:]:
+        pool.place(t, set)
+    for k, t in enumerate(tables):
+        _, sb, eb = pool.tables[t.key]
+        arrays = ((pool.pool.offsets, t.offsets, sb), (pool.pool.tokens, t.tokens, eb), (pool.pool.targets, t.targets, eb))
+        for dst, src, at in arrays:  # the first flushed; the others only on the host so far
+            assert torch.equal(dst[at:at + len(src)], torch.from_numpy(src) if k == 0 else torch.zeros(len(src), dtype=torch.int32))
+    pool.flush()
+    for t in tables:
+        _, sb, eb = pool.tables[t.key]
+        assert torch.equal(pool.pool.offsets[sb:sb + len(t.offsets)], torch.from_numpy(t.offsets))
+        assert torch.equal(pool.pool.tokens[eb:eb + len(t.tokens)], torch.from_numpy(t.tokens))
+        assert torch.equal(pool.pool.targets[eb:eb + len(t.targets)], torch.from_numpy(t.targets))
+    assert (pool.flushed_states, pool.flushed_edges) == (pool.used_states, pool.used_edges)
+
+
 def test_payload_round_trip_and_unconstrained_batches_launch_nothing(monkeypatch):
     table = trie_table(random_constraint(random.Random(0), True))
     back = vllm_trie.table_from_payload(vllm_trie.trie_payload(table))

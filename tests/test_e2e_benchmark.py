@@ -132,3 +132,12 @@ def test_a_failed_job_is_recorded_and_the_others_still_run(monkeypatch, tmp_path
     assert list(record["runs"]) == ["async", "async+good"]
     assert record["figures"]["async_steps_per_hour"] == 100.0
     assert record["ratios"] == {"steps_per_hour_async+good_over_async": pytest.approx(1.2)}
+
+
+def test_a_baseline_tree_job_keeps_the_callers_packages_importable(monkeypatch, tmp_path):
+    from benchmarks.e2e import job_env
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    assert job_env(str(tmp_path))["PYTHONPATH"] == f"{tmp_path}:/opt/site"  # the tree's code first
+    assert job_env("")["PYTHONPATH"] == "/opt/site"
+    monkeypatch.delenv("PYTHONPATH")
+    assert job_env(str(tmp_path))["PYTHONPATH"] == str(tmp_path)

@@ -50,7 +50,10 @@ def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class TablePool:
     """The tables of live requests in one device pool, shared by key, appended at the end; when
-    full, rebuilt from the live tables alone (at twice the size if they need it)."""
+    full, rebuilt from the live tables alone (at twice the size if they need it). A table is
+    appended to a host mirror of the pool (pinned for a GPU); `flush` copies what was appended since
+    the last one, one copy per array, once per engine step (`ConstraintMasks.apply_staged_writes`)
+    instead of three pinned tensors and three copies per table."""
 
     def __init__(self, device: torch.device, states: int = 1 << 16, edges: int = 1 << 18):
         self.device = device
@@ -60,10 +63,23 @@ class TablePool:
         self._alloc(states, edges)
 
     def _alloc(self, states: int, edges: int) -> None:
-        self.pool = Pool(torch.zeros(states, dtype=torch.int32, device=self.device),
-                         torch.zeros(edges, dtype=torch.int32, device=self.device),
-                         torch.zeros(edges, dtype=torch.int32, device=self.device))
+        """A new, empty pool and its mirror. The old mirror may still be read by a copy in flight:
+        torch keeps a pinned block until the copies that read it have run."""
+        sizes = (states, edges, edges)
+        self.pool = Pool(*(torch.zeros(n, dtype=torch.int32, device=self.device) for n in sizes))
+        self.mirror = Pool(*(torch.zeros(n, dtype=torch.int32, pin_memory=self.device.type == "cuda") for n in sizes))
         self.used_states = self.used_edges = 0
+        self.flushed_states = self.flushed_edges = 0  # what the device pool holds already
+
+    def flush(self) -> None:
+        """Copy the tables appended since the last flush to the device (non-blocking, in order
+        before the kernel that reads them on the same stream)."""
+        for dst, src, lo, hi in ((self.pool.offsets, self.mirror.offsets, self.flushed_states, self.used_states),
+                                 (self.pool.tokens, self.mirror.tokens, self.flushed_edges, self.used_edges),
+                                 (self.pool.targets, self.mirror.targets, self.flushed_edges, self.used_edges)):
+            if hi > lo:
+                dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
+        self.flushed_states, self.flushed_edges = self.used_states, self.used_edges
 
     def place(self, table: TrieTable, live: Callable[[], set[str]]) -> bool:
         """Put `table` in the pool (no-op when its key is there); True when the pool was rebuilt,
@@ -90,10 +106,9 @@ class TablePool:
 
     def _append(self, table: TrieTable) -> None:
         sb, eb = self.used_states, self.used_edges
-        for dst, src, at in ((self.pool.offsets, table.offsets, sb), (self.pool.tokens, table.tokens, eb),
-                             (self.pool.targets, table.targets, eb)):
-            if len(src):
-                dst[at:at + len(src)].copy_(host_tensor(src, self.device), non_blocking=True)
+        for dst, src, at in ((self.mirror.offsets, table.offsets, sb), (self.mirror.tokens, table.tokens, eb),
+                             (self.mirror.targets, table.targets, eb)):
+            dst.numpy()[at:at + len(src)] = src
         self.used_states, self.used_edges = sb + len(table.offsets), eb + len(table.tokens)
         self.tables[table.key] = (table, sb, eb)
         self.max_degree = max(self.max_degree, table.max_degree)
@@ -142,6 +157,7 @@ class ConstraintMasks:
         return {k for k in self.keys if k is not None}
 
     def apply_staged_writes(self) -> None:
+        self.tables.flush()
         if self._dirty:
             stacked = np.stack([self.host[name] for name in HOST_FIELDS])
             self._device_host.copy_(host_tensor(stacked, self.device), non_blocking=True)
