@@ -198,3 +198,39 @@ def test_large_messages_both_ways_do_not_deadlock():
     finally:
         if not thread.is_alive():
             env.close()
+
+
+class CountingEnv(RaisingEnv):
+    """Counts its started groups: resume state and data facts per copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.started = 0
+
+    def start_group(self, group_id):
+        super().start_group(group_id)
+        self.started += 1
+
+    def state_dict(self):
+        return {"started": self.started}
+
+    def load_state_dict(self, state):
+        self.started = state["started"]
+
+    def data_stats(self):
+        return {"rows": 10.0}
+
+
+def test_resume_state_is_one_state_per_copy_and_data_stats_the_first_copys():
+    env = EnvProcesses(CountingEnv, Config(), None, seed=0, num=2)
+    try:
+        for g in range(5):  # copy 0 gets groups 0, 2, 4; copy 1 gets 1, 3
+            env.start_group(g)
+        assert env.state_dict() == {"processes": [{"started": 3}, {"started": 2}]}
+        env.load_state_dict({"processes": [{"started": 7}, {"started": 8}]})
+        assert env.state_dict() == {"processes": [{"started": 7}, {"started": 8}]}
+        with pytest.raises(ValueError, match="env.processes=2"):
+            env.load_state_dict({"processes": [{"started": 1}]})
+        assert env.data_stats() == {"rows": 10.0}
+    finally:
+        env.close()

@@ -16,8 +16,9 @@ legal orders, adjudication, prompts and constraint tables ran on that loop while
 What changes for the user: samples arrive as the copies finish them, so the order of groups within
 a batch follows timing. The exact-resume mode (`rollout.update: drain` without oversampling) keeps
 the env in-process (`config_checks` refuses the pair). Metrics are merged by the env class's
-`merge_metrics`; the resume state is one state per copy; evaluation and `data_stats` use a copy of
-the env built in this process when first asked. A copy that raises stops the run with its traceback.
+`merge_metrics`; the resume state is one state per copy; `data_stats` are the first copy's;
+evaluation uses a copy of the env built in this process when first asked. A copy that raises
+stops the run with its traceback.
 """
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def _query(env: Env, op: str, arg):
         return env.state_dict()
     if op == "load":
         return env.load_state_dict(arg)
+    if op == "data_stats":
+        return env.data_stats()
     raise ValueError(f"unknown message {op!r}")
 
 
@@ -185,13 +188,16 @@ class EnvProcesses(Env):
                 self._take_one(i)
 
     def data_stats(self) -> dict[str, float]:
-        return self.local().data_stats()
+        """The first copy's (every copy opened the same data)."""
+        self.settle()
+        self._send(0, "data_stats", None)
+        return self._take_one(0)
 
     def evaluate(self, engine, eval_cfg, out_dir: str | None = None) -> dict[str, float]:
         return self.local().evaluate(engine, eval_cfg, out_dir)
 
     def local(self) -> Env:
-        """A copy of the env in this process (evaluation, data facts), built when first asked."""
+        """A copy of the env in this process (evaluation), built when first asked."""
         if self._local is None:
             self._local = self.env_type.from_config(self.cfg, self.tokenizer, seed=self.seed)
         return self._local
