@@ -26,6 +26,10 @@ tokens, the share a cache serves, and the tokens left to prefill per request, wi
 and convoys listed (the default) and without (`env.list_supports=false`). On 4 x H200 the engines'
 measured hit rate (57.5 %) matched this model's 56 %, and the rollout is bound by that prefill.
 
+Feeding loop: `RolloutWorker.collect` on the one-GPU workload against an engine that answers at
+once (`feed_stats`): the CPU ms per request of the process that feeds the engine, with the env in
+that process (baseline) and in `--feed-processes` copies (`env.processes`, ours).
+
 The heap left by the imports is frozen first (`gc.freeze()`): otherwise a full GC pass (~0.3 s)
 lands at random in one path. Also times forking one mid-game state into 8 clones (ours, deepcopy +
 clear_cache, Game() + set_state) on a game with 27 phases of history and on a cache-loaded state
@@ -48,6 +52,69 @@ def add_args(parser) -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--horizon-years", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3, help="alternating baseline/ours rounds (median)")
+    parser.add_argument("--feed-processes", type=int, default=2, help="env.processes of the feeding-loop part")
+    parser.add_argument("--feed-batches", type=int, default=2, help="batches per feeding-loop job (after one warm-up)")
+
+
+class InstantStreamEngine:
+    """A streamed engine that answers at once: each poll hands back up to 8 of the pending requests,
+    chosen at random, with random legal answers; `submit` asks each request's Constraint for its
+    automaton, as the vLLM engine's does (cached when an env process built it)."""
+    version = 0
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.pending: dict = {}
+        self.next = 0
+
+    def submit(self, requests):
+        for r in requests:
+            if r.constraint is not None and r.constraint.slots:
+                r.constraint.table()
+        tickets = list(range(self.next, self.next + len(requests)))
+        self.next += len(requests)
+        self.pending.update(zip(tickets, requests))
+        return tickets
+
+    def poll(self, wait_all=False, wake=None):
+        from colocate.envs.diplomacy import random_legal_completion
+        tickets = list(self.pending)
+        self.rng.shuffle(tickets)
+        return [(t, random_legal_completion(self.pending.pop(t), self.rng))
+                for t in (tickets if wait_all else tickets[:8])]
+
+    def stats(self):
+        return {}
+
+
+def feed_stats(tokenizer, processes: int, batches: int, groups: int, seed: int) -> dict:
+    """The loop that feeds the engine on the one-GPU Diplomacy workload (gpu.yaml's env: cached
+    mid-game forks, order lines without units, supports unlisted, 4 years, G = 2; `groups` per batch
+    and a quarter more oversampled, streamed), `RolloutWorker.collect` against `InstantStreamEngine`:
+    this process's CPU ms and wall ms per request, with the env in this process (`processes` 0) or
+    in that many copies (`env.processes`). One warm-up batch first."""
+    from colocate.config import Config
+    from colocate.envs import make_env
+    from colocate.rollout.worker import RolloutWorker
+    cfg = Config()
+    cfg.env.name, cfg.env.horizon_years, cfg.env.unit_labels, cfg.env.list_supports = "diplomacy", 4, False, False
+    cfg.env.state_cache = "colocate/envs/diplomacy/states.jsonl"
+    cfg.rollout.group_size = 2
+    env = make_env(cfg, tokenizer, seed=seed, processes=processes)
+    engine = InstantStreamEngine(seed)
+    worker = RolloutWorker(env, engine, groups_per_batch=groups, oversample=max(groups // 4, 1), stream=True)
+    try:
+        worker.collect()
+        submitted = engine.next
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(batches):
+            worker.collect()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        if processes:
+            env.close()
+    requests = engine.next - submitted
+    return {"requests": requests, "cpu_ms_per_request": 1e3 * cpu / requests, "wall_ms_per_request": 1e3 * wall / requests}
 
 
 def load_embedded_tokenizer():
@@ -245,6 +312,14 @@ def run(args) -> dict:
                         prefill_stats(tokenizer, prefill_starts, 2, seed=0, list_supports=list_supports).items()})
     ratios["prefill_per_request_unlisted_over_listed"] = (figures["prefill_supports_unlisted_prefill_tokens_per_request"]
                                                           / figures["prefill_supports_listed_prefill_tokens_per_request"])
+    feed_groups, feed_batches = (4, 1) if args.quick else (32, args.feed_batches)
+    here = feed_stats(tokenizer, 0, feed_batches, feed_groups, seed=0)
+    there = feed_stats(tokenizer, args.feed_processes, feed_batches, feed_groups, seed=0)
+    for key in ("cpu_ms_per_request", "wall_ms_per_request"):
+        baseline[f"feed_{key}_in_process"] = here[key]
+        figures[f"feed_{key}_processes{args.feed_processes}"] = there[key]
+        ratios[f"feed_{key}_processes{args.feed_processes}_vs_in_process"] = here[key] / there[key]
+    figures["feed_requests"] = there["requests"]
     fork_ours, fork_base = fork_timings(states, args.quick)
     figures.update(fork_ours)
     baseline.update(fork_base)
