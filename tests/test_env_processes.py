@@ -78,8 +78,8 @@ def test_settle_and_has_news(dip_tokenizer):
         env.close()
 
 
-class RaisingEnv(Env):
-    """Raises in step for group 1; otherwise one-request groups of 2 that finish at once."""
+class OneRoundEnv(Env):
+    """Groups of 2 requests that finish once both are answered."""
     group_size = 2
 
     @classmethod
@@ -97,14 +97,23 @@ class RaisingEnv(Env):
 
     def step(self, completions):
         for key, c in completions.items():
-            if key[0] == 1:
-                raise ValueError("user code failed on group 1")
             del self.waiting[key]
-            self.done.append(Sample([1, 2], c, 1.0, key[0]))
+            self.done.append(Sample([1, 2], c, float(key[1]), key[0]))
 
     def pop_finished(self):
-        out, self.done = self.done, []
+        pending = {key[0] for key in self.waiting}
+        out = [s for s in self.done if s.group_key not in pending]
+        self.done = [s for s in self.done if s.group_key in pending]
         return out
+
+
+class RaisingEnv(OneRoundEnv):
+    """Raises in step for group 1."""
+
+    def step(self, completions):
+        if any(key[0] == 1 for key in completions):
+            raise ValueError("user code failed on group 1")
+        super().step(completions)
 
 
 def test_a_copy_that_raises_stops_with_its_traceback():
@@ -162,7 +171,7 @@ def test_config_refuses_processes_where_they_change_meaning(overrides, message):
     validate(cfg)  # oversampled: the order is timing's anyway
 
 
-class BigEnv(RaisingEnv):
+class BigEnv(OneRoundEnv):
     """Requests and samples of ~1 MB pickled each, far past a pipe's buffer."""
 
     def start_group(self, group_id):
@@ -200,7 +209,7 @@ def test_large_messages_both_ways_do_not_deadlock():
             env.close()
 
 
-class CountingEnv(RaisingEnv):
+class CountingEnv(OneRoundEnv):
     """Counts its started groups: resume state and data facts per copy."""
 
     def __init__(self):
@@ -232,5 +241,101 @@ def test_resume_state_is_one_state_per_copy_and_data_stats_the_first_copys():
         with pytest.raises(ValueError, match="env.processes=2"):
             env.load_state_dict({"processes": [{"started": 1}]})
         assert env.data_stats() == {"rows": 10.0}
+    finally:
+        env.close()
+
+
+def within(seconds: float, fn):
+    """fn() in a thread -> its result; fails (instead of hanging the suite) past `seconds`."""
+    import threading
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(value=fn()), daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert "value" in out, f"still blocked after {seconds} s"
+    return out["value"]
+
+
+class UnpicklableEnv(OneRoundEnv):
+    def pop_finished(self):
+        out = super().pop_finished()
+        for sample in out:
+            sample.info = {"fn": lambda: None}  # cannot cross a pipe
+        return out
+
+
+def test_a_reply_that_cannot_be_pickled_is_an_error_not_a_hang():
+    env = EnvProcesses(UnpicklableEnv, Config(), None, seed=0, num=1)
+    try:
+        env.start_group(0)
+        env.settle()
+        env.step({k: Completion([3], [0.0], None, 0) for k, _ in env.requests()})
+
+        def settle():
+            with pytest.raises(EnvProcessError, match="(?s)raised.*pickle"):
+                env.settle()
+            return True
+        assert within(60, settle)
+    finally:
+        env.close()
+
+
+def test_copies_leave_stop_signals_to_the_rank_and_a_dead_copy_is_named():
+    import os
+    import signal
+    env = EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=2)
+    try:
+        os.kill(env._procs[0].pid, signal.SIGTERM)  # graceful stop: the rank finishes its step first
+        os.kill(env._procs[1].pid, signal.SIGINT)
+        for g in range(2):
+            env.start_group(g)
+        env.settle()
+        assert len(env.requests()) == 4  # both copies still answer
+        os.kill(env._procs[1].pid, signal.SIGKILL)
+        env._procs[1].join(timeout=10)
+
+        def next_calls():
+            with pytest.raises(EnvProcessError, match=r"env process 1 \(OneRoundEnv\) is gone \(exit code -9"):
+                env.start_group(3)
+                env.settle()
+            return True
+        assert within(60, next_calls)
+    finally:
+        env.close()
+
+
+class OneAtATimeEngine:
+    """Streams one answer per poll, so requests stay in flight when a batch ships."""
+    version = 0
+
+    def __init__(self):
+        self.pending, self.next = {}, 0
+
+    def submit(self, requests):
+        tickets = list(range(self.next, self.next + len(requests)))
+        self.next += len(requests)
+        self.pending.update(zip(tickets, requests))
+        return tickets
+
+    def poll(self, wait_all=False, wake=None):
+        taken = list(self.pending)[: len(self.pending) if wait_all else 1]
+        return [(t, Completion([3], [0.0], None, 0, finish_reason="stop")) for t in taken if self.pending.pop(t)]
+
+    def stats(self):
+        return {}
+
+
+def test_inflight_ships_with_the_replacement_groups_already_in_the_engine():
+    """update=inflight: the groups that replace the completed ones are in the engine before the
+    batch ships (the copies' first requests are waited for), so the update finds it working."""
+    env = EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=2)
+    engine = OneAtATimeEngine()
+    try:
+        worker = RolloutWorker(env, engine, groups_per_batch=2, inflight=True)
+        for _ in range(3):
+            batch, _, _ = worker.collect()
+            assert batch.num_sequences == 4
+            in_engine = {key[0] for key, _ in worker._in_flight.values()}
+            assert len(in_engine) >= 2 and set(worker._live) <= in_engine | {g for g in worker._complete}
     finally:
         env.close()

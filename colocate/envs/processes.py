@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Hashable
 
 from colocate.data import Completion, Request, Sample
@@ -38,44 +40,61 @@ class EnvProcessError(RuntimeError):
 
 
 def _serve(conn, env_type: type[Env], cfg, tokenizer, seed: int) -> None:
-    """One worker process: build the env, then answer messages until the pipe closes. Replies leave
-    from a thread, so this loop keeps reading while a large reply waits for the inference rank to
-    take it (else both sides could block in send, each on a full pipe)."""
+    """One worker process: build the env, then answer messages until the pipe closes (the inference
+    rank is gone). Each reply is pickled here, so one that cannot be is an error reply, not a lost
+    one; it leaves from a thread, so this loop keeps reading while a large reply waits for the rank
+    to take it (else both sides could block in send, each on a full pipe). Stop signals are the
+    rank's to handle (it finishes its step and checkpoints), so a copy ignores them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_send_all, args=(conn, outbox), daemon=True).start()
     try:
         env = env_type.from_config(cfg, tokenizer, seed=seed)
-        outbox.put(("ok", env.group_size))
+        outbox.put(_pickled(lambda: env.group_size))
     except BaseException:
-        outbox.put(("error", traceback.format_exc()))
+        outbox.put(_pickled_error())
         env = None
     sent: set = set()  # keys whose requests went out and have not been answered
     while True:
         try:
             op, arg = conn.recv()
-        except (EOFError, OSError):  # the inference rank is gone
+        except (EOFError, OSError):
             outbox.put(None)
             return
-        if env is None:
-            continue
-        try:
-            if op == "start":
-                env.start_group(arg)
-            elif op == "step":
-                sent.difference_update(arg)
-                env.step(arg)
-            else:
-                outbox.put(("ok", _query(env, op, arg)))
-                continue
-            outbox.put(("ok", (_new_requests(env, sent), env.pop_finished())))
-        except BaseException:
-            outbox.put(("error", traceback.format_exc()))
+        if env is not None:
+            outbox.put(_pickled(lambda: _answer(env, sent, op, arg)))
+
+
+def _answer(env: Env, sent: set, op: str, arg):
+    """Apply one message -> its reply's value: after `start` and `step`, the new requests and the
+    finished samples; otherwise the query's answer."""
+    if op == "start":
+        env.start_group(arg)
+    elif op == "step":
+        sent.difference_update(arg)
+        env.step(arg)
+    else:
+        return _query(env, op, arg)
+    return _new_requests(env, sent), env.pop_finished()
+
+
+def _pickled(value_fn) -> bytes:
+    """("ok", value_fn()) pickled, or the error reply when computing or pickling it raised."""
+    try:
+        return ForkingPickler.dumps(("ok", value_fn()))
+    except BaseException:
+        return _pickled_error()
+
+
+def _pickled_error() -> bytes:
+    return ForkingPickler.dumps(("error", traceback.format_exc()))
 
 
 def _send_all(conn, outbox: queue.SimpleQueue) -> None:
-    while (reply := outbox.get()) is not None:
+    while (payload := outbox.get()) is not None:
         try:
-            conn.send(reply)
+            conn.send_bytes(payload)
         except OSError:  # the inference rank is gone
             return
 
@@ -133,8 +152,11 @@ class EnvProcesses(Env):
         self._bad: list = []                               # items that were not (key, Request) pairs
         self._finished: list[Sample] = []
         self._local: Env | None = None
-        sizes = [self._reply(i) for i in range(num)]
-        self.group_size = sizes[0]
+        try:
+            self.group_size = [self._reply(i) for i in range(num)][0]
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ Env protocol
 
@@ -207,14 +229,22 @@ class EnvProcesses(Env):
             conn.close()
         for proc in self._procs:
             proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
+            if proc.is_alive():  # copies ignore SIGTERM (the rank's to handle)
+                proc.kill()
 
     # ------------------------------------------------------------------ messages
 
     def _send(self, i: int, op: str, arg) -> None:
-        self._conns[i].send((op, arg))
+        try:
+            self._conns[i].send((op, arg))
+        except OSError:
+            raise self._died(i) from None
         self._pending[i] += 1
+
+    def _died(self, i: int) -> EnvProcessError:
+        self._procs[i].join(timeout=1)
+        return EnvProcessError(f"env process {i} ({self.env_type.__name__}) is gone (exit code "
+                               f"{self._procs[i].exitcode}; a negative code is the signal that ended it)")
 
     def _ask_all(self, op: str) -> list:
         self.settle()
@@ -242,9 +272,8 @@ class EnvProcesses(Env):
     def _reply(self, i: int):
         try:
             status, value = self._conns[i].recv()
-        except EOFError:
-            raise EnvProcessError(f"env process {i} ({self.env_type.__name__}) died "
-                                  f"(exit code {self._procs[i].exitcode})") from None
+        except (EOFError, OSError):
+            raise self._died(i) from None
         if status == "error":
             raise EnvProcessError(f"env process {i} ({self.env_type.__name__}) raised:\n{value.rstrip()}")
         return value

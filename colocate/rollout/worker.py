@@ -128,6 +128,7 @@ class RolloutWorker:
             self._file_finished(self._advance(play), play)
         if self.inflight:  # replace the groups just completed: the engine stays full while the batch ships
             self._start_groups()
+            self.env.settle()  # an env working in other processes: their first requests, before shipping
             self._submit_waiting(play)
         samples = self._take_samples()
         batch = build_batch(samples, group_advantages(samples))
@@ -144,7 +145,10 @@ class RolloutWorker:
             self.next_group += 1
 
     def _submit_waiting(self, play: _Play) -> None:
-        """Submit every request the env has waiting that is not already in flight."""
+        """Submit every request the env has waiting that is not already in flight (with a phase
+        barrier, once the env has settled: a round is every live game's phase, whole)."""
+        if not self.stream:
+            self.env.settle()
         keys = {k for k, _ in self._in_flight.values()}
         waiting = [(k, r) for k, r in self.check.requests(self.env.requests()) if k not in keys]
         if not waiting:
@@ -160,7 +164,7 @@ class RolloutWorker:
         if not self._in_flight:
             self.env.settle()  # an env working in other processes: wait for what it owes
             finished = self.check.samples(self.env.pop_finished())
-            if not finished and not self.env.requests():
+            if not finished and not self.check.requests(self.env.requests()):
                 raise RuntimeError(f"env has no requests and {len(self._live)} unfinished groups")
             return finished
         t = time.perf_counter()
