@@ -55,6 +55,7 @@ def make_env(cfg, tokenizer, seed: int, processes: int = 0) -> Env:
     """The run's env; with `processes` > 0, that many copies in worker processes (`EnvProcesses`)."""
     if processes > 0:
         from colocate.envs.processes import EnvProcesses
+        print(f"colocate: env {env_type(cfg).__name__} in {processes} worker processes (env.processes)", flush=True)
         return EnvProcesses(env_type(cfg), cfg, tokenizer, seed, processes)
     return env_type(cfg).from_config(cfg, tokenizer, seed=seed)
 
