@@ -147,6 +147,7 @@ def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
     state = load_checkpoint(path, trust)
     check_same_task(cfg, path)
     check_same_data(cfg, state["trainer_state"], path)
+    check_same_env_processes(cfg, state["trainer_state"], path)
     state["path"] = path
     return state
 
@@ -163,6 +164,18 @@ def check_same_data(cfg: Config, trainer_state: dict, path: str) -> None:
     if saved != {data_fingerprint(cfg.env.data_files, cfg.env.split)}:
         raise CheckpointError(f"{path}: env.data_files hold other contents than when this checkpoint was saved; "
                               "resume with those files, or start a new metrics.run_dir")
+
+
+def check_same_env_processes(cfg: Config, trainer_state: dict, path: str) -> None:
+    """An env resume state saved by N copies (`env.processes`) holds one state per copy, each for
+    its own groups: it resumes only with N copies (an env that keeps no state resumes with any)."""
+    from colocate.checkpoint import CheckpointError
+    from colocate.envs.processes import saved_processes
+    for s in (trainer_state.get("inference") or {}).values():
+        env = s.get("env") if isinstance(s, dict) else None
+        if env is not None and saved_processes(env) != cfg.env.processes:
+            raise CheckpointError(f"{path}: saved with env.processes={saved_processes(env)}, this run has "
+                                  f"env.processes={cfg.env.processes}: resume with the saved number")
 
 
 def check_config(argv: list[str], world: int | None = None,

@@ -235,11 +235,11 @@ def test_resume_state_is_one_state_per_copy_and_data_stats_the_first_copys():
     try:
         for g in range(5):  # copy 0 gets groups 0, 2, 4; copy 1 gets 1, 3
             env.start_group(g)
-        assert env.state_dict() == {"processes": [{"started": 3}, {"started": 2}]}
-        env.load_state_dict({"processes": [{"started": 7}, {"started": 8}]})
-        assert env.state_dict() == {"processes": [{"started": 7}, {"started": 8}]}
-        with pytest.raises(ValueError, match="env.processes=2"):
-            env.load_state_dict({"processes": [{"started": 1}]})
+        assert env.state_dict() == {"env_processes": [{"started": 3}, {"started": 2}]}
+        env.load_state_dict({"env_processes": [{"started": 7}, {"started": 8}]})
+        assert env.state_dict() == {"env_processes": [{"started": 7}, {"started": 8}]}
+        with pytest.raises(ValueError, match="env of 1 processes, this run has env.processes=2"):
+            env.load_state_dict({"env_processes": [{"started": 1}]})
         assert env.data_stats() == {"rows": 10.0}
     finally:
         env.close()
@@ -339,3 +339,23 @@ def test_inflight_ships_with_the_replacement_groups_already_in_the_engine():
             assert len(in_engine) >= 2 and set(worker._live) <= in_engine | {g for g in worker._complete}
     finally:
         env.close()
+
+
+def test_a_resume_with_another_env_processes_is_refused_before_launch():
+    """Each copy's state resumes its own groups: the saved number of copies must be this run's,
+    checked with the checkpoint (exit 2 before any model), not when the env loads it."""
+    from colocate.checkpoint import CheckpointError
+    from colocate.train import check_same_env_processes
+    cfg = Config()
+    saved_in_process = {"inference": {"0": {"env": {"rng": [1, 2]}}}}
+    saved_two = {"inference": {"0": {"env": {"env_processes": [{"rng": 1}, {"rng": 2}]}}}}
+    stateless = {"inference": {"0": {"env": None}}}
+    check_same_env_processes(cfg, saved_in_process, "ckpt")
+    check_same_env_processes(cfg, stateless, "ckpt")
+    with pytest.raises(CheckpointError, match=r"^ckpt: saved with env.processes=2, this run has env.processes=0"):
+        check_same_env_processes(cfg, saved_two, "ckpt")
+    cfg.env.processes = 2
+    check_same_env_processes(cfg, saved_two, "ckpt")
+    check_same_env_processes(cfg, stateless, "ckpt")  # Diplomacy keeps no state: any number resumes
+    with pytest.raises(CheckpointError, match="saved with env.processes=0, this run has env.processes=2"):
+        check_same_env_processes(cfg, saved_in_process, "ckpt")

@@ -35,6 +35,16 @@ from colocate.envs.base import Env
 from colocate.envs.protocol import is_keyed_request
 
 
+STATE_KEY = "env_processes"
+"""The resume state of `EnvProcesses`: {STATE_KEY: [each copy's state]}."""
+
+
+def saved_processes(state) -> int:
+    """env.processes of the run that saved an env resume state (0: the env was in-process)."""
+    parts = state.get(STATE_KEY) if isinstance(state, dict) else None
+    return len(parts) if isinstance(parts, list) else 0
+
+
 class EnvProcessError(RuntimeError):
     """A copy of the env raised in its worker process; the message holds its traceback."""
 
@@ -196,12 +206,12 @@ class EnvProcesses(Env):
 
     def state_dict(self) -> dict | None:
         parts = self._ask_all("state")
-        return None if all(p is None for p in parts) else {"processes": parts}
+        return None if all(p is None for p in parts) else {STATE_KEY: parts}
 
     def load_state_dict(self, state: dict) -> None:
-        parts = state.get("processes")
+        parts = state.get(STATE_KEY)
         if not isinstance(parts, list) or len(parts) != len(self._conns):
-            raise ValueError(f"the resume state holds the env of {len(parts or [])} processes, this run has "
+            raise ValueError(f"the resume state holds the env of {saved_processes(state)} processes, this run has "
                              f"env.processes={len(self._conns)}: resume with the same number")
         self.settle()
         for i, part in enumerate(parts):
