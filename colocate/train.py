@@ -152,13 +152,18 @@ def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
     return state
 
 
+def saved_env_states(trainer_state: dict) -> list[dict]:
+    """The env resume states the inference ranks saved (ranks whose env keeps none left out)."""
+    return [s["env"] for s in (trainer_state.get("inference") or {}).values()
+            if isinstance(s, dict) and isinstance(s.get("env"), dict)]
+
+
 def check_same_data(cfg: Config, trainer_state: dict, path: str) -> None:
     """A dataset run resumes only on the data files it was saved with: its position indexes their
     rows, so other files (even with as many rows) would silently train on other prompts."""
     from colocate.checkpoint import CheckpointError
     from colocate.envs.dataset import data_fingerprint
-    saved = {s["env"].get("data") for s in (trainer_state.get("inference") or {}).values()
-             if isinstance(s, dict) and isinstance(s.get("env"), dict)} - {None}
+    saved = {env.get("data") for env in saved_env_states(trainer_state)} - {None}
     if cfg.env.name != "dataset" or not saved:
         return
     if saved != {data_fingerprint(cfg.env.data_files, cfg.env.split)}:
@@ -171,9 +176,8 @@ def check_same_env_processes(cfg: Config, trainer_state: dict, path: str) -> Non
     its own groups: it resumes only with N copies (an env that keeps no state resumes with any)."""
     from colocate.checkpoint import CheckpointError
     from colocate.envs.processes import saved_processes
-    for s in (trainer_state.get("inference") or {}).values():
-        env = s.get("env") if isinstance(s, dict) else None
-        if env is not None and saved_processes(env) != cfg.env.processes:
+    for env in saved_env_states(trainer_state):
+        if saved_processes(env) != cfg.env.processes:
             raise CheckpointError(f"{path}: saved with env.processes={saved_processes(env)}, this run has "
                                   f"env.processes={cfg.env.processes}: resume with the saved number")
 

@@ -53,11 +53,12 @@ def env_type(cfg) -> type[Env]:
 
 def make_env(cfg, tokenizer, seed: int, processes: int = 0) -> Env:
     """The run's env; with `processes` > 0, that many copies in worker processes (`EnvProcesses`)."""
+    cls = env_type(cfg)
     if processes > 0:
         from colocate.envs.processes import EnvProcesses
-        print(f"colocate: env {env_type(cfg).__name__} in {processes} worker processes (env.processes)", flush=True)
-        return EnvProcesses(env_type(cfg), cfg, tokenizer, seed, processes)
-    return env_type(cfg).from_config(cfg, tokenizer, seed=seed)
+        print(f"colocate: env {cls.__name__} in {processes} worker processes (env.processes)", flush=True)
+        return EnvProcesses(cls, cfg, tokenizer, seed, processes)
+    return cls.from_config(cfg, tokenizer, seed=seed)
 
 
 def env_facts(cfg) -> dict[str, int]:

@@ -86,7 +86,7 @@ def _answer(env: Env, sent: set, op: str, arg):
         env.step(arg)
     else:
         return _query(env, op, arg)
-    return _new_requests(env, sent), env.pop_finished()
+    return (*_new_requests(env, sent), env.pop_finished())
 
 
 def _pickled(value_fn) -> bytes:
@@ -121,22 +121,21 @@ def _query(env: Env, op: str, arg):
     raise ValueError(f"unknown message {op!r}")
 
 
-def _new_requests(env: Env, sent: set) -> list:
-    """The env's waiting requests not sent before, with their constraint tables built here (the
-    engine asks each constraint for its table). Items that are not (key, Request) pairs go through
-    as they are, for the rollout worker's check to count."""
+def _new_requests(env: Env, sent: set) -> tuple[list, list]:
+    """The env's waiting (key, Request) pairs not sent before, with their constraint tables built
+    here (the engine asks each constraint for its table), and the items that are no such pair, as
+    they are, for the rollout worker's check to count."""
     returned = env.requests()
-    items = list(returned) if isinstance(returned, list | tuple) else [returned]
-    out = []
-    for item in items:
-        if is_keyed_request(item):
-            if item[0] in sent:
-                continue
+    pairs, bad = [], []
+    for item in list(returned) if isinstance(returned, list | tuple) else [returned]:
+        if not is_keyed_request(item):
+            bad.append(item)
+        elif item[0] not in sent:
             sent.add(item[0])
             if item[1].constraint is not None and item[1].constraint.slots:
                 item[1].constraint.table()
-        out.append(item)
-    return out
+            pairs.append(item)
+    return pairs, bad
 
 
 class EnvProcesses(Env):
@@ -216,14 +215,12 @@ class EnvProcesses(Env):
         self.settle()
         for i, part in enumerate(parts):
             if part is not None:
-                self._send(i, "load", part)
-                self._take_one(i)
+                self._ask(i, "load", part)
 
     def data_stats(self) -> dict[str, float]:
         """The first copy's (every copy opened the same data)."""
         self.settle()
-        self._send(0, "data_stats", None)
-        return self._take_one(0)
+        return self._ask(0, "data_stats")
 
     def evaluate(self, engine, eval_cfg, out_dir: str | None = None) -> dict[str, float]:
         return self.local().evaluate(engine, eval_cfg, out_dir)
@@ -256,6 +253,11 @@ class EnvProcesses(Env):
         return EnvProcessError(f"env process {i} ({self.env_type.__name__}) is gone (exit code "
                                f"{self._procs[i].exitcode}; a negative code is the signal that ended it)")
 
+    def _ask(self, i: int, op: str, arg=None):
+        """Copy i's answer to one query (after `settle`: no other reply is owed before it)."""
+        self._send(i, op, arg)
+        return self._take_one(i)
+
     def _ask_all(self, op: str) -> list:
         self.settle()
         for i in range(len(self._conns)):
@@ -266,13 +268,11 @@ class EnvProcesses(Env):
         """File the replies that have arrived (all that are owed, with `wait`)."""
         for i, conn in enumerate(self._conns):
             while self._pending[i] and (wait or conn.poll()):
-                requests, finished = self._take_one(i)
-                for item in requests:
-                    if is_keyed_request(item):
-                        self._waiting[item[0]] = item[1]
-                        self._owner[item[0]] = i
-                    else:
-                        self._bad.append(item)
+                pairs, bad, finished = self._take_one(i)
+                for key, request in pairs:
+                    self._waiting[key] = request
+                    self._owner[key] = i
+                self._bad.extend(bad)
                 self._finished.extend(finished)
 
     def _take_one(self, i: int):

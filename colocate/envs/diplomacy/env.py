@@ -63,6 +63,17 @@ MEAN_OVER = {"invalid_order_rate": "order_slots", "garbled_lines_per_completion"
 """Each mean `metrics()` reports -> the count it is a mean over (`merge_metrics` weights by it)."""
 
 
+def weighted_mean(parts: list[dict], key: str, weight: str) -> float:
+    """The mean `key` over all parts, each part weighted by its count `weight`."""
+    return sum(p[weight] * p[key] for p in parts) / max(sum(p[weight] for p in parts), 1)
+
+
+def pooled_std(parts: list[dict], mean: str, std: str, weight: str) -> float:
+    """The (population) standard deviation over all parts: E[x^2] minus the pooled mean squared."""
+    square = sum(p[weight] * (p[std] ** 2 + p[mean] ** 2) for p in parts) / max(sum(p[weight] for p in parts), 1)
+    return max(square - weighted_mean(parts, mean, weight) ** 2, 0.0) ** 0.5
+
+
 @dataclass
 class PhaseView:
     """One game phase as the policy sees it; shared by every continuation in that exact state."""
@@ -260,15 +271,10 @@ class DiplomacyEnv(Env):
             have = [p for p in parts if key in p]
             if key.endswith("_max"):
                 out[key] = max(p[key] for p in have)
-            elif key in MEAN_OVER or key == "sc_delta_std":
-                weight = MEAN_OVER.get(key, "sc_deltas")
-                total = sum(p[weight] for p in have)
-                if key == "sc_delta_std":  # pooled: E[x^2] over all parts, minus the pooled mean squared
-                    square = sum(p[weight] * (p[key] ** 2 + p["sc_delta_mean"] ** 2) for p in have)
-                    mean = sum(p[weight] * p["sc_delta_mean"] for p in have) / max(total, 1)
-                    out[key] = max(square / max(total, 1) - mean ** 2, 0.0) ** 0.5
-                else:
-                    out[key] = sum(p[weight] * p[key] for p in have) / max(total, 1)
+            elif key == "sc_delta_std":
+                out[key] = pooled_std(have, "sc_delta_mean", key, "sc_deltas")
+            elif key in MEAN_OVER:
+                out[key] = weighted_mean(have, key, MEAN_OVER[key])
             else:
                 out[key] = sum(p[key] for p in have)
         return out
