@@ -25,6 +25,7 @@ import gc
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -209,9 +210,14 @@ def check_launch(argv: list[str], world: int | None = None,
     return cfg, load_resume(cfg, resume_flag), check_only
 
 
+OTHER_RANKS_WAIT_S = 60.0  # how long a refusing rank other than 0 waits for the launcher to stop it
+
+
 def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
     """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
-    process group or model). Under torchrun every rank exits; only rank 0 prints the line."""
+    process group or model). Under torchrun every rank refuses; rank 0 prints the line and exits, and the
+    launcher stops the others while they wait. A rank whose input differs (a file only its node sees) prints
+    its own line after `OTHER_RANKS_WAIT_S`."""
     from colocate.checkpoint import CheckpointError
     try:
         if "WORLD_SIZE" not in os.environ and "--check" not in argv:
@@ -219,9 +225,12 @@ def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
                               "`torchrun --nproc-per-node=N -m colocate.train --config FILE` (`--check` only checks)")
         cfg, resume, check_only = check_launch(argv)
     except (ConfigError, CheckpointError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            kind = "config" if isinstance(e, ConfigError) else "checkpoint"
-            print(f"colocate: {kind} error: {e}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0:  # rank 0 refuses the same input and prints it; exiting first would get it killed unheard
+            time.sleep(OTHER_RANKS_WAIT_S)  # the launcher stops this rank once rank 0 exits
+        kind = "config" if isinstance(e, ConfigError) else "checkpoint"
+        where = f" (rank {rank}; rank 0 did not refuse it)" if rank != 0 else ""
+        print(f"colocate: {kind} error{where}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     return cfg, resume, check_only
 

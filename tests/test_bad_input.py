@@ -368,6 +368,23 @@ def test_the_shipped_configs_pass_the_check(tmp_path, monkeypatch, capsys):
         assert not os.path.exists(tmp_path / "run")  # a check writes nothing
 
 
+def test_a_rank_other_than_0_waits_for_rank_0_then_speaks_for_itself(tmp_path, monkeypatch, capsys):
+    """Rank 1 refusing the same input stays silent while rank 0 reports (the launcher stops it); if it is
+    still alive after the wait, rank 0 did not refuse, and rank 1 prints its own line, naming itself."""
+    from colocate import train
+    waits = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        train.configure(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--engine.temperature=.nan",
+                         f"--metrics.run_dir={tmp_path / 'run'}"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and waits == [train.OTHER_RANKS_WAIT_S]
+    assert len(lines) == 1 and lines[0].startswith("colocate: config error (rank 1; rank 0 did not refuse it): "
+                                                   "engine.temperature"), lines
+
+
 @pytest.mark.slow
 def test_under_torchrun_the_line_is_printed_once(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "colocate.train",
