@@ -5,6 +5,7 @@ import pytest
 from colocate.config import Config
 from colocate.config_checks import ConfigError, validate
 from colocate.data import Completion, Request, Sample
+from colocate.engine.base import Engine
 from colocate.envs.base import Env
 from colocate.envs.processes import EnvProcesses, EnvProcessError
 from colocate.rollout.worker import RolloutWorker
@@ -150,7 +151,67 @@ def test_merged_metrics_are_what_one_env_reports(dip_tokenizer):
     assert merged.keys() == whole.keys()
     for key in [k for k in whole if not k.endswith("_ms") and "_ms_" not in k]:  # timings differ per run
         assert merged[key] == pytest.approx(whole[key], rel=1e-9, abs=1e-12), key
-    assert Env.merge_metrics([{"a": 1.0, "b": 4.0}, {"a": 3.0}]) == {"a": 2.0, "b": 4.0}
+
+
+
+def test_the_default_merge_by_the_env_s_declared_counts():
+    class Counted(Env):
+        MEAN_OVER = {"rate": "n"}
+        COUNTS = ("errors",)
+    parts = [{"rate": 1.0, "n": 1.0, "errors": 2.0, "len_max": 5.0, "other": 1.0},
+             {"rate": 0.0, "n": 3.0, "errors": 1.0, "len_max": 9.0, "other": 3.0}, {"rate": 0.0, "n": 0.0}]
+    assert Counted.merge_metrics(parts) == {"rate": 0.25, "n": 4.0, "errors": 3.0, "len_max": 9.0, "other": 2.0}
+    assert Env.merge_metrics([{"a": 1.0, "b": 4.0}, {"a": 3.0}]) == {"a": 2.0, "b": 4.0}  # undeclared: the mean
+
+
+class FixedAnswer(Engine):
+    """Answers every request with one text."""
+    version = 0
+
+    def __init__(self, tokenizer, text: str):
+        self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    def generate(self, requests):
+        return [Completion(list(self.ids), [-1.0] * len(self.ids), None, 0) for _ in requests]
+
+
+def merged_equals_whole(make, plays) -> None:
+    """Each play's metrics from its own copy, merged, are what one env that played them all reports
+    (played by the env loop: the rollout worker would read and reset the metrics itself)."""
+    from tests.test_diplomacy_env import run
+
+    def policy(engine):
+        return lambda key, request: engine.generate([request])[0]
+    parts, whole_env, first = [], make(), 0
+    for engine, groups in plays:
+        part_env = make()
+        run(part_env, policy(engine), range(groups))
+        parts.append(part_env.metrics())
+        run(whole_env, policy(engine), range(first, first + groups))
+        first += groups
+    whole = whole_env.metrics()
+    assert whole and all(parts)
+    merged = type(whole_env).merge_metrics(parts)
+    assert merged.keys() == whole.keys()
+    for key in whole:
+        assert merged[key] == pytest.approx(whole[key], rel=1e-12), (key, parts)
+
+
+def test_arithmetic_metrics_merge_to_the_whole(tiny_tokenizer):
+    from colocate.envs.arithmetic import ArithmeticEnv
+
+    def make():
+        return ArithmeticEnv(tiny_tokenizer, group_size=2, max_operand=9, max_new_tokens=8, temperature=1.0,
+                             use_constraint=False, seed=0)
+    # 2 invalid completions and 6 valid ones: 0.25 invalid, where a mean of the copies' rates says 0.5
+    merged_equals_whole(make, [(FixedAnswer(tiny_tokenizer, "x"), 1), (FixedAnswer(tiny_tokenizer, "5"), 3)])
+
+
+def test_agent_metrics_merge_to_the_whole(tiny_tokenizer):
+    from tests.test_agent import CALL, ScriptedEngine, agent_fixtures, make_env
+    tok = tiny_tokenizer
+    merged_equals_whole(lambda: make_env(tok, tools=[agent_fixtures.add], max_new_tokens=200, max_model_len=600),
+                        [(ScriptedEngine(tok, [CALL, " 5"]), 1), (ScriptedEngine(tok, [" 7"]), 3)])
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -37,6 +37,9 @@ from colocate.rewards import RewardSet
 from colocate.tools import (PARSERS, TOOL_ERROR_KINDS, PendingCall, ToolResult, ToolRunner, ToolRunnerSettings,
                             environment_tools, tool_name, tool_schema, wait_any)
 
+FINISH_REASONS = ("stop", "max_turns", "max_tool_calls", "truncated")
+"""How an episode ends (`finish/<reason>` in the metrics: the share of episodes)."""
+
 
 @dataclass
 class AgentSettings:
@@ -286,6 +289,12 @@ class AgentEnv(Env):
         c["policy_tokens"] += sum(ep.loss_mask)
         c["env_tokens"] += len(ep.loss_mask) - sum(ep.loss_mask)
 
+    MEAN_OVER = {**dict.fromkeys(("tool_call_rate", "accuracy", "tool_calls_per_episode", "turns_per_episode",
+                                  "policy_tokens_per_episode", "env_tokens_per_episode",
+                                  *(f"finish/{r}" for r in FINISH_REASONS)), "episodes"),
+                 "tool_error_rate": "tool_calls"}
+    COUNTS = ("reward_errors", *(f"tool_errors/{kind}" for kind in TOOL_ERROR_KINDS))
+
     def metrics(self) -> dict[str, float]:
         """Since the last call: tool-call rate (episodes with a call), accuracy (full marks from every
         reward function), calls / turns / tokens per episode, how episodes ended, tool errors by kind
@@ -299,7 +308,8 @@ class AgentEnv(Env):
         errors = {f"tool_errors/{kind}": float(c[f"tool_errors/{kind}"]) for kind in TOOL_ERROR_KINDS}
         out.update(errors)
         out["tool_error_rate"] = sum(errors.values()) / max(c["tool_calls"], 1)
-        out.update({k: v / n for k, v in c.items() if k.startswith("finish/")})
+        out.update({f"finish/{reason}": c[f"finish/{reason}"] / n for reason in FINISH_REASONS})
+        out.update(episodes=float(c["episodes"]), tool_calls=float(c["tool_calls"]))
         return out
 
     def state_dict(self) -> dict | None:

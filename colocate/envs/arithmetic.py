@@ -113,8 +113,10 @@ class ArithmeticEnv(Env):
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
 
+    MEAN_OVER = {"invalid_rate": "completions"}
+
     def metrics(self) -> dict[str, float]:
         n = max(self._counts["completions"], 1)
-        out = {"invalid_rate": self._counts["invalid"] / n}
+        out = {"invalid_rate": self._counts["invalid"] / n, "completions": float(self._counts["completions"])}
         self._counts = {"completions": 0, "invalid": 0}
         return out

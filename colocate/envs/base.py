@@ -73,12 +73,31 @@ class Env:
         """Counters since the last call (e.g. invalid-order rate), namespaced by the caller."""
         return {}
 
+    MEAN_OVER: dict[str, str] = {}
+    """Each mean that `metrics()` reports -> the count metric it is a mean over (`merge_metrics`
+    weights by it; the count adds up)."""
+    COUNTS: tuple[str, ...] = ()
+    """Other metrics that add up over copies (events counted)."""
+
     @classmethod
     def merge_metrics(cls, parts: list[dict[str, float]]) -> dict[str, float]:
-        """One `metrics()` from those of several copies of the env (`env.processes`). Default: the
-        mean of each key over the copies that report it."""
-        keys = dict.fromkeys(k for part in parts for k in part)
-        return {k: sum(p[k] for p in parts if k in p) / sum(k in p for p in parts) for k in keys}
+        """One `metrics()` from those of several copies of the env (`env.processes`): a key ending in
+        `_max` takes the max, a count (`COUNTS`, or named in `MEAN_OVER`) adds up, a mean named in
+        `MEAN_OVER` is weighted by its count, and any other key is the mean over the copies that
+        report it."""
+        counts = set(cls.COUNTS) | set(cls.MEAN_OVER.values())
+        out = {}
+        for key in dict.fromkeys(k for p in parts for k in p):
+            have = [p for p in parts if key in p]
+            if key.endswith("_max"):
+                out[key] = max(p[key] for p in have)
+            elif key in counts:
+                out[key] = sum(p[key] for p in have)
+            elif key in cls.MEAN_OVER:
+                out[key] = weighted_mean(have, key, cls.MEAN_OVER[key])
+            else:
+                out[key] = sum(p[key] for p in have) / len(have)
+        return out
 
     def settle(self) -> None:
         """Wait until `requests()` and `pop_finished()` reflect every `start_group` and `step` so far.
@@ -107,3 +126,8 @@ class Env:
         "accuracy", "diplomacy/greedy/mean_centres"). `eval_cfg` is `config.EvalConfig`; files a person
         may look at (saved games, pictures) go under `out_dir`. Default: nothing to evaluate."""
         return {}
+
+
+def weighted_mean(parts: list[dict], key: str, weight: str) -> float:
+    """The mean `key` over all parts, each part weighted by its count `weight`."""
+    return sum(p[weight] * p[key] for p in parts) / max(sum(p[weight] for p in parts), 1)

@@ -35,7 +35,7 @@ from typing import Hashable
 
 from colocate.chat import ChatFormat
 from colocate.data import Completion, Request, Sample
-from colocate.envs.base import Env
+from colocate.envs.base import Env, weighted_mean
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import parse_orders
 from colocate.envs.diplomacy.prompt import (PowerOrders, TokenCache, board_lines, instruction,
@@ -53,19 +53,6 @@ def power_rewards(start_centres: dict[str, int], game) -> dict[str, float]:
         alive = bool(power.units or power.centers)
         out[name] = (len(power.centers) - start_centres[name]) / CENTRE_SCALE + SURVIVAL_BONUS * alive
     return out
-
-
-MEAN_OVER = {"invalid_order_rate": "order_slots", "garbled_lines_per_completion": "completions",
-             "truncated_rate": "completions", "parse_ms_per_completion": "completions",
-             "prompt_tokens_mean": "prompts", "fork_ms": "forks", "build_ms_per_phase": "views",
-             "process_ms_per_phase": "phases_processed", "sc_delta_mean": "sc_deltas",
-             "sc_mean": "continuations_finished"}
-"""Each mean `metrics()` reports -> the count it is a mean over (`merge_metrics` weights by it)."""
-
-
-def weighted_mean(parts: list[dict], key: str, weight: str) -> float:
-    """The mean `key` over all parts, each part weighted by its count `weight`."""
-    return sum(p[weight] * p[key] for p in parts) / max(sum(p[weight] for p in parts), 1)
 
 
 def pooled_std(parts: list[dict], mean: str, std: str, weight: str) -> float:
@@ -262,21 +249,20 @@ class DiplomacyEnv(Env):
         self._reset_counters()
         return out
 
+    MEAN_OVER = {"invalid_order_rate": "order_slots", "garbled_lines_per_completion": "completions",
+                 "truncated_rate": "completions", "parse_ms_per_completion": "completions",
+                 "prompt_tokens_mean": "prompts", "fork_ms": "forks", "build_ms_per_phase": "views",
+                 "process_ms_per_phase": "phases_processed", "sc_delta_mean": "sc_deltas",
+                 "sc_mean": "continuations_finished"}
+    COUNTS = ("stall_stops",)
+
     @classmethod
     def merge_metrics(cls, parts: list[dict[str, float]]) -> dict[str, float]:
-        """Counts add up, maxima take the max, each mean is weighted by the count it is a mean over
-        (`MEAN_OVER`), and the spread of centre changes is pooled: what one env would have reported."""
-        out = {}
-        for key in dict.fromkeys(k for p in parts for k in p):
-            have = [p for p in parts if key in p]
-            if key.endswith("_max"):
-                out[key] = max(p[key] for p in have)
-            elif key == "sc_delta_std":
-                out[key] = pooled_std(have, "sc_delta_mean", key, "sc_deltas")
-            elif key in MEAN_OVER:
-                out[key] = weighted_mean(have, key, MEAN_OVER[key])
-            else:
-                out[key] = sum(p[key] for p in have)
+        """`Env.merge_metrics` by `MEAN_OVER` and `COUNTS`, with the spread of centre changes pooled:
+        what one env would have reported."""
+        out = super().merge_metrics(parts)
+        if have := [p for p in parts if "sc_delta_std" in p]:
+            out["sc_delta_std"] = pooled_std(have, "sc_delta_mean", "sc_delta_std", "sc_deltas")
         return out
 
     # ------------------------------------------------------------------ internals
