@@ -160,6 +160,23 @@ def test_env_results_of_the_wrong_shape_are_named_counted_and_fatal_in_a_row(cap
             check.requests([("x",)])
 
 
+def test_requests_in_flight_are_skipped_and_the_rest_still_checked():
+    """The rollout worker passes the keys in flight: those pairs are not checked again or returned;
+    new pairs are, and bad items (an unhashable key among them) are still counted."""
+    from colocate.data import Request
+    from colocate.envs.protocol import ResultCheck
+    request = Request(prompt_ids=[1, 2], max_new_tokens=2, temperature=1.0)
+    flying, new = ((0, 0), request), ((0, 1), request)
+    returned = [flying, new, ([0], request), "junk"]
+    env = ScriptedEnv(returned, [])
+    check = ResultCheck(env, max_errors=3)
+    assert check.requests(returned, known={(0, 0)}) == [new]
+    assert check.requests(returned) == [flying, new]
+    assert check.take_errors() == 4
+    for _ in range(5):  # in flight is usable: an env that also returns one bad item each time never trips the limit
+        assert check.requests([flying, "junk"], known={(0, 0)}) == []
+
+
 def test_the_guessing_game_follows_the_protocol_and_a_broken_env_is_named():
     from colocate.envs.base import Env
     from colocate.envs.protocol import EnvProtocolError, check_env_class

@@ -81,9 +81,19 @@ class ResultCheck:
         self.in_a_row = 0
         self._logged: set = set()
 
-    def requests(self, returned) -> list:
-        """`requests()`'s result -> its (key, Request) pairs; anything else is counted."""
+    def requests(self, returned, known: set | frozenset = frozenset()) -> list:
+        """`requests()`'s result -> its (key, Request) pairs, less those whose key is in `known` (in
+        flight: checked when first returned, and skipped at the cost of a set lookup); anything else
+        is counted."""
         items = self._sequence("requests", returned, "a list of (key, Request) pairs")
+        if known:
+            try:
+                fresh = [item for item in items if not (isinstance(item, tuple) and len(item) == 2 and item[0] in known)]
+            except TypeError:  # a key that cannot be hashed: sort them one by one
+                fresh = [item for item in items if not _is_known(item, known)]
+            if len(fresh) < len(items):  # usable items came back (what `in_a_row` counts between)
+                self.in_a_row = 0
+            items = fresh
         return [item for item in items if self._item_ok("requests", item, is_keyed_request(item),
                                                         "a (hashable key, Request) pair")]
 
@@ -130,6 +140,13 @@ def is_keyed_request(item) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _is_known(item, known) -> bool:
+    try:
+        return isinstance(item, tuple) and len(item) == 2 and item[0] in known
+    except TypeError:
+        return False
 
 
 def _show(value) -> str:

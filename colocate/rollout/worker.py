@@ -108,6 +108,7 @@ class RolloutWorker:
         self._live: set = set()                    # groups started and not yet complete
         self._complete: dict = {}                  # group -> its samples, in completion order
         self._in_flight: dict = {}                 # ticket -> (env key, submit time); across calls when inflight
+        self._keys_in_flight: set = set()          # their env keys
 
     def collect(self) -> tuple[TrajectoryBatch, dict[str, float], dict[str, float]]:
         """Play until `groups_per_batch` groups are complete -> (batch, rollout stats, engine stats).
@@ -149,13 +150,13 @@ class RolloutWorker:
         barrier, once the env has settled: a round is every live game's phase, whole)."""
         if not self.stream:
             self.env.settle()
-        keys = {k for k, _ in self._in_flight.values()}
-        waiting = [(k, r) for k, r in self.check.requests(self.env.requests()) if k not in keys]
+        waiting = self.check.requests(self.env.requests(), known=self._keys_in_flight)
         if not waiting:
             return
         now = time.perf_counter()
         for ticket, (k, _) in zip(self.engine.submit([r for _, r in waiting]), waiting):
             self._in_flight[ticket] = (k, now)
+            self._keys_in_flight.add(k)
         play.requests += len(waiting)
 
     def _advance(self, play: _Play) -> list[Sample]:
@@ -176,6 +177,7 @@ class RolloutWorker:
         answers = {}
         for ticket, completion in done:
             key, t_submit = self._in_flight.pop(ticket)
+            self._keys_in_flight.discard(key)
             answers[key] = completion
             play.request_s.append(now - t_submit)
             play.out_tokens += len(completion.token_ids)
