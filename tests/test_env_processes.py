@@ -420,3 +420,21 @@ def test_a_resume_with_another_env_processes_is_refused_before_launch():
     check_same_env_processes(cfg, stateless, "ckpt")  # Diplomacy keeps no state: any number resumes
     with pytest.raises(CheckpointError, match="saved with env.processes=0, this run has env.processes=2"):
         check_same_env_processes(cfg, saved_in_process, "ckpt")
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_copies_died(tmp_path):
+    """Spawned copies import the main module again; one that starts the env at import time makes
+    each copy try to spawn its own and die: the rank names the cause instead of only the exit code."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text("from colocate.config import Config\nfrom colocate.envs.processes import EnvProcesses\n"
+                      "from tests.test_env_processes import OneRoundEnv\n"
+                      "EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=1).close()\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode != 0
+    assert "EnvProcessError: env process 0 (OneRoundEnv) is gone" in out.stderr, out.stderr[-2000:]
+    assert 'under `if __name__ == "__main__":`' in out.stderr.splitlines()[-1], out.stderr[-2000:]

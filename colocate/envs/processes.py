@@ -162,7 +162,7 @@ class EnvProcesses(Env):
         self._finished: list[Sample] = []
         self._local: Env | None = None
         try:
-            self.group_size = [self._reply(i) for i in range(num)][0]
+            self.group_size = [self._reply(i, starting=True) for i in range(num)][0]
         except BaseException:
             self.close()
             raise
@@ -248,10 +248,12 @@ class EnvProcesses(Env):
             raise self._died(i) from None
         self._pending[i] += 1
 
-    def _died(self, i: int) -> EnvProcessError:
+    def _died(self, i: int, starting: bool = False) -> EnvProcessError:
         self._procs[i].join(timeout=1)
+        hint = ("; it died before building the env: a spawned process imports the main module again, so a "
+                "script that starts training must do so under `if __name__ == \"__main__\":`") if starting else ""
         return EnvProcessError(f"env process {i} ({self.env_type.__name__}) is gone (exit code "
-                               f"{self._procs[i].exitcode}; a negative code is the signal that ended it)")
+                               f"{self._procs[i].exitcode}; a negative code is the signal that ended it){hint}")
 
     def _ask(self, i: int, op: str, arg=None):
         """Copy i's answer to one query (after `settle`: no other reply is owed before it)."""
@@ -279,11 +281,11 @@ class EnvProcesses(Env):
         self._pending[i] -= 1
         return self._reply(i)
 
-    def _reply(self, i: int):
+    def _reply(self, i: int, starting: bool = False):
         try:
             status, value = self._conns[i].recv()
         except (EOFError, OSError):
-            raise self._died(i) from None
+            raise self._died(i, starting) from None
         if status == "error":
             raise EnvProcessError(f"env process {i} ({self.env_type.__name__}) raised:\n{value.rstrip()}")
         return value
