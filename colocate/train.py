@@ -260,7 +260,10 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     if topo.role == "inference":
         engine, receiver = make_engine(cfg, topo, model, tokenizer)
         env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank, processes=cfg.env.processes)
-        run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop)
+        try:
+            run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop)
+        finally:
+            env.close()  # its worker processes (env.processes), also when the role failed
     else:
         learner = Learner(cfg, topo, model, tokenizer)
         sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective

@@ -168,8 +168,8 @@ class FixedAnswer(Engine):
     """Answers every request with one text."""
     version = 0
 
-    def __init__(self, tokenizer, text: str):
-        self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    def __init__(self, tokenizer, text: str = "", ids: list[int] | None = None):
+        self.ids = ids or tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
 
     def generate(self, requests):
         return [Completion(list(self.ids), [-1.0] * len(self.ids), None, 0) for _ in requests]
@@ -438,3 +438,115 @@ def test_a_script_without_a_main_guard_is_told_why_its_copies_died(tmp_path):
     assert out.returncode != 0
     assert "EnvProcessError: env process 0 (OneRoundEnv) is gone" in out.stderr, out.stderr[-2000:]
     assert 'under `if __name__ == "__main__":`' in out.stderr.splitlines()[-1], out.stderr[-2000:]
+
+
+def run_script(tmp_path, body: str, timeout: float = 120, **popen):
+    """Run `body` as a script's main (guarded) from the repo root -> the finished process."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "script.py"
+    script.write_text("from colocate.config import Config\nfrom colocate.envs.processes import EnvProcesses\n"
+                      "from tests.test_env_processes import *\n\nif __name__ == '__main__':\n"
+                      + "".join(f"    {line}\n" for line in body.strip().splitlines()))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": repo}, **popen)
+
+
+def test_a_rank_that_fails_with_its_env_open_still_exits():
+    """An uncaught error leaves the env referenced (the traceback, a global) until interpreter exit;
+    the copies ignore SIGTERM, so multiprocessing's exit join would wait forever unless the pipes are
+    closed first."""
+    import pathlib
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_script(pathlib.Path(tmp), """
+env = EnvProcesses(RaisingEnv, Config(), None, seed=0, num=2)
+for g in range(2):
+    env.start_group(g)
+env.settle()
+env.step({k: Completion([3], [0.0], None, 0) for k, _ in env.requests()})
+env.settle()
+""", timeout=90)
+    assert out.returncode == 1 and "user code failed on group 1" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_stop_signal_while_the_copies_start_does_not_kill_them(tmp_path):
+    """Ctrl-C reaches the whole process group; a copy still importing (before it ignores stop signals
+    itself) must survive it, and the rank's own handler must see it."""
+    out = run_script(tmp_path, """
+import multiprocessing, os, signal, threading
+seen = []
+signal.signal(signal.SIGINT, lambda *_: seen.append("SIGINT"))
+
+def interrupt_the_copies():  # at once: they are still importing
+    while not multiprocessing.active_children():
+        pass
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=interrupt_the_copies, daemon=True).start()
+env = EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=2)
+for g in range(2):
+    env.start_group(g)
+env.settle()
+print(len(env.requests()), seen)
+env.close()
+""")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "4 ['SIGINT']", out.stdout
+
+
+class GarbledFinishEnv(OneRoundEnv):
+    """pop_finished returns None while no group has finished, then a bare dict once."""
+
+    def pop_finished(self):
+        return super().pop_finished() or (None if self.waiting else {"not": "a list"})
+
+
+def test_garbled_pop_finished_from_a_copy_is_counted_not_a_crash():
+    env = EnvProcesses(GarbledFinishEnv, Config(), None, seed=0, num=2)
+    try:
+        worker = RolloutWorker(env, FixedAnswer(None, ids=[3]), groups_per_batch=2, oversample=1)
+        batch, stats, _ = worker.collect()
+        assert batch.num_sequences == 4 and stats["env_errors"] > 0
+    finally:
+        env.close()
+
+
+def test_has_news_turns_true_when_a_copy_replies():
+    """A streamed poll returns early on has_news: it must see a reply that arrived unasked."""
+    import time
+    env = EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=2)
+    try:
+        env.settle()
+        assert not env.has_news()
+        env.start_group(0)
+        deadline = time.monotonic() + 60
+        while not env.has_news():
+            assert time.monotonic() < deadline, "the copy's reply never showed as news"
+            time.sleep(0.01)
+        assert len(env.requests()) == 2 and not env.has_news()  # taken: no longer news
+    finally:
+        env.close()
+
+
+def test_a_streamed_poll_is_told_to_wake_on_the_env_s_news(dip_tokenizer):
+    """The rollout worker hands `env.has_news` to every streamed poll, and to no barrier poll."""
+    from colocate.envs.diplomacy import DiplomacyEnv
+
+    class Recording(ShuffledStreamEngine):
+        def poll(self, wait_all=False, wake=None):
+            self.wakes.add((wait_all, wake))
+            return super().poll(wait_all, wake)
+    env = EnvProcesses(DiplomacyEnv, dip_cfg(), dip_tokenizer, seed=3, num=2)
+    try:
+        for stream, expected in ((True, {(False, env.has_news)}), (False, {(True, None)})):
+            engine = Recording(seed=0)
+            engine.wakes = set()
+            RolloutWorker(env, engine, groups_per_batch=2, oversample=1, stream=stream,
+                          first_group_id=0 if stream else 100).collect()
+            assert engine.wakes == expected, stream
+    finally:
+        env.close()

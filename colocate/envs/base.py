@@ -108,6 +108,10 @@ class Env:
         return (a streamed engine poll then stops waiting). Default: never (the work is done in `step`)."""
         return False
 
+    def close(self) -> None:
+        """Release what the env holds beyond this process's memory (`EnvProcesses`: its worker
+        processes). Default: nothing."""
+
     def data_stats(self) -> dict[str, float]:
         """Facts about the env's data fixed when it was opened, written once under `data/` (e.g.
         "dropped/empty_prompt": rows dropped under env.bad_rows=skip). Default: none."""

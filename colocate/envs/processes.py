@@ -18,15 +18,19 @@ a batch follows timing. The exact-resume mode (`rollout.update: drain` without o
 the env in-process (`config_checks` refuses the pair). Metrics are merged by the env class's
 `merge_metrics`; the resume state is one state per copy; `data_stats` are the first copy's;
 evaluation uses a copy of the env built in this process when first asked. A copy that raises
-stops the run with its traceback.
+stops the run with its traceback. Stop signals are the rank's: a copy ignores them, also while it
+starts up. The copies end when their pipes close: `close()`, or at exit (also after a failure).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import queue
 import signal
 import threading
 import traceback
+from multiprocessing import resource_tracker
 from multiprocessing.reduction import ForkingPickler
 from typing import Hashable
 
@@ -55,8 +59,9 @@ def _serve(conn, env_type: type[Env], cfg, tokenizer, seed: int) -> None:
     one; it leaves from a thread, so this loop keeps reading while a large reply waits for the rank
     to take it (else both sides could block in send, each on a full pipe). Stop signals are the
     rank's to handle (it finishes its step and checkpoints), so a copy ignores them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked since the spawn: what came meanwhile is dropped
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_send_all, args=(conn, outbox), daemon=True).start()
     try:
@@ -86,7 +91,7 @@ def _answer(env: Env, sent: set, op: str, arg):
         env.step(arg)
     else:
         return _query(env, op, arg)
-    return (*_new_requests(env, sent), env.pop_finished())
+    return (*_new_requests(env, sent), _as_list(env.pop_finished()))
 
 
 def _pickled(value_fn) -> bytes:
@@ -121,13 +126,19 @@ def _query(env: Env, op: str, arg):
     raise ValueError(f"unknown message {op!r}")
 
 
+def _as_list(returned) -> list:
+    """`pop_finished()`'s result as a list the rank can extend: anything but a list or tuple becomes
+    one item, for the rollout worker's check to count (as it counts it from an env in-process)."""
+    return list(returned) if isinstance(returned, list | tuple) else [returned]
+
+
 def _new_requests(env: Env, sent: set) -> tuple[list, list]:
     """The env's waiting (key, Request) pairs not sent before, with their constraint tables built
     here (the engine asks each constraint for its table), and the items that are no such pair, as
     they are, for the rollout worker's check to count."""
     returned = env.requests()
     pairs, bad = [], []
-    for item in list(returned) if isinstance(returned, list | tuple) else [returned]:
+    for item in _as_list(returned):
         if not is_keyed_request(item):
             bad.append(item)
         elif item[0] not in sent:
@@ -136,6 +147,33 @@ def _new_requests(env: Env, sent: set) -> tuple[list, list]:
                 item[1].constraint.table()
             pairs.append(item)
     return pairs, bad
+
+
+def _close_copies(conns: list, procs: list) -> None:
+    """Close the pipes (each copy then returns) and reap the copies; kill one that does not return."""
+    for conn in conns:
+        conn.close()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():  # copies ignore SIGTERM (the rank's to handle)
+            proc.kill()
+            proc.join(timeout=5)
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """SIGINT and SIGTERM held back on this thread while a copy is spawned. The copy inherits the
+    mask, so a stop requested during its start-up (seconds of imports) waits until `_serve` ignores
+    it instead of killing the copy; here it is delivered (not lost) when the block ends."""
+    resource_tracker.ensure_running()  # started on a first spawn, it would unblock them on its way out
+    saved = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, saved)
 
 
 class EnvProcesses(Env):
@@ -147,14 +185,22 @@ class EnvProcesses(Env):
         self.env_type, self.cfg, self.tokenizer, self.seed = env_type, cfg, tokenizer, seed
         ctx = mp.get_context("spawn")  # the parent holds CUDA and threads: never fork it
         self._conns, self._procs = [], []
-        for i in range(num):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(theirs, env_type, cfg, tokenizer, seed * num + i),
-                               name=f"colocate-env-{i}", daemon=True)
-            proc.start()
-            theirs.close()
-            self._conns.append(ours)
-            self._procs.append(proc)
+        # Closes the pipes at exit before multiprocessing joins its children: a copy ignores SIGTERM
+        # and would wait on its pipe forever when a failed rank's traceback still holds this env.
+        self._close = mp_util.Finalize(self, _close_copies, args=(self._conns, self._procs), exitpriority=10)
+        try:
+            for i in range(num):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(theirs, env_type, cfg, tokenizer, seed * num + i),
+                                   name=f"colocate-env-{i}", daemon=True)
+                with stop_signals_blocked():  # a Ctrl-C while the copy starts up is the rank's to handle
+                    proc.start()
+                theirs.close()
+                self._conns.append(ours)
+                self._procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
         self._pending = [0] * num                          # replies each process still owes
         self._waiting: dict[Hashable, Request] = {}        # requests ready and not yet answered
         self._owner: dict[Hashable, int] = {}              # key -> the process that asked
@@ -232,12 +278,7 @@ class EnvProcesses(Env):
         return self._local
 
     def close(self) -> None:
-        for conn in self._conns:
-            conn.close()
-        for proc in self._procs:
-            proc.join(timeout=5)
-            if proc.is_alive():  # copies ignore SIGTERM (the rank's to handle)
-                proc.kill()
+        self._close()  # once; at exit if never called
 
     # ------------------------------------------------------------------ messages
 
