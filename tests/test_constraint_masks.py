@@ -385,3 +385,27 @@ if __name__ == "__main__":  # the interpreter subprocess
     from colocate.kernels.trie_mask import advance_and_mask
     assert os.environ.get("TRITON_INTERPRET") == "1"
     print(json.dumps({f"{seed}-{vocab}": run_kernel(advance_and_mask, seed, vocab) for seed, vocab in CASES}))
+
+
+def test_masking_before_the_staged_writes_is_refused_not_wrong():
+    """A request added after the last `apply_staged_writes` and sampled before the next one would be
+    masked from stale device tables (zeros): that order is an error, loud at once; a request added
+    afterwards but not in the batch is fine."""
+    rng = random.Random(11)
+    states = fake_req_states(3, 8)
+    masks = vllm_trie.ConstraintMasks(states)
+    batch = (torch.tensor([0], dtype=torch.int32), np.array([0]))
+
+    def add(index: int):
+        states.index_to_req_id[index] = f"request-{index}"
+        table = random_constraint(rng, False).table()
+        masks.add_request(index, types.SimpleNamespace(extra_args={vllm_trie.PAYLOAD_KEY: vllm_trie.trie_payload(table)}))
+    add(0)
+    with pytest.raises(RuntimeError, match="added after the last apply_staged_writes"):
+        masks.apply(torch.zeros(1, V), *batch)
+    masks.apply_staged_writes()
+    masks.apply(torch.zeros(1, V), *batch)
+    add(1)  # staged for the next step; row 0 is still current
+    masks.apply(torch.zeros(1, V), *batch)
+    with pytest.raises(RuntimeError, match="stale tables"):
+        masks.apply(torch.zeros(2, V), torch.tensor([0, 1], dtype=torch.int32), np.array([0, 1]))

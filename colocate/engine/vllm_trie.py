@@ -127,6 +127,7 @@ class ConstraintMasks:
         self._device_host = torch.zeros(len(HOST_FIELDS), max_reqs, dtype=torch.int32, device=self.device)
         self._owned = torch.zeros(3, max_reqs, dtype=torch.int32, device=self.device)  # state, consumed, seen
         self._dirty = False
+        self._synced = (self.host["epoch"].copy(), 0)  # (each index's epoch, pool rebuilds) at the last staged write
         self.rows_masked = 0
 
     def add_request(self, index: int, sampling_params) -> None:
@@ -162,6 +163,7 @@ class ConstraintMasks:
             stacked = np.stack([self.host[name] for name in HOST_FIELDS])
             self._device_host.copy_(host_tensor(stacked, self.device), non_blocking=True)
             self._dirty = False
+            self._synced = (self.host["epoch"].copy(), self.tables.rebuilds)
 
     def requests(self) -> Requests:
         s = self.req_states
@@ -181,6 +183,10 @@ class ConstraintMasks:
         live = rows_req_host[rows_req_host >= 0]
         masked = int(self.host["active"][live].sum())
         if masked:
+            epochs, rebuilds = self._synced
+            if rebuilds != self.tables.rebuilds or not np.array_equal(self.host["epoch"][live], epochs[live]):
+                raise RuntimeError("constraint masks: a request of this batch was added after the last "
+                                   "apply_staged_writes, so the device holds stale tables (vLLM's runner order changed?)")
             self.rows_masked += masked
             advance_and_mask(logits, rows_req, self.tables.pool, self.requests(), self.tables.max_degree)
 
