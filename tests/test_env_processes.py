@@ -550,3 +550,28 @@ def test_a_streamed_poll_is_told_to_wake_on_the_env_s_news(dip_tokenizer):
             assert engine.wakes == expected, stream
     finally:
         env.close()
+
+
+def test_a_tool_using_agent_plays_whole_episodes_in_copies():
+    """The calculator agent (tools on threads in each copy): every episode calls the tool, gets its
+    result back in a copy, answers, and its group comes back once; metrics merge over the copies."""
+    import os
+    from colocate.config import load_config
+    from colocate.envs import env_corpus, env_type
+    from colocate.models import load_tokenizer
+    from tests.test_agent import ScriptedEngine
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(repo, "configs", "cpu-calculator-agent.yaml"))
+    tok = load_tokenizer(cfg.model, *reversed(env_corpus(cfg)))
+    script = ['<tool_call>{"name": "calculator", "arguments": {"expression": "12 + 30"}}</tool_call>', "answer 42"]
+    env = EnvProcesses(env_type(cfg), cfg, tok, seed=0, num=2)
+    try:
+        worker = RolloutWorker(env, ScriptedEngine(tok, script), groups_per_batch=3, oversample=1)
+        for _ in range(2):
+            batch, stats, _ = worker.collect()
+            assert batch.num_sequences == 3 * cfg.rollout.group_size and stats["env_errors"] == 0
+            assert stats["episodes"] >= 3 * cfg.rollout.group_size and stats["tool_calls"] == stats["episodes"]
+            assert stats["finish/stop"] == 1.0 and stats["turns_per_episode"] == 2.0, stats
+            assert stats["tool_error_rate"] == 0.0
+    finally:
+        env.close()
