@@ -216,8 +216,8 @@ OTHER_RANKS_WAIT_S = 60.0  # how long a refusing rank other than 0 waits for the
 def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
     """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
     process group or model). Under torchrun every rank refuses; rank 0 prints the line and exits, and the
-    launcher stops the others while they wait. A rank whose input differs (a file only its node sees) prints
-    its own line after `OTHER_RANKS_WAIT_S`."""
+    launcher stops the others while they wait. A rank still alive after `OTHER_RANKS_WAIT_S` (its input
+    differs, a file only its node sees; or another node's launcher did not stop it) prints its own line."""
     from colocate.checkpoint import CheckpointError
     try:
         if "WORLD_SIZE" not in os.environ and "--check" not in argv:
@@ -226,10 +226,11 @@ def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
         cfg, resume, check_only = check_launch(argv)
     except (ConfigError, CheckpointError) as e:
         rank = int(os.environ.get("RANK", "0"))
-        if rank != 0:  # rank 0 refuses the same input and prints it; exiting first would get it killed unheard
+        under_torchrun = rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ and "--check" not in argv
+        if under_torchrun:  # rank 0 refuses the same input and prints it; exiting first would get it killed unheard
             time.sleep(OTHER_RANKS_WAIT_S)  # the launcher stops this rank once rank 0 exits
         kind = "config" if isinstance(e, ConfigError) else "checkpoint"
-        where = f" (rank {rank}; rank 0 did not refuse it)" if rank != 0 else ""
+        where = f" (rank {rank}; rank 0 may not have refused it)" if under_torchrun else ""
         print(f"colocate: {kind} error{where}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     return cfg, resume, check_only

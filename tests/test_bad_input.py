@@ -376,13 +376,22 @@ def test_a_rank_other_than_0_waits_for_rank_0_then_speaks_for_itself(tmp_path, m
     monkeypatch.setattr(train.time, "sleep", waits.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
+    argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--engine.temperature=.nan",
+            f"--metrics.run_dir={tmp_path / 'run'}"]
     with pytest.raises(SystemExit) as exit_info:
-        train.configure(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--engine.temperature=.nan",
-                         f"--metrics.run_dir={tmp_path / 'run'}"])
+        train.configure(argv)  # RANK without torchrun (a scheduler's pod): no wait, no rank in the line
+    assert exit_info.value.code == 2 and waits == []
+    assert capsys.readouterr().err.startswith("colocate: config error: engine.temperature")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    with pytest.raises(SystemExit) as exit_info:
+        train.configure(argv)
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and waits == [train.OTHER_RANKS_WAIT_S]
-    assert len(lines) == 1 and lines[0].startswith("colocate: config error (rank 1; rank 0 did not refuse it): "
+    assert len(lines) == 1 and lines[0].startswith("colocate: config error (rank 1; rank 0 may not have refused it): "
                                                    "engine.temperature"), lines
+    with pytest.raises(SystemExit):
+        train.configure([*argv, "--check"])  # a check is no launch: each process answers for itself
+    assert waits == [train.OTHER_RANKS_WAIT_S]
 
 
 @pytest.mark.slow
@@ -392,6 +401,7 @@ def test_under_torchrun_the_line_is_printed_once(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0  # torchrun's own code: 1 whatever the ranks returned
     assert (out.stdout + out.stderr).count("colocate: config error: engine.temperature") == 1, out.stderr
+    assert "(rank 1;" not in out.stderr  # rank 1 waited, and torchrun stopped it once rank 0 had exited
     assert "exitcode  : 2" in out.stderr, out.stderr[-2000:]
 
 

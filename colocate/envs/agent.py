@@ -239,7 +239,6 @@ class AgentEnv(Env):
     def _finish(self, key: Hashable, reason: str) -> None:
         ep = self._episodes[key]
         ep.finish, ep.ready = reason, False
-        self._counts[f"finish/{reason}"] += 1
         group = [self._episodes[(ep.group_id, i)] for i in range(self.group_size)]
         if all(e.finish for e in group):
             for i in range(self.group_size):
@@ -284,6 +283,8 @@ class AgentEnv(Env):
         c = self._counts
         c["episodes"] += 1
         c["episodes_calling"] += ep.tool_calls > 0
+        c["episode_tool_calls"] += ep.tool_calls
+        c[f"finish/{ep.finish}"] += 1
         c["turns"] += ep.turns
         c["correct"] += reward >= sum(self.rewards.weights) - 1e-9 if self.rewards.weights else 0
         c["policy_tokens"] += sum(ep.loss_mask)
@@ -296,13 +297,13 @@ class AgentEnv(Env):
     COUNTS = ("reward_errors", *(f"tool_errors/{kind}" for kind in TOOL_ERROR_KINDS))
 
     def metrics(self) -> dict[str, float]:
-        """Since the last call: tool-call rate (episodes with a call), accuracy (full marks from every
-        reward function), calls / turns / tokens per episode, how episodes ended, tool errors by kind
-        and as a fraction of the calls."""
+        """Since the last call, over the episodes scored (whole groups): tool-call rate (episodes with
+        a call), accuracy (full marks from every reward function), calls / turns / tokens per episode,
+        how episodes ended; and tool errors by kind, as a fraction of the calls made."""
         c, self._counts = self._counts, Counter()
         n = max(c["episodes"], 1)
         out = {"tool_call_rate": c["episodes_calling"] / n, "accuracy": c["correct"] / n,
-               "tool_calls_per_episode": c["tool_calls"] / n, "turns_per_episode": c["turns"] / n,
+               "tool_calls_per_episode": c["episode_tool_calls"] / n, "turns_per_episode": c["turns"] / n,
                "policy_tokens_per_episode": c["policy_tokens"] / n, "env_tokens_per_episode": c["env_tokens"] / n,
                "reward_errors": float(self.rewards.take_errors())}
         errors = {f"tool_errors/{kind}": float(c[f"tool_errors/{kind}"]) for kind in TOOL_ERROR_KINDS}

@@ -82,8 +82,9 @@ def _serve(conn, env_type: type[Env], cfg, tokenizer, seed: int) -> None:
 
 
 def _answer(env: Env, sent: set, op: str, arg):
-    """Apply one message -> its reply's value: after `start` and `step`, the new requests and the
-    finished samples; otherwise the query's answer."""
+    """Apply one message -> its reply's value: after `start` and `step`, (the new (key, Request)
+    pairs, the other items `requests()` returned, the finished samples, and `(result,)` when
+    `pop_finished()` returned no list, else `()`); otherwise the query's answer."""
     if op == "start":
         env.start_group(arg)
     elif op == "step":
@@ -91,7 +92,10 @@ def _answer(env: Env, sent: set, op: str, arg):
         env.step(arg)
     else:
         return _query(env, op, arg)
-    return (*_new_requests(env, sent), _as_list(env.pop_finished()))
+    finished = env.pop_finished()
+    if not isinstance(finished, list | tuple):  # garbled (None too): sent as it is, in a 1-tuple
+        return (*_new_requests(env, sent), [], (finished,))
+    return (*_new_requests(env, sent), list(finished), ())
 
 
 def _pickled(value_fn) -> bytes:
@@ -126,19 +130,13 @@ def _query(env: Env, op: str, arg):
     raise ValueError(f"unknown message {op!r}")
 
 
-def _as_list(returned) -> list:
-    """`pop_finished()`'s result as a list the rank can extend: anything but a list or tuple becomes
-    one item, for the rollout worker's check to count (as it counts it from an env in-process)."""
-    return list(returned) if isinstance(returned, list | tuple) else [returned]
-
-
 def _new_requests(env: Env, sent: set) -> tuple[list, list]:
     """The env's waiting (key, Request) pairs not sent before, with their constraint tables built
     here (the engine asks each constraint for its table), and the items that are no such pair, as
     they are, for the rollout worker's check to count."""
     returned = env.requests()
     pairs, bad = [], []
-    for item in _as_list(returned):
+    for item in list(returned) if isinstance(returned, list | tuple) else [returned]:
         if not is_keyed_request(item):
             bad.append(item)
         elif item[0] not in sent:
@@ -206,6 +204,7 @@ class EnvProcesses(Env):
         self._owner: dict[Hashable, int] = {}              # key -> the process that asked
         self._bad: list = []                               # items that were not (key, Request) pairs
         self._finished: list[Sample] = []
+        self._garbled: tuple = ()                           # (a pop_finished() result that was no list,)
         self._local: Env | None = None
         try:
             self.group_size = [self._reply(i, starting=True) for i in range(num)][0]
@@ -236,6 +235,9 @@ class EnvProcesses(Env):
     def pop_finished(self) -> list[Sample]:
         self._take(wait=False)
         out, self._finished = self._finished, []
+        if self._garbled:  # one per call, as from an env in this process: the check counts it
+            out.append(self._garbled[0])
+            self._garbled = ()
         return out
 
     def settle(self) -> None:
@@ -311,12 +313,13 @@ class EnvProcesses(Env):
         """File the replies that have arrived (all that are owed, with `wait`)."""
         for i, conn in enumerate(self._conns):
             while self._pending[i] and (wait or conn.poll()):
-                pairs, bad, finished = self._take_one(i)
+                pairs, bad, finished, garbled = self._take_one(i)
                 for key, request in pairs:
                     self._waiting[key] = request
                     self._owner[key] = i
                 self._bad.extend(bad)
                 self._finished.extend(finished)
+                self._garbled = garbled or self._garbled
 
     def _take_one(self, i: int):
         self._pending[i] -= 1
