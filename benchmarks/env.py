@@ -111,8 +111,7 @@ def feed_stats(tokenizer, processes: int, batches: int, groups: int, seed: int) 
             worker.collect()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
-        if processes:
-            env.close()
+        env.close()
     requests = engine.next - submitted
     return {"requests": requests, "cpu_ms_per_request": 1e3 * cpu / requests, "wall_ms_per_request": 1e3 * wall / requests}
 

@@ -226,11 +226,12 @@ def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
         cfg, resume, check_only = check_launch(argv)
     except (ConfigError, CheckpointError) as e:
         rank = int(os.environ.get("RANK", "0"))
-        under_torchrun = rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ and "--check" not in argv
-        if under_torchrun:  # rank 0 refuses the same input and prints it; exiting first would get it killed unheard
+        # Under torchrun rank 0 refuses the same input and prints it; exiting first would get it killed unheard
+        wait_for_rank_0 = rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ and "--check" not in argv
+        if wait_for_rank_0:
             time.sleep(OTHER_RANKS_WAIT_S)  # the launcher stops this rank once rank 0 exits
         kind = "config" if isinstance(e, ConfigError) else "checkpoint"
-        where = f" (rank {rank}; rank 0 may not have refused it)" if under_torchrun else ""
+        where = f" (rank {rank}; rank 0 may not have refused it)" if wait_for_rank_0 else ""
         print(f"colocate: {kind} error{where}: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     return cfg, resume, check_only

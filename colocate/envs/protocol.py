@@ -87,10 +87,7 @@ class ResultCheck:
         is counted."""
         items = self._sequence("requests", returned, "a list of (key, Request) pairs")
         if known:
-            try:
-                fresh = [item for item in items if not (isinstance(item, tuple) and len(item) == 2 and item[0] in known)]
-            except TypeError:  # a key that cannot be hashed: sort them one by one
-                fresh = [item for item in items if not _is_known(item, known)]
+            fresh = [item for item in items if not _is_known(item, known)]
             if len(fresh) < len(items):  # usable items came back (what `in_a_row` counts between)
                 self.in_a_row = 0
             items = fresh
@@ -143,6 +140,7 @@ def is_keyed_request(item) -> bool:
 
 
 def _is_known(item, known) -> bool:
+    """Whether `item` is a pair whose key is in `known` (a key that cannot be hashed is not)."""
     try:
         return isinstance(item, tuple) and len(item) == 2 and item[0] in known
     except TypeError:
