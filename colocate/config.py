@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 import typing
 from typing import Any
 
@@ -44,6 +45,12 @@ BASE_KEY = "base"
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check (and for CLI strings, parse) one value against its field type."""
     origin = typing.get_origin(annotation) or annotation
+    if origin is types.UnionType:  # `int | str`: a number, or a word its check names (micro_batch_tokens: auto)
+        value = yaml.safe_load(value) if isinstance(value, str) else value
+        if not isinstance(value, typing.get_args(annotation)) or isinstance(value, bool):
+            names = " or ".join(a.__name__ for a in typing.get_args(annotation))
+            raise ConfigError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")
+        return value
     if isinstance(value, str) and annotation is float:
         # Any float notation, on the command line and in YAML alike: YAML 1.1 reads `1e-6` and `3e-3`
         # as strings (it wants `1.0e-6`), Python's float() takes them, `.5` and `1_000.0` too.

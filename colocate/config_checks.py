@@ -89,7 +89,9 @@ _RANGES = {
     ("learner", "weight_decay"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "max_grad_norm"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 disables clipping)"),
     ("learner", "num_steps"): (lambda v: v >= 1, "must be >= 1"),
-    ("learner", "micro_batch_tokens"): (lambda v: v >= 1, "must be >= 1 (the packing budget in tokens)"),
+    ("learner", "micro_batch_tokens"): (lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
+                                        "must be >= 1 (the packing budget in tokens) or auto (the largest that "
+                                        "fits the GPU: colocate/gpu_budget.py)"),
     ("learner", "max_policy_lag"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "updates_per_batch"): (lambda v: v >= 1, "must be >= 1 (optimizer steps per rollout batch)"),
     ("learner", "warmup_steps"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no warm-up)"),

@@ -267,8 +267,9 @@ class LearnerConfig:
     """Gradient-norm clip; 0 disables."""
     num_steps: int = 50
     """Learner steps (= adapter versions) in the run."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one forward/backward micro-batch."""
+    micro_batch_tokens: int | str = 4096
+    """Token budget of one forward/backward micro-batch, or auto: the largest the memory plan fits on
+    the learner's GPU with 10 % of the card to spare (printed at start; 4096 without a GPU)."""
     activation_checkpointing: bool = False
     """Recompute decoder-block activations in backward."""
     compile: bool = False

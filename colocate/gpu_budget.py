@@ -1,16 +1,31 @@
-"""The memory split of a GPU that an inference rank (vLLM) and a learner rank share.
+"""The memory plan of every rank's GPU, made before any weights load.
 
-vLLM takes `engine.gpu_memory_utilization` of the card for its weights, CUDA graphs and KV cache;
-the learner needs the rest for its own copy of the base weights, the adapter with its AdamW state,
-the activations of one micro-batch and the logits at its completion positions. Both are checked
-at start-up, before any weights load (the first rank to allocate would otherwise leave the other
-an out-of-memory error minutes later), and the split is printed once. The learner figure is an
-estimate from the model's shape (`learner_bytes`); it errs high, so a refused split may still
-have run, but an accepted one leaves headroom.
+Each GPU holds an inference rank (vLLM), a learner rank, or both (one GPU, CUDA IPC). A vLLM engine
+takes `engine.gpu_memory_utilization` of its card for its weights (twice over in merged mode: the
+adapted copy beside W0), CUDA graphs and KV cache; the rank's own process needs a CUDA context
+beside it. A learner's peak is its shard of the base weights (FSDP2 over `num_learners`), the
+weights FSDP2 holds gathered (the root's embeddings and head between forward and backward, the
+block in flight and the one prefetched, the last block), the adapter with its AdamW state, the
+activations one micro-batch keeps for backward and the logits at its completion positions.
+
+The learner figure is a formula from the model's shape, checked against measured peaks
+(`profiles/README.md`, "Memory plan"): per token and decoder layer, backward keeps the
+bf16 tensors 16h + 4kv + 8i bytes (h hidden, kv the key/value width, i the MLP width: the norms' fp32
+inputs and bf16 outputs, q/k/v and the attention output, gate, up, SiLU and their product) without
+recomputation; compiled blocks keep `COMPILED_ACTIVATIONS` of that (inductor saves fewer
+intermediates); with activation checkpointing each block keeps only its input (2h), and the peak
+holds the logits or one block's recomputed activations. Logits are bf16 [tokens, vocab] at most.
+
+`learner.micro_batch_tokens: auto` takes the largest budget, in steps of `AUTO_STEP` tokens, whose
+estimate leaves `AUTO_MARGIN` of the card free (fragmentation, NCCL buffers, what the formula
+misses); a card this process cannot see (no GPU, no `--gpu-memory`) gets `AUTO_WITHOUT_GPU`. An
+explicit budget, or a GPU split, that cannot fit the card is refused in one line naming the key and
+the estimate (`colocate check --world-size N --gpu-memory 80GiB` plans a card you do not have).
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -19,41 +34,210 @@ import torch
 from colocate.config import Config, ConfigError
 
 GIB = 1 << 30
+MIB = 1 << 20
 CONTEXT_BYTES = 1 * GIB
-"""Per process: the CUDA context, cuBLAS workspaces, the allocator's fragmentation."""
-ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER = 34
-"""bf16 activations a decoder layer keeps for backward per token and hidden unit without
-recomputation (Korthikanti et al. 2022, flash attention: no sequence-squared term)."""
+"""Per process: the CUDA context, cuBLAS workspaces, NCCL's buffers (outside PyTorch's allocator)."""
+COMPILED_ACTIVATIONS = 0.8
+"""Activations compiled blocks keep against eager ones (measured 0.76-0.79 at 7B, 2 and 4 learners)."""
+AUTO_MARGIN = 0.10
+"""Fraction of the card `micro_batch_tokens: auto` leaves free beyond the estimate."""
+AUTO_STEP = 1024
+AUTO_MAX = 65536
+AUTO_WITHOUT_GPU = 4096
+"""`auto` where no card is known (CPU runs, `colocate check` without `--gpu-memory`): the schema's old default."""
+CARDS = {"h100": 81559 * MIB, "h200": 143771 * MIB, "a100-80": 81920 * MIB, "a100-40": 40960 * MIB,
+         "l40s": 46068 * MIB, "b200": 183359 * MIB}
+"""Named cards for `--gpu-memory`: what NVML reports as the card's total (H100 80GB HBM3: 81,559 MiB)."""
 
 
-@dataclass
-class Split:
-    total: int
-    engine: int
-    engine_weights: int
-    learner: int
-    learner_parts: dict
-
-    def line(self, shared_by: str) -> str:
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.learner_parts.items())
-        return (f"colocate: one GPU of {self.total / GIB:.1f} GiB shared by {shared_by}: vLLM "
-                f"{self.engine / GIB:.1f} GiB (engine.gpu_memory_utilization), learner ~{self.learner / GIB:.1f} GiB "
-                f"({parts}), {(self.total - self.engine - self.learner) / GIB:.1f} GiB to spare")
+def parse_gpu_memory(text: str) -> int:
+    """`80GiB`, `80GB`, `81559MiB`, `h100` -> bytes (ConfigError naming the flag otherwise)."""
+    key = text.strip().lower()
+    if key in CARDS:
+        return CARDS[key]
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|g)?", key)
+    if not match:
+        raise ConfigError(f"--gpu-memory={text!r}: expected a size such as 80GiB, 80GB or 81559MiB, or a card: "
+                          f"{', '.join(CARDS)}")
+    unit = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": MIB, "mb": 10**6, None: GIB}[match.group(2)]
+    return int(float(match.group(1)) * unit)
 
 
-def learner_bytes(cfg: Config, model) -> dict[str, int]:
-    """The learner's peak by part, from the (meta-device) base model's shape."""
-    dtype_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    c = model.config
-    weights = sum(p.numel() for p in model.parameters()) * dtype_bytes
-    lora_params = sum(cfg.lora.rank * (m.in_features + m.out_features) for name, m in model.named_modules()
-                      if name.rpartition(".")[2] in cfg.lora.target_modules and isinstance(m, torch.nn.Linear))
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of the base model, read once from the (meta-device) model."""
+    num_params: int
+    root_params: int  # embeddings, final norm, lm_head: outside the decoder blocks
+    block_params: int  # one decoder block
+    num_layers: int
+    hidden: int
+    kv: int
+    intermediate: int
+    vocab: int
+    lora_params: int
+    dtype_bytes: int
+
+    @staticmethod
+    def of(cfg: Config, model) -> "ModelShape":
+        c = model.config
+        blocks = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+        total = sum(p.numel() for p in model.parameters())
+        lora = sum(cfg.lora.rank * (m.in_features + m.out_features) for name, m in model.named_modules()
+                   if name.rpartition(".")[2] in cfg.lora.target_modules and isinstance(m, torch.nn.Linear))
+        kv = c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+        return ModelShape(total, total - blocks, blocks // c.num_hidden_layers, c.num_hidden_layers, c.hidden_size,
+                          kv, c.intermediate_size, c.vocab_size, lora, 2 if cfg.model.dtype == "bfloat16" else 4)
+
+
+def per_token_bytes(cfg: Config, shape: ModelShape) -> dict[str, float]:
+    """Bytes one micro-batch token adds to a learner's peak: activations kept for backward over all
+    decoder blocks, and its logits row. With activation checkpointing the blocks keep only their
+    inputs, and the peak holds either the logits or one block's recomputed activations."""
+    per_layer = 16 * shape.hidden + 4 * shape.kv + 8 * shape.intermediate
+    logits = 2 * shape.vocab
+    lc = cfg.learner
+    if lc.activation_checkpointing:
+        return {"activations": 2 * shape.hidden * shape.num_layers, "logits": max(logits, per_layer)}
+    return {"activations": per_layer * shape.num_layers * (COMPILED_ACTIVATIONS if lc.compile else 1.0),
+            "logits": logits}
+
+
+def learner_parts(cfg: Config, shape: ModelShape, num_learners: int, tokens: int) -> dict[str, int]:
+    """A learner rank's peak by part (bytes) at a micro-batch budget of `tokens`."""
+    weight = shape.dtype_bytes
+    gathered_blocks = shape.num_layers if not cfg.learner.reshard_after_forward else 3  # in flight, prefetched, last
+    shards = num_learners if cfg.learner.fsdp else 1
+    per_token = per_token_bytes(cfg, shape)
+    return {
+        "weights": shape.num_params * weight // shards,
+        "gathered": (shape.root_params + gathered_blocks * shape.block_params) * weight if cfg.learner.fsdp else 0,
+        "adapter+AdamW": shape.lora_params * 16 // shards + shape.lora_params * 4,
+        "activations": int(tokens * per_token["activations"]),
+        "logits": int(tokens * per_token["logits"]),
+        "context": CONTEXT_BYTES,
+    }
+
+
+def engine_parts(cfg: Config, shape: ModelShape, total: int) -> dict[str, int]:
+    """An inference rank's use of its card: vLLM's pool and the rank's own process."""
+    pool = int(cfg.engine.gpu_memory_utilization * total)
+    weights = shape.num_params * shape.dtype_bytes * (2 if cfg.engine.lora_mode == "merged" else 1)
+    return {"vLLM": pool, "of which weights": weights, "context": CONTEXT_BYTES}
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """One GPU of one node: the ranks on it and each one's estimate."""
+    gpu: tuple[int, int]  # (node, index)
+    ranks: tuple[int, ...]
+    roles: tuple[str, ...]
+    parts: tuple[dict, ...]
+
+    def used(self) -> int:
+        return sum(sum(v for k, v in p.items() if not k.startswith("of which")) for p in self.parts)
+
+
+def rank_estimate(parts: dict) -> int:
+    return sum(v for k, v in parts.items() if not k.startswith("of which"))
+
+
+def fit_tokens(cfg: Config, shape: ModelShape, num_learners: int, room: int) -> int:
+    """The largest budget (a multiple of AUTO_STEP, at most AUTO_MAX) whose learner estimate fits `room`; 0: none."""
+    fixed = rank_estimate(learner_parts(cfg, shape, num_learners, 0))
+    per_token = sum(per_token_bytes(cfg, shape).values())
+    tokens = int((room - fixed) // per_token) // AUTO_STEP * AUTO_STEP
+    return max(0, min(AUTO_MAX, tokens))
+
+
+def learner_room(cfg: Config, shape: ModelShape, total: int, shares_gpu: bool) -> int:
+    """What a learner rank may use of its card: the card, less the engine's part where one shares it."""
+    return total - (rank_estimate(engine_parts(cfg, shape, total)) if shares_gpu else 0)
+
+
+def resolve_micro_batch_tokens(cfg: Config, shape: ModelShape | None, num_learners: int, total: int | None,
+                               shares_gpu: bool) -> str | None:
+    """`learner.micro_batch_tokens: auto` -> an integer, set in `cfg`; returns the line saying what it chose."""
+    if cfg.learner.micro_batch_tokens != "auto":
+        return None
+    if total is None or shape is None:
+        cfg.learner.micro_batch_tokens = AUTO_WITHOUT_GPU
+        return f"learner.micro_batch_tokens auto -> {AUTO_WITHOUT_GPU} (no GPU to plan for)"
+    room = int(learner_room(cfg, shape, total, shares_gpu) - AUTO_MARGIN * total)
+    tokens = fit_tokens(cfg, shape, num_learners, room)
+    if tokens < AUTO_STEP:
+        fixed = rank_estimate(learner_parts(cfg, shape, num_learners, 0))
+        raise ConfigError(f"learner.micro_batch_tokens=auto: no budget fits: a learner needs ~{fixed / GIB:.1f} GiB "
+                          f"before activations of its {total / GIB:.1f} GiB card ({AUTO_MARGIN:.0%} kept free); add "
+                          "learners (topology.num_learners), set learner.activation_checkpointing=true or lower "
+                          "engine.gpu_memory_utilization")
+    cfg.learner.micro_batch_tokens = tokens
+    est = rank_estimate(learner_parts(cfg, shape, num_learners, tokens))
+    return (f"learner.micro_batch_tokens auto -> {tokens} (learner ~{est / GIB:.1f} GiB of {total / GIB:.1f} GiB, "
+            f"{AUTO_MARGIN:.0%} of the card kept free)")
+
+
+def plan_gpus(cfg: Config, shape: ModelShape, roles: list[str], devices: list[tuple[int, int]],
+              total: int) -> list[GpuPlan]:
+    """Every GPU's ranks and their estimates (micro_batch_tokens already an integer)."""
+    num_learners = roles.count("learner")
+    by_gpu: dict[tuple[int, int], list[int]] = {}
+    for rank, gpu in enumerate(devices):
+        by_gpu.setdefault(gpu, []).append(rank)
+    plans = []
+    for gpu, ranks in sorted(by_gpu.items()):
+        parts = tuple(engine_parts(cfg, shape, total) if roles[r] == "inference" else
+                      learner_parts(cfg, shape, num_learners, cfg.learner.micro_batch_tokens) for r in ranks)
+        plans.append(GpuPlan(gpu, tuple(ranks), tuple(roles[r] for r in ranks), parts))
+    return plans
+
+
+def check_plan(cfg: Config, plans: list[GpuPlan], total: int) -> None:
+    """ConfigError (one line: the key, the estimate, the card) where a GPU cannot hold its ranks."""
+    for plan in plans:
+        for role, parts in zip(plan.roles, plan.parts):
+            if role == "inference" and parts["vLLM"] < parts["of which weights"] + CONTEXT_BYTES:
+                raise ConfigError(
+                    f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} gives vLLM "
+                    f"{parts['vLLM'] / GIB:.1f} GiB of a {total / GIB:.1f} GiB card, less than its weights "
+                    f"({parts['of which weights'] / GIB:.1f} GiB, engine.lora_mode={cfg.engine.lora_mode}) plus room "
+                    "for a KV cache; raise it, or use engine.lora_mode=slot")
+        if plan.used() > total:
+            raise ConfigError(f"GPU {plan.gpu[1]} (ranks {', '.join(map(str, plan.ranks))}) cannot hold "
+                              f"{describe(cfg, plan)}: ~{plan.used() / GIB:.1f} GiB of {total / GIB:.1f} GiB; "
+                              f"{remedy(cfg, plan)}")
+
+
+def remedy(cfg: Config, plan: GpuPlan) -> str:
+    if "learner" not in plan.roles:
+        return "lower engine.gpu_memory_utilization"
     tokens = cfg.learner.micro_batch_tokens
-    layers_kept = 1 if cfg.learner.activation_checkpointing else c.num_hidden_layers
-    acts = tokens * c.hidden_size * (ACTIVATION_BYTES_PER_TOKEN_HIDDEN_LAYER * layers_kept
-                                     + (2 * c.num_hidden_layers if cfg.learner.activation_checkpointing else 0))
-    return {"weights": weights, "adapter+AdamW": lora_params * 16, "activations": acts,
-            "logits": tokens * c.vocab_size * 4, "context": CONTEXT_BYTES}
+    fixes = [f"lower learner.micro_batch_tokens ({tokens}) or set it to auto"]
+    if not cfg.learner.activation_checkpointing:
+        fixes.append("set learner.activation_checkpointing=true")
+    if "inference" in plan.roles:
+        fixes.append("lower engine.gpu_memory_utilization")
+    return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+
+
+def describe(cfg: Config, plan: GpuPlan) -> str:
+    words = []
+    for role, parts in zip(plan.roles, plan.parts):
+        body = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+        if role == "learner":
+            words.append(f"a learner at {cfg.learner.micro_batch_tokens} tokens ({body})")
+        else:
+            words.append(f"an engine at engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} ({body})")
+    return " and ".join(words)
+
+
+def plan_lines(cfg: Config, plans: list[GpuPlan], total: int, card: str) -> list[str]:
+    """The plan as printed at start: one line per distinct GPU layout (roles and estimates)."""
+    seen: dict[str, list[int]] = {}
+    for plan in plans:
+        text = describe(cfg, plan) + f": ~{plan.used() / GIB:.1f} GiB, {(total - plan.used()) / GIB:.1f} to spare"
+        seen.setdefault(text, []).extend(plan.ranks)
+    return [f"colocate: memory plan ({card}, {total / GIB:.1f} GiB a GPU): ranks {', '.join(map(str, ranks))}: {text}"
+            for text, ranks in seen.items()]
 
 
 def gpu_total_bytes(index: int = 0) -> int | None:
@@ -64,36 +248,41 @@ def gpu_total_bytes(index: int = 0) -> int | None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = int(visible.split(",")[index]) if visible else index
         return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical)).total)
-    except Exception:  # no driver, a MIG or UUID device list: the check is skipped, not the run
+    except Exception:  # no driver, a MIG or UUID device list: the plan is skipped, not the run
         return None
 
 
-def plan_split(cfg: Config, model, total: int) -> Split:
-    parts = learner_bytes(cfg, model)
-    engine_weights = parts["weights"] * (2 if cfg.engine.lora_mode == "merged" else 1)  # merged keeps W0 too
-    return Split(total, int(cfg.engine.gpu_memory_utilization * total), engine_weights, sum(parts.values()), parts)
+@dataclass(frozen=True)
+class Card:
+    """The GPUs a plan is for: each one's bytes, how many a node has, and what to call them."""
+    total: int
+    per_node: int
+    name: str
 
 
-def check_split(split: Split) -> None:
-    """ConfigError (one line, the numbers in it) when either side cannot fit."""
-    if split.engine < split.engine_weights + CONTEXT_BYTES:
-        raise ConfigError(f"engine.gpu_memory_utilization gives vLLM {split.engine / GIB:.1f} GiB, less than its "
-                          f"weights ({split.engine_weights / GIB:.1f} GiB) plus room for a KV cache; raise it")
-    if split.engine + split.learner > split.total:
-        raise ConfigError(f"one GPU of {split.total / GIB:.1f} GiB cannot hold vLLM's {split.engine / GIB:.1f} GiB "
-                          f"(engine.gpu_memory_utilization) and the learner's ~{split.learner / GIB:.1f} GiB "
-                          f"({', '.join(f'{k} {v / GIB:.1f}' for k, v in split.learner_parts.items())}); lower "
-                          "engine.gpu_memory_utilization or learner.micro_batch_tokens, or set "
-                          "learner.activation_checkpointing=true")
+def plan_memory(cfg: Config, model, roles: list[str], devices: list[tuple[int, int]] | None,
+                card: Card | None) -> list[str]:
+    """Resolve `micro_batch_tokens: auto`, then plan and check every GPU -> the lines to print.
+    `devices` None or `card` None: CPU ranks (only `auto` is resolved)."""
+    if card is None or devices is None:
+        line = resolve_micro_batch_tokens(cfg, None, roles.count("learner"), None, False)
+        return [f"colocate: {line}"] if line else []
+    shape = ModelShape.of(cfg, model)
+    learners = [r for r, role in enumerate(roles) if role == "learner"]
+    shares = any(devices[r] == devices[learners[0]] for r, role in enumerate(roles) if role == "inference")
+    line = resolve_micro_batch_tokens(cfg, shape, len(learners), card.total, shares)
+    plans = plan_gpus(cfg, shape, roles, devices, card.total)
+    check_plan(cfg, plans, card.total)
+    return ([f"colocate: {line}"] if line else []) + plan_lines(cfg, plans, card.total, card.name)
 
 
-def check_gpu_budget(cfg: Config, model, processes_per_gpu: int) -> None:
-    """Start-up, when ranks share GPUs: refuse a split that cannot fit, else print it (rank 0)."""
-    total = gpu_total_bytes()
-    if total is None:
-        return
-    split = plan_split(cfg, model, total)
-    check_split(split)
+def estimates_by_rank(cfg: Config, model, roles: list[str], devices: list[tuple[int, int]], total: int) -> dict:
+    """{rank: estimated GiB} for the summary (micro_batch_tokens resolved): set beside the measured peaks."""
+    plans = plan_gpus(cfg, ModelShape.of(cfg, model), roles, devices, total)
+    return {str(r): round(rank_estimate(p) / GIB, 2) for plan in plans for r, p in zip(plan.ranks, plan.parts)}
+
+
+def print_plan(lines: list[str]) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
-        print(split.line(f"{processes_per_gpu} processes (an inference and a learner rank)"), file=sys.stderr,
-              flush=True)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)

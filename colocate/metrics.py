@@ -89,6 +89,27 @@ class MonitorThread(threading.Thread):
         raise NotImplementedError
 
 
+def memory_peaks(device: torch.device) -> dict[str, float]:
+    """This rank's peak GPU memory in GiB: PyTorch's allocated and reserved peaks in this process,
+    and what NVML says the whole GPU holds now (every process on it: a vLLM engine core's pool, the
+    CUDA contexts). Empty on CPU. What the memory plan's estimates are checked against."""
+    import torch
+    if device.type != "cuda":
+        return {}
+    peaks = {"allocated": torch.cuda.max_memory_allocated(device) / 2**30,
+             "reserved": torch.cuda.max_memory_reserved(device) / 2**30}
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        index = device.index or 0
+        physical = int(visible.split(",")[index]) if visible else index
+        peaks["device_used"] = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical)).used / 2**30
+    except Exception:  # noqa: BLE001 - no NVML: PyTorch's figures only
+        pass
+    return {k: round(v, 2) for k, v in peaks.items()}
+
+
 class SystemSampler(MonitorThread):
     """Samples NVML (GPU util %, SM clock MHz, memory used GiB) and CPU % every `interval_s`."""
     MAX_TRACE = 100_000

@@ -289,7 +289,33 @@ def gpu_count(cfg: Config) -> int:
     return torch.cuda.device_count()
 
 
-def preflight(cfg: Config, world: int | None = None, local_world: int | None = None) -> None:
+def the_card(cfg: Config, gpu_memory: str | None, gpus: int, local_world: int):
+    """The GPUs to plan memory for: `--gpu-memory` (a card this machine may not have; one GPU per
+    rank), else this machine's (NVML), else None (CPU ranks)."""
+    from colocate.gpu_budget import Card, gpu_total_bytes, parse_gpu_memory
+    if gpu_memory is not None:
+        return Card(parse_gpu_memory(gpu_memory), local_world, gpu_memory)
+    total = gpu_total_bytes() if gpus else None
+    return Card(total, gpus, "this machine's GPUs") if total else None
+
+
+def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, gpu_memory: str | None,
+                gpus: int, show: bool) -> None:
+    """`gpu_budget.plan_memory` over the ranks' placement: `auto` resolved, every GPU checked, the
+    plan printed where `show` (a check, or rank 0 of a run)."""
+    from colocate.gpu_budget import plan_memory as plan, print_plan
+    from colocate.topology import place_roles, rank_devices
+    world = world or 2
+    local_world = local_world or world
+    roles = place_roles(cfg, world, local_world)
+    card = the_card(cfg, gpu_memory, gpus, local_world)
+    lines = plan(cfg, model, roles, rank_devices(world, local_world, card.per_node) if card else None, card)
+    if show:
+        print_plan(lines)
+
+
+def preflight(cfg: Config, world: int | None = None, local_world: int | None = None,
+              gpu_memory: str | None = None, show_plan: bool = False) -> None:
     gpus = gpu_count(cfg)
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
@@ -298,9 +324,8 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_dataset(cfg)
     check_custom_env(cfg)
     check_agent_tools(cfg)
-    check_optional_packages(cfg)
+    if gpu_memory is None:  # `--gpu-memory` plans for another machine: its packages are not this one's
+        check_optional_packages(cfg)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
-    if world is not None and gpus and (local_world or world) > gpus:
-        from colocate.gpu_budget import check_gpu_budget
-        check_gpu_budget(cfg, model, processes_per_gpu=-(-(local_world or world) // gpus))
+    plan_memory(cfg, model, world, local_world, gpu_memory, gpus, show_plan)

@@ -57,23 +57,29 @@ def parse_config(argv: list[str], world: int) -> tuple[Config, bool]:
     return load_config(path, overrides, world_size=world), resume
 
 
-def split_check_flags(argv: list[str]) -> tuple[list[str], bool, int]:
-    """`--check [--world-size=N]` -> (the other arguments, check only, world size). Under torchrun
-    the world size is torchrun's; a check before launch assumes N processes (default 2)."""
-    check_only, world, rest = False, None, []
-    for arg in argv:
+def split_check_flags(argv: list[str]) -> tuple[list[str], bool, int, str | None]:
+    """`--check [--world-size N] [--gpu-memory SIZE]` -> (the other arguments, check only, world
+    size, the card to plan for). Under torchrun the world size is torchrun's; a check before launch
+    assumes N processes (default 2), each on its own GPU of SIZE (`gpu_budget.parse_gpu_memory`)."""
+    check_only, world, gpu_memory, rest = False, None, None, []
+    it = iter(argv)
+    for arg in it:
+        name, sep, value = arg.partition("=")
         if arg == "--check":
             check_only = True
-        elif arg.startswith("--world-size="):
-            value = arg.partition("=")[2]
-            if not value.isdigit() or int(value) < 2:
+        elif name in ("--world-size", "--gpu-memory"):
+            value = value if sep else next(it, "")
+            if name == "--gpu-memory":
+                gpu_memory = value
+            elif not value.isdigit() or int(value) < 2:
                 raise ConfigError(f"--world-size={value!r}: expected an integer >= 2 (one rank of each role)")
-            world = int(value)
+            else:
+                world = int(value)
         else:
             rest.append(arg)
     if "WORLD_SIZE" in os.environ:
-        return rest, check_only, int(os.environ["WORLD_SIZE"])
-    return rest, check_only, world or (2 if check_only else 1)
+        return rest, check_only, int(os.environ["WORLD_SIZE"]), gpu_memory
+    return rest, check_only, world or (2 if check_only else 1), gpu_memory
 
 
 def build_policy(cfg: Config, tokenizer, device):
@@ -190,10 +196,11 @@ def check_config(argv: list[str], world: int | None = None,
     torchrun, with the world it will ask for) run this one function: the config over its world
     size, the preflight checks, and (a real run) the run directory policy (`run_dir.claim`)."""
     argv, overwrite = run_dir.split_overwrite(argv)
-    argv, check_only, env_world = split_check_flags(argv)
+    argv, check_only, env_world, gpu_memory = split_check_flags(argv)
     world = world or env_world
     cfg, resume_flag = parse_config(argv, world)
-    preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu_memory,
+              show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
     check_loggers(cfg)
     if not check_only:
         run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite,
@@ -246,6 +253,7 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
               f"({socket.gethostname()})", flush=True)
     if topo.rank == 0:
         save_config(cfg, os.path.join(cfg.metrics.run_dir, "config.yaml"))
+        write_memory_plan(cfg, topo)
         if resume is not None:
             print(f"colocate: resuming from {resume['path']} (step {resume['trainer_state']['step']})", flush=True)
     key, corpus_fn = env_corpus(cfg)
@@ -273,6 +281,22 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     dist.destroy_process_group()
     gc.unfreeze()  # let interpreter shutdown release the frozen heap (else nanobind reports leaks)
     return collapse_step if topo.role == "learner" else None
+
+
+def write_memory_plan(cfg: Config, topo: Topology) -> None:
+    """<run_dir>/memory_plan.json: each rank's estimated peak (GiB) on this machine's cards, which
+    summary.json sets beside the measured peaks (GPU runs only)."""
+    from colocate.gpu_budget import estimates_by_rank, gpu_total_bytes
+    from colocate.metrics import write_json_atomic
+    from colocate.preflight import meta_model
+    from colocate.topology import rank_devices
+    total = gpu_total_bytes() if topo.device.type == "cuda" else None
+    if total is None:
+        return
+    devices = rank_devices(topo.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)),
+                           torch.cuda.device_count())
+    write_json_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"),
+                      estimates_by_rank(cfg, meta_model(cfg), list(topo.roles), devices, total))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,3 +82,12 @@ def right_padded_logits(causal_lm, view: CompletionView) -> torch.Tensor:
     """[N, V] logits at completion positions of a right-padded view (unsharded models only)."""
     hidden = causal_lm.model(input_ids=view.input_ids, attention_mask=view.attention_mask).last_hidden_state
     return causal_lm.lm_head(hidden[view.rows, view.cols])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every GPU test carries its own `@pytest.mark.timeout`: a hung one is then named and cut at its
+    limit instead of stalling the suite (`-m gpu -rA` says which test did what)."""
+    untimed = [item.nodeid for item in items
+               if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout")]
+    if untimed:
+        raise pytest.UsageError(f"GPU tests without @pytest.mark.timeout: {', '.join(untimed)}")

@@ -90,7 +90,8 @@ def test_world_of_one_does_not_fit():
 
 
 @pytest.mark.parametrize("name,world", [("cpu-tiny", 2), ("cpu-diplomacy-tiny", 2), ("gpu-1", 2), ("gpu-1-7b", 2), ("gpu-2", 2),
-                                        ("gpu-4", 4), ("gpu-8", 8), ("gpu-7b-h100x8", 8)])
+                                        ("gpu-4", 4), ("gpu-8", 8), ("gpu-4-gsm8k", 4),
+                                        ("gpu-8-gsm8k", 8)])
 def test_shipped_configs_validate(name, world):
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=world)
     assert cfg.rollout.batch_size == cfg.rollout.groups_per_step * cfg.rollout.group_size

@@ -189,6 +189,7 @@ def test_interpreted_kernel_matches_reference(interpreted, seed, vocab):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("seed,vocab", CASES)
 def test_cuda_kernel_matches_reference(seed, vocab):

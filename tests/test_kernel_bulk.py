@@ -49,6 +49,7 @@ BULK_CASES = [(name, dt, inplace, beta, temperature, {k: v for k, v in extra.ite
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_sm90
 @pytest.mark.parametrize("vocab", [1000, 20000, 65536], ids=["one-chunk", "partial-chunk", "held-only"])
 @pytest.mark.parametrize("case", BULK_CASES, ids=[c[0] for c in BULK_CASES])
@@ -59,6 +60,7 @@ def test_bulk_small_shapes_match_float64(case, vocab):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_sm90
 @pytest.mark.parametrize("vocab", [1000, 20000], ids=["one-chunk", "partial-chunk"])
 @pytest.mark.parametrize("case", [c for c in OBJECTIVE_CASES if c[1] == "bf16"],
@@ -76,6 +78,7 @@ VARIANTS = [None, {"reg_chunks": 0, "slots": 13}, {"consumer_warps": 8, "reg_chu
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_sm90
 @pytest.mark.parametrize("num_rows,inplace,bulk", [(4096, False, None), (4096, True, None), (14200, True, None)]
                          + [(1024, True, v) for v in VARIANTS[1:]],
@@ -98,6 +101,7 @@ def test_bulk_real_vocab_matches_float64(num_rows, inplace, bulk):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_sm90
 def test_bulk_strided_rows_and_auto_dispatch():
     """Rows with a padded stride (a view), the default backend choosing the bulk kernel, and a

@@ -365,6 +365,7 @@ def test_launch_config_is_checked():
 # ----------------------------------------------------------------------------- GPU tier
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_cuda
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_cuda_kernel_small_shapes(case):
@@ -373,6 +374,7 @@ def test_cuda_kernel_small_shapes(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_cuda
 @pytest.mark.parametrize("case", OBJECTIVE_CASES, ids=[c[0] for c in OBJECTIVE_CASES])
 def test_cuda_objectives_small_shapes(case):
@@ -408,6 +410,7 @@ def cuda_batch(num_rows, vocab, beta, temperature, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_cuda
 @pytest.mark.parametrize("num_rows,inplace,config,dtype", [
     (4096, False, {"backend": "triton"}, "bf16"), (4096, True, {"backend": "triton"}, "bf16"),
@@ -436,6 +439,7 @@ def test_cuda_real_vocab(num_rows, inplace, config, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_cuda
 @pytest.mark.parametrize("norm", ["grpo", "dapo", "dr_grpo"])
 def test_cuda_entry_triton_equals_torch(norm):
@@ -460,6 +464,7 @@ def test_cuda_entry_triton_equals_torch(norm):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @requires_cuda
 @pytest.mark.parametrize("objective,with_old", [({"ratio_level": "sequence"}, False), ({"ratio_level": "sequence"}, True),
                                                 ({"tis_cap": 2.0, "mis_threshold": 0.25}, False), ({"tis_cap": 2.0}, True)],

@@ -90,6 +90,7 @@ def test_packed_sequences_do_not_see_each_other(tiny_policy, tiny_tokenizer):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_varlen_kernel_matches_grouped_sdpa():
     """torch's flash varlen kernel (what learner.attention=varlen uses on GPU) against grouped SDPA."""

@@ -293,7 +293,7 @@ def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tok
     assert any(not torch.equal(p, w) for p, w in zip(learner.params, initial))  # the steps moved the adapter
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.timeout(300), pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])])
 @pytest.mark.parametrize("ratio_level,tis_cap", [("sequence", 0.0), ("token", 1.5)])
 def test_learner_defers_the_row_scale_exactly(tiny_cfg, tiny_tokenizer, monkeypatch, ratio_level, tis_cap, device):

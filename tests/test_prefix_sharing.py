@@ -224,6 +224,7 @@ def test_trainer_benchmark_runs_tree_beside_flat(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
     """bf16, the 0.5B shape (random weights): prefix trees under FlexAttention against flat packing
@@ -281,6 +282,7 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_blocks_with_trees_equal_eager_on_gpu(tiny_cfg, tiny_tokenizer):
     """`learner.compile` with prefix trees (FlexAttention runs outside the compiled block graphs;

@@ -161,6 +161,7 @@ def test_install_without_a_v2_sampler_leaves_vllm_alone(monkeypatch):
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kernel_matches_float64_and_vllm():
     from colocate.kernels.sampled_logprob import sampled_logprob

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from colocate.config import ConfigError, load_config
-from colocate.gpu_budget import GIB, check_split, learner_bytes, plan_split
+from colocate.gpu_budget import GIB, Card, ModelShape, plan_memory
 from colocate.preflight import meta_model
 from colocate.topology import check_shared_gpus, group_backend, rank_devices
 from tests.conftest import REPO
@@ -61,22 +61,22 @@ def test_topology_on_one_gpu_builds_no_nccl_group_across_it(monkeypatch):
                     ("group", "gloo", [0, 1])]
 
 
+def one_gpu_plan(cfg, total):
+    """Both roles of a 2-process world on GPU 0 of `total` bytes -> the lines (raises ConfigError)."""
+    return plan_memory(cfg, meta_model(cfg), ["inference", "learner"], rank_devices(2, 2, 1), Card(total, 1, "test"))
+
+
 def test_memory_split_refuses_what_cannot_fit():
-    cfg = load_config(None, {"model": {"shape": "qwen2.5-7b", "dtype": "bfloat16"},
-                             "engine": {"gpu_memory_utilization": 0.45}, "learner": {"micro_batch_tokens": 8192,
-                                                                                      "activation_checkpointing": True}})
-    model = meta_model(cfg)
-    parts = learner_bytes(cfg, model)
-    assert 14 * GIB < parts["weights"] < 16 * GIB  # 7.6B parameters in bf16
-    split = plan_split(cfg, model, 80 * GIB)
-    check_split(split)
-    assert "to spare" in split.line("2 processes")
-    with pytest.raises(ConfigError, match="cannot hold vLLM's"):
-        check_split(plan_split(load_config(None, {**cfg_dict(cfg), "engine": {"gpu_memory_utilization": 0.9}}),
-                               model, 80 * GIB))
+    overrides = {"model": {"shape": "qwen2.5-7b", "dtype": "bfloat16"}, "engine": {"gpu_memory_utilization": 0.45},
+                 "learner": {"micro_batch_tokens": 8192, "activation_checkpointing": True}}
+    cfg = load_config(None, overrides)
+    assert 14 * GIB < ModelShape.of(cfg, meta_model(cfg)).num_params * 2 < 16 * GIB  # 7.6B parameters in bf16
+    (line,) = one_gpu_plan(cfg, 80 * GIB)
+    assert "to spare" in line and "ranks 0, 1" in line
+    with pytest.raises(ConfigError, match=r"GPU 0 \(ranks 0, 1\) cannot hold"):
+        one_gpu_plan(load_config(None, {**overrides, "engine": {"gpu_memory_utilization": 0.9}}), 80 * GIB)
     with pytest.raises(ConfigError, match="less than its weights"):
-        check_split(plan_split(load_config(None, {**cfg_dict(cfg), "engine": {"gpu_memory_utilization": 0.1}}),
-                               model, 80 * GIB))
+        one_gpu_plan(load_config(None, {**overrides, "engine": {"gpu_memory_utilization": 0.1}}), 80 * GIB)
 
 
 H100_80GB = 81559 * 2**20  # what an H100 80GB HBM3 reports (79.6 GiB)
@@ -85,16 +85,11 @@ H100_80GB = 81559 * 2**20  # what an H100 80GB HBM3 reports (79.6 GiB)
 @pytest.mark.parametrize("name", ["gpu-1", "gpu-1-7b", "gpu-1-gsm8k"])
 def test_the_one_gpu_presets_fit_an_80gb_card(name):
     """Each one-GPU preset's planned split (vLLM's share and the learner's estimate) fits an H100."""
-    cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=2)
-    check_split(plan_split(cfg, meta_model(cfg), H100_80GB))
-
-
-def cfg_dict(cfg) -> dict:
-    from colocate.config import to_dict
-    return {k: v for k, v in to_dict(cfg).items() if k in ("model", "learner")}
+    one_gpu_plan(load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=2), H100_80GB)
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(660)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_both_roles_on_cuda0_train_three_steps(tmp_path):
     """2 processes on one GPU (the HF engine, so no vLLM is needed): 3 steps, every adapter checked

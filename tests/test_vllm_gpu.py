@@ -54,6 +54,7 @@ def tb_scalars(logdir):
 
 @two_gpus
 @pytest.mark.parametrize("lora_mode", ["slot", "merged"])
+@pytest.mark.timeout(480)
 def test_train_with_vllm_engine_over_torchrun(tmp_path, lora_mode):
     """merged: the worker checks after every update that each adapted weight is bit for bit the
     merge of the received adapter into W0 (the engine raises otherwise)."""
@@ -73,6 +74,7 @@ def test_train_with_vllm_engine_over_torchrun(tmp_path, lora_mode):
 
 
 @two_gpus
+@pytest.mark.timeout(480)
 def test_profiled_run_writes_the_engine_cores_trace(tmp_path):
     """metrics.profile with vLLM: the role traces, plus the engine core's own trace (its GPU work
     runs in that child process) under <profile_dir>/<run>/inference-engine/, with GPU kernels."""
@@ -93,6 +95,7 @@ def test_profiled_run_writes_the_engine_cores_trace(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs (2 engines + 1 learner)")
 @two_gpus
+@pytest.mark.timeout(540)
 def test_two_engines_take_every_version(tmp_path):
     """One NCCL broadcast group of the learner and both engines: every version reaches both engines
     bit for bit (checksums) and the run ends. Lag 2: the engines take each version a batch late, so
@@ -112,6 +115,7 @@ def test_two_engines_take_every_version(tmp_path):
 
 
 @two_gpus
+@pytest.mark.timeout(480)
 def test_session_sync_checksum_and_logprob_parity(tmp_path):
     out = tmp_path / "sync.json"
     run([sys.executable, "scripts/benchmark.py", "--profile", "sync", "--shape", "0.5b", "--iters", "4",
@@ -134,6 +138,7 @@ def test_session_sync_checksum_and_logprob_parity(tmp_path):
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # a token that was the only choice has log-prob 0
 
 
+@pytest.mark.timeout(660)
 def test_running_engine_takes_log_probs_from_our_kernel(tmp_path):
     """One GPU: in a running engine (the dataset rollout's side `ours`, tiny shape, one round) every
     sampler log-prob call reaches our kernel and none falls back to vLLM's function: the patch is
@@ -147,6 +152,7 @@ def test_running_engine_takes_log_probs_from_our_kernel(tmp_path):
 
 
 @pytest.mark.parametrize("update,masks", [("drain", "vllm"), ("inflight", "vllm"), ("drain", "ours")])
+@pytest.mark.timeout(960)
 def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update, masks):
     """The GPU learning test: the embedded default on vLLM, both roles on one GPU, 300 steps, must
     reach env.reward_target (0.9) in both update modes, and with our constraint masks."""

@@ -212,18 +212,49 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
     sender.close()  # every engine asks for the last version; exiting first would strand it
     gpu_util = role.gpu_util()
     monitors.close()
+    memory = learner_memory(topo)  # every learner joins the gather
     if topo.role_rank == 0:
         wall = time.perf_counter() - t_start
-        # inference rank 0's held-out evaluations (it sends them after its last one)
+        # inference rank 0's held-out evaluations (it sends them after its last one), then every
+        # inference rank's busy share and memory peaks
         evaluation = recv_json(topo.inference_ranks[0], topo.transport_group) if eval_enabled(cfg) else {}
+        reports = [recv_json(r, topo.transport_group) for r in topo.inference_ranks]
         write_summary(cfg, topo, rank.history, wall, rank.writer, {**eval_summary(evaluation),
-            "learner_busy_fraction": rank.busy_s / max(wall, 1e-9), "dropped_stale": rank.dropped,
+            "learner_busy_fraction": rank.busy_s / max(wall, 1e-9),
+            "inference_busy_fraction": sum(r["busy_fraction"] for r in reports) / len(reports),
+            "memory_peak_gib": {**{str(r["rank"]): r["memory"] for r in reports}, **memory},
+            "memory_plan_gib": read_json(os.path.join(cfg.metrics.run_dir, "memory_plan.json")),
+            "dropped_stale": rank.dropped,
             "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
             "timeline": rank.timeline, "gpu_util": gpu_util, "collapse_step": rank.collapsed_at})
         if topo.rank == topo.sync_src:
             rank.writer.print(run_files(cfg))
     rank.writer.close()
     return rank.collapsed_at
+
+
+def read_json(path: str) -> dict:
+    """A JSON file's object, or {} when it is not there (CPU runs write no memory plan)."""
+    import json
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError:
+        return {}
+
+
+def learner_memory(topo: Topology) -> dict[str, dict]:
+    """{global rank: memory peaks} of every learner, gathered to learner rank 0 (empty elsewhere and on CPU)."""
+    from colocate.metrics import memory_peaks
+    if topo.device.type != "cuda":
+        return {}
+    mine = memory_peaks(topo.device)
+    keys = ("allocated", "reserved", "device_used")
+    local = torch.tensor([mine.get(k, -1.0) for k in keys], device=topo.device)
+    every = [torch.empty_like(local) for _ in range(topo.num_learners)]
+    dist.all_gather(every, local, group=topo.learner_group)
+    return {str(r): {k: round(float(v), 2) for k, v in zip(keys, t.tolist()) if v >= 0}
+            for r, t in zip(topo.learner_ranks, every)}
 
 
 def run_files(cfg: Config) -> str:
@@ -332,5 +363,7 @@ def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, wri
         **extra,
     }
     write_json_atomic(os.path.join(cfg.metrics.run_dir, "summary.json"), summary)
+    busy = "".join(f", {name} {summary[key]:.0%} busy" for name, key in
+                   (("learners", "learner_busy_fraction"), ("inference", "inference_busy_fraction")) if key in summary)
     writer.print(f"summary: reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} "
-                 f"(target {cfg.env.reward_target}) in {wall_s:.0f}s")
+                 f"(target {cfg.env.reward_target}) in {wall_s:.0f}s{busy}")
