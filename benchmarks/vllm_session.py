@@ -121,7 +121,7 @@ class Session:
                 p.add_(torch.randn_like(p) * std)
         self.version += 1
 
-    def push(self, *, with_checksum: bool = False, verify: bool = False) -> dict:
+    def push(self, *, with_checksum: bool = False, verify: bool = False):
         """Learner -> engine as train.py does (NCCL: the send is enqueued, the worker completes it;
         IPC: a copy into the shared buffer, then the worker copies it out)."""
         self.sender.with_checksum = with_checksum
@@ -133,8 +133,9 @@ class Session:
         sync_learner()
         return got
 
-    def receive(self, verify: bool = False) -> dict:
-        """The engine takes the update just sent (with the IPC header when the channel is IPC)."""
+    def receive(self, verify: bool = False):
+        """The engine takes the update just sent (with the IPC header when the channel is IPC) ->
+        its `AdapterReceipt`."""
         return self.engine.receive_lora(verify=verify, header=self.sender.header_list())
 
 

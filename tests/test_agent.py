@@ -283,9 +283,9 @@ def learner_loss_and_grads(learner, batch, mode: str):
     work = learner.micro_batches(batch)
     from colocate.learner.stats import BATCH_COUNTS, MICRO_BATCH_STATS, by_name
     counts = by_name(learner._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # the step's own normalizers
-    totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences, counts["tokens"])
+    passes = learner._forward_backward(work, len(work), batch.num_sequences, counts["tokens"])
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
-    return totals[MICRO_BATCH_STATS.index("loss")], grads, tokens
+    return passes.sums[MICRO_BATCH_STATS.index("loss")], grads, passes.model_tokens
 
 
 def reference_loss_and_grads(learner, batch, mask):

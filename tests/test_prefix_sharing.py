@@ -63,10 +63,9 @@ def _loss_and_grads(learner, batch: TrajectoryBatch, mode: str, budget: int):
     set_attention(learner.model, learner.attention)
     learner.model.zero_grad(set_to_none=True)
     work = learner.micro_batches(batch)
-    totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences,
-                                               float(batch.num_completion_tokens))
+    passes = learner._forward_backward(work, len(work), batch.num_sequences, float(batch.num_completion_tokens))
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
-    return totals[0], grads, len(work), tokens
+    return passes.sums[0], grads, len(work), passes.model_tokens
 
 
 def _assert_same(learner, batch, mode, budget, flat_budget=100_000):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from colocate.channel import AdapterReceiver, AdapterSender, AdapterUpdate, receive_ipc_ring
-from colocate.engine.vllm_worker import StatelessGroup, synchronize
+from colocate.engine.vllm_worker import AdapterReceipt, StatelessGroup, synchronize
 from colocate.wire import ADAPTER_HEADER_NUMEL, LoraSpec, RunFlags, adapter_header, flatten_lora
 
 LOCAL_HOST = "127.0.0.1"
@@ -124,10 +124,10 @@ class VLLMReceiver(AdapterReceiver):
         return self.update(got, t0)
 
     @staticmethod
-    def update(got: dict, t0: float) -> AdapterUpdate:
-        metrics = {"receive_apply_ms": (time.perf_counter() - t0) * 1e3, "apply_ms": got["apply_ms"],
-                   "version": got["version"], **({"checksum_ok": 1.0} if got["checksum_ok"] else {})}
-        return AdapterUpdate(got["version"], RunFlags(got["flags"]), metrics)
+    def update(got: AdapterReceipt, t0: float) -> AdapterUpdate:
+        metrics = {"receive_apply_ms": (time.perf_counter() - t0) * 1e3, "apply_ms": got.apply_ms,
+                   "version": got.version, **({"checksum_ok": 1.0} if got.checksum_ok else {})}
+        return AdapterUpdate(got.version, RunFlags(got.flags), metrics)
 
 
 def open_sender(cfg, topo, spec: LoraSpec) -> NcclSender:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,8 @@ from colocate.learner import fsdp
 from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches,
                                       resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
-from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, by_name, signal_fraction,
-                                    step_stats)
+from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, UpdateResult, by_name,
+                                    signal_fraction, step_stats)
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
 
@@ -101,6 +102,14 @@ def lm_head_frozen(model) -> bool:
 def mini_batch_seed(rollout_seed: int, version: int) -> int:
     """The seed of one batch's mini-batch split: fixed by the run's seed and the batch's version."""
     return rollout_seed * 1_000_003 + version
+
+
+@dataclass(frozen=True)
+class Passes:
+    """One rank's forward/backward passes of an update (`Learner._forward_backward`), on the device."""
+    sums: torch.Tensor        # [MICRO_BATCH_STATS] summed over the passes
+    ratio_max: torch.Tensor   # [] the largest ratio over them
+    model_tokens: int         # tokens the model ran
 
 
 class Learner:
@@ -205,16 +214,16 @@ class Learner:
         return out
 
     def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
-                          num_tokens: float) -> tuple[int, torch.Tensor | None]:
+                          num_tokens: float) -> Passes | None:
         """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
-        rank runs as many passes as the busiest one) -> (model tokens, [MICRO_BATCH_STATS] on the device).
+        rank runs as many passes as the busiest one) -> its stats on the device (None for a dummy).
         Nothing here reads a value back to the host, so the host queues the next micro-batch while
         the GPU runs this one."""
         cfg = self.cfg
         if item is None:
             logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
             (logits.sum() * 0.0).backward()
-            return 0, None
+            return None
         sub, mb = item
         allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
         ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
@@ -241,9 +250,8 @@ class Learner:
         n = stats["num_tokens"].float()
         micro = {"loss": loss.detach().float(), "clipped": stats["clip_fraction"] * n, "kl": stats["kl"] * n,
                  "ratio": stats["ratio"] * n, "tokens": n, "is_weight": stats["is_weight"] * n,
-                 "mis_masked_seqs": stats["mis_masked_seqs"].float(), "entropy": stats["entropy"] * n,
-                 "ratio_max": stats["ratio_max"].float()}
-        return mb.num_tokens, torch.stack([micro[k] for k in MICRO_BATCH_STATS])
+                 "mis_masked_seqs": stats["mis_masked_seqs"].float(), "entropy": stats["entropy"] * n}
+        return Passes(torch.stack([micro[k] for k in MICRO_BATCH_STATS]), stats["ratio_max"].float(), mb.num_tokens)
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -298,17 +306,16 @@ class Learner:
         return {"sampler_gap_tokens": tokens, **({"sampler_logprob_gap": gap / tokens} if tokens else {})}
 
     def _update(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_tokens: float,
-                num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
+                num_seqs: int) -> UpdateResult:
         """Forward/backward over `work` normalized by the global trained tokens and sequences, then
-        one optimizer step -> ([STEP_STATS] over the ranks, grad norm, skipped, passes)."""
+        one optimizer step."""
         num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
         # FSDP: all-gathers and reduce-scatters per micro-batch
-        totals, model_tokens = self._forward_backward(work, num_micro, num_seqs, num_tokens)
+        passes = self._forward_backward(work, num_micro, num_seqs, num_tokens)
         self._sum_gradients_without_fsdp()  # no FSDP, several ranks: one all-reduce per adapter tensor
         with record_function("learner/optimizer"):
-            # FSDP: the grad norm's all-reduce; then the stats' all-reduce
-            sums, grad_norm, skipped = self._optimizer_step(totals, model_tokens)
-        return sums, grad_norm, skipped, num_micro
+            # FSDP: the grad norm's all-reduce; then the stats' all-reduces
+            return self._optimizer_step(passes, num_micro)
 
     def _drop_stale(self, batch: TrajectoryBatch) -> tuple[TrajectoryBatch, float, int]:
         """Drop sequences sampled more than `max_policy_lag` versions ago -> (the kept batch, the sum
@@ -336,20 +343,20 @@ class Learner:
                                     op=dist.ReduceOp.MAX).item())
 
     def _forward_backward(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_micro: int, num_seqs: int,
-                          num_tokens: float) -> tuple[torch.Tensor, int]:
-        """`num_micro` passes (dummies past this rank's own) -> ([MICRO_BATCH_STATS] over them on the
-        device, model tokens run)."""
+                          num_tokens: float) -> Passes:
+        """`num_micro` passes (dummies past this rank's own) -> their stats, on the device."""
         self.model.train()
         totals = torch.zeros(len(MICRO_BATCH_STATS), device=self.device)
+        ratio_max = torch.zeros((), device=self.device)
         model_tokens = 0
         for i in range(num_micro):
             with record_function("learner/micro_batch"):
-                tokens, sums_i = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
-            model_tokens += tokens
-            if sums_i is not None:
-                totals[:-1] += sums_i[:-1]
-                totals[-1] = torch.maximum(totals[-1], sums_i[-1])
-        return totals, model_tokens
+                one = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
+            if one is not None:
+                totals += one.sums
+                ratio_max = torch.maximum(ratio_max, one.ratio_max)
+                model_tokens += one.model_tokens
+        return Passes(totals, ratio_max, model_tokens)
 
     def _sum_gradients_without_fsdp(self) -> None:
         """Without FSDP, sum the adapter gradients over the learner ranks by hand (the loss is already
@@ -361,9 +368,8 @@ class Learner:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.topology.learner_group)
 
-    def _optimizer_step(self, totals: torch.Tensor, model_tokens: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Clip the global grad norm, reduce the stats over the ranks, step AdamW -> ([STEP_STATS], the
-        grad norm, whether the update was skipped).
+    def _optimizer_step(self, passes: Passes, num_micro: int) -> UpdateResult:
+        """Clip the global grad norm, reduce the stats over the ranks, step AdamW.
 
         A non-finite loss or gradient skips the update on every rank alike (both values are global);
         the version still advances, so the step protocol with the inference ranks is unchanged."""
@@ -371,10 +377,11 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(grad_norm, DTensor):  # under FSDP: the global norm
             grad_norm = grad_norm.full_tensor()
-        sums = self._all_reduce(torch.cat([totals[:-1], torch.tensor([float(model_tokens)], device=self.device)]))
-        sums = torch.cat([sums, self._all_reduce(totals[-1:].clone(), op=dist.ReduceOp.MAX)])
+        tokens = torch.tensor([float(passes.model_tokens)], device=self.device)
+        sums = self._all_reduce(torch.cat([passes.sums, tokens]))
+        ratio_max = self._all_reduce(passes.ratio_max.reshape(1).clone(), op=dist.ReduceOp.MAX)[0]
         skipped = not (torch.isfinite(sums[STEP_STATS.index("loss")]) and torch.isfinite(grad_norm))
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return sums, grad_norm, skipped
+        return UpdateResult(sums, ratio_max, grad_norm, skipped, num_micro)
