@@ -290,15 +290,16 @@ def learner_loss_and_grads(learner, batch, mode: str):
 
 def reference_loss_and_grads(learner, batch, mask):
     """Right-padded rows, logits at every completion position, the loss with `mask` as its weights."""
-    from colocate.kernels import grpo_loss
+    from colocate.kernels import LossBatch, LossSpec, grpo_loss
     from colocate.learner.packing import set_attention
     set_attention(learner.model, "sdpa")
     learner.model.zero_grad(set_to_none=True)
     view = CompletionView(batch, learner.pad_id, "cpu")
     logits = right_padded_logits(learner.model.get_base_model(), view)
-    loss, _ = grpo_loss(logits, view.targets, mask, batch.behaviour_logprobs, batch.advantages[view.seq_ids],
-                        norm=learner.cfg.loss.norm, seq_ids=view.seq_ids, num_seqs=batch.num_sequences,
-                        max_len=learner.cfg.engine.max_new_tokens, num_tokens=float(mask.sum()), impl="torch")
+    loss, _ = grpo_loss(logits, LossBatch(view.targets, mask, batch.behaviour_logprobs, batch.advantages[view.seq_ids],
+                                          seq_ids=view.seq_ids, num_seqs=batch.num_sequences,
+                                          num_tokens=float(mask.sum())),
+                        LossSpec(norm=learner.cfg.loss.norm, max_len=learner.cfg.engine.max_new_tokens, impl="torch"))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from colocate.checkpoint import (CheckpointError, flatten_optimizer, latest_checkpoint, load_checkpoint,
-                                 peft_config_dict, save_checkpoint)
+from colocate.checkpoint import (CheckpointError, CheckpointState, flatten_optimizer, latest_checkpoint,
+                                 load_checkpoint, peft_config_dict, save_checkpoint)
 from colocate.models import lora_state
 from tests.conftest import REPO
 
@@ -21,10 +21,10 @@ def _save(root, step, model, keep=2):
     for p in opt.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
     opt.step()
-    return save_checkpoint(root, step, adapter=lora_state(model), peft_config=peft_config_dict(model),
-                           optimizer=flatten_optimizer(opt.state_dict()), rng={"torch_cpu": torch.get_rng_state()},
-                           trainer_state={"step": step, "version": step, "history": {}, "inference": {}},
-                           config_yaml="x: 1\n", keep=keep)
+    state = CheckpointState(lora_state(model), peft_config_dict(model), flatten_optimizer(opt.state_dict()),
+                            {"torch_cpu": torch.get_rng_state()},
+                            {"step": step, "version": step, "history": {}, "inference": {}}, "x: 1\n")
+    return save_checkpoint(root, step, state, keep=keep)
 
 
 def test_checkpoint_roundtrip_is_peft_loadable(tmp_path, tiny_cfg, tiny_tokenizer, tiny_policy):

@@ -158,7 +158,7 @@ def test_reshard_after_forward_false_keeps_every_block_gathered_until_backward(t
 def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, tiny_tokenizer):
     """train_step accumulates the loss and the token-weighted stats on the device over several
     micro-batches; they equal one loss call over the whole batch packed as one micro-batch."""
-    from colocate.kernels import grpo_loss
+    from colocate.kernels import LossBatch, LossSpec, grpo_loss
     from colocate.learner.learner import Learner
     from colocate.learner.packing import completion_logits, packed_micro_batch
     from colocate.topology import Topology
@@ -174,11 +174,12 @@ def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, t
     with torch.no_grad():
         ref = learner.reference_logprobs(whole, None)
         loss, stats = grpo_loss(
-            completion_logits(learner.model, whole), whole.targets, torch.ones_like(whole.targets, dtype=torch.bool),
-            batch.behaviour_logprobs, batch.advantages[whole.seq_ids], ref, temperature=cfg.engine.temperature,
-            eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high, beta=cfg.loss.beta, norm=cfg.loss.norm,
-            seq_ids=whole.seq_ids, num_seqs=batch.num_sequences, max_len=cfg.engine.max_new_tokens,
-            num_tokens=batch.num_completion_tokens, impl="torch")
+            completion_logits(learner.model, whole),
+            LossBatch(whole.targets, torch.ones_like(whole.targets, dtype=torch.bool), batch.behaviour_logprobs,
+                      batch.advantages[whole.seq_ids], ref, seq_ids=whole.seq_ids, num_seqs=batch.num_sequences,
+                      num_tokens=batch.num_completion_tokens),
+            LossSpec(temperature=cfg.engine.temperature, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+                     beta=cfg.loss.beta, norm=cfg.loss.norm, max_len=cfg.engine.max_new_tokens, impl="torch"))
     got = learner.train_step(batch)
     assert got["tokens"] == float(stats["num_tokens"]) == batch.num_completion_tokens
     assert got["model_tokens"] == int(batch.seq_lens.sum()) == whole.num_tokens

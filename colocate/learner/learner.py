@@ -21,7 +21,7 @@ With `learner.updates_per_batch` = K > 1, one no-grad pass first gives every com
 log-prob under the adapter at the start of the step (`old_logprobs`, the policy the clip is taken
 against), then the batch is split into K shuffled mini-batches (`mini_batch_indices`), each packed,
 normalized over its own global counts and followed by its own AdamW step; the importance weight
-against the sampler is truncated at `loss.tis_cap` (`DECOUPLED_TIS_CAP` when unset). That pass also
+against the sampler is truncated at `loss.tis_cap` (`loss.DECOUPLED_TIS_CAP` when unset). That pass also
 measures the engine against the learner on the same weights (`learner/sampler_logprob_gap`: the
 sequences sampled by the current version, so all of them at max_policy_lag 0). The version
 still advances once per batch: it counts batches, which is what the step protocol and the lag
@@ -43,9 +43,10 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from colocate.data import TrajectoryBatch
-from colocate.kernels import Objective, grpo_loss, restrict_to_allowed, token_logprobs
+from colocate.kernels import LossBatch, grpo_loss, restrict_to_allowed, token_logprobs
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
+from colocate.learner.loss import loss_spec
 from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches,
                                       resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
@@ -61,24 +62,6 @@ def mini_batch_indices(num_sequences: int, k: int, seed: int) -> list[list[int]]
     perm = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
     bounds = [round(i * num_sequences / k) for i in range(k + 1)]
     return [sorted(perm[bounds[i]: bounds[i + 1]]) for i in range(k)]
-
-
-DECOUPLED_TIS_CAP = 2.0
-"""The cap on the decoupled importance weight exp(old - behaviour) with K > 1 updates per batch when
-`loss.tis_cap` is left at 0: the truncation TRL (vLLM importance sampling) and verl (rollout IS)
-default to (AReaL's behav_imp_weight_cap drops the tokens above its cap instead). Uncapped, a token
-the stale sampler rarely drew and the learner has since raised weighs many times its share and
-steers the mini-batch step (cpu-tiny at K = 2: profiles/README.md)."""
-
-
-def loss_objective(loss_cfg, updates_per_batch: int = 1) -> tuple[Objective, float, float]:
-    """The loss section -> (objective, eps_low, eps_high): a sequence ratio has its own clip range;
-    K > 1 caps the decoupled importance weight at `DECOUPLED_TIS_CAP` unless `loss.tis_cap` is set."""
-    tis_cap = loss_cfg.tis_cap or (DECOUPLED_TIS_CAP if updates_per_batch > 1 else 0.0)
-    objective = Objective(loss_cfg.ratio_level, tis_cap, loss_cfg.mis_threshold, loss_cfg.clip_ratio_c)
-    if loss_cfg.ratio_level == "sequence":
-        return objective, loss_cfg.seq_eps_low, loss_cfg.seq_eps_high
-    return objective, loss_cfg.eps_low, loss_cfg.eps_high
 
 
 def lr_factor(step: int, lc) -> float:
@@ -140,7 +123,7 @@ class Learner:
             model.to(self.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lc.lr, weight_decay=lc.weight_decay)
-        self.objective, self.eps_low, self.eps_high = loss_objective(cfg.loss, lc.updates_per_batch)
+        self.spec = loss_spec(cfg)  # the loss of every micro-batch
         self.defer_row_scale = lm_head_frozen(model)
         self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
@@ -186,7 +169,7 @@ class Learner:
         targets = mb.targets
         if allowed is not None:
             logits, targets = restrict_to_allowed(logits, targets, allowed)
-        return per_token_logprobs(logits, targets, self.cfg.engine.temperature)
+        return per_token_logprobs(logits, targets, self.spec.temperature)
 
     @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
@@ -208,7 +191,7 @@ class Learner:
             group, sub, mb = work[i]
             allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
             logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets,
-                                  temperature=self.cfg.engine.temperature, allowed_ids=allowed, impl=self.cfg.loss.impl)
+                                  temperature=self.spec.temperature, allowed_ids=allowed, impl=self.spec.impl)
             rows = torch.cat([torch.arange(starts[j], starts[j] + comp_lens[j]) for j in group])
             out[rows] = logp.float().cpu()
         return out
@@ -219,32 +202,26 @@ class Learner:
         rank runs as many passes as the busiest one) -> its stats on the device (None for a dummy).
         Nothing here reads a value back to the host, so the host queues the next micro-batch while
         the GPU runs this one."""
-        cfg = self.cfg
         if item is None:
             logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
             (logits.sum() * 0.0).backward()
             return None
         sub, mb = item
         allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
-        ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
+        ref = self.reference_logprobs(mb, allowed) if self.spec.beta > 0 else None
         old = sub.old_logprobs.to(self.device) if sub.old_logprobs is not None else None
         adv_tok = sub.advantages.to(self.device)[mb.seq_ids]
         row_scale = None  # [N] dL/dlogp, filled by the loss, applied to the lm_head input's gradient
-        if self.defer_row_scale and mb.row_index is None and self.objective.needs_logprobs_first(old is not None):
+        if self.defer_row_scale and mb.row_index is None and self.spec.objective.needs_logprobs_first(old is not None):
             row_scale = torch.empty(mb.targets.shape[0], dtype=torch.float32, device=self.device)
         logits = micro_batch_logits(self.model, mb, grad_row_scale=row_scale)
         # an episode's env spans (tool results, observations) are out of the loss: mask 0 (data.py)
         mask = sub.loss_mask.to(self.device) if sub.loss_mask is not None \
             else torch.ones_like(mb.targets, dtype=torch.bool)
-        loss, stats = grpo_loss(
-            logits, mb.targets, mask,
-            sub.behaviour_logprobs.to(self.device), adv_tok, ref,
-            temperature=cfg.engine.temperature, eps_low=self.eps_low, eps_high=self.eps_high,
-            beta=cfg.loss.beta, norm=cfg.loss.norm,
-            # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
-            seq_ids=mb.seq_ids, num_seqs=num_seqs, max_len=cfg.engine.max_new_tokens,
-            num_tokens=num_tokens, allowed_ids=allowed, objective=self.objective, old_logprobs=old,
-            impl=cfg.loss.impl, row_scale=row_scale)
+        # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
+        batch = LossBatch(mb.targets, mask, sub.behaviour_logprobs.to(self.device), adv_tok, ref, seq_ids=mb.seq_ids,
+                          old_logprobs=old, allowed_ids=allowed, num_seqs=num_seqs, num_tokens=num_tokens)
+        loss, stats = grpo_loss(logits, batch, self.spec, row_scale=row_scale)
         loss.backward()
         del logits
         n = stats["num_tokens"].float()

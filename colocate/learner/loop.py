@@ -327,18 +327,19 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
                      fault: dict, protect_step: int | None = None) -> None:
     """Every learner joins the optimizer-state gather; learner rank 0 collects the inference ranks'
     states and writes the checkpoint atomically."""
-    from colocate.checkpoint import checkpoint_root, flatten_optimizer, peft_config_dict, save_checkpoint
+    from colocate.checkpoint import (CheckpointState, checkpoint_root, flatten_optimizer, peft_config_dict,
+                                     save_checkpoint)
     # Gathering DTensor optimizer state (FSDP2) is a collective: every learner flattens it.
     optimizer_state = flatten_optimizer(learner.optimizer.state_dict())
     if topo.rank != topo.sync_src:
         return
     inference = {str(r): recv_json(r, topo.transport_group) for r in topo.inference_ranks}
     trainer_state = {"step": step, "version": learner.version, "history": history, "inference": inference}
-    path = save_checkpoint(
-        checkpoint_root(cfg.metrics.run_dir), step, adapter=adapter, peft_config=peft_config_dict(learner.model),
-        optimizer=optimizer_state, rng={"torch_cpu": torch.get_rng_state()}, trainer_state=trainer_state,
-        config_yaml=yaml.safe_dump(to_dict(cfg), sort_keys=False), keep=cfg.checkpoint.keep,
-        fault_hook=checkpoint_fault_hook(fault, step), protect_step=protect_step)
+    state = CheckpointState(adapter, peft_config_dict(learner.model), optimizer_state,
+                            {"torch_cpu": torch.get_rng_state()}, trainer_state,
+                            yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path = save_checkpoint(checkpoint_root(cfg.metrics.run_dir), step, state, keep=cfg.checkpoint.keep,
+                           fault_hook=checkpoint_fault_hook(fault, step), protect_step=protect_step)
     print(f"[learner] checkpoint written: {path}", flush=True)
 
 
