@@ -372,7 +372,7 @@ def _pick_packed_attention(device: torch.device) -> tuple[str, dict]:
 
 def _build(cfg, topo, vocab):
     from benchmarks.padded import PaddedLearner
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     learner = PaddedLearner(cfg, topo, build_policy(cfg, vocab, "meta"), vocab)
     p_blocks = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
     return learner, p_blocks

@@ -169,7 +169,7 @@ Part = Callable[[Session, float], dict]
 def learner_policy(cfg, tokenizer, lora_b_std: float):
     """The learner's peft policy on LEARNER, with a non-trivial adapter (peft starts B at 0, which
     would hide a wrong A)."""
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     policy = build_policy(cfg, tokenizer, LEARNER).eval()
     with torch.no_grad():
         g = torch.Generator(device=LEARNER).manual_seed(1)

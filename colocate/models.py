@@ -322,3 +322,18 @@ def save_tiny_model(dir_path: str, model, tokenizer) -> None:
     tokenizer.save_pretrained(dir_path)
     with open(os.path.join(dir_path, "colocate.json"), "w") as f:
         json.dump({"built_by": "colocate.models.save_tiny_model"}, f)
+
+
+def build_policy(cfg, tokenizer, device):
+    """Base model + LoRA, identical on every rank (per-parameter seeds), adapter version 0.
+
+    Built on the meta device and materialized on `device`; device "meta" leaves that to the learner,
+    which shards it with FSDP2 first (`colocate.learner.learner.Learner`)."""
+    model = build_model(cfg.model, tokenizer, "meta")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):  # peft draws its (overwritten) init from the global RNG
+        model = add_lora(model, cfg.lora)
+    if torch.device(device).type != "meta":
+        materialize(model, cfg.model, device)
+    return model

@@ -332,7 +332,7 @@ def test_sampler_gap_counts_only_trained_choices_of_the_current_version(tiny_cfg
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     from tests.test_prefix_sharing import randomize_adapter
     cfg = load_config(None, {"model": {"cache_dir": tiny_cfg.model.cache_dir}, "loss": {"impl": "torch"},
                              "learner": {"fsdp": False, "updates_per_batch": 2, "max_policy_lag": 1}})

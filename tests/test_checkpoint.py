@@ -87,7 +87,7 @@ def test_resume_keeps_the_data_files(tmp_path):
     copy of the same bytes elsewhere resumes; a checkpoint without the digest (older) is taken."""
     from colocate.config import load_config
     from colocate.envs.dataset import data_fingerprint
-    from colocate.train import check_same_data
+    from colocate.launch import check_same_data
     data = tmp_path / "train.jsonl"
     rows = [json.dumps({"prompt": f"add {i} 1", "answer": str(i + 1)}) for i in range(6)]
     data.write_text("\n".join(rows) + "\n")

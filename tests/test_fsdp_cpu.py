@@ -39,7 +39,7 @@ def _setup(cache_dir: str, extra: dict):
 
 def _train(cfg, tok, topo, batch):
     from colocate.learner.learner import Learner
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     learner = Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok)
     initial = {n: t.clone() for n, t in learner.lora_state().items()}  # unsharded: views of the params
     losses = []  # (loss, grad norm) per step: Adam is blind to a gradient scale, the norm is not
@@ -107,7 +107,7 @@ def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):
 def test_gathered_adapter_names_match_unsharded_lora_state(tiny_cfg, tiny_tokenizer):
     from colocate.learner.fsdp import gather_full_lora
     from colocate.models import lora_state
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     model = build_policy(tiny_cfg, tiny_tokenizer, "cpu")
     plain = lora_state(model)
     gathered = gather_full_lora(model)  # unsharded: no collective, same names and values
@@ -162,7 +162,7 @@ def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, t
     from colocate.learner.learner import Learner
     from colocate.learner.packing import completion_logits, packed_micro_batch
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     cfg, tok = _setup(tiny_cfg.model.cache_dir, {"fsdp": False})
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
@@ -198,7 +198,7 @@ def test_scale_lr_by_signal_stops_adamw_drifting_on_a_batch_without_signal(tiny_
     adapter stays bit for bit."""
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
     for scale in (False, True):

@@ -113,6 +113,14 @@ def test_config_sits_at_the_bottom():
     assert graph["colocate.config"] <= {"colocate.config_schema", "colocate.config_checks"}
 
 
+def test_train_is_the_composition_root_only():
+    """train.py builds each rank's parts and runs its loop; launch checks live in launch.py, the
+    policy in models.py, so nothing but the CLI (which starts it) imports it."""
+    importers = sorted(m for m, imports in import_graph().items() if "colocate.train" in imports)
+    assert importers == ["colocate.cli"], importers
+    assert len(open(os.path.join(REPO, "colocate", "train.py")).read().splitlines()) < 200
+
+
 def test_no_function_over_sixty_lines():
     long = []
     for path in python_files("colocate", "kernels", "benchmarks", "scripts"):

@@ -209,7 +209,7 @@ def _learner(tiny_cfg, tiny_tokenizer, k, device="cpu"):
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     from tests.conftest import REPO
     import os
     cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"), {

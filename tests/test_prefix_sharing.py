@@ -44,7 +44,7 @@ def _learner(tiny_cfg, tiny_tokenizer, beta: float, norm: str):
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     cfg = load_config(None, {"model": {"cache_dir": tiny_cfg.model.cache_dir},
                              "learner": {"fsdp": False}, "loss": {"beta": beta, "norm": norm, "impl": "torch"}})
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
@@ -235,7 +235,7 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
     from colocate.learner.learner import Learner
     from colocate.learner.packing import packed_micro_batch
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     vocab = SyntheticVocab(151646)
     cfg = load_config(None, {"model": {"shape": "qwen2.5-0.5b", "dtype": "bfloat16"}, "lora": {"rank": 16, "alpha": 32},
                              "learner": {"fsdp": False, "micro_batch_tokens": 8192},
@@ -290,7 +290,7 @@ def test_compiled_blocks_with_trees_equal_eager_on_gpu(tiny_cfg, tiny_tokenizer)
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     batch = diplomacy_like_batch(2 * 7 * 2, len(tiny_tokenizer), 2, seed=5, scale=0.05)
     runs = {}
     for compile_blocks in (False, True):
