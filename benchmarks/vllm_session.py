@@ -136,7 +136,8 @@ class Session:
     def receive(self, verify: bool = False):
         """The engine takes the update just sent (with the IPC header when the channel is IPC) ->
         its `AdapterReceipt`."""
-        return self.engine.receive_lora(verify=verify, header=self.sender.header_list())
+        header = self.sender.header if isinstance(self.sender, LocalIpcSender) else None  # NCCL: broadcast
+        return self.engine.receive_lora(verify=verify, header=header)
 
 
 class LocalIpcSender:
@@ -157,9 +158,6 @@ class LocalIpcSender:
         sync_learner()  # the bytes are in the buffer before the worker reads them
         self.header = adapter_header(version, self.spec, self.ring[0] if self.with_checksum else None, flags).tolist()
         return time.perf_counter() - t0
-
-    def header_list(self) -> list | None:
-        return self.header
 
 
 Part = Callable[[Session, float], dict]

@@ -132,7 +132,7 @@ def add_lora(model, lora_cfg):
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, pcfg)
-    set_fused_lora(model, getattr(lora_cfg, "fused_epilogue", False))
+    set_fused_lora(model, lora_cfg.fused_epilogue)
     return model
 
 

@@ -84,7 +84,7 @@ class NcclSender(AdapterSender):
 
     def __init__(self, group: StatelessGroup, spec: LoraSpec, *, with_checksum: bool = False):
         self.group, self.spec, self.with_checksum = group, spec, with_checksum
-        self.header = torch.empty(4, dtype=torch.int64, device=group.device)
+        self.header = torch.empty(ADAPTER_HEADER_NUMEL, dtype=torch.int64, device=group.device)
 
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags = RunFlags.NONE, *, wait: bool = False) -> float:
         """Enqueue the update on the current stream and return, like `dist.broadcast`: later
@@ -98,10 +98,6 @@ class NcclSender(AdapterSender):
         if wait:
             self.wait_sent()
         return time.perf_counter() - t0
-
-    def header_list(self) -> None:
-        """The IPC channel hands its header to the receiver; this one broadcasts it (None)."""
-        return None
 
     def wait_sent(self) -> float:
         """Block until every engine has received the last version; seconds spent. Until then the
