@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+from colocate.learner.loop import TimelineRow
+
 
 def add_args(parser) -> None:
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
@@ -143,11 +145,11 @@ def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
 
 def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
     """The module docstring's figures from the role loops' timelines."""
-    rows = summary["timeline"]  # [wait start, train start, train end, step end, policy lag, gather s, send s]
+    rows = [TimelineRow(**row) for row in summary["timeline"]]
     if len(rows) <= warmup:
         raise ValueError(f"{len(rows)} steps ran; need more than --warmup {warmup}")
-    t0 = rows[warmup - 1][3] if warmup > 0 else rows[0][0]
-    t1 = rows[-1][3]
+    t0 = rows[warmup - 1].step_end if warmup > 0 else rows[0].wait_start
+    t1 = rows[-1].step_end
     window = max(t1 - t0, 1e-9)
     measured = rows[warmup:]
 
@@ -166,17 +168,17 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "seconds_per_step": window / len(measured),
         "steps_per_hour": 3600 * len(measured) / window,
         "measured_steps": len(measured),
-        "learner_busy_fraction": sum(r[2] - r[1] for r in measured) / window,
-        "learner_train_s_mean": sum(r[2] - r[1] for r in measured) / len(measured),
-        "learner_wait_s_mean": sum(r[1] - r[0] for r in measured) / len(measured),
+        "learner_busy_fraction": sum(r.train_end - r.train_start for r in measured) / window,
+        "learner_train_s_mean": sum(r.train_end - r.train_start for r in measured) / len(measured),
+        "learner_wait_s_mean": sum(r.train_start - r.wait_start for r in measured) / len(measured),
         "inference_busy_fraction": sum(busy) / max(len(busy), 1),
         "rollout_out_tokens_per_s_per_gpu": sum(tokens) / max(len(tokens), 1),
         "learner_nvml_busy": nvml_mean(summary.get("gpu_util", [])),
         "inference_nvml_busy": next((v for v in (nvml_mean(r.get("gpu_util", [])) for r in inference)
                                      if v is not None), None),
-        "policy_lag_mean": sum(r[4] for r in measured) / len(measured),
-        "adapter_gather_ms_mean": 1e3 * sum(r[5] for r in measured) / len(measured),
-        "adapter_send_ms_mean": 1e3 * sum(r[6] for r in measured) / len(measured),
+        "policy_lag_mean": sum(r.policy_lag for r in measured) / len(measured),
+        "adapter_gather_ms_mean": 1e3 * sum(r.gather_s for r in measured) / len(measured),
+        "adapter_send_ms_mean": 1e3 * sum(r.send_s for r in measured) / len(measured),
         "queue_batches_start": queued(rows, inference, t0),
         "queue_batches_end": queued(rows, inference, t1),
         **means,
@@ -194,13 +196,13 @@ def per_engine_step(means: dict) -> dict:
             "rollout_tokens_per_step": means["rollout_out_tokens"] / steps}
 
 
-def queued(rows: list, inference: list[dict], t: float) -> float:
+def queued(rows: list[TimelineRow], inference: list[dict], t: float) -> float:
     """Batches finished by the inference ranks (mean over ranks) minus steps finished, at time t.
     Each learner step trains one batch from every inference rank."""
     if not inference:
         return 0.0
     produced = sum(sum(b["collect_end"] <= t for b in r["batches"]) for r in inference) / len(inference)
-    return produced - sum(row[3] <= t for row in rows)
+    return produced - sum(row.step_end <= t for row in rows)
 
 
 def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:

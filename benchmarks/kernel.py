@@ -205,27 +205,34 @@ def triton_only(config: dict) -> dict:
 
 def ours(f: dict, inplace: bool, config: dict | None = None):
     """Our loss through autograd, as a function of the logits (config None: the library default)."""
+    from colocate.kernels import LossSpec
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
-    return lambda t: grpo_loss_triton(t, f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
-                                      inplace_backward=inplace, config=config, **LOSS_KW)[0]
+    rows, spec = loss_rows(f), LossSpec(**LOSS_KW)
+    return lambda t: grpo_loss_triton(t, rows, spec, inplace_backward=inplace, config=config)[0]
+
+
+def loss_rows(f: dict, objective: bool = False, with_old: bool = False):
+    """The benchmark's per-row inputs as the loss takes them (sequence ids for the objectives)."""
+    from colocate.kernels import LossRows
+    return LossRows(f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"],
+                    f["seq_ids"] if objective else None, f["old"] if with_old else None)
 
 
 def ours_objective(f: dict, name: str, inplace: bool, config: dict | None = None, impl=None):
     """One of `OBJECTIVES` through ours (or through `impl`, the reference), as a function of the
     logits. A deferred one also applies its row scale to a [N, HIDDEN] stand-in for d(lm_head input)."""
+    from colocate.kernels import LossSpec, Objective
     from colocate.kernels.deferred import deferred_loss, scale_rows
-    from colocate.kernels.reference import Objective
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     kw, (eps_low, eps_high), with_old, deferred = OBJECTIVES[name]
-    common = dict(objective=Objective(**kw), seq_ids=f["seq_ids"], old_logprobs=f["old"] if with_old else None,
-                  temperature=1.0, eps_low=eps_low, eps_high=eps_high, beta=BETA)
-    inputs = (f["targets"], f["weights"], f["behaviour"], f["advantages"], f["ref"])
+    spec = LossSpec(Objective(**kw), temperature=1.0, eps_low=eps_low, eps_high=eps_high, beta=BETA)
+    rows = loss_rows(f, objective=True, with_old=with_old)
     if impl is not None:
-        return lambda t: impl(t, *inputs, **common)[0]
+        return lambda t: impl(t, rows, spec)[0]
     if not deferred:
-        return lambda t: grpo_loss_triton(t, *inputs, inplace_backward=inplace, config=config, **common)[0]
+        return lambda t: grpo_loss_triton(t, rows, spec, inplace_backward=inplace, config=config)[0]
     n = f["targets"].shape[0]
     if f"row_scale_{n}" not in f:  # one buffer pair per row count, shared by the in-place and copy variants
         f[f"row_scale_{n}"] = torch.empty(n, device=f["targets"].device)
@@ -233,8 +240,7 @@ def ours_objective(f: dict, name: str, inplace: bool, config: dict | None = None
     scale, grad_hidden = f[f"row_scale_{n}"], f[f"grad_hidden_{n}"]
 
     def loss(t):
-        return deferred_loss(t, *inputs, row_scale=scale, fused=True, inplace_backward=inplace, config=config,
-                             **common)[0]
+        return deferred_loss(t, rows, spec, row_scale=scale, fused=True, inplace_backward=inplace, config=config)[0]
     loss.row_scale = scale
     # What the lm_head input's backward adds (`scale_grad_rows`): a new [N, HIDDEN] scaled gradient.
     loss.after_backward = lambda: scale_rows(grad_hidden, scale)
@@ -243,6 +249,7 @@ def ours_objective(f: dict, name: str, inplace: bool, config: dict | None = None
 
 def implementations(b: Bench, compile_reference: bool) -> dict:
     """name -> (loss as a function of the logits, whether it writes over them)."""
+    from colocate.kernels import LossSpec
     from colocate.kernels.reference import grpo_loss_reference
 
     f = b.f
@@ -250,8 +257,8 @@ def implementations(b: Bench, compile_reference: bool) -> dict:
                                             f["advantages"]), False)}
     if compile_reference:
         compiled = torch.compile(grpo_loss_reference, dynamic=False)
-        impls["compiled"] = (lambda t: compiled(t, f["targets"], f["weights"], f["behaviour"], f["advantages"],
-                                                f["ref"], **LOSS_KW)[0], False)
+        rows, spec = loss_rows(f), LossSpec(**LOSS_KW)
+        impls["compiled"] = (lambda t: compiled(t, rows, spec)[0], False)
     impls["ours_inplace"] = (ours(f, True, b.config or None), True)
     impls["ours"] = (ours(f, False, b.config or None), False)
     impls["ours_triton_inplace"] = (ours(f, True, triton_only(b.config)), True)

@@ -56,10 +56,10 @@ def timed_update(s: Session, probe: list[Request]) -> dict:
     t2 = time.perf_counter()
     (c,) = s.engine.generate(probe)
     t3 = time.perf_counter()
-    assert c.version == s.version == got["version"]
+    assert c.version == s.version == got.version
     sync_learner()
     return {"send_enqueue_ms": (t1 - t0) * 1e3, "receive_apply_ms": (t2 - t1) * 1e3,
-            "first_token_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3, "apply_ms": got["apply_ms"]}
+            "first_token_ms": (t3 - t2) * 1e3, "total_ms": (t3 - t0) * 1e3, "apply_ms": got.apply_ms}
 
 
 def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
@@ -70,8 +70,8 @@ def measure_sync(s: Session, iters: int = 10, warmup: int = 3) -> dict:
     got = s.push(with_checksum=True, verify=True)
     engine_bytes = flatten_lora(s.engine.lora_state(), s.spec)
     learner_bytes = flatten_lora({k: v.detach().cpu() for k, v in s.lora().items()}, s.spec)
-    out["sync/checksum_ok"] = bool(got["checksum_ok"])
-    out["sync/slot_matches_received"] = bool(got["slot_ok"])
+    out["sync/checksum_ok"] = bool(got.checksum_ok)
+    out["sync/slot_matches_received"] = bool(got.slot_ok)
     out["sync/engine_bytes_equal_learner"] = bool(torch.equal(engine_bytes.view(torch.uint8),
                                                               learner_bytes.view(torch.uint8)))
     out["sync/checksum"] = checksum(learner_bytes)

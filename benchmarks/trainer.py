@@ -343,12 +343,13 @@ def _pick_loss_impl(choice: str, device: torch.device) -> str:
     """The Triton loss if it runs here (a tiny fwd+bwd), else the PyTorch reference."""
     if choice != "auto" or device.type != "cuda":
         return choice if choice != "auto" else "torch"
-    from colocate.kernels import grpo_loss
+    from colocate.kernels import LossBatch, LossSpec, grpo_loss
     try:
         logits = torch.randn(8, 1024, device=device, dtype=torch.bfloat16, requires_grad=True)
         targets = torch.randint(0, 1024, (8,), device=device)
-        loss, _ = grpo_loss(logits, targets, torch.ones(8, dtype=torch.bool, device=device),
-                            torch.full((8,), -7.0, device=device), torch.randn(8, device=device), impl="triton")
+        loss, _ = grpo_loss(logits, LossBatch(targets, torch.ones(8, dtype=torch.bool, device=device),
+                                              torch.full((8,), -7.0, device=device), torch.randn(8, device=device)),
+                            LossSpec(impl="triton"))
         loss.backward()
         torch.cuda.synchronize()
         return "triton"
@@ -371,7 +372,7 @@ def _pick_packed_attention(device: torch.device) -> tuple[str, dict]:
 
 def _build(cfg, topo, vocab):
     from benchmarks.padded import PaddedLearner
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     learner = PaddedLearner(cfg, topo, build_policy(cfg, vocab, "meta"), vocab)
     p_blocks = sum(p.numel() for n, p in learner.model.named_parameters() if ".layers." in n and "lora_" not in n)
     return learner, p_blocks
@@ -402,16 +403,18 @@ def _time_variant(run: _Run, learner, kind: str, budget: int, p_blocks: int) -> 
 
 def _select_layout(run: _Run, learner, kind: str, budget: int) -> None:
     """Point the one learner at this variant: padded chunks (the baseline) or packing at `budget`."""
+    from dataclasses import replace
+
     from colocate.kernels import Objective
-    from colocate.learner.learner import lm_head_frozen, loss_objective
+    from colocate.learner.learner import lm_head_frozen
+    from colocate.learner.loss import loss_spec
     from colocate.learner.packing import resolve_attention
     from colocate.models import set_fused_lora
-    learner.objective, learner.eps_low, learner.eps_high = loss_objective(learner.cfg.loss,
-                                                                          learner.cfg.learner.updates_per_batch)
+    learner.spec = loss_spec(learner.cfg)
     learner.defer_row_scale = lm_head_frozen(learner.model) and OBJECTIVE_KINDS.get(kind, True)
     if kind in OBJECTIVE_KINDS:
-        learner.objective = Objective(ratio_level="sequence")
-        learner.eps_low, learner.eps_high = learner.cfg.loss.seq_eps_low, learner.cfg.loss.seq_eps_high
+        learner.spec = replace(learner.spec, objective=Objective(ratio_level="sequence"),
+                               eps_low=learner.cfg.loss.seq_eps_low, eps_high=learner.cfg.loss.seq_eps_high)
     set_fused_lora(learner.model, learner.cfg.lora.fused_epilogue and (kind != "padded" or run.args["baseline_fused"]))
     if kind != "padded":
         learner.cfg.learner.micro_batch_tokens = budget

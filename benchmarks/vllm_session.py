@@ -121,7 +121,7 @@ class Session:
                 p.add_(torch.randn_like(p) * std)
         self.version += 1
 
-    def push(self, *, with_checksum: bool = False, verify: bool = False) -> dict:
+    def push(self, *, with_checksum: bool = False, verify: bool = False):
         """Learner -> engine as train.py does (NCCL: the send is enqueued, the worker completes it;
         IPC: a copy into the shared buffer, then the worker copies it out)."""
         self.sender.with_checksum = with_checksum
@@ -133,9 +133,11 @@ class Session:
         sync_learner()
         return got
 
-    def receive(self, verify: bool = False) -> dict:
-        """The engine takes the update just sent (with the IPC header when the channel is IPC)."""
-        return self.engine.receive_lora(verify=verify, header=self.sender.header_list())
+    def receive(self, verify: bool = False):
+        """The engine takes the update just sent (with the IPC header when the channel is IPC) ->
+        its `AdapterReceipt`."""
+        header = self.sender.header if isinstance(self.sender, LocalIpcSender) else None  # NCCL: broadcast
+        return self.engine.receive_lora(verify=verify, header=header)
 
 
 class LocalIpcSender:
@@ -157,9 +159,6 @@ class LocalIpcSender:
         self.header = adapter_header(version, self.spec, self.ring[0] if self.with_checksum else None, flags).tolist()
         return time.perf_counter() - t0
 
-    def header_list(self) -> list | None:
-        return self.header
-
 
 Part = Callable[[Session, float], dict]
 """One measurement in an open session: (session, deadline as a `time.time()`) -> figures."""
@@ -168,7 +167,7 @@ Part = Callable[[Session, float], dict]
 def learner_policy(cfg, tokenizer, lora_b_std: float):
     """The learner's peft policy on LEARNER, with a non-trivial adapter (peft starts B at 0, which
     would hide a wrong A)."""
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     policy = build_policy(cfg, tokenizer, LEARNER).eval()
     with torch.no_grad():
         g = torch.Generator(device=LEARNER).manual_seed(1)

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
@@ -201,14 +202,23 @@ def _write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(root: str, step: int, *, adapter: dict[str, torch.Tensor], peft_config: dict,
-                    optimizer: tuple[dict[str, torch.Tensor], dict], rng: dict[str, torch.Tensor],
-                    trainer_state: dict, config_yaml: str, keep: int, fault_hook=None,
+@dataclass
+class CheckpointState:
+    """What one checkpoint holds (one file each, `save_checkpoint`)."""
+    adapter: dict[str, torch.Tensor]                  # canonical name -> full tensor
+    peft_config: dict                                 # `peft_config_dict(model)`
+    optimizer: tuple[dict[str, torch.Tensor], dict]   # `flatten_optimizer(optimizer.state_dict())`
+    rng: dict[str, torch.Tensor]                      # {"torch_cpu": torch.get_rng_state()}
+    trainer_state: dict                               # step, version, history, the inference ranks' states
+    config_yaml: str                                  # the resolved config
+
+
+def save_checkpoint(root: str, step: int, state: CheckpointState, *, keep: int, fault_hook=None,
                     protect_step: int | None = None) -> str:
     """Write `step-<step>` atomically and keep the newest `keep` checkpoints, and also the newest at
     or before `protect_step` when given (metrics.stop_on_collapse: the last good one). Returns its path.
 
-    `optimizer` is `flatten_optimizer(optimizer.state_dict())` (every learner runs that gather)."""
+    Every learner runs the optimizer gather (`flatten_optimizer`) before rank 0 calls this."""
     os.makedirs(root, exist_ok=True)
     for name in os.listdir(root):  # leftovers of a killed write
         if name.startswith(".tmp-"):
@@ -217,17 +227,17 @@ def save_checkpoint(root: str, step: int, *, adapter: dict[str, torch.Tensor], p
     tmp = os.path.join(root, f".tmp-step-{step:06d}-{os.getpid()}")
     os.makedirs(tmp)
     _write_tensors(os.path.join(tmp, "adapter_model.safetensors"),
-                   {to_peft_name(n): _full(t) for n, t in adapter.items()})
-    _write_json(os.path.join(tmp, "adapter_config.json"), peft_config)
+                   {to_peft_name(n): _full(t) for n, t in state.adapter.items()})
+    _write_json(os.path.join(tmp, "adapter_config.json"), state.peft_config)
     if fault_hook is not None:
         fault_hook()  # tests: a kill -9 in the middle of a write
-    opt_tensors, opt_meta = optimizer
+    opt_tensors, opt_meta = state.optimizer
     _write_tensors(os.path.join(tmp, "optimizer.safetensors"), opt_tensors)
     _write_json(os.path.join(tmp, "optimizer.json"), opt_meta)
-    _write_tensors(os.path.join(tmp, "rng.safetensors"), {k: v.contiguous() for k, v in rng.items()})
-    _write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)
+    _write_tensors(os.path.join(tmp, "rng.safetensors"), {k: v.contiguous() for k, v in state.rng.items()})
+    _write_json(os.path.join(tmp, "trainer_state.json"), state.trainer_state)
     with open(os.path.join(tmp, "config.yaml"), "w") as f:
-        f.write(config_yaml)
+        f.write(state.config_yaml)
         f.flush()
         os.fsync(f.fileno())
     write_manifest(tmp)

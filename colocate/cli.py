@@ -6,7 +6,7 @@
     colocate export --run DIR [--merge] --out DIR
     colocate <command> --help [SECTION]
 
-`train` checks everything `--check` checks (`train.check_config`, with the world size it is about
+`train` checks everything `--check` checks (`launch.check_config`, with the world size it is about
 to ask for) in this process, then replaces itself with torchrun (`python -m torch.distributed.run
 --nproc-per-node N -m colocate.train ...`): a bad config is one line and exit code 2, and no
 torchrun starts. Flags that are not ours or config keys (`--nnodes`, `--node-rank`,
@@ -127,7 +127,7 @@ def default_nproc(cfg: Config) -> int:
 
 def train_command(argv: list[str]) -> list[str]:
     """Check everything in this process -> the torchrun command line (raises ConfigError)."""
-    from colocate.train import check_launch
+    from colocate.launch import check_launch
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:

@@ -89,8 +89,6 @@ class TrajectoryBatch:
     `learner/policy_lag` measure (`Completion.version`)."""
     allowed_ids: torch.Tensor | None = None
     """[N, K] int32 allowed token ids per completion token, -1 padded; None when unconstrained."""
-    ref_logprobs: torch.Tensor | None = None
-    """[N] float32 adapter-disabled log-probs (filled by the learner when beta > 0)."""
     old_logprobs: torch.Tensor | None = None
     """[N] float32 learner log-probs at the start of the step (filled by the learner when
     learner.updates_per_batch > 1: the policy its mini-batches clip against)."""
@@ -139,7 +137,7 @@ class TrajectoryBatch:
             tokens=tok, seq_lens=self.seq_lens[idx], prompt_lens=self.prompt_lens[idx],
             behaviour_logprobs=comp(self.behaviour_logprobs), advantages=self.advantages[idx],
             rewards=self.rewards[idx], versions=self.versions[idx], allowed_ids=comp(self.allowed_ids),
-            ref_logprobs=comp(self.ref_logprobs), old_logprobs=comp(self.old_logprobs),
+            old_logprobs=comp(self.old_logprobs),
             loss_mask=comp(self.loss_mask))
 
     @staticmethod

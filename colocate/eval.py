@@ -64,7 +64,7 @@ def evaluate(cfg: Config, checkpoint: dict | None, *, device: str = "cpu", out_d
     from colocate.engine.hf import HFEngine
     from colocate.envs import env_corpus, make_env
     from colocate.models import load_tokenizer
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     key, corpus_fn = env_corpus(cfg)
     tokenizer = load_tokenizer(cfg.model, corpus_fn, key)
     engine = HFEngine(build_policy(cfg, tokenizer, device), tokenizer, device=device, seed=cfg.rollout.seed)

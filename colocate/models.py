@@ -132,7 +132,7 @@ def add_lora(model, lora_cfg):
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
     model = get_peft_model(model, pcfg)
-    set_fused_lora(model, getattr(lora_cfg, "fused_epilogue", False))
+    set_fused_lora(model, lora_cfg.fused_epilogue)
     return model
 
 
@@ -322,3 +322,18 @@ def save_tiny_model(dir_path: str, model, tokenizer) -> None:
     tokenizer.save_pretrained(dir_path)
     with open(os.path.join(dir_path, "colocate.json"), "w") as f:
         json.dump({"built_by": "colocate.models.save_tiny_model"}, f)
+
+
+def build_policy(cfg, tokenizer, device):
+    """Base model + LoRA, identical on every rank (per-parameter seeds), adapter version 0.
+
+    Built on the meta device and materialized on `device`; device "meta" leaves that to the learner,
+    which shards it with FSDP2 first (`colocate.learner.learner.Learner`)."""
+    model = build_model(cfg.model, tokenizer, "meta")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):  # peft draws its (overwritten) init from the global RNG
+        model = add_lora(model, cfg.lora)
+    if torch.device(device).type != "meta":
+        materialize(model, cfg.model, device)
+    return model

@@ -11,7 +11,7 @@ one. The policy (README, "Runs keep their work"):
     and starts afresh;
   * or name another directory: `--metrics.run_dir=runs/try-2`.
 
-Checked by `train.check_config` (every rank, `colocate train` before it starts torchrun); under
+Checked by `launch.check_config` (every rank, `colocate train` before it starts torchrun); under
 torchrun only global rank 0 deletes.
 """
 from __future__ import annotations

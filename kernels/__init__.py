@@ -1,11 +1,12 @@
 """GRPO loss: one entry (`grpo_loss`), a Triton kernel on CUDA and a PyTorch reference elsewhere.
 
-The learner calls only `grpo_loss`. It
+The learner calls only `grpo_loss`, with one call's tensors (`spec.LossBatch`) and the run's
+`spec.LossSpec`. It
   1. restricts the vocabulary to the constraint's allowed ids when given (the sampler's mask), by
      gathering those logits into a small [N, K] problem: the same masked log-softmax the engine
      sampled from, at a fraction of the cost;
   2. turns the normalization mode into per-token weights (`token_weights`);
-  3. takes the policy objective (`reference.Objective`: token or sequence ratio, truncated and
+  3. takes the policy objective (`spec.Objective`: token or sequence ratio, truncated and
      masked importance sampling) and, with several updates per batch, the learner's log-probs at
      the start of the batch (`old_logprobs`, from `token_logprobs`);
   4. given a `row_scale` buffer, takes the objectives that need every row's log-prob first in one
@@ -22,10 +23,11 @@ from __future__ import annotations
 import torch
 
 from .deferred import deferred_loss, scale_grad_rows
-from .reference import NORM_MODES, RATIO_LEVELS, Objective, grpo_loss_reference, per_token_logprobs, token_weights
+from .reference import grpo_loss_reference, per_token_logprobs, token_weights
+from .spec import NORM_MODES, RATIO_LEVELS, LossBatch, LossRows, LossSpec, Objective
 
 __all__ = ["grpo_loss", "grpo_loss_reference", "token_logprobs", "token_weights", "NORM_MODES", "RATIO_LEVELS",
-           "Objective", "restrict_to_allowed", "scale_grad_rows"]
+           "Objective", "LossSpec", "LossBatch", "LossRows", "restrict_to_allowed", "scale_grad_rows"]
 
 
 def restrict_to_allowed(logits: torch.Tensor, targets: torch.Tensor, allowed_ids: torch.Tensor):
@@ -53,46 +55,29 @@ def _use_triton(logits: torch.Tensor, impl: str) -> bool:
 
 def grpo_loss(
     logits: torch.Tensor,              # [N, V] bf16/fp32 logits at completion positions
-    targets: torch.Tensor,             # [N] sampled token ids
-    mask: torch.Tensor,                # [N] bool/float, 1 = trained token
-    behaviour_logprobs: torch.Tensor,  # [N] float32 sampler log-probs
-    advantages: torch.Tensor,          # [N] float32 per-token advantage
-    ref_logprobs: torch.Tensor | None = None,  # [N] float32 or None
+    batch: LossBatch,
+    spec: LossSpec = LossSpec(),
     *,
-    temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    beta: float = 0.0,
-    norm: str = "dapo",
-    seq_ids: torch.Tensor | None = None,   # [N] sequence index in [0, N) (grpo, dr_grpo, sequence ratio, MIS)
-    num_seqs: int | None = None,
-    max_len: int | None = None,
-    num_tokens: int | float | None = None,
-    allowed_ids: torch.Tensor | None = None,  # [N, K] int, -1 padded
-    objective: Objective = Objective(),
-    old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
-    impl: str = "auto",
     inplace_backward: bool = False,
     row_scale: torch.Tensor | None = None,  # [N] fp32 out: see `deferred` (the caller scales d(lm_head input))
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Scalar loss (differentiable in `logits`) and detached stats: clip_fraction, kl, ratio,
     num_tokens, is_weight, mis_masked_seqs. With `row_scale`, the gradient reaching `logits` lacks
     its per-row scale, which lands in `row_scale` for the caller to apply (`deferred`)."""
-    weights = token_weights(mask, norm, seq_ids, num_seqs, max_len, num_tokens)
-    if allowed_ids is not None:
-        logits, targets = restrict_to_allowed(logits, targets, allowed_ids)
+    weights = token_weights(batch.mask, spec.norm, batch.seq_ids, batch.num_seqs, spec.max_len, batch.num_tokens)
+    targets = batch.targets
+    if batch.allowed_ids is not None:
+        logits, targets = restrict_to_allowed(logits, targets, batch.allowed_ids)
         inplace_backward = False  # the gathered copy is ours; writing into it saves nothing
-    kwargs = dict(temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective,
-                  seq_ids=seq_ids, old_logprobs=old_logprobs)
+    rows = LossRows(targets, weights, batch.behaviour_logprobs, batch.advantages, batch.ref_logprobs, batch.seq_ids,
+                    batch.old_logprobs)
+    fused = _use_triton(logits, spec.impl)
     if row_scale is not None:
-        return deferred_loss(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
-                             row_scale=row_scale, fused=_use_triton(logits, impl), inplace_backward=inplace_backward,
-                             **kwargs)
-    if _use_triton(logits, impl):
+        return deferred_loss(logits, rows, spec, row_scale=row_scale, fused=fused, inplace_backward=inplace_backward)
+    if fused:
         from .triton_grpo import grpo_loss_triton
-        return grpo_loss_triton(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
-                                inplace_backward=inplace_backward, **kwargs)
-    return grpo_loss_reference(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, **kwargs)
+        return grpo_loss_triton(logits, rows, spec, inplace_backward=inplace_backward)
+    return grpo_loss_reference(logits, rows, spec)
 
 
 def token_logprobs(

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .reference import Objective, objective_from_logprobs, per_token_logprobs
+from .reference import objective_from_logprobs, per_token_logprobs
+from .spec import LossRows, LossSpec
 
 __all__ = ["deferred_loss", "scale_grad_rows", "scale_rows"]
 
@@ -62,39 +63,27 @@ def scale_grad_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def deferred_loss(
     logits: torch.Tensor,              # [N, V]
-    targets: torch.Tensor,             # [N]
-    weights: torch.Tensor,             # [N] fp32 (token_weights)
-    behaviour_logprobs: torch.Tensor,  # [N]
-    advantages: torch.Tensor,          # [N]
-    ref_logprobs: torch.Tensor | None,
+    rows: LossRows,
+    spec: LossSpec,
     *,
     row_scale: torch.Tensor,           # [N] fp32 out: dL/dlogp per row, owed to the lm_head's input
     fused: bool,                       # the row kernel, else the PyTorch reference
-    temperature: float,
-    eps_low: float,
-    eps_high: float,
-    beta: float,
-    objective: Objective,
-    seq_ids: torch.Tensor | None,
-    old_logprobs: torch.Tensor | None,
     inplace_backward: bool = False,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scalar loss, detached stats), as `grpo_loss`, except that the gradient reaching `logits` is
     d logp / d(logits) on the trained rows, unscaled, and `row_scale` receives the scale."""
-    active = (weights > 0).float()
+    active = (rows.weights > 0).float()
     write_grad = torch.is_grad_enabled() and logits.requires_grad
     if fused:
         from .triton_grpo import unit_pass
-        carrier, logp = unit_pass(logits, targets, active, torch.ones_like(active), temperature=temperature,
+        carrier, logp = unit_pass(logits, rows.targets, active, torch.ones_like(active), temperature=spec.temperature,
                                   inplace_backward=inplace_backward, config=config, write_grad=write_grad)
     else:
-        logp_graph = per_token_logprobs(logits, targets, temperature)
+        logp_graph = per_token_logprobs(logits, rows.targets, spec.temperature)
         logp = logp_graph.detach()
         carrier = ((logp_graph - logp) * active).sum()  # 0, with the gradient d logp / d(logits) on trained rows
-    loss, dlogp, stats = objective_from_logprobs(
-        logp, behaviour_logprobs, advantages, ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high, beta=beta,
-        objective=objective, seq_ids=seq_ids, old_logprobs=old_logprobs, want_dlogp=write_grad)
+    loss, dlogp, stats = objective_from_logprobs(logp, rows, spec, want_dlogp=write_grad)
     if dlogp is not None:
         row_scale.copy_(dlogp)
     return loss + carrier, stats

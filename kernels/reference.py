@@ -9,8 +9,8 @@ Per completion token t (rows of `logits`):
     dual clip (`clip_ratio_c` = c > 1, verl's): where A_t < 0 the policy term is
               min(-min(r A, clip(r) A), -c A): a token whose ratio passed c weighs -c A, with no gradient
     loss    = sum_t w_t * keep_t * l_t
-with w_t from `token_weights` (the normalization mode). Both implementations receive the same
-weights, so the modes live in one place.
+with w_t from `token_weights` (the normalization mode). Every implementation receives the same
+weights (`spec.LossRows`) and the same `spec.LossSpec`, so the modes live in one place.
 
 Off-policy corrections (`off_policy_weights`; all detached): by default the anchor is the sampler
 (behaviour) and iw = keep = 1, the classic GRPO objective. Given the learner's log-probs at the
@@ -22,28 +22,14 @@ capped at `tis_cap`, corrects for the sampler apart from the clip. `mis_threshol
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-NORM_MODES = ("grpo", "dapo", "dr_grpo")
-RATIO_LEVELS = ("token", "sequence")
+from .spec import NORM_MODES, RATIO_LEVELS, LossRows, LossSpec, Objective
 
-
-@dataclass(frozen=True)
-class Objective:
-    """Which policy objective the loss computes (the defaults: GRPO with a token-level ratio)."""
-    ratio_level: str = "token"   # token, or sequence (GSPO: geometric mean of the token ratios)
-    tis_cap: float = 0.0         # > 0: truncated importance weight against the sampler, capped here
-    mis_threshold: float = 0.0   # > 0: mask sequences whose mean |log-ratio| to the sampler exceeds it
-    clip_ratio_c: float = 0.0    # > 1: dual clip of negative-advantage tokens at ratio c (verl); 0 = off
-
-    def needs_logprobs_first(self, has_old: bool) -> bool:
-        """Whether a token's coefficient depends on other tokens' or on its own log-prob before the
-        gradient (the fused path then runs a forward-only pass first). The dual clip is one: the row
-        kernel knows only the single clip, so its coefficient comes from the reference's own code."""
-        return self.ratio_level == "sequence" or self.clip_ratio_c > 0 or (
-            not has_old and (self.tis_cap > 0 or self.mis_threshold > 0))
+__all__ = ["NORM_MODES", "RATIO_LEVELS", "Objective", "token_weights", "per_token_logprobs", "off_policy_weights",
+           "objective_terms", "objective_loss", "objective_from_logprobs", "grpo_loss_reference", "token_stats"]
 
 
 def token_weights(
@@ -134,74 +120,63 @@ def clipped_surrogate(log_ratio, advantages, eps_low, eps_high, clip_ratio_c: fl
     return loss, ratio, is_clipped
 
 
-def objective_terms(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
-                    objective: Objective = Objective(), seq_ids=None, old_logprobs=None):
+def objective_terms(logp: torch.Tensor, rows: LossRows, spec: LossSpec):
     """Per-token terms from [N] log-probs (differentiable in `logp`): (loss_t, effective weights
     w * keep, ratio, kl, is_clipped, importance weight). Shared by the reference and the fused
     path's sequence-level / off-policy objectives, which compute logp with a forward-only kernel."""
-    anchor, iw, keep = off_policy_weights(logp, behaviour, weights, seq_ids, old_logprobs, objective)
+    objective, weights, seq_ids = spec.objective, rows.weights, rows.seq_ids
+    anchor, iw, keep = off_policy_weights(logp, rows.behaviour_logprobs, weights, seq_ids, rows.old_logprobs,
+                                          objective)
     log_ratio = logp - anchor
     if objective.ratio_level == "sequence":
         if seq_ids is None:
             raise ValueError("ratio_level='sequence' needs seq_ids")
         log_ratio = seq_mean(log_ratio, (weights > 0).to(logp.dtype), seq_ids)
-    loss, ratio, is_clipped = clipped_surrogate(log_ratio, advantages, eps_low, eps_high, objective.clip_ratio_c)
+    loss, ratio, is_clipped = clipped_surrogate(log_ratio, rows.advantages, spec.eps_low, spec.eps_high,
+                                                objective.clip_ratio_c)
     loss = iw * loss
     kl = torch.zeros_like(logp)
-    if ref_logprobs is not None and beta > 0:
-        delta = ref_logprobs - logp
+    if rows.ref_logprobs is not None and spec.beta > 0:
+        delta = rows.ref_logprobs - logp
         kl = torch.exp(delta) - delta - 1.0
-        loss = loss + beta * kl
+        loss = loss + spec.beta * kl
     return loss, weights * keep, ratio, kl, is_clipped, iw
 
 
-def objective_loss(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
-                   objective: Objective, seq_ids, old_logprobs):
+def float_rows(rows: LossRows) -> LossRows:
+    """The rows with every float input in float32 (the objective's arithmetic)."""
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    return replace(rows, weights=rows.weights.float(), behaviour_logprobs=rows.behaviour_logprobs.float(),
+                   advantages=rows.advantages.float(), ref_logprobs=f32(rows.ref_logprobs),
+                   old_logprobs=f32(rows.old_logprobs))
+
+
+def objective_loss(logp: torch.Tensor, rows: LossRows, spec: LossSpec):
     """[N] log-probs -> (scalar loss, differentiable in `logp`; detached stats): the objective summed
     with its effective weights. The reference's loss and the fused paths' objective on [N] vectors.
     The entropy stat is each trained token's -logp: its expectation under the sampler is the
     entropy, and every path (this one, the fused kernels) has it without another pass over the logits."""
-    f32 = lambda t: None if t is None else t.float()  # noqa: E731
-    loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(
-        logp, behaviour.float(), advantages.float(), f32(ref_logprobs), weights.float(), eps_low=eps_low,
-        eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=f32(old_logprobs))
-    return (w_eff * loss_t).sum(), token_stats(weights, ratio, kl, is_clipped, iw, w_eff, seq_ids, -logp.detach())
+    rows = float_rows(rows)
+    loss_t, w_eff, ratio, kl, is_clipped, iw = objective_terms(logp, rows, spec)
+    return (w_eff * loss_t).sum(), token_stats(rows.weights, ratio, kl, is_clipped, iw, w_eff, rows.seq_ids,
+                                               -logp.detach())
 
 
-def objective_from_logprobs(logp, behaviour, advantages, ref_logprobs, weights, *, eps_low, eps_high, beta,
-                            objective: Objective, seq_ids, old_logprobs, want_dlogp: bool = True):
+def objective_from_logprobs(logp: torch.Tensor, rows: LossRows, spec: LossSpec, want_dlogp: bool = True):
     """[N] log-probs known before any gradient -> (scalar loss, [N] dL/dlogp or None, stats): the
     objective on [N] vectors (`objective_loss`), for the fused paths whose per-row coefficient
     needs every row's log-prob first. No host sync, so it queues behind the kernel that made `logp`."""
     with torch.enable_grad():
         logp = logp.detach().float().requires_grad_()
-        loss, stats = objective_loss(logp, behaviour, advantages, ref_logprobs, weights, eps_low=eps_low,
-                                     eps_high=eps_high, beta=beta, objective=objective, seq_ids=seq_ids,
-                                     old_logprobs=old_logprobs)
+        loss, stats = objective_loss(logp, rows, spec)
         dlogp = torch.autograd.grad(loss, logp)[0] if want_dlogp else None
     return loss.detach(), dlogp, stats
 
 
-def grpo_loss_reference(
-    logits: torch.Tensor,              # [N, V] bf16/fp32
-    targets: torch.Tensor,             # [N] int
-    weights: torch.Tensor,             # [N] float32 = mask * normalization (token_weights)
-    behaviour_logprobs: torch.Tensor,  # [N] float32
-    advantages: torch.Tensor,          # [N] float32
-    ref_logprobs: torch.Tensor | None = None,  # [N] float32
-    *,
-    temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    beta: float = 0.0,
-    objective: Objective = Objective(),
-    seq_ids: torch.Tensor | None = None,       # [N] sequence index (sequence ratio, mis_threshold)
-    old_logprobs: torch.Tensor | None = None,  # [N] float32 learner log-probs at the start of the batch
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Differentiable reference: returns (scalar loss, detached stats over rows with weight > 0)."""
-    return objective_loss(per_token_logprobs(logits, targets, temperature), behaviour_logprobs, advantages,
-                          ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high, beta=beta, objective=objective,
-                          seq_ids=seq_ids, old_logprobs=old_logprobs)
+def grpo_loss_reference(logits: torch.Tensor, rows: LossRows, spec: LossSpec = LossSpec()):
+    """Differentiable reference on [N, V] bf16/fp32 logits: returns (scalar loss, detached stats over
+    rows with weight > 0)."""
+    return objective_loss(per_token_logprobs(logits, rows.targets, spec.temperature), rows, spec)
 
 
 def token_stats(weights, ratio, kl, is_clipped, iw=None, w_eff=None, seq_ids=None,

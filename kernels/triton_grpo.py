@@ -5,7 +5,7 @@ interpreter). The forward call runs the row kernel (`triton_rows.grpo_rows`), wh
 loss terms and d(logits) in one pass over the logits; backward only scales that stored gradient by
 grad_output, on the device and not at all when it is 1 (no host sync).
 
-Objectives beyond GRPO (`reference.Objective`, off-policy corrections) keep the kernel's memory
+Objectives beyond GRPO (`spec.Objective`, off-policy corrections) keep the kernel's memory
 behaviour. Each needs only per-row inputs, since d(logits)_t = dL/dlogp_t * (onehot - p_t) / T:
   * a start-of-batch policy given (`old_logprobs`) with a token ratio: the clip anchor, importance
     weight and sequence mask are [N] data known before the kernel, so the one fused pass runs with
@@ -22,11 +22,14 @@ Left out on purpose: CISPO/SAPO variants, the delta clamp, and dL/d(behaviour, a
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from .reference import Objective, objective_from_logprobs, off_policy_weights, token_stats
+from .reference import objective_from_logprobs, off_policy_weights, token_stats
+from .spec import LossRows, LossSpec, Objective
 from .triton_rows import ACTIVE, CLIPPED, KL, LOGP, LOSS, RATIO, grpo_rows
 
 __all__ = ["grpo_loss_triton", "stats_from_rows", "scale_stored_grad", "unit_pass", "row_scaled"]
@@ -103,15 +106,16 @@ def row_scaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 class _GRPOLossTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs,
-                temperature, eps_low, eps_high, beta, inplace_backward, config, write_grad, dlogp):
+    def forward(ctx, logits, rows: LossRows, spec: LossSpec, inplace_backward, config, write_grad, dlogp):
         if logits.stride(1) != 1:
             logits = logits.contiguous()
         grad = None
         if write_grad:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        row_out = grpo_rows(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, grad, dlogp,
-                            temperature=temperature, eps_low=eps_low, eps_high=eps_high, beta=beta, config=config)
+        row_out = grpo_rows(logits, rows.targets, rows.weights, rows.behaviour_logprobs, rows.advantages,
+                            rows.ref_logprobs, grad, dlogp, temperature=float(spec.temperature),
+                            eps_low=float(spec.eps_low), eps_high=float(spec.eps_high), beta=float(spec.beta),
+                            config=config)
         ctx.grad = grad  # a plain attribute: in place, it is the (overwritten) input itself
         ctx.mark_non_differentiable(row_out)
         loss = row_out[:, LOSS].sum()
@@ -123,32 +127,34 @@ class _GRPOLossTriton(torch.autograd.Function):
         if grad is None:
             raise RuntimeError("grpo_loss_triton: backward through the same call twice is not supported "
                                "(the gradient was computed once, in forward)")
-        return (scale_stored_grad(grad, grad_loss),) + (None,) * 13
+        return (scale_stored_grad(grad, grad_loss),) + (None,) * 6
 
 
-def _fold_off_policy(weights, behaviour_logprobs, advantages, seq_ids, old_logprobs, objective):
-    """Token ratio with a known start-of-batch policy: (weights * keep, the anchor as behaviour,
-    A * iw as advantages, stats inputs). iw > 0, so -min(r A iw, clip(r) A iw) = iw * GRPO's term."""
-    anchor, iw, keep = off_policy_weights(None, behaviour_logprobs.float(), weights, seq_ids, old_logprobs, objective)
-    return weights * keep, anchor, advantages.float() * iw, (iw, weights, weights * keep)
+def _fold_off_policy(rows: LossRows, objective: Objective):
+    """Token ratio with a known start-of-batch policy: (rows with weights * keep, the anchor as
+    behaviour and A * iw as advantages; stats inputs). iw > 0, so -min(r A iw, clip(r) A iw) = iw *
+    GRPO's term."""
+    weights = rows.weights
+    anchor, iw, keep = off_policy_weights(None, rows.behaviour_logprobs.float(), weights, rows.seq_ids,
+                                          rows.old_logprobs, objective)
+    folded = replace(rows, weights=weights * keep, behaviour_logprobs=anchor, advantages=rows.advantages.float() * iw)
+    return folded, (iw, weights, weights * keep)
 
 
-def _two_pass(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, *, temperature, eps_low,
-              eps_high, beta, objective, seq_ids, old_logprobs, inplace_backward, config):
+def _two_pass(logits, rows: LossRows, spec: LossSpec, *, inplace_backward, config):
     """Objectives whose coefficients need every row's log-prob first, when the caller cannot take
     the row scale downstream (`deferred`; module docstring) -> (loss, stats)."""
     write_grad = torch.is_grad_enabled() and logits.requires_grad
     x = logits.detach() if logits.stride(1) == 1 else logits.detach().contiguous()
-    active = (weights > 0).float()
-    rows = grpo_rows(x, targets, active, behaviour_logprobs, advantages, None, None, temperature=temperature,
-                     eps_low=eps_low, eps_high=eps_high, beta=0.0, config=config)  # forward only: logp
-    loss, dlogp, stats = objective_from_logprobs(
-        rows[:, LOGP], behaviour_logprobs, advantages, ref_logprobs, weights, eps_low=eps_low, eps_high=eps_high,
-        beta=beta, objective=objective, seq_ids=seq_ids, old_logprobs=old_logprobs, want_dlogp=write_grad)
+    active = (rows.weights > 0).float()
+    out = grpo_rows(x, rows.targets, active, rows.behaviour_logprobs, rows.advantages, None, None,
+                    temperature=float(spec.temperature), eps_low=float(spec.eps_low), eps_high=float(spec.eps_high),
+                    beta=0.0, config=config)  # forward only: logp
+    loss, dlogp, stats = objective_from_logprobs(out[:, LOGP], rows, spec, want_dlogp=write_grad)
     if not write_grad:
         return loss, stats
     # Rows whose coefficient is 0 (masked, or clipped) are not read: the kernel writes their zeros.
-    return loss + unit_pass(logits, targets, (dlogp != 0).float(), dlogp, temperature=temperature,
+    return loss + unit_pass(logits, rows.targets, (dlogp != 0).float(), dlogp, temperature=spec.temperature,
                             inplace_backward=inplace_backward, config=config, write_grad=True)[0], stats
 
 
@@ -157,26 +163,17 @@ def unit_pass(logits, targets, weights, coefficient, *, temperature, inplace_bac
     -> (a loss of exactly 0 that carries that gradient into autograd, [N] log-probs). Zero behaviour
     and advantages make the kernel's own loss terms 0."""
     zeros = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-    zero_loss, row_out = _GRPOLossTriton.apply(logits, targets, weights, zeros, zeros, None, float(temperature), 0.0,
-                                               0.0, 0.0, bool(inplace_backward), config, write_grad, coefficient)
+    spec = LossSpec(eps_low=0.0, eps_high=0.0, beta=0.0, temperature=float(temperature))
+    zero_loss, row_out = _GRPOLossTriton.apply(logits, LossRows(targets, weights, zeros, zeros), spec,
+                                               bool(inplace_backward), config, write_grad, coefficient)
     return zero_loss, row_out[:, LOGP]
 
 
 def grpo_loss_triton(
     logits: torch.Tensor,              # [N, V] bf16/fp32 (CUDA, or CPU under TRITON_INTERPRET=1)
-    targets: torch.Tensor,             # [N] int
-    weights: torch.Tensor,             # [N] fp32 = mask * normalization (token_weights), >= 0
-    behaviour_logprobs: torch.Tensor,  # [N] fp32
-    advantages: torch.Tensor,          # [N] fp32
-    ref_logprobs: torch.Tensor | None = None,  # [N] fp32
+    rows: LossRows,
+    spec: LossSpec = LossSpec(),
     *,
-    temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    beta: float = 0.0,
-    objective: Objective = Objective(),
-    seq_ids: torch.Tensor | None = None,       # [N] sequence index (sequence ratio, mis_threshold)
-    old_logprobs: torch.Tensor | None = None,  # [N] fp32 learner log-probs at the start of the batch
     inplace_backward: bool = False,
     config: dict | None = None,        # launch overrides: block_v, num_warps, programs_per_sm, num_programs
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -189,23 +186,19 @@ def grpo_loss_triton(
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got {tuple(logits.shape)}")
-    kw = dict(temperature=float(temperature), eps_low=float(eps_low), eps_high=float(eps_high), beta=float(beta))
-    if objective.needs_logprobs_first(old_logprobs is not None):
-        return _two_pass(logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, objective=objective,
-                         seq_ids=seq_ids, old_logprobs=old_logprobs, inplace_backward=inplace_backward, config=config,
-                         **kw)
+    objective = spec.objective
+    if objective.needs_logprobs_first(rows.old_logprobs is not None):
+        return _two_pass(logits, rows, spec, inplace_backward=inplace_backward, config=config)
     folded = None
-    if old_logprobs is not None or objective != Objective():
-        weights, behaviour_logprobs, advantages, folded = _fold_off_policy(
-            weights, behaviour_logprobs, advantages, seq_ids, old_logprobs, objective)
+    if rows.old_logprobs is not None or objective != Objective():
+        rows, folded = _fold_off_policy(rows, objective)
     loss_sum, row_out = _GRPOLossTriton.apply(
-        logits, targets, weights, behaviour_logprobs, advantages, ref_logprobs, *kw.values(),
-        bool(inplace_backward), config,
+        logits, rows, spec, bool(inplace_backward), config,
         # Decided here: inside forward grad mode is off and needs_input_grad ignores torch.no_grad().
         torch.is_grad_enabled() and logits.requires_grad, None)
     _, stats = stats_from_rows(row_out)
     if folded is not None:  # the importance weight and mask, over the rows the caller trains
-        stats = _folded_stats(row_out, *folded, seq_ids)
+        stats = _folded_stats(row_out, *folded, rows.seq_ids)
     return loss_sum, {k: v.detach() for k, v in stats.items()}
 
 

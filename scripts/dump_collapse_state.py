@@ -24,7 +24,7 @@ from colocate.data import Completion, Sample, group_advantages  # noqa: E402
 from colocate.envs import env_corpus  # noqa: E402
 from colocate.envs.arithmetic import ArithmeticEnv, prompt_text  # noqa: E402
 from colocate.models import load_tokenizer  # noqa: E402
-from colocate.train import build_policy  # noqa: E402
+from colocate.models import build_policy  # noqa: E402
 from tests.collapse_policy import answer_logprobs, load_adapter  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data")

@@ -26,7 +26,7 @@ from colocate.engine.hf import HFEngine  # noqa: E402
 from colocate.envs import env_corpus, make_env  # noqa: E402
 from colocate.envs.diplomacy import evaluate as ev  # noqa: E402
 from colocate.models import load_tokenizer  # noqa: E402
-from colocate.train import build_policy  # noqa: E402
+from colocate.models import build_policy  # noqa: E402
 
 
 def parse_args(argv: list[str]):

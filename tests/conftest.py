@@ -47,7 +47,7 @@ def tiny_tokenizer(tiny_cfg):
 
 @pytest.fixture()
 def tiny_policy(tiny_cfg, tiny_tokenizer):
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     return build_policy(tiny_cfg, tiny_tokenizer, torch.device("cpu"))
 
 

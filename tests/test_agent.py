@@ -283,22 +283,23 @@ def learner_loss_and_grads(learner, batch, mode: str):
     work = learner.micro_batches(batch)
     from colocate.learner.stats import BATCH_COUNTS, MICRO_BATCH_STATS, by_name
     counts = by_name(learner._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # the step's own normalizers
-    totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences, counts["tokens"])
+    passes = learner._forward_backward(work, len(work), batch.num_sequences, counts["tokens"])
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
-    return totals[MICRO_BATCH_STATS.index("loss")], grads, tokens
+    return passes.sums[MICRO_BATCH_STATS.index("loss")], grads, passes.model_tokens
 
 
 def reference_loss_and_grads(learner, batch, mask):
     """Right-padded rows, logits at every completion position, the loss with `mask` as its weights."""
-    from colocate.kernels import grpo_loss
+    from colocate.kernels import LossBatch, LossSpec, grpo_loss
     from colocate.learner.packing import set_attention
     set_attention(learner.model, "sdpa")
     learner.model.zero_grad(set_to_none=True)
     view = CompletionView(batch, learner.pad_id, "cpu")
     logits = right_padded_logits(learner.model.get_base_model(), view)
-    loss, _ = grpo_loss(logits, view.targets, mask, batch.behaviour_logprobs, batch.advantages[view.seq_ids],
-                        norm=learner.cfg.loss.norm, seq_ids=view.seq_ids, num_seqs=batch.num_sequences,
-                        max_len=learner.cfg.engine.max_new_tokens, num_tokens=float(mask.sum()), impl="torch")
+    loss, _ = grpo_loss(logits, LossBatch(view.targets, mask, batch.behaviour_logprobs, batch.advantages[view.seq_ids],
+                                          seq_ids=view.seq_ids, num_seqs=batch.num_sequences,
+                                          num_tokens=float(mask.sum())),
+                        LossSpec(norm=learner.cfg.loss.norm, max_len=learner.cfg.engine.max_new_tokens, impl="torch"))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
 
@@ -331,7 +332,7 @@ def test_sampler_gap_counts_only_trained_choices_of_the_current_version(tiny_cfg
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     from tests.test_prefix_sharing import randomize_adapter
     cfg = load_config(None, {"model": {"cache_dir": tiny_cfg.model.cache_dir}, "loss": {"impl": "torch"},
                              "learner": {"fsdp": False, "updates_per_batch": 2, "max_policy_lag": 1}})

@@ -41,7 +41,7 @@ def test_padded_logprobs_equal_right_padded_reference(tiny_policy, tiny_tokenize
 def test_padded_learner_switches_between_padded_chunks_and_packing(tiny_cfg, tiny_tokenizer):
     import dataclasses
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     cfg = dataclasses.replace(tiny_cfg, learner=dataclasses.replace(tiny_cfg.learner, fsdp=False,
                                                                     micro_batch_tokens=32))
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,

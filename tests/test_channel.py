@@ -60,7 +60,7 @@ def _channel_worker(rank, port, cache_dir, result_path):
     from colocate.config import load_config
     from colocate.envs import env_corpus
     from colocate.models import load_tokenizer, lora_state
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     from colocate.wire import LoraSpec
     from tests.conftest import REPO
     cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"), {"model": {"cache_dir": cache_dir}})

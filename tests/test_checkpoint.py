@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from colocate.checkpoint import (CheckpointError, flatten_optimizer, latest_checkpoint, load_checkpoint,
-                                 peft_config_dict, save_checkpoint)
+from colocate.checkpoint import (CheckpointError, CheckpointState, flatten_optimizer, latest_checkpoint,
+                                 load_checkpoint, peft_config_dict, save_checkpoint)
 from colocate.models import lora_state
 from tests.conftest import REPO
 
@@ -21,10 +21,10 @@ def _save(root, step, model, keep=2):
     for p in opt.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
     opt.step()
-    return save_checkpoint(root, step, adapter=lora_state(model), peft_config=peft_config_dict(model),
-                           optimizer=flatten_optimizer(opt.state_dict()), rng={"torch_cpu": torch.get_rng_state()},
-                           trainer_state={"step": step, "version": step, "history": {}, "inference": {}},
-                           config_yaml="x: 1\n", keep=keep)
+    state = CheckpointState(lora_state(model), peft_config_dict(model), flatten_optimizer(opt.state_dict()),
+                            {"torch_cpu": torch.get_rng_state()},
+                            {"step": step, "version": step, "history": {}, "inference": {}}, "x: 1\n")
+    return save_checkpoint(root, step, state, keep=keep)
 
 
 def test_checkpoint_roundtrip_is_peft_loadable(tmp_path, tiny_cfg, tiny_tokenizer, tiny_policy):
@@ -87,7 +87,7 @@ def test_resume_keeps_the_data_files(tmp_path):
     copy of the same bytes elsewhere resumes; a checkpoint without the digest (older) is taken."""
     from colocate.config import load_config
     from colocate.envs.dataset import data_fingerprint
-    from colocate.train import check_same_data
+    from colocate.launch import check_same_data
     data = tmp_path / "train.jsonl"
     rows = [json.dumps({"prompt": f"add {i} 1", "answer": str(i + 1)}) for i in range(6)]
     data.write_text("\n".join(rows) + "\n")

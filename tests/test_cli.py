@@ -84,7 +84,7 @@ def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monk
 
 
 def test_python_m_train_without_torchrun_says_how_to_launch(monkeypatch, capsys):
-    from colocate.train import configure
+    from colocate.launch import configure
     no_torchrun_env(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         configure(["--config", TINY])
@@ -93,7 +93,7 @@ def test_python_m_train_without_torchrun_says_how_to_launch(monkeypatch, capsys)
 
 
 def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(monkeypatch, tmp_path):
-    from colocate.train import check_config
+    from colocate.launch import check_config
     no_torchrun_env(monkeypatch)
     run = tmp_path / "run"
     args = ["--config", TINY, f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}"]
@@ -128,7 +128,7 @@ def test_export_merged_model_answers_as_the_adapter_through_peft(tmp_path, tiny_
     from colocate.checkpoint import peft_config_dict, save_adapter
     from colocate.config import save_config
     from colocate.models import build_model
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     run = tmp_path / "run"
     save_config(tiny_cfg, str(run / "config.yaml"))
     policy = build_policy(tiny_cfg, tiny_tokenizer, "cpu")

@@ -16,7 +16,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from colocate.kernels import grpo_loss
+from colocate.kernels import LossBatch, LossSpec, grpo_loss
 from tests.collapse_policy import answer_logprobs, load_adapter
 from tests.conftest import REPO
 
@@ -55,10 +55,10 @@ def _batch_loss(model, samples):
     allowed = torch.full((len(rows), 9), -1, dtype=torch.int32)
     for i, (s, j) in enumerate(rows):
         allowed[i, :len(s["allowed"][j])] = torch.tensor(s["allowed"][j])
-    loss, _ = grpo_loss(torch.cat(logits), torch.tensor([s["completion"][j] for s, j in rows]),
-                        torch.ones(len(rows), dtype=torch.bool), torch.tensor([s["logprobs"][j] for s, j in rows]),
-                        torch.tensor([float(s["advantage"]) for s, _ in rows]), norm="dapo",
-                        num_tokens=len(rows), allowed_ids=allowed, impl="torch")
+    batch = LossBatch(torch.tensor([s["completion"][j] for s, j in rows]), torch.ones(len(rows), dtype=torch.bool),
+                      torch.tensor([s["logprobs"][j] for s, j in rows]),
+                      torch.tensor([float(s["advantage"]) for s, _ in rows]), num_tokens=len(rows), allowed_ids=allowed)
+    loss, _ = grpo_loss(torch.cat(logits), batch, LossSpec(norm="dapo", impl="torch"))
     return loss
 
 

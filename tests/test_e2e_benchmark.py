@@ -2,6 +2,12 @@
 import pytest
 
 from benchmarks.e2e import steady_state
+from colocate.learner.loop import TimelineRow
+
+
+def named(rows: list[list[float]]) -> list[dict]:
+    """Timeline rows as `summary.json` holds them."""
+    return [TimelineRow(*row).to_json() for row in rows]
 
 
 def learner_rows(step_s: float, train_s: float, steps: int, lag: float = 1.0):
@@ -20,7 +26,7 @@ def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
     inference = [{"batches": [{"collect_start": 60.0 + 10 * i, "collect_end": 66.0 + 10 * i, "out_tokens": 600.0,
                                "phases": 10.0 + i, "wait_version_s": 0.5} for i in range(5)],
                   "gpu_util": [[60.0 + t, 50.0] for t in range(40)] + [[0.0, 100.0]]}]
-    summary = {"timeline": rows, "gpu_util": [[70.0 + t, 90.0] for t in range(30)] + [[1.0, 0.0]]}
+    summary = {"timeline": named(rows), "gpu_util": [[70.0 + t, 90.0] for t in range(30)] + [[1.0, 0.0]]}
     out = steady_state(summary, inference, warmup=2)
     # window: end of step 1 (70 s) -> end of step 5 (110 s), 4 measured steps
     assert out["measured_steps"] == 4
@@ -48,7 +54,7 @@ def test_queue_figures_show_a_drained_backlog():
     rows = learner_rows(5.0, 4.5, 8)                          # steps end at 5, 10, ..., 40 s
     batches = [{"collect_start": 0.0, "collect_end": 2.0 * (i + 1), "out_tokens": 1.0} for i in range(6)]
     batches += [{"collect_start": 12.0 + 8 * i, "collect_end": 20.0 + 8 * i, "out_tokens": 1.0} for i in range(3)]
-    out = steady_state({"timeline": rows}, [{"batches": batches}], warmup=2)
+    out = steady_state({"timeline": named(rows)}, [{"batches": batches}], warmup=2)
     # at 10 s: 5 batches done, 2 steps -> 3 queued; at 40 s: 6 + 3 = 9 done (20, 28, 36), 8 steps -> 1
     assert out["queue_batches_start"] == pytest.approx(3.0)
     assert out["queue_batches_end"] == pytest.approx(1.0)
@@ -61,14 +67,14 @@ def test_engine_step_figures_are_totals_over_the_window_batches():
     batches = [{"collect_start": 1.0, "collect_end": 9.0, "collect_s": 8.0, "steps": 50.0, "out_tokens": 1.0},  # warm-up
                {"collect_start": 21.0, "collect_end": 27.0, "collect_s": 6.0, "steps": 300.0, "out_tokens": 600.0},
                {"collect_start": 31.0, "collect_end": 35.0, "collect_s": 4.0, "steps": 100.0, "out_tokens": 1000.0}]
-    out = steady_state({"timeline": rows}, [{"batches": batches}], warmup=2)
+    out = steady_state({"timeline": named(rows)}, [{"batches": batches}], warmup=2)
     assert out["rollout_step_ms"] == pytest.approx(1e3 * 10.0 / 400)
     assert out["rollout_tokens_per_step"] == pytest.approx(1600 / 400)
 
 
 def test_steady_state_needs_more_steps_than_warmup():
     with pytest.raises(ValueError, match="warmup"):
-        steady_state({"timeline": learner_rows(1.0, 0.5, 2)}, [], warmup=2)
+        steady_state({"timeline": named(learner_rows(1.0, 0.5, 2))}, [], warmup=2)
 
 
 def test_job_settings_with_variants():

@@ -433,7 +433,7 @@ def test_a_resume_with_another_env_processes_is_refused_before_launch():
     """Each copy's state resumes its own groups: the saved number of copies must be this run's,
     checked with the checkpoint (exit 2 before any model), not when the env loads it."""
     from colocate.checkpoint import CheckpointError
-    from colocate.train import check_same_env_processes
+    from colocate.launch import check_same_env_processes
     cfg = Config()
     saved_in_process = {"inference": {"0": {"env": {"rng": [1, 2]}}}}
     saved_two = {"inference": {"0": {"env": {"env_processes": [{"rng": 1}, {"rng": 2}]}}}}

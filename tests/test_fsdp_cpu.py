@@ -39,7 +39,7 @@ def _setup(cache_dir: str, extra: dict):
 
 def _train(cfg, tok, topo, batch):
     from colocate.learner.learner import Learner
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     learner = Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok)
     initial = {n: t.clone() for n, t in learner.lora_state().items()}  # unsharded: views of the params
     losses = []  # (loss, grad norm) per step: Adam is blind to a gradient scale, the norm is not
@@ -107,7 +107,7 @@ def test_two_fsdp_ranks_match_one_rank(tmp_path, tiny_cfg, tiny_tokenizer):
 def test_gathered_adapter_names_match_unsharded_lora_state(tiny_cfg, tiny_tokenizer):
     from colocate.learner.fsdp import gather_full_lora
     from colocate.models import lora_state
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     model = build_policy(tiny_cfg, tiny_tokenizer, "cpu")
     plain = lora_state(model)
     gathered = gather_full_lora(model)  # unsharded: no collective, same names and values
@@ -158,11 +158,11 @@ def test_reshard_after_forward_false_keeps_every_block_gathered_until_backward(t
 def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, tiny_tokenizer):
     """train_step accumulates the loss and the token-weighted stats on the device over several
     micro-batches; they equal one loss call over the whole batch packed as one micro-batch."""
-    from colocate.kernels import grpo_loss
+    from colocate.kernels import LossBatch, LossSpec, grpo_loss
     from colocate.learner.learner import Learner
     from colocate.learner.packing import completion_logits, packed_micro_batch
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     cfg, tok = _setup(tiny_cfg.model.cache_dir, {"fsdp": False})
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
@@ -174,11 +174,12 @@ def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, t
     with torch.no_grad():
         ref = learner.reference_logprobs(whole, None)
         loss, stats = grpo_loss(
-            completion_logits(learner.model, whole), whole.targets, torch.ones_like(whole.targets, dtype=torch.bool),
-            batch.behaviour_logprobs, batch.advantages[whole.seq_ids], ref, temperature=cfg.engine.temperature,
-            eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high, beta=cfg.loss.beta, norm=cfg.loss.norm,
-            seq_ids=whole.seq_ids, num_seqs=batch.num_sequences, max_len=cfg.engine.max_new_tokens,
-            num_tokens=batch.num_completion_tokens, impl="torch")
+            completion_logits(learner.model, whole),
+            LossBatch(whole.targets, torch.ones_like(whole.targets, dtype=torch.bool), batch.behaviour_logprobs,
+                      batch.advantages[whole.seq_ids], ref, seq_ids=whole.seq_ids, num_seqs=batch.num_sequences,
+                      num_tokens=batch.num_completion_tokens),
+            LossSpec(temperature=cfg.engine.temperature, eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+                     beta=cfg.loss.beta, norm=cfg.loss.norm, max_len=cfg.engine.max_new_tokens, impl="torch"))
     got = learner.train_step(batch)
     assert got["tokens"] == float(stats["num_tokens"]) == batch.num_completion_tokens
     assert got["model_tokens"] == int(batch.seq_lens.sum()) == whole.num_tokens
@@ -197,7 +198,7 @@ def test_scale_lr_by_signal_stops_adamw_drifting_on_a_batch_without_signal(tiny_
     adapter stays bit for bit."""
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
     for scale in (False, True):

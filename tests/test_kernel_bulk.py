@@ -85,6 +85,7 @@ VARIANTS = [None, {"reg_chunks": 0, "slots": 13}, {"consumer_warps": 8, "reg_chu
                          ids=["4096-copy", "4096-inplace", "14200-inplace-over-2^31-elements"]
                          + [f"variant-{i}" for i in range(1, len(VARIANTS))])
 def test_bulk_real_vocab_matches_float64(num_rows, inplace, bulk):
+    from colocate.kernels import LossRows, LossSpec
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     vocab, beta, temperature = 152064, 0.04, 0.9
@@ -92,8 +93,8 @@ def test_bulk_real_vocab_matches_float64(num_rows, inplace, bulk):
     kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
     ref_loss, scale, ref_grad = float64_chunked(b, 1024, **kw)
     x = b["logits"].clone().requires_grad_()
-    loss, _ = grpo_loss_triton(x, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
-                               inplace_backward=inplace, config={"backend": "bulk", "bulk": bulk}, **kw)
+    loss, _ = grpo_loss_triton(x, LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"]),
+                               LossSpec(**kw), inplace_backward=inplace, config={"backend": "bulk", "bulk": bulk})
     loss.backward()
     assert float((loss.detach().double() - ref_loss).abs() / scale) <= 1e-2
     assert rel(x.grad, ref_grad) <= 1e-2

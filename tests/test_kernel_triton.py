@@ -137,6 +137,7 @@ CASES += [
 
 def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, vocab=1000, seed=0):
     """Run one case; return its errors (plain floats)."""
+    from colocate.kernels import LossRows, LossSpec
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     extra = {"backend": "triton", **extra}  # this file tests the Triton row kernel (test_kernel_bulk: the other)
@@ -148,8 +149,8 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     ref_loss, ref_grad, scale, ref_stats = float64_grpo(b["logits"], b["targets"], b["weights"], b["behaviour"],
                                                         b["advantages"], b["ref"], **kw)
     x = b["logits"].clone().requires_grad_()
-    loss, stats = grpo_loss_triton(x, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
-                                   inplace_backward=inplace, config=extra or None, **kw)
+    rows = LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"])
+    loss, stats = grpo_loss_triton(x, rows, LossSpec(**kw), inplace_backward=inplace, config=extra or None)
     (2.0 * loss).backward()  # grad_output != 1 exercises the scaling path
     grad = x.grad / 2.0
     masked = b["weights"] == 0
@@ -158,8 +159,7 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     loss_nograd = loss.detach()
     if inplace:
         with torch.no_grad():
-            loss_nograd, _ = grpo_loss_triton(y, b["targets"], b["weights"], b["behaviour"], b["advantages"],
-                                              b["ref"], inplace_backward=True, config=extra or None, **kw)
+            loss_nograd, _ = grpo_loss_triton(y, rows, LossSpec(**kw), inplace_backward=True, config=extra or None)
     return {
         "loss": float((loss.detach().double() - ref_loss).abs() / scale),
         "grad": rel(grad, ref_grad),
@@ -203,8 +203,8 @@ def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=
                    deferred=False):
     """One objective through `grpo_loss_triton` (or `deferred_loss`, its row scale applied here)
     against the float64 formula -> errors (as kernel_case)."""
+    from colocate.kernels import LossRows, LossSpec, Objective
     from colocate.kernels.deferred import deferred_loss
-    from colocate.kernels.reference import Objective
     from colocate.kernels.triton_grpo import grpo_loss_triton
     from tests.objective_formula import objective_float64, objective_inputs
 
@@ -216,15 +216,14 @@ def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=
                                            b["ref"], b["seq_ids"], old, **kw, **objective)
     x = b["logits"].clone().requires_grad_()
     scale = torch.full((num_rows,), float("nan"), device=device)  # every row must be written
-    common = dict(objective=Objective(**objective), seq_ids=b["seq_ids"], old_logprobs=old,
-                  config={"backend": "triton", **extra}, **kw)
+    rows = LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"], b["seq_ids"], old)
+    spec = LossSpec(Objective(**objective), **kw)
+    config = {"backend": "triton", **extra}
 
     def loss_fn(logits, **more):
         if deferred:
-            return deferred_loss(logits, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
-                                 row_scale=scale, fused=True, **common, **more)
-        return grpo_loss_triton(logits, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
-                                **common, **more)
+            return deferred_loss(logits, rows, spec, row_scale=scale, fused=True, config=config, **more)
+        return grpo_loss_triton(logits, rows, spec, config=config, **more)
     loss, stats = loss_fn(x, inplace_backward=inplace)
     (2.0 * loss).backward()
     grad = x.grad / 2.0
@@ -354,12 +353,13 @@ def test_interpreted_row_scale_is_one_rounding(interpreted, dt):
 
 
 def test_launch_config_is_checked():
+    from colocate.kernels import LossRows
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     n, v = 2, 8
     with pytest.raises(ValueError, match=r"unknown key 'num_warp' \(did you mean 'num_warps'\?\)"):
-        grpo_loss_triton(torch.zeros(n, v), torch.zeros(n, dtype=torch.long), torch.ones(n), torch.zeros(n),
-                         torch.zeros(n), config={"num_warp": 8})
+        grpo_loss_triton(torch.zeros(n, v), LossRows(torch.zeros(n, dtype=torch.long), torch.ones(n), torch.zeros(n),
+                                                     torch.zeros(n)), config={"num_warp": 8})
 
 
 # ----------------------------------------------------------------------------- GPU tier
@@ -421,6 +421,7 @@ def cuda_batch(num_rows, vocab, beta, temperature, seed):
 def test_cuda_real_vocab(num_rows, inplace, config, dtype):
     """Real vocabulary, bf16 (1e-2) and fp32 (1e-5) logits. fp32 with pipelined loads also checks
     their shared memory stays under the H200's 227 KB per block (it launches)."""
+    from colocate.kernels import LossRows, LossSpec
     from colocate.kernels.triton_grpo import grpo_loss_triton
 
     vocab, beta, temperature = 152064, 0.04, 0.9
@@ -430,8 +431,8 @@ def test_cuda_real_vocab(num_rows, inplace, config, dtype):
     kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
     ref_loss, scale, ref_grad = float64_chunked(b, 1024 if dtype == "bf16" else 256, **kw)
     x = b["logits"].clone().requires_grad_()
-    loss, _ = grpo_loss_triton(x, b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"],
-                               inplace_backward=inplace, config=config, **kw)
+    loss, _ = grpo_loss_triton(x, LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"]),
+                               LossSpec(**kw), inplace_backward=inplace, config=config)
     loss.backward()
     assert float((loss.detach().double() - ref_loss).abs() / scale) <= tol
     assert rel(x.grad, ref_grad) <= tol
@@ -443,17 +444,17 @@ def test_cuda_real_vocab(num_rows, inplace, config, dtype):
 @requires_cuda
 @pytest.mark.parametrize("norm", ["grpo", "dapo", "dr_grpo"])
 def test_cuda_entry_triton_equals_torch(norm):
-    from colocate.kernels import grpo_loss
+    from colocate.kernels import LossBatch, LossSpec, grpo_loss
 
     num_rows, vocab, num_seqs = 4096, 152064, 16
     b = cuda_batch(num_rows, vocab, 0.04, 1.0, seed=7)
     seq_ids = torch.arange(num_rows, device="cuda") // (num_rows // num_seqs)
-    kw = dict(beta=0.04, norm=norm, seq_ids=seq_ids, num_seqs=num_seqs, max_len=num_rows // num_seqs)
+    batch = LossBatch(b["targets"], b["mask"], b["behaviour"], b["advantages"], b["ref"], seq_ids=seq_ids,
+                      num_seqs=num_seqs)
     results = {}
     for impl in ("torch", "triton"):
         x = b["logits"].clone().requires_grad_()
-        loss, stats = grpo_loss(x, b["targets"], b["mask"], b["behaviour"], b["advantages"], b["ref"],
-                                impl=impl, **kw)
+        loss, stats = grpo_loss(x, batch, LossSpec(beta=0.04, norm=norm, max_len=num_rows // num_seqs, impl=impl))
         loss.backward()
         results[impl] = (loss.detach(), stats, x.grad)
     (lt, st, gt), (lk, sk, gk) = results["torch"], results["triton"]
@@ -474,15 +475,16 @@ def test_cuda_entry_objectives_triton_equal_torch(objective, with_old, deferred)
     """Real vocabulary, bf16: each objective through the fused path (the bulk kernel on sm_90 for
     the gradient pass; deferred: one pass, its row scale applied here) against the reference, and
     the peak memory above the inputs stays far below one [N, V] float32 ([N] vectors only)."""
-    from colocate.kernels import Objective, grpo_loss
+    from colocate.kernels import LossBatch, LossSpec, Objective, grpo_loss
 
     num_rows, vocab, num_seqs = 4096, 152064, 16
     b = cuda_batch(num_rows, vocab, 0.04, 1.0, seed=9)
     seq_ids = torch.arange(num_rows, device="cuda") // (num_rows // num_seqs)
     old = b["behaviour"] + 0.05 * torch.randn(num_rows, device="cuda") if with_old else None
     eps = (3e-4, 4e-4) if objective.get("ratio_level") else (0.2, 0.28)
-    kw = dict(beta=0.04, norm="grpo", seq_ids=seq_ids, num_seqs=num_seqs, eps_low=eps[0], eps_high=eps[1],
-              objective=Objective(**objective), old_logprobs=old)
+    batch = LossBatch(b["targets"], b["mask"], b["behaviour"], b["advantages"], b["ref"], seq_ids=seq_ids,
+                      old_logprobs=old, num_seqs=num_seqs)
+    kw = dict(objective=Objective(**objective), norm="grpo", eps_low=eps[0], eps_high=eps[1], beta=0.04)
     results = {}
     for impl in ("torch", "triton"):
         x = b["logits"].clone().requires_grad_()
@@ -490,8 +492,8 @@ def test_cuda_entry_objectives_triton_equal_torch(objective, with_old, deferred)
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         scale = torch.empty(num_rows, device="cuda") if deferred and impl == "triton" else None
-        loss, stats = grpo_loss(x, b["targets"], b["mask"], b["behaviour"], b["advantages"], b["ref"], impl=impl,
-                                inplace_backward=impl == "triton", row_scale=scale, **kw)
+        loss, stats = grpo_loss(x, batch, LossSpec(impl=impl, **kw), inplace_backward=impl == "triton",
+                                row_scale=scale)
         loss.backward()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base

@@ -5,7 +5,7 @@ import zlib
 import pytest
 import torch
 
-from colocate.kernels import grpo_loss
+from colocate.kernels import LossBatch, LossSpec, grpo_loss
 
 
 def formula_float64(logits, targets, mask, old, adv, ref, seq_ids, *, T, eps_low, eps_high, beta, norm, max_len):
@@ -65,9 +65,9 @@ def test_reference_matches_float64_formula(norm, beta):
     expected.backward()
 
     x = logits.float().clone().requires_grad_(True)
-    loss, stats = grpo_loss(x, targets, mask, old.float(), adv.float(), ref.float(), temperature=0.7,
-                            eps_low=0.2, eps_high=0.28, beta=beta, norm=norm, seq_ids=seq_ids, max_len=12,
-                            impl="torch")
+    loss, stats = grpo_loss(x, LossBatch(targets, mask, old.float(), adv.float(), ref.float(), seq_ids=seq_ids),
+                            LossSpec(temperature=0.7, eps_low=0.2, eps_high=0.28, beta=beta, norm=norm, max_len=12,
+                                     impl="torch"))
     loss.backward()
     assert math.isclose(loss.item(), expected.item(), rel_tol=1e-5, abs_tol=1e-7)
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-7)
@@ -90,9 +90,9 @@ def test_allowed_ids_restrict_the_softmax():
     for i in range(n):
         masked[i, allowed[i][valid[i]].long()] = logits[i, allowed[i][valid[i]].long()]
     a = logits.clone().requires_grad_(True)
-    la, _ = grpo_loss(a, targets, mask, old, adv, allowed_ids=allowed, impl="torch")
+    la, _ = grpo_loss(a, LossBatch(targets, mask, old, adv, allowed_ids=allowed), LossSpec(impl="torch"))
     la.backward()
-    lb, _ = grpo_loss(masked, targets, mask, old, adv, impl="torch")
+    lb, _ = grpo_loss(masked, LossBatch(targets, mask, old, adv), LossSpec(impl="torch"))
     assert torch.allclose(la, lb, atol=1e-6)
     outside = torch.ones_like(logits, dtype=torch.bool)
     for i in range(n):
@@ -103,5 +103,5 @@ def test_allowed_ids_restrict_the_softmax():
 def test_target_outside_allowed_is_an_error():
     logits = torch.randn(2, 10)
     with pytest.raises(ValueError, match="not among its allowed ids"):
-        grpo_loss(logits, torch.tensor([1, 2]), torch.ones(2), torch.zeros(2), torch.ones(2),
-                  allowed_ids=torch.tensor([[1, 3], [4, 5]]), impl="torch")
+        grpo_loss(logits, LossBatch(torch.tensor([1, 2]), torch.ones(2), torch.zeros(2), torch.ones(2),
+                                    allowed_ids=torch.tensor([[1, 3], [4, 5]])), LossSpec(impl="torch"))

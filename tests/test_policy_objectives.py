@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from colocate.kernels import Objective, grpo_loss
+from colocate.kernels import LossBatch, LossSpec, Objective, grpo_loss
 from tests.objective_formula import objective_float64, objective_inputs
 
 OBJECTIVES = {
@@ -45,9 +45,9 @@ def test_reference_objectives_match_float64(name, beta):
                                            b["ref"], b["seq_ids"], old, temperature=0.8, eps_low=eps[0],
                                            eps_high=eps[1], beta=beta, **kw)
     x = b["logits"].clone().requires_grad_()
-    loss, stats = grpo_loss(x, b["targets"], b["weights"] > 0, b["behaviour"], b["advantages"], b["ref"],
-                            temperature=0.8, eps_low=eps[0], eps_high=eps[1], beta=beta, norm="dapo",
-                            seq_ids=b["seq_ids"], objective=Objective(**kw), old_logprobs=old, impl="torch")
+    batch = LossBatch(b["targets"], b["weights"] > 0, b["behaviour"], b["advantages"], b["ref"], seq_ids=b["seq_ids"],
+                      old_logprobs=old)
+    loss, stats = grpo_loss(x, batch, LossSpec(Objective(**kw), "dapo", eps[0], eps[1], beta, 0.8, impl="torch"))
     loss.backward()
     assert abs(loss.item() - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
     assert float((x.grad.double() - ref_grad).norm()) <= 1e-5 * max(float(ref_grad.norm()), 1e-3)
@@ -73,9 +73,10 @@ def test_deferred_row_scale_gives_the_hidden_gradient(name):
                                            b["ref"], b["seq_ids"], old, **common, **kw)
     h = h0.clone().requires_grad_()
     scale = torch.full((31,), float("nan"))
-    loss, _ = grpo_loss(scale_grad_rows(h, scale) @ weight.T, b["targets"], b["weights"] > 0, b["behaviour"],
-                        b["advantages"], b["ref"], norm="dapo", seq_ids=b["seq_ids"], objective=Objective(**kw),
-                        old_logprobs=old, impl="torch", row_scale=scale, **common)
+    batch = LossBatch(b["targets"], b["weights"] > 0, b["behaviour"], b["advantages"], b["ref"], seq_ids=b["seq_ids"],
+                      old_logprobs=old)
+    loss, _ = grpo_loss(scale_grad_rows(h, scale) @ weight.T, batch,
+                        LossSpec(Objective(**kw), "dapo", impl="torch", **common), row_scale=scale)
     loss.backward()
     want = ref_grad @ weight.double()
     assert abs(loss.item() - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
@@ -113,8 +114,8 @@ def test_gspo_two_sequences_by_hand():
         want_grad[i] = torch.tensor([g * ((j == int(targets[i])) - p[j]) for j in range(3)], dtype=torch.float64)
 
     x = logits.clone().requires_grad_()
-    loss, stats = grpo_loss(x, targets, torch.ones(3), behaviour, adv, eps_low=eps_low, eps_high=eps_high, norm="grpo",
-                            seq_ids=seq_ids, objective=Objective(ratio_level="sequence"), impl="torch")
+    loss, stats = grpo_loss(x, LossBatch(targets, torch.ones(3), behaviour, adv, seq_ids=seq_ids),
+                            LossSpec(Objective(ratio_level="sequence"), "grpo", eps_low, eps_high, impl="torch"))
     loss.backward()
     assert loss.item() == pytest.approx(want_loss, rel=1e-5)
     torch.testing.assert_close(x.grad.double(), want_grad, rtol=1e-4, atol=1e-8)
@@ -136,8 +137,8 @@ def test_dual_clip_bounds_negative_advantage_tokens_only():
     grads, losses = {}, {}
     for cc in (0.0, c):
         x = b["logits"].clone().requires_grad_()
-        loss, stats = grpo_loss(x, b["targets"], trained, b["behaviour"], b["advantages"], norm="dapo",
-                                objective=Objective(clip_ratio_c=cc), impl="torch")
+        loss, stats = grpo_loss(x, LossBatch(b["targets"], trained, b["behaviour"], b["advantages"]),
+                                LossSpec(Objective(clip_ratio_c=cc), "dapo", impl="torch"))
         loss.backward()
         grads[cc], losses[cc] = x.grad, loss.item()
     assert float(grads[c][held].abs().max()) == 0.0 and float(grads[0.0][held].abs().min()) > 0
@@ -157,8 +158,8 @@ def test_entropy_stat_is_the_mean_negative_logprob_of_the_trained_tokens():
     logits, targets = torch.randn(6, 10, generator=g), torch.tensor([0, 1, 2, 3, 4, 5])
     mask = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.bool)
     allowed = torch.tensor([[0, 1, 7, -1], [1, 2, 3, 4], [2, 9, -1, -1], [3, 0, -1, -1], [4, 5, 6, 7], [5, -1, -1, -1]])
-    _, stats = grpo_loss(logits, targets, mask, torch.zeros(6), torch.ones(6), temperature=0.7, allowed_ids=allowed,
-                         impl="torch")
+    _, stats = grpo_loss(logits, LossBatch(targets, mask, torch.zeros(6), torch.ones(6), allowed_ids=allowed),
+                         LossSpec(temperature=0.7, impl="torch"))
     want = []
     for i in range(5):
         ids = [int(a) for a in allowed[i] if a >= 0]
@@ -169,30 +170,34 @@ def test_entropy_stat_is_the_mean_negative_logprob_of_the_trained_tokens():
 
 def test_objective_config_keys_reach_the_loss():
     from colocate.config import load_config
-    from colocate.learner.learner import loss_objective
+    from colocate.learner.loss import loss_spec
     from tests.conftest import REPO
     import os
     cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"),
                       {"loss": {"ratio_level": "sequence", "tis_cap": "2", "mis_threshold": "0.1",
                                 "clip_ratio_c": "3"}})
-    objective, eps_low, eps_high = loss_objective(cfg.loss)
-    assert objective == Objective("sequence", 2.0, 0.1, 3.0)
-    assert (eps_low, eps_high) == (cfg.loss.seq_eps_low, cfg.loss.seq_eps_high)
-    assert loss_objective(load_config(os.path.join(REPO, "configs/cpu-tiny.yaml")).loss)[1:] == (0.2, 0.28)
+    spec = loss_spec(cfg)
+    assert spec.objective == Objective("sequence", 2.0, 0.1, 3.0)
+    assert (spec.eps_low, spec.eps_high) == (cfg.loss.seq_eps_low, cfg.loss.seq_eps_high)
+    spec = loss_spec(load_config(os.path.join(REPO, "configs/cpu-tiny.yaml")))
+    assert (spec.eps_low, spec.eps_high) == (0.2, 0.28)
+    assert (spec.norm, spec.beta, spec.temperature, spec.max_len, spec.impl) == (
+        cfg.loss.norm, cfg.loss.beta, cfg.engine.temperature, cfg.engine.max_new_tokens, cfg.loss.impl)
 
 
 def test_several_updates_cap_the_decoupled_weight_by_default():
     """K > 1 truncates exp(old - behaviour) at DECOUPLED_TIS_CAP unless loss.tis_cap is set; K = 1
     keeps the plain GRPO objective (no weight, no cap)."""
     from colocate.config import load_config
-    from colocate.learner.learner import DECOUPLED_TIS_CAP, loss_objective
+    from colocate.learner.loss import DECOUPLED_TIS_CAP, loss_spec
     from tests.conftest import REPO
     import os
     path = os.path.join(REPO, "configs/cpu-tiny.yaml")
-    assert loss_objective(load_config(path).loss, 1)[0] == Objective()
+    k2 = {"learner": {"updates_per_batch": "2"}}
+    assert loss_spec(load_config(path, {"learner": {"updates_per_batch": "1"}})).objective == Objective()
     assert DECOUPLED_TIS_CAP == 2.0
-    assert loss_objective(load_config(path).loss, 2)[0] == Objective(tis_cap=2.0)
-    assert loss_objective(load_config(path, {"loss": {"tis_cap": "5"}}).loss, 2)[0] == Objective(tis_cap=5.0)
+    assert loss_spec(load_config(path, k2)).objective == Objective(tis_cap=2.0)
+    assert loss_spec(load_config(path, {**k2, "loss": {"tis_cap": "5"}})).objective == Objective(tis_cap=5.0)
 
 
 # ----------------------------------------------------------------------------- several updates per batch
@@ -204,7 +209,7 @@ def _learner(tiny_cfg, tiny_tokenizer, k, device="cpu"):
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     from tests.conftest import REPO
     import os
     cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"), {
@@ -300,13 +305,16 @@ def test_learner_defers_the_row_scale_exactly(tiny_cfg, tiny_tokenizer, monkeypa
     """GSPO / TIS at K = 1: a learner step with the row scale deferred to the lm_head's input moves
     the adapter as one whose loss writes the whole d(logits) (the lm_head is frozen: deferral on).
     CPU: the reference loss; CUDA: the fused kernel (one unit pass against two passes)."""
+    from dataclasses import replace
+
     from colocate.learner import learner as learner_mod
     from tests.test_packing import random_batch
     steps, real = {}, learner_mod.grpo_loss
     for defer in (True, False):
         cfg, learner = _learner(tiny_cfg, tiny_tokenizer, 1, device)
-        learner.objective = Objective(ratio_level=ratio_level, tis_cap=tis_cap)
-        learner.eps_low, learner.eps_high = (0.05, 0.06) if ratio_level == "sequence" else (0.2, 0.28)
+        eps_low, eps_high = (0.05, 0.06) if ratio_level == "sequence" else (0.2, 0.28)
+        learner.spec = replace(learner.spec, objective=Objective(ratio_level=ratio_level, tis_cap=tis_cap),
+                               eps_low=eps_low, eps_high=eps_high)
         assert learner.defer_row_scale
         learner.defer_row_scale = defer
         # SGD: the step is the gradient itself (Adam's first step, g / |g|, amplifies rounding in g ~ 0)

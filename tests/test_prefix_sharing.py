@@ -44,7 +44,7 @@ def _learner(tiny_cfg, tiny_tokenizer, beta: float, norm: str):
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     cfg = load_config(None, {"model": {"cache_dir": tiny_cfg.model.cache_dir},
                              "learner": {"fsdp": False}, "loss": {"beta": beta, "norm": norm, "impl": "torch"}})
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
@@ -63,10 +63,9 @@ def _loss_and_grads(learner, batch: TrajectoryBatch, mode: str, budget: int):
     set_attention(learner.model, learner.attention)
     learner.model.zero_grad(set_to_none=True)
     work = learner.micro_batches(batch)
-    totals, tokens = learner._forward_backward(work, len(work), batch.num_sequences,
-                                               float(batch.num_completion_tokens))
+    passes = learner._forward_backward(work, len(work), batch.num_sequences, float(batch.num_completion_tokens))
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
-    return totals[0], grads, len(work), tokens
+    return passes.sums[0], grads, len(work), passes.model_tokens
 
 
 def _assert_same(learner, batch, mode, budget, flat_budget=100_000):
@@ -236,7 +235,7 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
     from colocate.learner.learner import Learner
     from colocate.learner.packing import packed_micro_batch
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     vocab = SyntheticVocab(151646)
     cfg = load_config(None, {"model": {"shape": "qwen2.5-0.5b", "dtype": "bfloat16"}, "lora": {"rank": 16, "alpha": 32},
                              "learner": {"fsdp": False, "micro_batch_tokens": 8192},
@@ -291,7 +290,7 @@ def test_compiled_blocks_with_trees_equal_eager_on_gpu(tiny_cfg, tiny_tokenizer)
     from colocate.config import load_config
     from colocate.learner.learner import Learner
     from colocate.topology import Topology
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     batch = diplomacy_like_batch(2 * 7 * 2, len(tiny_tokenizer), 2, seed=5, scale=0.05)
     runs = {}
     for compile_blocks in (False, True):

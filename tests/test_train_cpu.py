@@ -42,7 +42,7 @@ def test_oversampled_groups_carried_over_fit_the_lag_budget(tmp_path):
               "--rollout.oversample_groups=2", f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["dropped_stale"] == 0, summary
-    lags = [row[4] for row in summary["timeline"]]  # per step: mean policy lag of the trained sequences
+    lags = [row["policy_lag"] for row in summary["timeline"]]  # per step: mean policy lag of the trained sequences
     # step 0: version 0, nothing carried; from step 2: 14 fresh groups at lag 1, 2 carried at lag 2
     assert lags[0] == 0 and lags[2:] == [pytest.approx(1.125)] * 2, lags
 

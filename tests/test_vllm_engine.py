@@ -137,7 +137,7 @@ def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
 
 def test_lora_spec_for_matches_the_learners(tiny_cfg, tiny_tokenizer):
     from colocate.models import lora_state
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     spec = lora_spec_for(tiny_cfg, tiny_tokenizer)
     assert spec == LoraSpec.of(lora_state(build_policy(tiny_cfg, tiny_tokenizer, torch.device("cpu"))))
 

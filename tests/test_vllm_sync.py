@@ -31,7 +31,7 @@ def test_lora_module_name_and_slot_plan():
     names = [f"base_model.model.model.layers.0.{m}.lora_{ab}.default.weight"
              for m in ("self_attn.k_proj", "mlp.up_proj", "self_attn.o_proj") for ab in "AB"]
     plan = slot_plan(names, QWEN_MODULES, QWEN_PACKED)
-    assert [(p[1], p[2], p[3]) for p in plan] == [
+    assert [(p.module, p.slice_index, p.is_a) for p in plan] == [
         ("model.layers.0.self_attn.qkv_proj", 1, True), ("model.layers.0.self_attn.qkv_proj", 1, False),
         ("model.layers.0.mlp.gate_up_proj", 1, True), ("model.layers.0.mlp.gate_up_proj", 1, False),
         ("model.layers.0.self_attn.o_proj", 0, True), ("model.layers.0.self_attn.o_proj", 0, False)]
@@ -58,8 +58,9 @@ def test_adapter_slot_applies_cast_and_scaled_copy_without_touching_received_byt
                "model.layers.0.self_attn.o_proj": fake_lora_module(1, hidden, (hidden,))}
     plan = slot_plan(spec.names, set(modules), QWEN_PACKED)
     slot = 1
-    dst = [slot_views(modules[m], i, slot, a, spec.shapes[spec.names.index(n)]) for n, m, i, a in plan]
-    adapter = AdapterSlot(spec, dst, [p[3] for p in plan], scaling=2.5)
+    dst = [slot_views(modules[p.module], p.slice_index, slot, p.is_a, spec.shapes[spec.names.index(p.name)])
+           for p in plan]
+    adapter = AdapterSlot(spec, dst, [p.is_a for p in plan], scaling=2.5)
     adapter.flat.copy_(flatten_lora(tensors, spec))
     received = adapter.flat.clone()
     for _ in range(2):  # a second apply of the same bytes must not scale B twice
@@ -108,7 +109,7 @@ def test_merged_adapter_equals_peft_merge_in_vllm_layout(tiny_cfg, tiny_policy, 
     weights = {k: v.to(dtype) for k, v in fused_base_weights(tiny_policy).items()}
     w0 = {k: v.clone() for k, v in weights.items()}
     plan = merge_plan(spec.names, spec.shapes, set(weights), VLLM_PACKED)
-    assert {p[0] for p in plan} == set(weights)                    # every adapted weight is found
+    assert {p.module for p in plan} == set(weights)                    # every adapted weight is found
     merged = MergedAdapter(spec, plan, weights, scaling=tiny_cfg.lora.alpha / tiny_cfg.lora.rank)
     merged.flat.copy_(flatten_lora(adapter, spec))
     for _ in range(2):                                              # merging is from W0: idempotent
@@ -135,7 +136,7 @@ def test_merge_plan_rows_and_errors():
             shapes.append(shape)
     linear = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj"}
     plan = merge_plan(names, shapes, linear, VLLM_PACKED)
-    assert [(m.rsplit(".", 1)[1], r0, r1) for m, r0, r1, _, _ in plan] == [
+    assert [(p.module.rsplit(".", 1)[1], p.row_start, p.row_end) for p in plan] == [
         ("qkv_proj", 8, 12), ("o_proj", 0, 8), ("qkv_proj", 0, 8), ("qkv_proj", 12, 16)]
     with pytest.raises(KeyError, match="not adapted"):             # v's rows depend on k's size
         merge_plan([n for n in names if "k_proj" not in n], [s for n, s in zip(names, shapes) if "k_proj" not in n],
@@ -183,3 +184,19 @@ def test_exchange_endpoint_reaches_every_inference_rank():
     result = mp.Manager().dict()
     mp.spawn(_endpoint_worker, args=(free_port(), result), nprocs=3, join=True)
     assert dict(result) == {0: ("10.1.2.3", 41001), 1: ("10.1.2.3", 41001), 2: ("10.1.2.3", 41001)}
+
+
+def test_adapter_receipt_crosses_the_rpc_as_plain_values_and_becomes_the_update():
+    import json
+    import time
+
+    from colocate.engine.vllm_channel import VLLMReceiver
+    from colocate.engine.vllm_worker import AdapterReceipt
+    from colocate.wire import RunFlags
+    receipt = AdapterReceipt(version=3, checksum=77, checksum_ok=True, slot_ok=None, flags=int(RunFlags.STOP),
+                             apply_ms=1.5)
+    wire = json.loads(json.dumps(receipt.to_rpc()))  # plain values only: nothing pickled
+    assert AdapterReceipt.from_rpc(wire) == receipt
+    update = VLLMReceiver.update(receipt, time.perf_counter())
+    assert (update.version, update.flags) == (3, RunFlags.STOP)
+    assert update.metrics["apply_ms"] == 1.5 and update.metrics["checksum_ok"] == 1.0

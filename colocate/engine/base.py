@@ -32,6 +32,12 @@ class Engine:
     can_profile: bool = False
     """True when the engine traces its own GPU work (`start_profile` / `stop_profile`)."""
 
+    _stream_pending: tuple[tuple[int, Request], ...] = ()
+    """The default `submit` / `poll`: (ticket, request) queued and not yet answered (an instance
+    attribute from the first submit on; immutable here, so no engine shares another's queue)."""
+    _stream_next: int = 0
+    """The next ticket."""
+
     def generate(self, requests: list[Request]) -> list[Completion]:
         """One completion per request, in order."""
         raise NotImplementedError
@@ -48,11 +54,10 @@ class Engine:
 
     def submit(self, requests: list[Request]) -> list[int]:
         """Queue requests without waiting; -> one ticket per request."""
-        pending = self.__dict__.setdefault("_stream_pending", [])
-        first = self.__dict__.get("_stream_next", 0)
+        first = self._stream_next
         tickets = list(range(first, first + len(requests)))
         self._stream_next = first + len(requests)
-        pending.extend(zip(tickets, requests))
+        self._stream_pending = (*self._stream_pending, *zip(tickets, requests))
         return tickets
 
     def poll(self, wait_all: bool = False, wake: Callable[[], bool] | None = None) -> list[tuple[int, Completion]]:
@@ -60,11 +65,11 @@ class Engine:
         pending (every pending one when `wait_all`); [] when nothing is pending. An engine that
         advances in steps returns early, possibly with nothing, once `wake()` is true after a step
         (the caller has other work: `Env.has_news`); this one answers everything at once."""
-        pending = self.__dict__.get("_stream_pending", [])
+        pending = self._stream_pending
         if not pending:
             return []
         completions = self.generate([r for _, r in pending])
-        self._stream_pending = []  # only once answered: a failing generate keeps the queue
+        self._stream_pending = ()  # only once answered: a failing generate keeps the queue
         return [(t, c) for (t, _), c in zip(pending, completions)]
 
     def stats(self) -> dict[str, float]:

@@ -46,7 +46,7 @@ from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
 from colocate.engine.vllm_settings import (VLLMSettings, engine_settings, llm_arguments, merged_copy_bytes,
                                             merged_memory_share)
 from colocate.engine.vllm_trie import PAYLOAD_KEY, trie_payload
-from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID
+from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID, AdapterReceipt
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
 TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -268,20 +268,19 @@ class VLLMEngine(Engine):
         """Roles on one GPU: the worker maps learner rank 0's shared adapter buffer."""
         return self.llm.collective_rpc("colocate_ipc_attach", args=(desc,))[0]
 
-    def receive_lora(self, verify: bool = False, header: list | None = None) -> dict:
+    def receive_lora(self, verify: bool = False, header: list | None = None) -> AdapterReceipt:
         """Take the next broadcast of learner rank 0 into the slot (or, with the `header` that came
         over gloo, the shared IPC buffer); later samples carry its version."""
         self._require_idle("adapter update")
         method, args = ("colocate_receive_adapter", (verify,)) if header is None else \
             ("colocate_receive_ipc", (header, verify))
-        version, sent, checksum_ok, slot_ok, flags, apply_ms = self.llm.collective_rpc(method, args=args)[0]
-        if checksum_ok is False:
-            raise RuntimeError(f"adapter version {version} arrived corrupted (checksum mismatch)")
-        if slot_ok is False:
-            raise RuntimeError(f"adapter version {version}: the LoRA slot differs from what was received")
-        self._set_version(version)
-        return {"version": version, "checksum": sent, "checksum_ok": checksum_ok, "slot_ok": slot_ok,
-                "flags": flags, "apply_ms": apply_ms}
+        got = AdapterReceipt.from_rpc(self.llm.collective_rpc(method, args=args)[0])
+        if got.checksum_ok is False:
+            raise RuntimeError(f"adapter version {got.version} arrived corrupted (checksum mismatch)")
+        if got.slot_ok is False:
+            raise RuntimeError(f"adapter version {got.version}: the LoRA slot differs from what was received")
+        self._set_version(got.version)
+        return got
 
     def load_lora(self, version: int, tensors: dict[str, torch.Tensor], verify: bool = False) -> None:
         self._require_idle("adapter update")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from colocate.channel import AdapterReceiver, AdapterSender, AdapterUpdate, receive_ipc_ring
-from colocate.engine.vllm_worker import StatelessGroup, synchronize
+from colocate.engine.vllm_worker import AdapterReceipt, StatelessGroup, synchronize
 from colocate.wire import ADAPTER_HEADER_NUMEL, LoraSpec, RunFlags, adapter_header, flatten_lora
 
 LOCAL_HOST = "127.0.0.1"
@@ -84,7 +84,7 @@ class NcclSender(AdapterSender):
 
     def __init__(self, group: StatelessGroup, spec: LoraSpec, *, with_checksum: bool = False):
         self.group, self.spec, self.with_checksum = group, spec, with_checksum
-        self.header = torch.empty(4, dtype=torch.int64, device=group.device)
+        self.header = torch.empty(ADAPTER_HEADER_NUMEL, dtype=torch.int64, device=group.device)
 
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags = RunFlags.NONE, *, wait: bool = False) -> float:
         """Enqueue the update on the current stream and return, like `dist.broadcast`: later
@@ -98,10 +98,6 @@ class NcclSender(AdapterSender):
         if wait:
             self.wait_sent()
         return time.perf_counter() - t0
-
-    def header_list(self) -> None:
-        """The IPC channel hands its header to the receiver; this one broadcasts it (None)."""
-        return None
 
     def wait_sent(self) -> float:
         """Block until every engine has received the last version; seconds spent. Until then the
@@ -124,10 +120,10 @@ class VLLMReceiver(AdapterReceiver):
         return self.update(got, t0)
 
     @staticmethod
-    def update(got: dict, t0: float) -> AdapterUpdate:
-        metrics = {"receive_apply_ms": (time.perf_counter() - t0) * 1e3, "apply_ms": got["apply_ms"],
-                   "version": got["version"], **({"checksum_ok": 1.0} if got["checksum_ok"] else {})}
-        return AdapterUpdate(got["version"], RunFlags(got["flags"]), metrics)
+    def update(got: AdapterReceipt, t0: float) -> AdapterUpdate:
+        metrics = {"receive_apply_ms": (time.perf_counter() - t0) * 1e3, "apply_ms": got.apply_ms,
+                   "version": got.version, **({"checksum_ok": 1.0} if got.checksum_ok else {})}
+        return AdapterUpdate(got.version, RunFlags(got.flags), metrics)
 
 
 def open_sender(cfg, topo, spec: LoraSpec) -> NcclSender:

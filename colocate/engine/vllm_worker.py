@@ -34,6 +34,7 @@ names (tested on CPU).
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -47,6 +48,44 @@ IN_MEMORY_PATH = "/colocate/in-memory-adapter"
 """LoRARequest needs a path; this one is never read because the id is registered and pinned."""
 
 _PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class AdapterReceipt:
+    """What a worker reports after applying one update; crosses vLLM's RPC as a dict of plain values
+    (`to_rpc`, `from_rpc`)."""
+    version: int
+    checksum: int               # the checksum the header carried (0: none sent)
+    checksum_ok: bool | None    # the received bytes against it (None: none sent)
+    slot_ok: bool | None        # the slot (or merged weights) against the bytes (None: not verified)
+    flags: int                  # the header's `RunFlags`
+    apply_ms: float             # the worker's time to apply the update
+
+    def to_rpc(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_rpc(cls, got: dict) -> AdapterReceipt:
+        return cls(**got)
+
+
+@dataclass(frozen=True)
+class SlotTarget:
+    """Where one adapter tensor goes in the pinned LoRA slot (`slot_plan`)."""
+    name: str          # the adapter tensor (peft's name)
+    module: str        # vLLM's LoRA module holding it (fused: qkv_proj, gate_up_proj)
+    slice_index: int   # its slice of the module's stacked buffers
+    is_a: bool         # lora_A, else lora_B
+
+
+@dataclass(frozen=True)
+class MergeTarget:
+    """Where one adapted projection lives in vLLM's base weights (`merge_plan`)."""
+    module: str        # vLLM's (possibly fused) linear module
+    row_start: int     # the projection's first row in its weight
+    row_end: int       # its last row + 1
+    a_name: str        # the adapter's lora_A tensor
+    b_name: str        # and its lora_B
 
 
 def synchronize(device: torch.device) -> None:
@@ -87,8 +126,8 @@ def lora_module_name(name: str) -> tuple[str, bool]:
 
 
 def slot_plan(names: list[str] | tuple[str, ...], module_names: set[str],
-              packed_modules: dict[str, list[str]]) -> list[tuple[str, str, int, bool]]:
-    """Where each adapter tensor goes: [(name, vLLM LoRA module, slice index, is lora_A)].
+              packed_modules: dict[str, list[str]]) -> list[SlotTarget]:
+    """Where each adapter tensor goes, in `names` order.
 
     vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; their LoRA wrappers keep one
     stacked buffer per original projection (slice i = packed_modules[fused][i]).
@@ -98,10 +137,10 @@ def slot_plan(names: list[str] | tuple[str, ...], module_names: set[str],
     for name in names:
         module, is_a = lora_module_name(name)
         if module in module_names:
-            plan.append((name, module, 0, is_a))
+            plan.append(SlotTarget(name, module, 0, is_a))
         elif module in packed_index:
             fused, index = packed_index[module]
-            plan.append((name, fused, index, is_a))
+            plan.append(SlotTarget(name, fused, index, is_a))
         else:
             raise KeyError(f"adapter tensor {name!r}: vLLM has no LoRA module {module!r}")
     return plan
@@ -149,10 +188,8 @@ class AdapterSlot:
 
 
 def merge_plan(names: list[str] | tuple[str, ...], shapes: list[tuple[int, ...]], linear_names: set[str],
-               packed: dict[str, list[str]]) -> list[tuple[str, int, int, str, str]]:
-    """Where each adapted projection lives in vLLM's base model: [(A name, B name) -> module, rows].
-
-    -> [(vLLM module, first row, last row + 1, A name, B name)]. `packed` maps a fused module's
+               packed: dict[str, list[str]]) -> list[MergeTarget]:
+    """Where each adapted projection (an A and B pair) lives in vLLM's base model. `packed` maps a fused module's
     short name to its parts ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}, vLLM's
     `packed_modules_mapping`); a part's rows follow the parts before it, whose sizes are their B
     rows, so every part of a fused module must be adapted.
@@ -168,7 +205,7 @@ def merge_plan(names: list[str] | tuple[str, ...], shapes: list[tuple[int, ...]]
             raise KeyError(f"LoRA module {module!r} has no {'lora_B' if True in ab else 'lora_A'} tensor")
         (a_name, _), (b_name, b_shape) = ab[True], ab[False]
         if module in linear_names:
-            plan.append((module, 0, b_shape[0], a_name, b_name))
+            plan.append(MergeTarget(module, 0, b_shape[0], a_name, b_name))
             continue
         parent, _, short = module.rpartition(".")
         if short not in part_of or f"{parent}.{part_of[short][0]}" not in linear_names:
@@ -181,7 +218,7 @@ def merge_plan(names: list[str] | tuple[str, ...], shapes: list[tuple[int, ...]]
                 raise KeyError(f"{parent}.{fused}: part {sibling!r} is not adapted, so the rows of {short!r} "
                                "are unknown (adapt every part of a fused projection)")
             offset += sib[False][1][0]
-        plan.append((f"{parent}.{fused}", offset, offset + b_shape[0], a_name, b_name))
+        plan.append(MergeTarget(f"{parent}.{fused}", offset, offset + b_shape[0], a_name, b_name))
     return plan
 
 
@@ -191,18 +228,17 @@ class MergedAdapter:
     Same interface as `AdapterSlot` (`flat`, `apply`, `matches`); `weights` maps a module name to
     its weight tensor [out, in] (vLLM's, on the device)."""
 
-    def __init__(self, spec: LoraSpec, plan: list[tuple[str, int, int, str, str]],
-                 weights: dict[str, torch.Tensor], scaling: float):
-        first = weights[plan[0][0]]  # an adapted weight: the engine's device and dtype
+    def __init__(self, spec: LoraSpec, plan: list[MergeTarget], weights: dict[str, torch.Tensor], scaling: float):
+        first = weights[plan[0].module]  # an adapted weight: the engine's device and dtype
         self.spec = spec
         self.scaling = float(scaling)
         self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=first.device)
         self.staged = torch.zeros(spec.numel, dtype=first.dtype, device=first.device)
         views = unflatten_lora(self.staged, spec)
-        used = sorted({module for module, *_ in plan})
+        used = sorted({t.module for t in plan})
         self.base = {m: weights[m].detach().clone() for m in used}    # W0, never written again
-        self.ops = [(weights[m][r0:r1], self.base[m][r0:r1], views[b], views[a])
-                    for m, r0, r1, a, b in plan]
+        self.ops = [(weights[t.module][t.row_start:t.row_end], self.base[t.module][t.row_start:t.row_end],
+                     views[t.b_name], views[t.a_name]) for t in plan]
 
     @torch.inference_mode()
     def apply(self) -> None:
@@ -230,12 +266,11 @@ class ColocateWorkerExtension:
         spec = LoraSpec(tuple(names), tuple(tuple(s) for s in shapes), getattr(torch, dtype))
         plan = slot_plan(spec.names, set(adapters.modules), adapters.packed_modules)
         shape_of = dict(zip(spec.names, spec.shapes))
-        dst = [slot_views(adapters.modules[module], index, slot, is_a, shape_of[name])
-               for name, module, index, is_a in plan]
-        self.colocate_slot = AdapterSlot(spec, dst, [p[3] for p in plan], scaling)
+        dst = [slot_views(adapters.modules[t.module], t.slice_index, slot, t.is_a, shape_of[t.name]) for t in plan]
+        self.colocate_slot = AdapterSlot(spec, dst, [t.is_a for t in plan], scaling)
         self.colocate_group = None
         return {"slot": slot, "numel": spec.numel, "lora_dtype": str(dst[0].dtype),
-                "modules": len({p[1] for p in plan})}
+                "modules": len({t.module for t in plan})}
 
     def colocate_init_merged(self, names: list[str], shapes: list[list[int]], dtype: str, scaling: float) -> dict:
         """Merged mode: keep W0 of every adapted weight; updates are merged into the live weights."""
@@ -245,7 +280,7 @@ class ColocateWorkerExtension:
         packed = {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
         spec = LoraSpec(tuple(names), tuple(tuple(s) for s in shapes), getattr(torch, dtype))
         plan = merge_plan(spec.names, spec.shapes, set(linear), packed)
-        need = sum(linear[m].numel() * linear[m].element_size() for m in {p[0] for p in plan})
+        need = sum(linear[m].numel() * linear[m].element_size() for m in {t.module for t in plan})
         free, _ = torch.cuda.mem_get_info(self.device)
         if need + MERGED_HEADROOM_BYTES > free:
             raise RuntimeError(f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} "
@@ -254,7 +289,7 @@ class ColocateWorkerExtension:
         self.colocate_slot = MergedAdapter(spec, plan, linear, scaling)
         self.colocate_group = None
         return {"slot": None, "numel": spec.numel, "lora_dtype": str(self.colocate_slot.staged.dtype),
-                "modules": len({p[0] for p in plan}), "base_copy_gib": need / 2**30}
+                "modules": len({t.module for t in plan}), "base_copy_gib": need / 2**30}
 
     def colocate_use_logprob_kernel(self) -> str:
         """Our sampled-token log-prob kernel in this worker's sampler (`vllm_logprobs.py`)."""
@@ -280,10 +315,8 @@ class ColocateWorkerExtension:
         self.colocate_group = StatelessGroup(host, port, rank, world_size, self.device, timeout_s=timeout_s)
         return str(self.device)
 
-    def colocate_receive_adapter(self, verify: bool = False) -> list:
-        """One broadcast from learner rank 0 -> slot.
-
-        -> [version, sent checksum, checksum ok, slot ok, flags, apply ms] (plain values: RPC results)."""
+    def colocate_receive_adapter(self, verify: bool = False) -> dict:
+        """One broadcast from learner rank 0 -> slot -> `AdapterReceipt.to_rpc()`."""
         slot, group = self.colocate_slot, self.colocate_group
         header = torch.empty(ADAPTER_HEADER_NUMEL, dtype=torch.int64, device=self.device)
         group.broadcast(header)
@@ -296,7 +329,7 @@ class ColocateWorkerExtension:
         self.colocate_ipc = open_cuda_buffer(desc, self.device)  # [slots, numel]
         return str(self.device)
 
-    def colocate_receive_ipc(self, header: list, verify: bool = False) -> list:
+    def colocate_receive_ipc(self, header: list, verify: bool = False) -> dict:
         """The header came over the inference rank's gloo group; the bytes are in the version's slot
         of the shared ring. -> what `colocate_receive_adapter` returns."""
         slot, ring = self.colocate_slot, self.colocate_ipc
@@ -304,7 +337,7 @@ class ColocateWorkerExtension:
         slot.flat.copy_(ring[head.version % len(ring)])
         return self._colocate_apply(head, verify)
 
-    def _colocate_apply(self, head, verify: bool) -> list:
+    def _colocate_apply(self, head, verify: bool) -> dict:
         slot = self.colocate_slot
         t0 = time.perf_counter()
         slot.apply()
@@ -312,7 +345,7 @@ class ColocateWorkerExtension:
         apply_ms = (time.perf_counter() - t0) * 1e3
         checksum_ok = checksum(slot.flat) == head.checksum if head.checksum else None
         slot_ok = slot.matches() if verify else None
-        return [head.version, head.checksum, checksum_ok, slot_ok, int(head.flags), apply_ms]
+        return AdapterReceipt(head.version, head.checksum, checksum_ok, slot_ok, int(head.flags), apply_ms).to_rpc()
 
     def colocate_load_adapter_bytes(self, data: bytes, verify: bool = False) -> list:
         """The same update from bytes through the RPC (`Engine.load_lora`, tests)."""

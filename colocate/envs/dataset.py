@@ -144,7 +144,7 @@ def corpus_key(cfg) -> str:
 def data_fingerprint(files: list[str], split: str) -> str:
     """Digest of the train files' contents, in the order their rows are read, and the split: a
     resumed run's position indexes these rows, so a resume must find the same ones
-    (`train.check_same_data`; ~1 s per GB)."""
+    (`launch.check_same_data`; ~1 s per GB)."""
     digest = hashlib.blake2b(split.encode(), digest_size=12)
     for path in sorted(expand_files(files)):
         with open(path, "rb") as f:

@@ -85,11 +85,6 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None
     return sharded
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 @torch.no_grad()
 def gather_full_lora(model: nn.Module) -> dict[str, torch.Tensor]:
     """Reference: the adapter's full tensors (copies) by canonical name, sorted, one `full_tensor()`

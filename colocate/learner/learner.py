@@ -21,7 +21,7 @@ With `learner.updates_per_batch` = K > 1, one no-grad pass first gives every com
 log-prob under the adapter at the start of the step (`old_logprobs`, the policy the clip is taken
 against), then the batch is split into K shuffled mini-batches (`mini_batch_indices`), each packed,
 normalized over its own global counts and followed by its own AdamW step; the importance weight
-against the sampler is truncated at `loss.tis_cap` (`DECOUPLED_TIS_CAP` when unset). That pass also
+against the sampler is truncated at `loss.tis_cap` (`loss.DECOUPLED_TIS_CAP` when unset). That pass also
 measures the engine against the learner on the same weights (`learner/sampler_logprob_gap`: the
 sequences sampled by the current version, so all of them at max_policy_lag 0). The version
 still advances once per batch: it counts batches, which is what the step protocol and the lag
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,14 +43,15 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from colocate.data import TrajectoryBatch
-from colocate.kernels import Objective, grpo_loss, restrict_to_allowed, token_logprobs
+from colocate.kernels import LossBatch, grpo_loss, restrict_to_allowed, token_logprobs
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
+from colocate.learner.loss import loss_spec
 from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches,
                                       resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
-from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, by_name, signal_fraction,
-                                    step_stats)
+from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, UpdateResult, by_name,
+                                    signal_fraction, step_stats)
 from colocate.models import materialize
 from colocate.wire import unflatten_lora
 
@@ -60,24 +62,6 @@ def mini_batch_indices(num_sequences: int, k: int, seed: int) -> list[list[int]]
     perm = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
     bounds = [round(i * num_sequences / k) for i in range(k + 1)]
     return [sorted(perm[bounds[i]: bounds[i + 1]]) for i in range(k)]
-
-
-DECOUPLED_TIS_CAP = 2.0
-"""The cap on the decoupled importance weight exp(old - behaviour) with K > 1 updates per batch when
-`loss.tis_cap` is left at 0: the truncation TRL (vLLM importance sampling) and verl (rollout IS)
-default to (AReaL's behav_imp_weight_cap drops the tokens above its cap instead). Uncapped, a token
-the stale sampler rarely drew and the learner has since raised weighs many times its share and
-steers the mini-batch step (cpu-tiny at K = 2: profiles/README.md)."""
-
-
-def loss_objective(loss_cfg, updates_per_batch: int = 1) -> tuple[Objective, float, float]:
-    """The loss section -> (objective, eps_low, eps_high): a sequence ratio has its own clip range;
-    K > 1 caps the decoupled importance weight at `DECOUPLED_TIS_CAP` unless `loss.tis_cap` is set."""
-    tis_cap = loss_cfg.tis_cap or (DECOUPLED_TIS_CAP if updates_per_batch > 1 else 0.0)
-    objective = Objective(loss_cfg.ratio_level, tis_cap, loss_cfg.mis_threshold, loss_cfg.clip_ratio_c)
-    if loss_cfg.ratio_level == "sequence":
-        return objective, loss_cfg.seq_eps_low, loss_cfg.seq_eps_high
-    return objective, loss_cfg.eps_low, loss_cfg.eps_high
 
 
 def lr_factor(step: int, lc) -> float:
@@ -101,6 +85,14 @@ def lm_head_frozen(model) -> bool:
 def mini_batch_seed(rollout_seed: int, version: int) -> int:
     """The seed of one batch's mini-batch split: fixed by the run's seed and the batch's version."""
     return rollout_seed * 1_000_003 + version
+
+
+@dataclass(frozen=True)
+class Passes:
+    """One rank's forward/backward passes of an update (`Learner._forward_backward`), on the device."""
+    sums: torch.Tensor        # [MICRO_BATCH_STATS] summed over the passes
+    ratio_max: torch.Tensor   # [] the largest ratio over them
+    model_tokens: int         # tokens the model ran
 
 
 class Learner:
@@ -131,7 +123,7 @@ class Learner:
             model.to(self.device)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lc.lr, weight_decay=lc.weight_decay)
-        self.objective, self.eps_low, self.eps_high = loss_objective(cfg.loss, lc.updates_per_batch)
+        self.spec = loss_spec(cfg)  # the loss of every micro-batch
         self.defer_row_scale = lm_head_frozen(model)
         self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
@@ -177,7 +169,7 @@ class Learner:
         targets = mb.targets
         if allowed is not None:
             logits, targets = restrict_to_allowed(logits, targets, allowed)
-        return per_token_logprobs(logits, targets, self.cfg.engine.temperature)
+        return per_token_logprobs(logits, targets, self.spec.temperature)
 
     @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
@@ -199,51 +191,44 @@ class Learner:
             group, sub, mb = work[i]
             allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
             logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets,
-                                  temperature=self.cfg.engine.temperature, allowed_ids=allowed, impl=self.cfg.loss.impl)
+                                  temperature=self.spec.temperature, allowed_ids=allowed, impl=self.spec.impl)
             rows = torch.cat([torch.arange(starts[j], starts[j] + comp_lens[j]) for j in group])
             out[rows] = logp.float().cpu()
         return out
 
     def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
-                          num_tokens: float) -> tuple[int, torch.Tensor | None]:
+                          num_tokens: float) -> Passes | None:
         """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
-        rank runs as many passes as the busiest one) -> (model tokens, [MICRO_BATCH_STATS] on the device).
+        rank runs as many passes as the busiest one) -> its stats on the device (None for a dummy).
         Nothing here reads a value back to the host, so the host queues the next micro-batch while
         the GPU runs this one."""
-        cfg = self.cfg
         if item is None:
             logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
             (logits.sum() * 0.0).backward()
-            return 0, None
+            return None
         sub, mb = item
         allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
-        ref = self.reference_logprobs(mb, allowed) if cfg.loss.beta > 0 else None
+        ref = self.reference_logprobs(mb, allowed) if self.spec.beta > 0 else None
         old = sub.old_logprobs.to(self.device) if sub.old_logprobs is not None else None
         adv_tok = sub.advantages.to(self.device)[mb.seq_ids]
         row_scale = None  # [N] dL/dlogp, filled by the loss, applied to the lm_head input's gradient
-        if self.defer_row_scale and mb.row_index is None and self.objective.needs_logprobs_first(old is not None):
+        if self.defer_row_scale and mb.row_index is None and self.spec.objective.needs_logprobs_first(old is not None):
             row_scale = torch.empty(mb.targets.shape[0], dtype=torch.float32, device=self.device)
         logits = micro_batch_logits(self.model, mb, grad_row_scale=row_scale)
         # an episode's env spans (tool results, observations) are out of the loss: mask 0 (data.py)
         mask = sub.loss_mask.to(self.device) if sub.loss_mask is not None \
             else torch.ones_like(mb.targets, dtype=torch.bool)
-        loss, stats = grpo_loss(
-            logits, mb.targets, mask,
-            sub.behaviour_logprobs.to(self.device), adv_tok, ref,
-            temperature=cfg.engine.temperature, eps_low=self.eps_low, eps_high=self.eps_high,
-            beta=cfg.loss.beta, norm=cfg.loss.norm,
-            # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
-            seq_ids=mb.seq_ids, num_seqs=num_seqs, max_len=cfg.engine.max_new_tokens,
-            num_tokens=num_tokens, allowed_ids=allowed, objective=self.objective, old_logprobs=old,
-            impl=cfg.loss.impl, row_scale=row_scale)
+        # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
+        batch = LossBatch(mb.targets, mask, sub.behaviour_logprobs.to(self.device), adv_tok, ref, seq_ids=mb.seq_ids,
+                          old_logprobs=old, allowed_ids=allowed, num_seqs=num_seqs, num_tokens=num_tokens)
+        loss, stats = grpo_loss(logits, batch, self.spec, row_scale=row_scale)
         loss.backward()
         del logits
         n = stats["num_tokens"].float()
         micro = {"loss": loss.detach().float(), "clipped": stats["clip_fraction"] * n, "kl": stats["kl"] * n,
                  "ratio": stats["ratio"] * n, "tokens": n, "is_weight": stats["is_weight"] * n,
-                 "mis_masked_seqs": stats["mis_masked_seqs"].float(), "entropy": stats["entropy"] * n,
-                 "ratio_max": stats["ratio_max"].float()}
-        return mb.num_tokens, torch.stack([micro[k] for k in MICRO_BATCH_STATS])
+                 "mis_masked_seqs": stats["mis_masked_seqs"].float(), "entropy": stats["entropy"] * n}
+        return Passes(torch.stack([micro[k] for k in MICRO_BATCH_STATS]), stats["ratio_max"].float(), mb.num_tokens)
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -298,17 +283,16 @@ class Learner:
         return {"sampler_gap_tokens": tokens, **({"sampler_logprob_gap": gap / tokens} if tokens else {})}
 
     def _update(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_tokens: float,
-                num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
+                num_seqs: int) -> UpdateResult:
         """Forward/backward over `work` normalized by the global trained tokens and sequences, then
-        one optimizer step -> ([STEP_STATS] over the ranks, grad norm, skipped, passes)."""
+        one optimizer step."""
         num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
         # FSDP: all-gathers and reduce-scatters per micro-batch
-        totals, model_tokens = self._forward_backward(work, num_micro, num_seqs, num_tokens)
+        passes = self._forward_backward(work, num_micro, num_seqs, num_tokens)
         self._sum_gradients_without_fsdp()  # no FSDP, several ranks: one all-reduce per adapter tensor
         with record_function("learner/optimizer"):
-            # FSDP: the grad norm's all-reduce; then the stats' all-reduce
-            sums, grad_norm, skipped = self._optimizer_step(totals, model_tokens)
-        return sums, grad_norm, skipped, num_micro
+            # FSDP: the grad norm's all-reduce; then the stats' all-reduces
+            return self._optimizer_step(passes, num_micro)
 
     def _drop_stale(self, batch: TrajectoryBatch) -> tuple[TrajectoryBatch, float, int]:
         """Drop sequences sampled more than `max_policy_lag` versions ago -> (the kept batch, the sum
@@ -336,20 +320,20 @@ class Learner:
                                     op=dist.ReduceOp.MAX).item())
 
     def _forward_backward(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_micro: int, num_seqs: int,
-                          num_tokens: float) -> tuple[torch.Tensor, int]:
-        """`num_micro` passes (dummies past this rank's own) -> ([MICRO_BATCH_STATS] over them on the
-        device, model tokens run)."""
+                          num_tokens: float) -> Passes:
+        """`num_micro` passes (dummies past this rank's own) -> their stats, on the device."""
         self.model.train()
         totals = torch.zeros(len(MICRO_BATCH_STATS), device=self.device)
+        ratio_max = torch.zeros((), device=self.device)
         model_tokens = 0
         for i in range(num_micro):
             with record_function("learner/micro_batch"):
-                tokens, sums_i = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
-            model_tokens += tokens
-            if sums_i is not None:
-                totals[:-1] += sums_i[:-1]
-                totals[-1] = torch.maximum(totals[-1], sums_i[-1])
-        return totals, model_tokens
+                one = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
+            if one is not None:
+                totals += one.sums
+                ratio_max = torch.maximum(ratio_max, one.ratio_max)
+                model_tokens += one.model_tokens
+        return Passes(totals, ratio_max, model_tokens)
 
     def _sum_gradients_without_fsdp(self) -> None:
         """Without FSDP, sum the adapter gradients over the learner ranks by hand (the loss is already
@@ -361,9 +345,8 @@ class Learner:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.topology.learner_group)
 
-    def _optimizer_step(self, totals: torch.Tensor, model_tokens: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Clip the global grad norm, reduce the stats over the ranks, step AdamW -> ([STEP_STATS], the
-        grad norm, whether the update was skipped).
+    def _optimizer_step(self, passes: Passes, num_micro: int) -> UpdateResult:
+        """Clip the global grad norm, reduce the stats over the ranks, step AdamW.
 
         A non-finite loss or gradient skips the update on every rank alike (both values are global);
         the version still advances, so the step protocol with the inference ranks is unchanged."""
@@ -371,10 +354,11 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"))
         if isinstance(grad_norm, DTensor):  # under FSDP: the global norm
             grad_norm = grad_norm.full_tensor()
-        sums = self._all_reduce(torch.cat([totals[:-1], torch.tensor([float(model_tokens)], device=self.device)]))
-        sums = torch.cat([sums, self._all_reduce(totals[-1:].clone(), op=dist.ReduceOp.MAX)])
+        tokens = torch.tensor([float(passes.model_tokens)], device=self.device)
+        sums = self._all_reduce(torch.cat([passes.sums, tokens]))
+        ratio_max = self._all_reduce(passes.ratio_max.reshape(1).clone(), op=dist.ReduceOp.MAX)[0]
         skipped = not (torch.isfinite(sums[STEP_STATS.index("loss")]) and torch.isfinite(grad_norm))
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return sums, grad_norm, skipped
+        return UpdateResult(sums, ratio_max, grad_norm, skipped, num_micro)

@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,22 @@ from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role
 from colocate.models import canonical_name
 from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
+
+
+@dataclass(frozen=True)
+class TimelineRow:
+    """One learner step's times (unix seconds) and sync costs; `summary.json`'s `timeline` holds one
+    per step, as a JSON object, and the e2e benchmark takes its steady-state figures from them."""
+    wait_start: float   # the step began waiting for its shards
+    train_start: float  # they arrived
+    train_end: float    # the train step ended
+    step_end: float     # the adapter was sent and the step logged
+    policy_lag: float   # mean policy lag of the trained sequences
+    gather_s: float     # the adapter gather
+    send_s: float       # the adapter send
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 class LearnerRank:
@@ -46,9 +63,7 @@ class LearnerRank:
         self.monitor = CollapseMonitor(cfg.metrics)  # same global stats on every learner: same verdicts
         self.collapsed_at: int | None = None  # the step whose reward_drop alert stopped the run
         self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
-        # Per step: [wait start, train start, train end, step end (unix s), policy lag mean, adapter
-        # gather s, adapter send s]; the e2e benchmark takes steady-state figures from it.
-        self.timeline: list[list[float]] = []
+        self.timeline: list[TimelineRow] = []
         self.block_params = sum(p.numel() for n, p in learner.model.named_parameters()
                                 if ".layers." in n and "lora_" not in n)
 
@@ -128,8 +143,8 @@ class LearnerRank:
                               f"ratio {stats['ratio']:.3f}/{stats['ratio_max']:.2f} zadv {stats['zero_adv_fraction']:.2f} "
                               f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
                               f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{self.eta.text(step)}")
-        self.timeline.append([waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
-                              stats["policy_lag_mean"], gather_s, sync_s])
+        self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
+                                         stats["policy_lag_mean"], gather_s, sync_s))
 
     def drain(self, step: int) -> None:
         """After a stop at `step`: batches step+1 .. step+lag were already sampled and sent; receive
@@ -226,7 +241,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
             "memory_plan_gib": read_json(os.path.join(cfg.metrics.run_dir, "memory_plan.json")),
             "dropped_stale": rank.dropped,
             "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
-            "timeline": rank.timeline, "gpu_util": gpu_util, "collapse_step": rank.collapsed_at})
+            "timeline": [row.to_json() for row in rank.timeline], "gpu_util": gpu_util, "collapse_step": rank.collapsed_at})
         if topo.rank == topo.sync_src:
             rank.writer.print(run_files(cfg))
     rank.writer.close()
@@ -312,18 +327,19 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
                      fault: dict, protect_step: int | None = None) -> None:
     """Every learner joins the optimizer-state gather; learner rank 0 collects the inference ranks'
     states and writes the checkpoint atomically."""
-    from colocate.checkpoint import checkpoint_root, flatten_optimizer, peft_config_dict, save_checkpoint
+    from colocate.checkpoint import (CheckpointState, checkpoint_root, flatten_optimizer, peft_config_dict,
+                                     save_checkpoint)
     # Gathering DTensor optimizer state (FSDP2) is a collective: every learner flattens it.
     optimizer_state = flatten_optimizer(learner.optimizer.state_dict())
     if topo.rank != topo.sync_src:
         return
     inference = {str(r): recv_json(r, topo.transport_group) for r in topo.inference_ranks}
     trainer_state = {"step": step, "version": learner.version, "history": history, "inference": inference}
-    path = save_checkpoint(
-        checkpoint_root(cfg.metrics.run_dir), step, adapter=adapter, peft_config=peft_config_dict(learner.model),
-        optimizer=optimizer_state, rng={"torch_cpu": torch.get_rng_state()}, trainer_state=trainer_state,
-        config_yaml=yaml.safe_dump(to_dict(cfg), sort_keys=False), keep=cfg.checkpoint.keep,
-        fault_hook=checkpoint_fault_hook(fault, step), protect_step=protect_step)
+    state = CheckpointState(adapter, peft_config_dict(learner.model), optimizer_state,
+                            {"torch_cpu": torch.get_rng_state()}, trainer_state,
+                            yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path = save_checkpoint(checkpoint_root(cfg.metrics.run_dir), step, state, keep=cfg.checkpoint.keep,
+                           fault_hook=checkpoint_fault_hook(fault, step), protect_step=protect_step)
     print(f"[learner] checkpoint written: {path}", flush=True)
 
 

@@ -4,21 +4,32 @@ update reduces over the learner ranks, a batch's counts, and the step's stats di
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-MICRO_BATCH_STATS = ("loss", "clipped", "kl", "ratio", "tokens", "is_weight", "mis_masked_seqs", "entropy",
-                     "ratio_max")
-"""One micro-batch's statistics, stacked in this order on the device (nothing read back until the
-step's one reduction): its loss; over its n trained tokens, n times the mean clip fraction, KL,
-ratio, importance weight and entropy, and n itself; its masked sequences; its largest ratio (the
-one column reduced by max, not summed: kept last)."""
-STEP_STATS = (*MICRO_BATCH_STATS[:-1], "model_tokens", "ratio_max")
-"""One update's statistics summed (ratio_max: maxed) over the learner ranks, and the model tokens run."""
+MICRO_BATCH_STATS = ("loss", "clipped", "kl", "ratio", "tokens", "is_weight", "mis_masked_seqs", "entropy")
+"""One micro-batch's sums, stacked in this order on the device (nothing read back until the step's
+one reduction): its loss; over its n trained tokens, n times the mean clip fraction, KL, ratio,
+importance weight and entropy, and n itself; its masked sequences. Its largest ratio is reduced by
+max, not summed, and travels beside them (`UpdateResult.ratio_max`)."""
+STEP_STATS = (*MICRO_BATCH_STATS, "model_tokens")
+"""One update's statistics summed over the learner ranks, and the model tokens run."""
 BATCH_COUNTS = ("tokens", "sequences", "reward", "lag", "dropped", "flat_tokens", "zero_adv")
 """A batch's counts summed over the learner ranks (`Learner._global_counts`): trained completion
 tokens, sequences, reward sum, lag sum, dropped (stale) sequences, tokens of the sequences laid
 flat, sequences with a zero advantage."""
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """One optimizer update (`Learner._update`), reduced over the learner ranks; tensors stay on the
+    device until `step_stats` reads them back."""
+    sums: torch.Tensor        # [STEP_STATS] summed over the ranks
+    ratio_max: torch.Tensor   # [] the largest ratio of any trained token on any rank
+    grad_norm: torch.Tensor   # [] the global grad norm before clipping
+    skipped: bool             # a non-finite loss or grad norm: AdamW did not step
+    passes: int               # forward/backward passes (micro-batches) each rank ran
 
 
 def by_name(values: torch.Tensor, names: tuple[str, ...]) -> dict[str, float]:
@@ -32,13 +43,12 @@ def signal_fraction(counts: dict[str, float]) -> float:
     return (counts["sequences"] - counts["zero_adv"]) / counts["sequences"] if counts["sequences"] else 0.0
 
 
-def step_stats(counts: dict[str, float], updates: list, t0: float) -> dict[str, float]:
-    """Stats of the batch from its `counts` and each update's ([STEP_STATS], grad norm, skipped,
-    passes): the loss and grad norm (before clipping) are means over the updates, the token stats
-    over every trained token, ratio_max and grad_norm_max over all of them."""
-    per_update = [by_name(u[0], STEP_STATS) for u in updates]
+def step_stats(counts: dict[str, float], updates: list[UpdateResult], t0: float) -> dict[str, float]:
+    """Stats of the batch from its `counts` and each update: the loss and grad norm (before
+    clipping) are means over the updates, the token stats over every trained token, ratio_max and
+    grad_norm_max over all of them."""
+    per_update = [by_name(u.sums, STEP_STATS) for u in updates]
     s = {k: sum(p[k] for p in per_update) for k in STEP_STATS}
-    s["ratio_max"] = max(p["ratio_max"] for p in per_update)
     num_seqs = max(counts["sequences"], 1.0)
     denom = max(s["tokens"], 1.0)
     elapsed = time.perf_counter() - t0
@@ -50,10 +60,10 @@ def step_stats(counts: dict[str, float], updates: list, t0: float) -> dict[str, 
         "is_weight": s["is_weight"] / denom,
         "mis_masked_seqs": s["mis_masked_seqs"],  # each sequence is in one mini-batch
         "entropy": s["entropy"] / denom,
-        "ratio_max": s["ratio_max"],
+        "ratio_max": max(float(u.ratio_max) for u in updates),
         "zero_adv_fraction": counts["zero_adv"] / num_seqs,
-        "grad_norm": sum(float(u[1]) for u in updates) / len(updates),
-        "grad_norm_max": max(float(u[1]) for u in updates),
+        "grad_norm": sum(float(u.grad_norm) for u in updates) / len(updates),
+        "grad_norm_max": max(float(u.grad_norm) for u in updates),
         "reward": counts["reward"] / num_seqs,
         "policy_lag_mean": counts["lag"] / num_seqs,
         "dropped_stale": counts["dropped"],
@@ -61,9 +71,9 @@ def step_stats(counts: dict[str, float], updates: list, t0: float) -> dict[str, 
         "model_tokens": s["model_tokens"],
         "tokens_forwarded": s["model_tokens"],  # with prefix sharing: shared prompt tokens once
         "tokens_flat_equivalent": counts["flat_tokens"],  # what flat packing would forward
-        "micro_batches": float(sum(u[3] for u in updates)),
+        "micro_batches": float(sum(u.passes for u in updates)),
         "updates": float(len(updates)),
-        "skipped_update": float(any(u[2] for u in updates)),
+        "skipped_update": float(any(u.skipped for u in updates)),
         "step_s": elapsed,
         "tokens_per_s": s["tokens"] / max(elapsed, 1e-9),
     }

@@ -156,10 +156,6 @@ def centre_counts(game: Game) -> dict[str, int]:
     return {name: len(game.powers[name].centers) for name in POWERS}
 
 
-def unit_counts(game: Game) -> dict[str, int]:
-    return {name: len(game.powers[name].units) for name in POWERS}
-
-
 def centre_owners(game: Game) -> tuple:
     """Hashable snapshot of who owns which centre (for stall detection)."""
     return tuple(tuple(sorted(game.powers[name].centers)) for name in POWERS)

@@ -1,0 +1,156 @@
+"""Before launch: the config over its world size, the preflight checks, the run directory policy
+and the checkpoint to resume, or one line and exit code 2 (`configure`) before any process group or
+model. Every rank under torchrun, `--check` and `colocate train` (before it starts torchrun) run it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from colocate import run_dir
+from colocate.config import Config, ConfigError, load_config, parse_overrides
+from colocate.preflight import preflight
+from colocate.topology import place_roles
+from colocate.trackers import check_loggers
+
+
+def parse_config(argv: list[str], world: int) -> tuple[Config, bool]:
+    path, overrides, resume = parse_overrides(argv)
+    return load_config(path, overrides, world_size=world), resume
+
+
+def split_check_flags(argv: list[str]) -> tuple[list[str], bool, int, str | None]:
+    """`--check [--world-size N] [--gpu-memory SIZE]` -> (the other arguments, check only, world
+    size, the card to plan for). Under torchrun the world size is torchrun's; a check before launch
+    assumes N processes (default 2), each on its own GPU of SIZE (`gpu_budget.parse_gpu_memory`)."""
+    check_only, world, gpu_memory, rest = False, None, None, []
+    it = iter(argv)
+    for arg in it:
+        name, sep, value = arg.partition("=")
+        if arg == "--check":
+            check_only = True
+        elif name in ("--world-size", "--gpu-memory"):
+            value = value if sep else next(it, "")
+            if name == "--gpu-memory":
+                gpu_memory = value
+            elif not value.isdigit() or int(value) < 2:
+                raise ConfigError(f"--world-size={value!r}: expected an integer >= 2 (one rank of each role)")
+            else:
+                world = int(value)
+        else:
+            rest.append(arg)
+    if "WORLD_SIZE" in os.environ:
+        return rest, check_only, int(os.environ["WORLD_SIZE"]), gpu_memory
+    return rest, check_only, world or (2 if check_only else 1), gpu_memory
+
+
+def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
+    """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto."""
+    from colocate.checkpoint import check_same_task, load_checkpoint, resolve_resume
+    trust = cfg.checkpoint.trust_unverified
+    path, skipped = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
+                                   cfg.metrics.run_dir, trust)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in skipped:
+            print(f"colocate: resume: {line}", file=sys.stderr, flush=True)
+    if path is None:
+        return None
+    state = load_checkpoint(path, trust)
+    check_same_task(cfg, path)
+    check_same_data(cfg, state["trainer_state"], path)
+    check_same_env_processes(cfg, state["trainer_state"], path)
+    state["path"] = path
+    return state
+
+
+def saved_env_states(trainer_state: dict) -> list[dict]:
+    """The env resume states the inference ranks saved (ranks whose env keeps none left out)."""
+    return [s["env"] for s in (trainer_state.get("inference") or {}).values()
+            if isinstance(s, dict) and isinstance(s.get("env"), dict)]
+
+
+def check_same_data(cfg: Config, trainer_state: dict, path: str) -> None:
+    """A dataset run resumes only on the data files it was saved with: its position indexes their
+    rows, so other files (even with as many rows) would silently train on other prompts."""
+    from colocate.checkpoint import CheckpointError
+    from colocate.envs.dataset import data_fingerprint
+    saved = {env.get("data") for env in saved_env_states(trainer_state)} - {None}
+    if cfg.env.name != "dataset" or not saved:
+        return
+    if saved != {data_fingerprint(cfg.env.data_files, cfg.env.split)}:
+        raise CheckpointError(f"{path}: env.data_files hold other contents than when this checkpoint was saved; "
+                              "resume with those files, or start a new metrics.run_dir")
+
+
+def check_same_env_processes(cfg: Config, trainer_state: dict, path: str) -> None:
+    """An env resume state saved by N copies (`env.processes`) holds one state per copy, each for
+    its own groups: it resumes only with N copies (an env that keeps no state resumes with any)."""
+    from colocate.checkpoint import CheckpointError
+    from colocate.envs.processes import saved_processes
+    for env in saved_env_states(trainer_state):
+        if saved_processes(env) != cfg.env.processes:
+            raise CheckpointError(f"{path}: saved with env.processes={saved_processes(env)}, this run has "
+                                  f"env.processes={cfg.env.processes}: resume with the saved number")
+
+
+def check_config(argv: list[str], world: int | None = None,
+                 local_world: int | None = None) -> tuple[Config, bool, bool]:
+    """Everything checked before launch -> (config, --resume given, --check given); raises
+    ConfigError. `--check`, every rank under torchrun and `colocate train` (before it starts
+    torchrun, with the world it will ask for) run this one function: the config over its world
+    size, the preflight checks, and (a real run) the run directory policy (`run_dir.claim`)."""
+    argv, overwrite = run_dir.split_overwrite(argv)
+    argv, check_only, env_world, gpu_memory = split_check_flags(argv)
+    world = world or env_world
+    cfg, resume_flag = parse_config(argv, world)
+    preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu_memory,
+              show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
+    check_loggers(cfg)
+    if not check_only:
+        run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite,
+                      remove=int(os.environ.get("RANK", "0")) == 0)
+    return cfg, resume_flag, check_only
+
+
+def check_launch(argv: list[str], world: int | None = None,
+                 local_world: int | None = None) -> tuple[Config, dict | None, bool]:
+    """`check_config`, then the checkpoint to resume (validated) -> (config, resume state, --check
+    given); raises ConfigError or CheckpointError. What every rank, `--check` and `colocate train`
+    refuse before any process group forms."""
+    cfg, resume_flag, check_only = check_config(argv, world, local_world)
+    return cfg, load_resume(cfg, resume_flag), check_only
+
+
+OTHER_RANKS_WAIT_S = 60.0  # how long a refusing rank other than 0 waits for the launcher to stop it
+
+
+def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
+    """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
+    process group or model). Under torchrun every rank refuses; rank 0 prints the line and exits, and the
+    launcher stops the others while they wait. A rank still alive after `OTHER_RANKS_WAIT_S` (its input
+    differs, a file only its node sees; or another node's launcher did not stop it) prints its own line."""
+    from colocate.checkpoint import CheckpointError
+    try:
+        if "WORLD_SIZE" not in os.environ and "--check" not in argv:
+            raise ConfigError("not started by torchrun: run `colocate train --config FILE [--nproc N]`, or "
+                              "`torchrun --nproc-per-node=N -m colocate.train --config FILE` (`--check` only checks)")
+        cfg, resume, check_only = check_launch(argv)
+    except (ConfigError, CheckpointError) as e:
+        rank = int(os.environ.get("RANK", "0"))
+        # Under torchrun rank 0 refuses the same input and prints it; exiting first would get it killed unheard
+        wait_for_rank_0 = rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ and "--check" not in argv
+        if wait_for_rank_0:
+            time.sleep(OTHER_RANKS_WAIT_S)  # the launcher stops this rank once rank 0 exits
+        kind = "config" if isinstance(e, ConfigError) else "checkpoint"
+        where = f" (rank {rank}; rank 0 may not have refused it)" if wait_for_rank_0 else ""
+        print(f"colocate: {kind} error{where}: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return cfg, resume, check_only
+
+
+def rank_role(cfg: Config) -> str:
+    """This rank's role from the environment alone (also before the topology exists)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    roles = place_roles(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return roles[int(os.environ.get("RANK", "0"))]
