@@ -181,6 +181,7 @@ def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update, masks):
     assert summary["mismatch_step"] is None
 
 
+@pytest.mark.timeout(960)
 @pytest.mark.parametrize("lora_mode", ["slot", "merged"])
 def test_canary_catches_an_engine_that_skips_updates(tmp_path, lora_mode):
     """The vLLM worker takes every version but never writes it (`tests/canary_faults`: the LoRA slot,
