@@ -161,7 +161,7 @@ def train(argv: list[str]) -> int:
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     cfg = load_config(*parse_overrides([a for a in split_train_args(argv)[2] if a != "--overwrite"])[:2])
-    if cfg.metrics.stop_on_collapse:  # torchrun turns a rank's exit code 3 into 1: wait and read the summary
+    if cfg.metrics.stop_on_collapse or cfg.metrics.stop_on_mismatch:  # torchrun turns a rank's exit 3 into 1: read the summary
         return run_and_map_collapse(cmd, launch_env(nproc), cfg.metrics.run_dir)
     os.execvpe(cmd[0], cmd, launch_env(nproc))
     return 0  # not reached
@@ -169,7 +169,7 @@ def train(argv: list[str]) -> int:
 
 def run_and_map_collapse(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
     """torchrun as a child (SIGTERM and SIGINT passed on) -> its exit code, or 3 when the run's
-    summary says metrics.stop_on_collapse ended it."""
+    summary says metrics.stop_on_collapse or metrics.stop_on_mismatch ended it."""
     import json
     import signal
     import subprocess
@@ -182,7 +182,9 @@ def run_and_map_collapse(cmd: list[str], env: dict[str, str], run_dir: str) -> i
     path = os.path.join(run_dir, "summary.json")
     try:  # this run's summary, not one left by an earlier run in the same directory
         with open(path) as f:
-            collapsed = json.load(f).get("collapse_step") is not None and os.path.getmtime(path) >= started
+            summary = json.load(f)
+        stopped = summary.get("collapse_step") is not None or summary.get("mismatch_step") is not None
+        collapsed = stopped and os.path.getmtime(path) >= started
     except (OSError, ValueError):
         collapsed = False
     return 3 if collapsed else code

@@ -105,6 +105,7 @@ _RANGES = {
     ("loss", "seq_eps_high"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("loss", "tis_cap"): (lambda v: v == 0 or v >= 1, "must be 0 (off) or >= 1 (a cap below 1 shrinks on-policy tokens)"),
     ("loss", "mis_threshold"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = off)"),
+    ("sync", "canary_every"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no canary)"),
     ("topology", "num_inference"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = half the world)"),
     ("topology", "num_learners"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = the rest)"),
     ("topology", "timeout_s"): (lambda v: v > 0, _POSITIVE),

@@ -357,6 +357,11 @@ class SyncConfig:
     """auto (nccl on CUDA, gloo on CPU), nccl or gloo."""
     check_checksum: bool = False
     """Broadcast a checksum with every adapter and verify it on the receivers (debugging a sync)."""
+    canary_every: int = 1
+    """The sync canary (docs/design.md): every this many adapter versions, each engine and the learner
+    score one fixed 48-token probe with that version, and the learner compares them
+    (`sync/canary_gap`, ALERT canary_mismatch past a bound from the compute dtype's rounding); one
+    short forward per side. 0 = off."""
 
 
 @dataclass
@@ -425,6 +430,11 @@ class MetricsConfig:
     """On ALERT reward_drop: write a checkpoint, name the newest checkpoint from before the drop in
     <run_dir>/checkpoints/last_good.json (never removed by checkpoint.keep), and end the run with
     exit code 3 (`colocate train`; under a bare torchrun every rank exits 3)."""
+    stop_on_mismatch: bool = True
+    """On ALERT canary_mismatch (an engine samples another policy than the learner trains: an update
+    skipped, written to the wrong place or scaled wrong): stop before the next step, write a
+    checkpoint when checkpoints are on and name the newest one from before that engine's samples
+    were trained on in <run_dir>/checkpoints/last_good.json, and end the run with exit code 3."""
     peak_tflops: float = 790.0
     """Per-device dense bf16 peak for learner/mfu; the default is an H200's measured matmul peak,
     set it for other GPUs."""

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from colocate.canary import probe_ids
 from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, IpcReceiver, IpcSender,
                               NoSender)
 from colocate.config import Config, save_config, to_dict
@@ -47,7 +48,8 @@ from colocate.wire import LoraSpec
 
 
 COLLAPSE_EXIT = 3
-"""The exit code of a run that metrics.stop_on_collapse ended (the learner ranks; `colocate train`)."""
+"""The exit code of a run that metrics.stop_on_collapse or metrics.stop_on_mismatch ended (the
+learner ranks; `colocate train`)."""
 
 
 def engine_kind(cfg: Config, topo: Topology) -> str:
@@ -111,6 +113,7 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     # A vLLM engine loads its own weights (a model directory), so its rank keeps the meta one too.
     on_device = topo.role == "inference" and engine_kind(cfg, topo) == "hf"
     model = build_policy(cfg, tokenizer, topo.device if on_device else "meta")
+    probe = probe_ids(tokenizer)  # the sync canary's sequence, the same on every rank
     # The long-lived heap (torch, transformers, the model) never becomes garbage: keep full GC
     # passes from walking it (one took ~0.3 s at random points of the rollout loop).
     gc.collect()
@@ -120,13 +123,13 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
         engine, receiver = make_engine(cfg, topo, model, tokenizer)
         env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank, processes=cfg.env.processes)
         try:
-            run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop)
+            run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop, probe=probe)
         finally:
             env.close()  # its worker processes (env.processes), also when the role failed
     else:
         learner = Learner(cfg, topo, model, tokenizer)
         sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
-        collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop)
+        collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop, probe=probe)
     dist.destroy_process_group()
     gc.unfreeze()  # let interpreter shutdown release the frozen heap (else nanobind reports leaks)
     return collapse_step if topo.role == "learner" else None

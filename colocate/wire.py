@@ -8,8 +8,10 @@ integer hash of the buffer's bytes (0: not sent), so a receiver can prove it hol
 weights bit for bit.
 
 Trajectories (each inference rank -> each learner, point to point on the gloo transport group): an
-int64 header [num_fields, (field_id, dtype_id, ndim, *shape) per field, 0..., flags] padded to a
-fixed length, then each tensor of the `TrajectoryBatch`. No pickling, no per-sample messages.
+int64 header [num_fields, (field_id, dtype_id, ndim, *shape) per field, 0..., probe length, probe
+version + 1, flags] padded to a fixed length, then each tensor of the `TrajectoryBatch`, then (when
+the probe version slot is not 0) the engine's canary score of the version that sampled the batch
+(`ProbeScore`, `colocate.canary`). No pickling, no per-sample messages.
 
 Run control rides on both headers (`RunFlags`): a stop requested on an inference rank reaches the
 learners in the trajectory header; the learners' checkpoint and stop decisions reach every
@@ -170,9 +172,30 @@ def broadcast_json(obj, *, src: int, group, rank: int):
 FIELDS = [f.name for f in fields(TrajectoryBatch)]
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool]
 HEADER_LEN = 64
+HEADER_TAIL = 3
+"""The header's last slots: probe length, probe version + 1 (0: no probe score follows), flags."""
 
 
-def encode_batch(batch: TrajectoryBatch, flags: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+@dataclass(frozen=True)
+class ProbeScore:
+    """An engine's canary: its log-probs of the fixed probe under the adapter version it holds."""
+    version: int
+    logprobs: torch.Tensor
+    """[T-1] float32, log p(probe[t] | probe[:t]) for t = 1..T-1 (temperature 1, no mask)."""
+
+
+@dataclass
+class Shard:
+    """One inference rank's part of a batch for one learner, as received."""
+    batch: TrajectoryBatch
+    flags: RunFlags
+    """The inference rank's run control (a stop it saw)."""
+    canary: ProbeScore | None = None
+    """The engine's probe score of the version that sampled this batch, when it is scored first."""
+
+
+def encode_batch(batch: TrajectoryBatch, flags: int = 0,
+                 canary: ProbeScore | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """-> ([HEADER_LEN] int64 header, the tensors to send after it)."""
     tensors = batch.tensors()
     header = [len(tensors)]
@@ -180,20 +203,24 @@ def encode_batch(batch: TrajectoryBatch, flags: int = 0) -> tuple[torch.Tensor, 
     for name, t in tensors.items():
         header += [FIELDS.index(name), DTYPES.index(t.dtype), t.dim(), *t.shape]
         payload.append(t.contiguous())
-    if len(header) > HEADER_LEN - 1:
+    if len(header) > HEADER_LEN - HEADER_TAIL:
         raise ValueError("trajectory header too long")
-    return torch.tensor(header + [0] * (HEADER_LEN - 1 - len(header)) + [int(flags)], dtype=torch.int64), payload
+    tail = [0, 0, int(flags)]
+    if canary is not None:
+        payload.append(canary.logprobs.detach().float().contiguous().cpu())
+        tail = [canary.logprobs.numel(), canary.version + 1, int(flags)]
+    return torch.tensor(header + [0] * (HEADER_LEN - HEADER_TAIL - len(header)) + tail, dtype=torch.int64), payload
 
 
-def send_batch(batch: TrajectoryBatch, dst: int, group, flags: int = 0) -> None:
+def send_batch(batch: TrajectoryBatch, dst: int, group, flags: int = 0, canary: ProbeScore | None = None) -> None:
     """Blocking send of one shard to global rank `dst`."""
-    header, payload = encode_batch(batch, flags)
+    header, payload = encode_batch(batch, flags, canary)
     for t in (header, *payload):
         dist.send(t, dst=dst, group=group)
 
 
-def recv_batch(src: int, group) -> tuple[TrajectoryBatch, RunFlags]:
-    """Blocking receive of one shard from global rank `src` -> (batch, the sender's flags)."""
+def recv_batch(src: int, group) -> Shard:
+    """Blocking receive of one shard from global rank `src`."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src=src, group=group)
     h = header.tolist()
@@ -205,7 +232,13 @@ def recv_batch(src: int, group) -> tuple[TrajectoryBatch, RunFlags]:
         t = torch.empty(shape, dtype=dtype)
         dist.recv(t, src=src, group=group)
         out[name] = t
-    return TrajectoryBatch(**out), RunFlags(h[-1])
+    probe_len, probe_version, flags = h[-HEADER_TAIL:]
+    canary = None
+    if probe_version:
+        logprobs = torch.empty(probe_len, dtype=torch.float32)
+        dist.recv(logprobs, src=src, group=group)
+        canary = ProbeScore(probe_version - 1, logprobs)
+    return Shard(TrajectoryBatch(**out), RunFlags(flags), canary)
 
 
 class TrajectorySender:
@@ -225,9 +258,10 @@ class TrajectorySender:
         self._thread = threading.Thread(target=self._run, name="colocate-trajectory-sender", daemon=True)
         self._thread.start()
 
-    def submit(self, index: int, shards: list[tuple[TrajectoryBatch, int]], flags: int = 0) -> None:
-        """Queue batch `index` as (shard, destination rank) pairs."""
-        self._queue.put((index, shards, flags))
+    def submit(self, index: int, shards: list[tuple[TrajectoryBatch, int]], flags: int = 0,
+               canary: ProbeScore | None = None) -> None:
+        """Queue batch `index` as (shard, destination rank) pairs; `canary` goes to every destination."""
+        self._queue.put((index, shards, flags, canary))
 
     def in_flight(self, submitted_through: int) -> int:
         """Batches submitted (through `submitted_through`) but not yet taken by the learners."""
@@ -249,10 +283,10 @@ class TrajectorySender:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            index, shards, flags = item
+            index, shards, flags, canary = item
             try:
                 for batch, dst in shards:
-                    send_batch(batch, dst, self.group, flags)
+                    send_batch(batch, dst, self.group, flags, canary)
             except BaseException as e:  # a dead peer: surface it in the main thread
                 with self._cond:
                     self._error = e

@@ -1,6 +1,6 @@
 """The adapter channel and the trajectory transport across real processes (gloo): the inference
 rank's engine ends up bit-identical to the learner's adapter, run-control flags arrive with their
-version, and a batch crosses unchanged with its flags."""
+version, and a batch crosses unchanged with its flags and (when given) the engine's canary score."""
 import json
 import os
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from colocate.data import TrajectoryBatch
-from colocate.wire import RunFlags
+from colocate.wire import ProbeScore, RunFlags
 from tests.conftest import free_port
 
 FLAGS = {1: RunFlags.NONE, 2: RunFlags.CHECKPOINT, 3: RunFlags.CHECKPOINT | RunFlags.STOP}
@@ -27,12 +27,15 @@ def _learner(model, spec, group, result_path):
         sender.send(flatten_lora(lora_state(model), spec), version, flags)
     flat = flatten_lora(lora_state(model), spec)
     dist.broadcast(flat, src=1, group=group)  # the inference rank's copy, sent back
-    batch, flags = recv_batch(1, group)
+    shard = recv_batch(1, group)
+    plain = recv_batch(1, group)
     from safetensors.torch import save_file
-    save_file(batch.tensors(), result_path + ".batch.safetensors")
+    save_file(shard.batch.tensors(), result_path + ".batch.safetensors")
     with open(result_path, "w") as f:
         json.dump({"bit_identical": torch.equal(flat, flatten_lora(lora_state(model), spec)),
-                   "batch_flags": int(flags)}, f)
+                   "batch_flags": int(shard.flags), "canary_version": shard.canary.version,
+                   "canary": shard.canary.logprobs.tolist(), "plain_canary": plain.canary is None,
+                   "plain_flags": int(plain.flags)}, f)
 
 
 def _inference(model, tok, spec, group, result_path):
@@ -48,7 +51,8 @@ def _inference(model, tok, spec, group, result_path):
     for _ in FLAGS:
         updates.append((receiver.receive(), engine.version))
     dist.broadcast(flatten_lora(engine.lora_state(), spec), src=1, group=group)
-    send_batch(_example_batch(), 0, group, flags=RunFlags.STOP)
+    send_batch(_example_batch(), 0, group, flags=RunFlags.STOP, canary=ProbeScore(5, -torch.arange(7.0) / 8))
+    send_batch(_example_batch(), 0, group)
     with open(result_path + ".updates", "w") as f:
         json.dump([{"version": u.version, "flags": int(u.flags), "engine_version": version,
                     "checksum_ok": u.metrics.get("checksum_ok")} for u, version in updates], f)
@@ -98,6 +102,8 @@ def test_broadcast_channel_gives_the_engine_the_learners_bytes_with_flags(tmp_pa
         [(v, int(f), v) for v, f in FLAGS.items()]
     assert all(u["checksum_ok"] == 1.0 for u in updates)
     assert learner["batch_flags"] == int(RunFlags.STOP)
+    assert learner["canary_version"] == 5 and learner["canary"] == (-torch.arange(7.0) / 8).tolist()
+    assert learner["plain_canary"] and learner["plain_flags"] == 0
     from safetensors.torch import load_file
     got, want = load_file(result + ".batch.safetensors"), _example_batch().tensors()
     assert got.keys() == want.keys()

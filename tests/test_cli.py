@@ -55,9 +55,16 @@ def test_train_checks_then_execs_torchrun_with_the_world_it_checked(monkeypatch,
     no_torchrun_env(monkeypatch)
     calls = []
     monkeypatch.setattr(cli.os, "execvpe", lambda exe, cmd, env: calls.append((cmd, env)))
+    # metrics.stop_on_mismatch (on by default) keeps `colocate train` as torchrun's parent, to turn
+    # the run's exit 3 (which torchrun reports as 1) back into 3; with it off, torchrun replaces it
+    mapped = []
+    monkeypatch.setattr(cli, "run_and_map_collapse", lambda cmd, env, run_dir: mapped.append(cmd) or 0)
     args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"]
+    assert cli.main(["train", *args]) == 0 and not calls
+    args.append("--metrics.stop_on_mismatch=false")
     assert cli.main(["train", *args]) == 0
     (cmd, env), = calls
+    assert mapped[0][:6] == cmd[:6] and mapped[0][6:] == cmd[6:-1]
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m"]
     assert cmd[6:] == ["colocate.train", *args] and env["OMP_NUM_THREADS"].isdigit()
     # several nodes: torchrun's flags pass through, the check covers nproc x nnodes ranks

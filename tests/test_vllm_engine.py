@@ -12,7 +12,7 @@ import torch
 from colocate.constraint import Constraint
 from colocate.data import Request
 from colocate.engine.vllm import (REPO_ROOT, completion_from_output, engine_environment, lora_spec_for,
-                                  sampled_logprobs, sampling_kwargs, visible_device)
+                                  prompt_logprobs_of, sampled_logprobs, sampling_kwargs, visible_device)
 from colocate.engine.vllm_settings import capture_sizes, engine_settings
 from colocate.wire import LoraSpec
 from tests.test_vllm_grammar import EOS, prefix_constraint
@@ -156,22 +156,34 @@ class FakeLLM:
 
     def enqueue(self, prompts, params, lora_request=None, use_tqdm=True):
         ids = []
-        for p in prompts:
-            self.running[str(self.counter)] = p["prompt_token_ids"]
+        for p, sp in zip(prompts, params):
+            self.running[str(self.counter)] = (p["prompt_token_ids"], sp)
             ids.append(f"{self.counter}-{self.rng.getrandbits(32):08x}")
             self.counter += 1
         return ids
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        """Runs only its own requests (the engine calls it with nothing streamed in flight)."""
+        assert not self.running
+        self.enqueue(prompts, params)
+        out = []
+        while self.running:
+            out += self._step()
+        return sorted(out, key=lambda o: int(o.request_id))
 
     def _step(self):
         names = list(self.running)
         self.rng.shuffle(names)
         out = []
         for name in names[:self.rng.randint(0, 3)]:
-            prompt = self.running.pop(name)
+            prompt, params = self.running.pop(name)
             tok = prompt[-1] + 1  # the "sampled" token names the prompt it answers
             result = SimpleNamespace(token_ids=[tok, EOS], logprobs=SimpleNamespace(logprobs=[-0.5, -0.1]),
                                      finish_reason="stop")
-            out.append(SimpleNamespace(request_id=name, finished=True, outputs=[result], num_cached_tokens=1))
+            scored = getattr(params, "prompt_logprobs", None) is not None  # log p(t) = -t / 100 here
+            prompt_lps = [None] + [{t: SimpleNamespace(logprob=-t / 100)} for t in prompt[1:]] if scored else None
+            out.append(SimpleNamespace(request_id=name, finished=True, outputs=[result], num_cached_tokens=1,
+                                       prompt_logprobs=prompt_lps))
         return out
 
 
@@ -180,7 +192,7 @@ def _streaming_engine(monkeypatch, seed=0):
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the host side only
     engine.llm, engine.version, engine.eos_id, engine.grammar_mode = FakeLLM(seed), 3, EOS, "tokens"
     engine.lora_mode, engine._lora_request = "slot", None
-    engine._pending, engine._next_ticket, engine._busy_since, engine._stash = {}, 0, 0.0, []
+    engine._pending, engine._next_ticket, engine._busy_since, engine._stash, engine._probes = {}, 0, 0.0, [], {}
     engine.inflight = False
     engine.counters = dict.fromkeys(("requests", "walk_failures", "eos_appended", "engine_errors", "host_s", "generate_s",
                                      "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps"), 0)
@@ -259,3 +271,35 @@ def test_vllm_inflight_updates_land_under_running_requests(monkeypatch):
         assert got[t].version == 3 and got[t].last_version in (3, 4)
     for t in late:
         assert got[t].version == 4 and got[t].last_version == 4
+
+
+# ------------------------------------------------------------------------------- the canary
+
+def test_prompt_logprobs_of_reads_the_probes_own_tokens():
+    out = SimpleNamespace(prompt_logprobs=[None, {7: SimpleNamespace(logprob=-0.5), 3: SimpleNamespace(logprob=-2.0)},
+                                           {9: SimpleNamespace(logprob=-1.25)}])
+    assert prompt_logprobs_of(out, [4, 7, 9]).tolist() == [-0.5, -1.25]
+    with pytest.raises(RuntimeError, match="prompt_logprobs=0"):
+        prompt_logprobs_of(SimpleNamespace(prompt_logprobs=None), [4, 7, 9])
+
+
+def test_vllm_canary_scores_the_probe_idle_and_beside_streamed_requests(monkeypatch):
+    """`score` asks vLLM for the probe's prompt log-probs with one generated token: alone through
+    `generate` when nothing streams, else through the running engine, where the streamed answers
+    it reads wait for the next poll and the probe is never taken for one of them."""
+    import sys
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    engine = _streaming_engine(monkeypatch, seed=4)
+    probe = [5, 11, 12, 30]
+    want = [-0.11, -0.12, -0.30]
+    assert engine.score(probe).tolist() == pytest.approx(want)
+    engine.inflight = True
+    tickets = engine.submit([Request(prompt_ids=[1, 40 + i], max_new_tokens=2) for i in range(9)])
+    for _ in range(3):
+        assert engine.score(probe).tolist() == pytest.approx(want)
+    got = {}
+    while engine._pending or engine._stash:
+        got.update(engine.poll())
+    assert sorted(got) == tickets and not engine._probes
+    assert [got[t].token_ids[0] for t in tickets] == [41 + i for i in range(9)]
+    assert engine.counters["requests"] == 9  # the probes are not samples

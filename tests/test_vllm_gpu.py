@@ -14,7 +14,10 @@ module; pytest's stays out of it) and checks what that run wrote:
   * learning (one GPU): configs/cpu-tiny.yaml with vLLM, both roles on GPU 0 (CUDA IPC), reaches its
     0.9 target with `rollout.update` drain and inflight, and with `engine.constraint_masks: ours`:
     an adapter that never reached the engine,
-    or reached it wrong under running requests, would leave the reward at chance (1/9).
+    or reached it wrong under running requests, would leave the reward at chance (1/9); the sync
+    canary's gap stays under its bound at every version;
+  * the canary (one GPU): an engine that never writes its updates (injected from outside the code,
+    `tests/canary_faults`) is caught in both LoRA modes, exit 3.
 vLLM is never imported here (only `importlib.util.find_spec`).
 """
 import importlib.util
@@ -172,3 +175,29 @@ def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update, masks):
     for tag in ("learner/entropy", "learner/grad_norm", "learner/grad_norm_max", "learner/ratio",
                 "learner/ratio_max", "learner/zero_adv_fraction", "learner/lr"):
         assert learner.get(tag), tag
+    # the sync canary at every version the engine sampled with, always under its bf16 bound
+    gaps, bounds = learner["sync/canary_gap"], learner["sync/canary_bound"]
+    assert len(gaps) == 299 and all(g <= b for g, b in zip(gaps, bounds)), (max(gaps), min(bounds))
+    assert summary["mismatch_step"] is None
+
+
+@pytest.mark.timeout(960)
+@pytest.mark.parametrize("lora_mode", ["slot", "merged"])
+def test_canary_catches_an_engine_that_skips_updates(tmp_path, lora_mode):
+    """The vLLM worker takes every version but never writes it (`tests/canary_faults`: the LoRA slot,
+    or the merged weights, stay at version 0: skipped updates, a stale merged copy). The canary's
+    gap grows with the learner's policy until it passes the bf16 bound: ALERT canary_mismatch, and
+    `colocate train` exits 3 long before the run's end."""
+    faults = os.path.join(REPO, "tests", "canary_faults")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_CUMEM_ENABLE": "0", "CANARY_TEST_FAULT": "vllm-skip",
+           "PYTHONPATH": os.pathsep.join([faults, REPO, os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    proc = subprocess.run([sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml",
+                           "--nproc", "2", "--engine.kind=vllm", f"--engine.lora_mode={lora_mode}",
+                           "--learner.num_steps=200", f"--model.cache_dir={tmp_path / 'cache'}",
+                           f"--metrics.run_dir={tmp_path / 'run'}"], cwd=REPO, env=env, timeout=900,
+                          capture_output=True, text=True)
+    out = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 3 and "ALERT canary_mismatch" in out, out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mismatch_step"] is not None and summary["steps"] < 200, summary["mismatch_step"]

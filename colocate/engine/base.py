@@ -5,7 +5,8 @@ temperature and the constraint mask, i.e. what the learner computes with the sam
 logprobs_mode="processed_logprobs"). `load_lora` copies tensors into the live adapter: no files,
 and every later `generate` samples with `version`.
 
-An engine implements `generate`, `load_lora` and `lora_state`; everything else has a default here,
+An engine implements `generate`, `load_lora`, `lora_state` and `score` (the sync canary's forward,
+`colocate.canary`); everything else has a default here,
 so the role loops call every method unconditionally:
   * streaming (`submit` / `poll`): the rollout worker queues each game's next phase as soon as the
     game can play it. The default answers every pending request in one `generate` call per poll
@@ -48,6 +49,11 @@ class Engine:
 
     def lora_state(self) -> dict[str, torch.Tensor]:
         """The engine's live adapter tensors (for checksums and tests)."""
+        raise NotImplementedError
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """[T-1] float32 log p(token_ids[t] | token_ids[:t]), t = 1..T-1, computed by the engine's own
+        forward with the adapter it samples with now (temperature 1, no mask): the sync canary."""
         raise NotImplementedError
 
     # ---- optional, with defaults ---------------------------------------------------------------

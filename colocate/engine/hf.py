@@ -146,6 +146,14 @@ class HFEngine(Engine):
     def lora_state(self) -> dict[str, torch.Tensor]:
         return self._lora
 
+    @torch.no_grad()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """One forward of the sequence through the sampling model (the canary, `colocate.canary`)."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, :-1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return logp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).cpu()
+
     def stats(self) -> dict[str, float]:
         """Throughput since the last call: prefill and decode tokens/s, mean batch size, cohorts
         prefilled again after an update landed under them."""

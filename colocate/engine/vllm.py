@@ -23,6 +23,11 @@ What it does beyond `LLM.generate`:
     completion records the version at submit (`version`: no token is older) and the one when its
     answer was read (`last_version`: none is newer). `generate` (evaluation between batches) then
     runs beside the streamed requests and keeps those that finish meanwhile for the next `poll`;
+  * the sync canary (`score`, `colocate.canary`): one request for the probe with
+    `prompt_logprobs=0` and one generated token, through the same adapter (slot name or merged
+    weights) as the samples; vLLM computes prompt log-probs from the raw logits (log-softmax, no
+    temperature) and skips prefix-cache reads for such a request, so the probe is computed anew by
+    the weights the engine holds;
   * start-up inside a torchrun rank: the engine core is a child process that sees only this rank's
     GPU and none of torchrun's variables (`engine_environment`), and re-imports the main module, so
     `train.py` keeps its entry guarded (docs/design.md, Traps).
@@ -119,6 +124,17 @@ def sampled_logprobs(output) -> list[float]:
     return [lps[i][tok].logprob for i, tok in enumerate(output.token_ids)]
 
 
+def prompt_logprobs_of(output, token_ids: list[int]) -> torch.Tensor:
+    """[T-1] log-probs of token_ids[1:] from a vLLM RequestOutput asked for `prompt_logprobs=0`
+    (position 0 has none; each later one maps the prompt's token id to its Logprob)."""
+    positions = output.prompt_logprobs
+    if positions is None or len(positions) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {'no' if positions is None else len(positions)} prompt log-probs for a "
+                           f"{len(token_ids)}-token probe: the request must ask for prompt_logprobs=0")
+    return torch.tensor([positions[t][tok].logprob for t, tok in enumerate(token_ids) if t],
+                        dtype=torch.float32)
+
+
 def completion_from_output(output, request: Request, version: int, eos_id: int) -> tuple[Completion, dict]:
     """vLLM CompletionOutput -> Completion (+ counters: walk failures, EOS appended, engine errors)."""
     ids = list(output.token_ids)
@@ -165,6 +181,7 @@ class VLLMEngine(Engine):
         self._reported = dict(self.counters)
         self._pending: dict[str, tuple[int, Request, int]] = {}  # vLLM request id -> (ticket, request, version)
         self._stash: list[tuple[int, Completion]] = []  # streamed answers read by `generate`, for the next poll
+        self._probes: dict[str, object] = {}  # canary request id -> its output, once finished
         self._next_ticket = 0
         self._busy_since = 0.0
         if s.lora_mode == "merged" and torch.cuda.is_available():  # the W0 copy comes out of the engine's share
@@ -319,6 +336,22 @@ class VLLMEngine(Engine):
         self.counters["generate_s"] += t2 - t1
         return completions
 
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """The canary's probe scored by vLLM's forward with the adapter it samples with now
+        (`prompt_logprobs`); beside streamed requests when they run (update="inflight")."""
+        from vllm import SamplingParams
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+        prompt = {"prompt_token_ids": list(token_ids), **self._cache_salt()}
+        if not self._pending:
+            (output,) = self.llm.generate([prompt], [params], lora_request=self._lora_request, use_tqdm=False)
+            return prompt_logprobs_of(output, token_ids)
+        (rid,) = self.llm.enqueue([prompt], [params], lora_request=self._lora_request, use_tqdm=False)
+        key = rid.split("-", 1)[0]
+        self._probes[key] = None
+        while self._probes[key] is None:  # streamed answers read meanwhile wait for the next poll
+            self._stash.extend(self._step_once())
+        return prompt_logprobs_of(self._probes.pop(key), token_ids)
+
     # -- streaming (the rollout worker with rollout.stream) -----------------------------------------
     def _params(self, requests: list[Request]) -> tuple[list[dict], list]:
         """Prompts and SamplingParams for `requests`: each distinct Constraint once as our automaton's
@@ -390,17 +423,20 @@ class VLLMEngine(Engine):
         engine = self.llm.llm_engine
         if not engine.has_unfinished_requests():  # step() would wait for outputs that never come
             raise RuntimeError(f"{len(self._pending)} streamed requests are unknown to vLLM "
-                               f"(e.g. {next(iter(self._pending))})")
+                               f"(e.g. {next(iter(self._pending), next(iter(self._probes), None))})")
         finished = [o for o in engine.step() if o.finished]
         self.counters["steps"] += 1  # streamed engine steps (one per decoded token without drafts)
         t1 = time.perf_counter()
         out = []
         for o in finished:
+            if o.request_id in self._probes:  # the canary's request (`score`)
+                self._probes[o.request_id] = o
+                continue
             ticket, r, version = self._pending.pop(o.request_id)
             out.append((ticket, self._completion(o, r, version)))
         self.counters["host_s"] += time.perf_counter() - t1
-        self.counters["requests"] += len(finished)
-        if not self._pending:
+        self.counters["requests"] += len(out)
+        if out and not self._pending:
             self.counters["generate_s"] += time.perf_counter() - self._busy_since
         return out
 

@@ -172,6 +172,23 @@ class Learner:
         return per_token_logprobs(logits, targets, self.spec.temperature)
 
     @torch.no_grad()
+    def score_probe(self, token_ids: list[int]) -> tuple[torch.Tensor, float]:
+        """The sync canary's reference (`colocate.canary`): [T-1] float32 log-probs of the probe under
+        the current adapter (temperature 1, no mask, dropout off) from one forward in the learner's own
+        layout and precision, and the RMS of those logits (the bound's scale). Every learner runs it
+        (FSDP's all-gathers)."""
+        n = len(token_ids)
+        probe = TrajectoryBatch(tokens=torch.tensor(token_ids, dtype=torch.int32),
+                                seq_lens=torch.tensor([n], dtype=torch.int32),
+                                prompt_lens=torch.tensor([1], dtype=torch.int32), behaviour_logprobs=torch.zeros(n - 1),
+                                advantages=torch.zeros(1), rewards=torch.zeros(1), versions=torch.zeros(1, dtype=torch.int32))
+        ((_, _, mb),) = layout(probe, n, self.cfg.learner.prefix_sharing, self.device, self.attention)
+        self.model.eval()  # the step's forward sets train() again
+        logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
+        logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
+        return logp.cpu(), float(logits.pow(2).mean().sqrt())
+
+    @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
         """[N] log-probs of every completion token under the current adapter, in batch order (the
         policy at the start of the step), from the loss kernel's forward-only pass, in the step's own

@@ -1,9 +1,12 @@
 """The learner role loop: receive trajectory shards, train, send the adapter, checkpoint.
 
-Per step s: receive one shard from every inference rank -> `Learner.train_step` -> every learner
-joins the adapter gather -> the adapter sender puts version s + 1 on the wire with run-control
-flags -> (on schedule, at the end or on a stop) a checkpoint. A non-finite loss skips the update
-(the Learner does that) and `metrics.max_nonfinite_steps` in a row end the run. This module never
+Per step s: receive one shard from every inference rank (with the engines' canary scores of the
+version that sampled it, checked against the learner's: `colocate.canary`) -> `Learner.train_step`
+-> the learner's canary reference of version s + 1 (every learner: one probe forward) -> every
+learner joins the adapter gather -> the adapter sender puts version s + 1 on the wire with
+run-control flags -> (on schedule, at the end or on a stop) a checkpoint. A non-finite loss skips
+the update (the Learner does that) and `metrics.max_nonfinite_steps` in a row end the run; a
+canary mismatch stops it after the step (`metrics.stop_on_mismatch`). This module never
 imports an engine: how adapters reach the engines is the `AdapterSender` the composition root
 passes in.
 """
@@ -21,6 +24,7 @@ import yaml
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
+from colocate.canary import CanaryCheck, compute_dtype
 from colocate.channel import AdapterSender
 from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
@@ -50,8 +54,10 @@ class TimelineRow:
 class LearnerRank:
     """One learner rank's state across steps: the `Learner`, its adapter sender, history and timers."""
 
-    def __init__(self, cfg: Config, topo: Topology, learner, sender: AdapterSender, stop: StopSignal):
+    def __init__(self, cfg: Config, topo: Topology, learner, sender: AdapterSender, stop: StopSignal,
+                 probe: list[int]):
         self.cfg, self.topo, self.learner, self.sender, self.stop = cfg, topo, learner, sender, stop
+        self.probe = probe  # the canary's token ids (`canary.probe_ids`), the engines score the same
         self.writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0,
                                     tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         if topo.role_rank == 0:  # W&B / MLflow / trackio: the learner's scalars, once per job
@@ -62,19 +68,49 @@ class LearnerRank:
         self.history: dict[str, list[float]] = {"reward": [], "loss": []}
         self.monitor = CollapseMonitor(cfg.metrics)  # same global stats on every learner: same verdicts
         self.collapsed_at: int | None = None  # the step whose reward_drop alert stopped the run
+        shape = learner.model.config
+        self.canary = CanaryCheck(compute_dtype(cfg.model.dtype, topo.device.type == "cuda"),
+                                  reduction=max(shape.hidden_size, shape.intermediate_size),
+                                  num_layers=shape.num_hidden_layers, every=cfg.sync.canary_every)
+        self.canary_gap: float | None = None  # this step's canary gap (step line)
+        self.mismatch = False  # this step's canary failed
+        self.mismatch_at: int | None = None  # the step whose canary mismatch stopped the run
         self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
         self.timeline: list[TimelineRow] = []
         self.block_params = sum(p.numel() for n, p in learner.model.named_parameters()
                                 if ".layers." in n and "lora_" not in n)
 
-    def receive(self) -> tuple[TrajectoryBatch, bool, dict]:
-        """One shard from every inference rank -> (batch, a stop was requested there, wait times)."""
+    def receive(self, step: int) -> tuple[TrajectoryBatch, bool, dict]:
+        """One shard from every inference rank -> (batch, a stop was requested there, wait times);
+        the engines' canary scores that came with them are checked."""
         t0, u0 = time.perf_counter(), time.time()
         received = [recv_batch(src, self.topo.transport_group) for src in self.topo.inference_ranks]
         # the last adapter's sends to the engines count as waiting, not training
         send_wait_s = self.sender.wait_sent()
         waits = {"t0": t0, "u0": u0, "wait_s": time.perf_counter() - t0, "send_wait_s": send_wait_s}
-        return TrajectoryBatch.concat([b for b, _ in received]), any(f & RunFlags.STOP for _, f in received), waits
+        self.check_canary([s.canary for s in received if s.canary is not None], step)
+        return TrajectoryBatch.concat([s.batch for s in received]), any(s.flags & RunFlags.STOP for s in received), waits
+
+    def check_canary(self, scores: list, step: int) -> None:
+        """The engines' probe log-probs against the learner's of the same version (`colocate.canary`)."""
+        result = self.canary.check(scores)
+        self.canary_gap, self.mismatch = (result.gap, result.failed) if result is not None else (None, False)
+        if result is None:
+            return
+        self.writer.scalars("sync", {"canary_gap": result.gap, "canary_bound": result.bound}, step)
+        if result.failed:
+            stopping = "; stopping (metrics.stop_on_mismatch)" if self.cfg.metrics.stop_on_mismatch else ""
+            self.writer.alert("canary_mismatch", f"adapter version {result.version}: the engine's log-probs of the "
+                              f"canary probe differ from the learner's by {result.gap:.3g} nats on average (bound "
+                              f"{result.bound:.3g}): it samples another policy than the one trained{stopping}", step)
+
+    def record_canary(self) -> None:
+        """The learner's probe log-probs of its current version, when that version is scored (every
+        learner: one forward)."""
+        if self.canary.due(self.learner.version):
+            t0 = time.perf_counter()
+            self.canary.record(self.learner.version, *self.learner.score_probe(self.probe))
+            self.writer.scalars("sync", {"canary_learner_ms": (time.perf_counter() - t0) * 1e3}, self.learner.version)
 
     def train(self, batch: TrajectoryBatch, step: int, waits: dict) -> dict[str, float]:
         """`Learner.train_step` -> its stats (+ MFU); the train start and end go into `waits`."""
@@ -142,9 +178,12 @@ class LearnerRank:
                               f"ent {stats['entropy']:.3f} gnorm {stats['grad_norm']:.3f} "
                               f"ratio {stats['ratio']:.3f}/{stats['ratio_max']:.2f} zadv {stats['zero_adv_fraction']:.2f} "
                               f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
-                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{self.eta.text(step)}")
+                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{self.canary_text()}{self.eta.text(step)}")
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
                                          stats["policy_lag_mean"], gather_s, sync_s))
+
+    def canary_text(self) -> str:
+        return "" if self.canary_gap is None else f" canary {self.canary_gap:.1e}"
 
     def drain(self, step: int) -> None:
         """After a stop at `step`: batches step+1 .. step+lag were already sampled and sent; receive
@@ -158,12 +197,16 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     """One step of the protocol (module docstring) -> whether the run stops after it."""
     cfg = rank.cfg
     maybe_raise(rank.fault, rank.topo.rank, step)
-    batch, stop_elsewhere, waits = rank.receive()
+    batch, stop_elsewhere, waits = rank.receive(step)
     stats = rank.train(batch, step, waits)
+    rank.record_canary()
     collapse = cfg.metrics.stop_on_collapse and rank.monitor.collapsed
-    stop_requested = rank.agree_to_stop(stop_elsewhere or collapse)
+    mismatch = cfg.metrics.stop_on_mismatch and rank.mismatch
+    stop_requested = rank.agree_to_stop(stop_elsewhere or collapse or mismatch)
     if collapse:
         rank.collapsed_at = step + 1
+    if mismatch:
+        rank.mismatch_at = step + 1
     last = step == cfg.learner.num_steps - 1
     stopping = stop_requested and not last
     checkpointing = cfg.checkpoint.enabled and (
@@ -171,31 +214,34 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     flags = (RunFlags.CHECKPOINT if checkpointing else RunFlags.NONE) | (RunFlags.STOP if stopping else RunFlags.NONE)
     adapter, gather_s, sync_s = rank.publish(flags)
     if checkpointing:
+        # a mismatch: the checkpoints written before this step never trained on that engine's samples
+        good_step = step if mismatch else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
         write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.fault,
-                         protect_step=rank.monitor.good_step if cfg.metrics.stop_on_collapse else None)
-        if collapse and rank.topo.rank == rank.topo.sync_src:
-            note_last_good(cfg, rank.writer, rank.monitor.good_step, step + 1)
+                         protect_step=good_step)
+        if (collapse or mismatch) and rank.topo.rank == rank.topo.sync_src:
+            note_last_good(cfg, rank.writer, good_step, step + 1, "mismatch" if mismatch else "collapse")
     if (last or stopping) and rank.topo.role_rank == 0:  # the run's model, checkpoints on or off
         from colocate.checkpoint import peft_config_dict, save_adapter
         save_adapter(os.path.join(cfg.metrics.run_dir, "adapter"), adapter, peft_config_dict(rank.learner.model))
     rank.log(step, stats, waits, gather_s, sync_s)
     if stopping:
         rank.drain(step)
-        why = "metrics.stop_on_collapse" if collapse else "signal"
+        why = "metrics.stop_on_mismatch" if mismatch else "metrics.stop_on_collapse" if collapse else "signal"
         rank.writer.print(f"stop requested ({why}): checkpoint at step {step + 1}, exiting")
     return stopping
 
 
-def note_last_good(cfg: Config, writer: MetricsWriter, good_step: int, step: int) -> None:
-    """<run_dir>/checkpoints/last_good.json: the newest checkpoint at or before `good_step` (the
-    collapse monitor's last step before the drop), and one line saying which."""
+def note_last_good(cfg: Config, writer: MetricsWriter, good_step: int, step: int, why: str) -> None:
+    """<run_dir>/checkpoints/last_good.json: the newest checkpoint at or before `good_step` (a
+    collapse: the monitor's last step before the drop; a canary mismatch: the step before the
+    engine's samples were trained on), and one line saying which."""
     from colocate.checkpoint import checkpoint_root, checkpoints
     root = checkpoint_root(cfg.metrics.run_dir)
     good = [p for p in checkpoints(root) if checkpoint_step(p) <= good_step]  # newest first
     path = good[0] if good else None
     write_json_atomic(os.path.join(root, "last_good.json"),
-                      {"path": path, "step": checkpoint_step(path) if path else None, "collapse_step": step})
-    writer.print(f"collapse at step {step}: last good checkpoint {path or 'none (set checkpoint.every)'}")
+                      {"path": path, "step": checkpoint_step(path) if path else None, f"{why}_step": step})
+    writer.print(f"{why} at step {step}: last good checkpoint {path or 'none (set checkpoint.every)'}")
 
 
 def checkpoint_step(path: str) -> int:
@@ -203,14 +249,16 @@ def checkpoint_step(path: str) -> int:
 
 
 def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, resume: dict | None,
-                stop: StopSignal) -> int | None:
+                stop: StopSignal, probe: list[int]) -> int | None:
     """The learner role: receive shards, train, hand the adapter to the inference ranks -> the step
-    whose collapse stopped the run (metrics.stop_on_collapse), or None."""
-    rank = LearnerRank(cfg, topo, learner, sender, stop)
+    whose collapse or canary mismatch stopped the run (metrics.stop_on_collapse / stop_on_mismatch),
+    or None."""
+    rank = LearnerRank(cfg, topo, learner, sender, stop, probe)
     start = 0
     if resume is not None:
         start = restore_learner(learner, resume)
         rank.history = {k: list(v) for k, v in resume["trainer_state"]["history"].items()}
+    rank.record_canary()  # the version the engines start with
     monitors = contextlib.ExitStack()  # daemon threads and a profiler window
     role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
                                                 what="trajectory consumed"))
@@ -241,11 +289,12 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
             "memory_plan_gib": read_json(os.path.join(cfg.metrics.run_dir, "memory_plan.json")),
             "dropped_stale": rank.dropped,
             "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
-            "timeline": [row.to_json() for row in rank.timeline], "gpu_util": gpu_util, "collapse_step": rank.collapsed_at})
+            "timeline": [row.to_json() for row in rank.timeline], "gpu_util": gpu_util, "collapse_step": rank.collapsed_at,
+            "mismatch_step": rank.mismatch_at})
         if topo.rank == topo.sync_src:
             rank.writer.print(run_files(cfg))
     rank.writer.close()
-    return rank.collapsed_at
+    return rank.collapsed_at or rank.mismatch_at
 
 
 def read_json(path: str) -> dict:

@@ -7,6 +7,8 @@ the remaining versions up to S. With `rollout.update=inflight` the worker return
 still running, so the adapter taken before batch k lands between two engine steps while they run
 (the engine's own process keeps decoding them meanwhile: vLLM). Adapter headers carry run control (`wire.RunFlags`): CHECKPOINT
 (send this rank's sampler/env state to learner rank 0) and STOP (a signal was seen somewhere).
+Before the first batch it samples with a new adapter version, the rank scores the sync canary's
+probe with the engine (`Engine.score`, `colocate.canary`) and ships it with that batch's shards.
 The engine, env and adapter receiver are built by the composition root (`train.py`); nothing here
 knows which engine it drives.
 """
@@ -28,7 +30,7 @@ from colocate.metrics import (EngineProfileWindow, MetricsWriter, Profilers, mak
 from colocate.rollout.evaluation import Evaluator
 from colocate.rollout.worker import RolloutWorker
 from colocate.topology import Topology, gpu_index
-from colocate.wire import RunFlags, TrajectorySender, send_json
+from colocate.wire import ProbeScore, RunFlags, TrajectorySender, send_json
 
 BATCH_STATS = ("polls", "samples", "latency_s", "poll_latency_s_p50", "poll_latency_s_p95", "request_latency_s_p50",
                "request_latency_s_p95", "group_latency_s_p95",
@@ -42,8 +44,10 @@ class InferenceRank:
     """One inference rank's state across batches: its engine, env, worker and adapter receiver."""
 
     def __init__(self, cfg: Config, topo: Topology, engine: Engine, env: Env, receiver: AdapterReceiver,
-                 stop: StopSignal):
+                 stop: StopSignal, probe: list[int]):
         self.cfg, self.topo, self.engine, self.env, self.receiver, self.stop = cfg, topo, engine, env, receiver, stop
+        self.probe = probe  # the canary's token ids (`canary.probe_ids`), the learner scores the same
+        self.scored_version: int | None = None  # the last version the canary scored
         self.worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
                                     first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
                                     stream=cfg.rollout.stream, drop_uniform=cfg.rollout.drop_uniform_groups,
@@ -65,6 +69,18 @@ class InferenceRank:
             if update.flags & RunFlags.CHECKPOINT:  # this rank's part of the checkpoint, at this version
                 send_json(self.resume_state(), self.topo.sync_src, self.topo.transport_group)
             self.stopped = self.stopped or bool(update.flags & RunFlags.STOP)
+
+    def score_canary(self) -> ProbeScore | None:
+        """The engine's probe log-probs with the version it holds, once per version (every
+        `sync.canary_every`): they travel with the next batch's shards to the learners."""
+        version, every = self.engine.version, self.cfg.sync.canary_every
+        if every <= 0 or version % every or version == self.scored_version:
+            return None
+        self.scored_version = version
+        t0 = time.perf_counter()
+        logprobs = self.engine.score(self.probe)
+        self.writer.scalars("sync", {"canary_ms": (time.perf_counter() - t0) * 1e3}, version)
+        return ProbeScore(version, logprobs)
 
     def resume_state(self) -> dict:
         """What this rank needs to resume sampling exactly (JSON)."""
@@ -91,6 +107,7 @@ class InferenceRank:
         self.take_adapters_through(k - lag)
         if self.stopped:
             return None
+        canary = self.score_canary()
         self.evaluator.between_batches()
         t_version = time.perf_counter()
         # Sends of batch j complete once the learners start step j, which needs version j to have
@@ -105,7 +122,7 @@ class InferenceRank:
                              "collect_s": time.perf_counter() - t_collect,
                              **{key: float(v) for key, v in {**stats, **engine_stats}.items() if key in BATCH_STATS}})
         flags = RunFlags.STOP if self.stop.requested else RunFlags.NONE  # reaches the learners in the header
-        sender.submit(k, list(zip(shard_batch(batch, self.topo.num_learners), self.topo.learner_ranks)), flags)
+        sender.submit(k, list(zip(shard_batch(batch, self.topo.num_learners), self.topo.learner_ranks)), flags, canary)
         stats["queue_depth"] = sender.in_flight(k)
         return stats, engine_stats
 
@@ -138,9 +155,9 @@ def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
 
 
 def run_inference(cfg: Config, topo: Topology, engine: Engine, env: Env, receiver: AdapterReceiver, *,
-                  resume: dict | None, stop: StopSignal) -> None:
+                  resume: dict | None, stop: StopSignal, probe: list[int]) -> None:
     """The inference role: play batches, send them to the learners, take adapters as they come."""
-    rank = InferenceRank(cfg, topo, engine, env, receiver, stop)
+    rank = InferenceRank(cfg, topo, engine, env, receiver, stop, probe)
     start = rank.restore(resume) if resume is not None else 0
     t_start = time.perf_counter()
     with role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo), what="trajectory produced") as role:

@@ -1,0 +1,116 @@
+"""The sync canary: proof, once per adapter version, that the engine samples the policy being trained.
+
+A run can train one policy while its engine samples another, silently: an update the engine skips,
+an adapter written into the wrong slot or with the wrong scale, a merged copy left stale. Checksums
+(`sync.check_checksum`) prove the bytes arrived; only the engine's own forward proves they are used.
+So both sides score one fixed probe sequence (`probe_ids`: a sentence through the run's tokenizer,
+`PROBE_TOKENS` long) with the same adapter version:
+
+  * the learner, right after each step, with the version it is about to send (`Learner.score_probe`:
+    one no-grad forward of the probe; every learner rank runs it, FSDP needs them all), and keeps
+    the log-probs and the logits' scale (`CanaryCheck.record`);
+  * each inference rank, before it samples a batch with a version it has not scored yet
+    (`Engine.score`: the HF engine's forward, vLLM's `prompt_logprobs`), and ships the log-probs
+    with that batch's trajectories (`wire.ProbeScore` in the shard header: one direction, on the
+    existing transport, no extra message or collective).
+
+The learner compares them (`CanaryCheck.check`) when the batch arrives, i.e. before it trains on
+anything that version sampled: the gap is the mean |engine - learner| log-prob over the probe's
+tokens (nats), `sync/canary_gap` in TensorBoard and `canary` on the step line; past `bound` it is
+an `ALERT canary_mismatch`, and `metrics.stop_on_mismatch` ends the run (exit 3).
+
+The bound comes from the arithmetic, not from measurements (`canary_bound`, docs/design.md):
+each side's logits carry a relative error eps = u + sqrt(K) * 2^-24 (one rounding of a GEMM's
+output to the compute dtype, unit roundoff u, plus the fp32 accumulation of its K-long dot
+products in another order), accumulated over the L decoder layers as independent roundings
+(x sqrt(L)); a log-prob is a logit minus the log-sum-exp, both carrying that error (x 2), and two
+independent implementations differ by up to twice one's error (x 2). Relative error becomes
+absolute in proportion to the logits' magnitude, so the bound scales with the learner's logits
+RMS over the probe (`logit_scale`). bf16 (u = 2^-8) gives a few 1e-2 nats on real models; fp32 on
+the CPU (u = 2^-24) about 1e-5.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from colocate.wire import ProbeScore
+
+PROBE_TEXT = ("The canary checks that the engine samples the policy being trained: "
+              "add 3 and 4 ; answer : 7 . 12 + 30 = 42 , so the model keeps score .")
+"""Encoded by each run's tokenizer: words and digits, so a byte-level tokenizer trained on a
+narrow corpus (the CPU configs') still gives a varied sequence."""
+
+PROBE_TOKENS = 48
+"""Probe length: one short forward on either side (47 scored tokens)."""
+
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+"""Half a unit in the last place, relative: the largest relative error of one rounding."""
+
+
+def probe_ids(tokenizer) -> list[int]:
+    """The probe: `PROBE_TEXT` through the tokenizer (no special tokens), repeated to
+    `PROBE_TOKENS` ids. Deterministic: both roles build the same one from the same tokenizer."""
+    ids = list(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
+    if not ids:
+        raise ValueError("the tokenizer encodes the canary's probe text to nothing")
+    return (ids * (PROBE_TOKENS // len(ids) + 1))[:PROBE_TOKENS]
+
+
+def compute_dtype(model_dtype: str, on_gpu: bool) -> torch.dtype:
+    """The coarser of the two sides' compute dtypes: on a GPU the learner runs bf16 (FSDP's mixed
+    precision) and vLLM bf16 or the model's dtype; on the CPU both run the model's dtype."""
+    return torch.bfloat16 if on_gpu or model_dtype == "bfloat16" else getattr(torch, model_dtype)
+
+
+def canary_bound(dtype: torch.dtype, *, reduction: int, num_layers: int, logit_scale: float) -> float:
+    """The largest mean |log-prob difference| two correct implementations can show (module docstring):
+    4 * (u + sqrt(K) * 2^-24) * sqrt(L) * logit RMS."""
+    eps = UNIT_ROUNDOFF[dtype] + math.sqrt(reduction) * UNIT_ROUNDOFF[torch.float32]
+    return 4.0 * eps * math.sqrt(num_layers) * logit_scale
+
+
+@dataclass(frozen=True)
+class CanaryResult:
+    version: int
+    gap: float
+    """Largest over the inference ranks of the mean |engine - learner| log-prob over the probe (nats)."""
+    bound: float
+
+    @property
+    def failed(self) -> bool:
+        return not self.gap <= self.bound  # a NaN gap fails too
+
+
+class CanaryCheck:
+    """Learner side: the learner's probe log-probs per adapter version, until the engines' arrive."""
+
+    def __init__(self, dtype: torch.dtype, *, reduction: int, num_layers: int, every: int):
+        self.dtype, self.reduction, self.num_layers, self.every = dtype, reduction, num_layers, every
+        self.references: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def due(self, version: int) -> bool:
+        """Whether `version` is scored (`sync.canary_every`; 0: never)."""
+        return self.every > 0 and version % self.every == 0
+
+    def record(self, version: int, logprobs: torch.Tensor, logit_scale: float) -> None:
+        """The learner's [T-1] probe log-probs of `version` and its logits' RMS."""
+        self.references[version] = (logprobs.detach().float().cpu(), float(logit_scale))
+
+    def check(self, scores: list[ProbeScore]) -> CanaryResult | None:
+        """The engines' scores of one version (one per inference rank) against the learner's -> the
+        result, or None when no score came; older references are dropped."""
+        if not scores:
+            return None
+        version = scores[0].version
+        if any(s.version != version for s in scores) or version not in self.references:
+            raise RuntimeError(f"canary: engines scored versions {sorted({s.version for s in scores})}, the "
+                               f"learner holds references for {sorted(self.references)}")
+        reference, scale = self.references[version]
+        gap = max(float((s.logprobs.float() - reference).abs().mean()) for s in scores)
+        for v in [v for v in self.references if v <= version]:
+            del self.references[v]
+        bound = canary_bound(self.dtype, reduction=self.reduction, num_layers=self.num_layers, logit_scale=scale)
+        return CanaryResult(version, gap, bound)

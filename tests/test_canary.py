@@ -1,0 +1,155 @@
+"""The sync canary (`colocate.canary`): the probe, the bound from rounding arithmetic, the learner's
+check, the HF engine's and the learner's scores of one adapter, and whole CPU runs in which a sync
+fault injected from outside the code (`tests/canary_faults/sitecustomize.py`) is caught at the first
+step that would train on the faulty engine's samples, with ALERT and exit 3."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from colocate.canary import PROBE_TOKENS, CanaryCheck, canary_bound, compute_dtype, probe_ids
+from colocate.wire import ProbeScore
+from tests.conftest import REPO
+
+FAULTS_DIR = os.path.join(REPO, "tests", "canary_faults")
+
+
+def test_probe_is_fixed_length_and_the_same_from_the_same_tokenizer(tiny_tokenizer):
+    ids = probe_ids(tiny_tokenizer)
+    assert len(ids) == PROBE_TOKENS and ids == probe_ids(tiny_tokenizer)
+    assert len(set(ids)) > 10  # words and digits, not one repeated byte
+
+    class Empty:
+        def encode(self, text, add_special_tokens=False):
+            return []
+    with pytest.raises(ValueError, match="probe text"):
+        probe_ids(Empty())
+
+
+def test_bound_is_the_rounding_arithmetic():
+    """4 (u + sqrt(K) 2^-24) sqrt(L) x logit RMS: the CPU's fp32 tiny model is tight (a few 1e-6 at a
+    logit RMS of 1), bf16 at 7B is a few 1e-2 per unit of logit RMS, above the measured parity of
+    profiles/README.md (0.0064-0.0131 nats on sampled tokens) at any RMS of 1 or more."""
+    fp32 = canary_bound(torch.float32, reduction=128, num_layers=2, logit_scale=1.0)
+    assert fp32 == pytest.approx(4 * 2.0 ** -24 * (1 + math.sqrt(128)) * math.sqrt(2))
+    assert 1e-6 < fp32 < 1e-5
+    bf16 = canary_bound(torch.bfloat16, reduction=18944, num_layers=28, logit_scale=1.0)
+    assert 0.05 < bf16 < 0.1 and bf16 > 0.0131
+    assert canary_bound(torch.bfloat16, reduction=18944, num_layers=28, logit_scale=3.0) == pytest.approx(3 * bf16)
+    assert compute_dtype("float32", on_gpu=False) == torch.float32
+    assert compute_dtype("float32", on_gpu=True) == compute_dtype("bfloat16", on_gpu=False) == torch.bfloat16
+
+
+def test_check_takes_the_worst_engine_and_drops_older_references():
+    check = CanaryCheck(torch.float32, reduction=128, num_layers=2, every=2)
+    assert check.due(0) and check.due(4) and not check.due(3)
+    assert not CanaryCheck(torch.float32, reduction=1, num_layers=1, every=0).due(0)
+    ref = torch.tensor([-1.0, -2.0, -3.0])
+    check.record(2, ref, 1.0)
+    check.record(4, ref, 1.0)
+    assert check.check([]) is None
+    result = check.check([ProbeScore(2, ref), ProbeScore(2, ref + torch.tensor([0.0, 0.3, 0.0]))])
+    assert result.version == 2 and result.gap == pytest.approx(0.1) and result.failed
+    assert sorted(check.references) == [4]  # version 2 checked, 4 still to come
+    assert not check.check([ProbeScore(4, ref.clone())]).failed
+    check.record(6, ref, 1.0)
+    assert check.check([ProbeScore(6, torch.full((3,), float("nan")))]).failed  # NaN is a failure
+    with pytest.raises(RuntimeError, match="canary"):
+        check.check([ProbeScore(8, ref)])  # no reference for it
+
+
+def _learner_and_engine(tiny_cfg, tiny_tokenizer):
+    from colocate.config import load_config
+    from colocate.engine.hf import HFEngine
+    from colocate.learner.learner import Learner
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    from tests.test_packing import randomize_adapter
+    cfg = load_config(os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                      {"model": {"cache_dir": tiny_cfg.model.cache_dir}, "learner": {"fsdp": False}})
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    learner = Learner(cfg, topo, build_policy(cfg, tiny_tokenizer, "meta"), tiny_tokenizer)
+    randomize_adapter(learner.model)
+    engine = HFEngine(build_policy(cfg, tiny_tokenizer, torch.device("cpu")), tiny_tokenizer)
+    return learner, engine
+
+
+def test_engine_and_learner_agree_on_one_adapter_and_every_fault_shows(tiny_cfg, tiny_tokenizer):
+    """The HF engine's forward and the learner's (its packed layout) on the same adapter agree within
+    the fp32 bound; the engine after a skipped update (even one Adam-sized step of 1e-3 per entry),
+    with layer 0's and 1's tensors swapped, or with lora_B doubled is far outside it."""
+    sys.path.insert(0, FAULTS_DIR)
+    try:
+        from sitecustomize import faulty_tensors  # the torchrun tests' fault injection, here by hand
+    finally:
+        sys.path.remove(FAULTS_DIR)
+    learner, engine = _learner_and_engine(tiny_cfg, tiny_tokenizer)
+    probe = probe_ids(tiny_tokenizer)
+    shape = learner.model.config
+    check = CanaryCheck(torch.float32, reduction=max(shape.hidden_size, shape.intermediate_size),
+                        num_layers=shape.num_hidden_layers, every=1)
+    adapter = {n: t.clone() for n, t in learner.lora_state().items()}
+
+    def canary(tensors: dict):
+        check.record(1, *learner.score_probe(probe))
+        engine.load_lora(1, tensors)
+        return check.check([ProbeScore(1, engine.score(probe))])
+
+    healthy = canary(adapter)
+    assert not healthy.failed and healthy.gap < healthy.bound / 10, healthy
+    for fault in ("slot", "scale"):
+        assert canary(faulty_tensors(fault, adapter)).gap > 10 * healthy.bound, fault
+    stale = {n: t - 1e-3 * torch.sign(t) for n, t in adapter.items()}  # the version before one step
+    assert canary(stale).gap > 10 * healthy.bound
+
+
+def colocate_train(tmp_path, *args, fault: str = "", steps: int = 4, timeout: int = 600):
+    """`colocate train` on cpu-tiny with `fault` injected in every process of the run."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([FAULTS_DIR, REPO, os.environ.get("PYTHONPATH", "")])}
+    if fault:
+        env["CANARY_TEST_FAULT"] = fault
+    cmd = [sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml", "--nproc", "2",
+           f"--learner.num_steps={steps}", f"--metrics.run_dir={tmp_path / 'run'}",
+           f"--model.cache_dir={tmp_path / 'cache'}", "--metrics.nvml_interval_s=0", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["skip", "slot", "scale"])
+def test_a_sync_fault_stops_the_run_before_its_samples_train_further(tmp_path, fault):
+    """From version 1 on the engine skips each update, writes it into the other layer's place, or
+    doubles lora_B. cpu-tiny (lag 1) samples batch 2 with version 1: that batch's canary fails, the
+    learner alerts at step 3, checkpoints, names step 2 (trained only on version 0's samples, which
+    passed) as the last good checkpoint although checkpoint.keep=1, and `colocate train` exits 3."""
+    proc = colocate_train(tmp_path, "--checkpoint.enabled=true", "--checkpoint.every=1", "--checkpoint.keep=1",
+                          fault=fault, steps=6)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-4000:]
+    assert out.count("ALERT canary_mismatch: adapter version 1:") == 1, out[-4000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["mismatch_step"] == 3 and summary["steps"] == 3 and summary["collapse_step"] is None
+    good = json.loads((run / "checkpoints" / "last_good.json").read_text())
+    assert good["step"] == 2 and good["mismatch_step"] == 3 and os.path.isdir(good["path"])
+    assert sorted(os.listdir(run / "checkpoints")) == ["last_good.json", "step-000002", "step-000003"]
+
+
+@pytest.mark.slow
+def test_a_healthy_run_never_alerts_and_its_gap_stays_under_the_bound(tmp_path):
+    """300 steps of cpu-tiny: a canary at every batch from the version's first one (every version
+    but the last), never an alert; in fp32 on the CPU both sides run the same kernels."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    proc = colocate_train(tmp_path, steps=300, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ALERT" not in out, out[-4000:]
+    acc = EventAccumulator(str(tmp_path / "run" / "tb" / "learner"))
+    acc.Reload()
+    gaps = [e.value for e in acc.Scalars("sync/canary_gap")]
+    bounds = [e.value for e in acc.Scalars("sync/canary_bound")]
+    assert len(gaps) == 300 - 1 and all(g <= b for g, b in zip(gaps, bounds))
+    assert max(bounds) < 1e-4
