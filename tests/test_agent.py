@@ -261,7 +261,10 @@ def test_hung_calls_leave_a_bounded_number_of_threads(tiny_tokenizer):
     env = AgentEnv(tok, Rows([{"prompt": "add 2 and 3 ; answer :", "answer": "5"}]), RewardSet(["gsm8k"], []),
                    AgentSettings(runner=runner, max_turns=11, max_tool_calls=50, max_new_tokens=1000,
                                  max_model_len=60000), group_size=10, tools=[agent_fixtures.hang])
-    tool_threads = lambda: sum(t.name == "colocate-tool" for t in threading.enumerate())  # noqa: E731
+    agent_fixtures.RELEASE.clear()
+    earlier = set(threading.enumerate())  # idle workers of other tests' envs
+    tool_threads = lambda: sum(t.name == "colocate-tool" and t not in earlier  # noqa: E731
+                               for t in threading.enumerate())
     seen, done = [], threading.Event()
     sampler = threading.Thread(target=lambda: [seen.append(tool_threads()) or time.sleep(0.001)
                                                for _ in iter(done.is_set, True)])
@@ -281,7 +284,6 @@ def test_hung_calls_leave_a_bounded_number_of_threads(tiny_tokenizer):
     while tool_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert tool_threads() == 0  # released, every worker exits
-    agent_fixtures.RELEASE.clear()
 
 
 def test_an_episode_tool_time_is_bounded_by_its_budget(tiny_tokenizer):

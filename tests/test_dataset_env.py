@@ -196,12 +196,17 @@ def test_a_reward_that_always_hangs_stops_naming_it(tiny_tokenizer, tmp_path):
     """Every call times out: max_reward_errors samples in a row stop the rollout with one message
     naming the function and the fault (not a stall)."""
     from colocate.rewards import RewardError
+    from tests import agent_fixtures
+    agent_fixtures.RELEASE.clear()
     env = make_env(tiny_tokenizer, tmp_path, reward=["tests.agent_fixtures:reward_hangs"], max_errors=6,
                    limits={"timeout_s": 0.2})
-    with pytest.raises(RewardError, match=r"^reward tests.agent_fixtures:reward_hangs gave no usable value for 7 "
-                                          r"samples in a row \(env.max_reward_errors=6\); last: timeout"):
-        collect(env, ScriptedEngine(tiny_tokenizer, true_sum), 2)
-    env.close()
+    try:
+        with pytest.raises(RewardError, match=r"^reward tests.agent_fixtures:reward_hangs gave no usable value for 7 "
+                                              r"samples in a row \(env.max_reward_errors=6\); last: timeout"):
+            collect(env, ScriptedEngine(tiny_tokenizer, true_sum), 2)
+    finally:
+        agent_fixtures.RELEASE.set()  # the abandoned calls return
+        env.close()
 
 
 def test_evaluate_scores_every_eval_row_greedily(tiny_tokenizer, tmp_path):
