@@ -83,6 +83,9 @@ _RANGES = {
     ("env", "tool_timeout_s"): (lambda v: v > 0, _POSITIVE),
     ("env", "tool_max_output_chars"): (lambda v: v >= 1, "must be >= 1"),
     ("env", "tool_workers"): (lambda v: v >= 1, "must be >= 1"),
+    ("env", "tool_budget_s"): (lambda v: v > 0, _POSITIVE + " (an episode's tool time in all)"),
+    ("env", "reward_timeout_s"): (lambda v: v > 0, _POSITIVE),
+    ("env", "reward_max_abs"): (lambda v: v > 0, _POSITIVE),
     ("rollout", "groups_per_step"): (lambda v: v >= 1, "must be >= 1"),
     ("rollout", "oversample_groups"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "lr"): (lambda v: v > 0, _POSITIVE),
@@ -199,20 +202,46 @@ def is_agent(cfg: Config) -> bool:
     return bool(cfg.env.tools or cfg.env.environment)
 
 
+AGENT_KEYS = ("tools", "environment", "tool_parser", "max_turns", "max_tool_calls", "tool_timeout_s",
+              "tool_max_output_chars", "tool_workers", "tool_budget_s")
+"""env keys only agent episodes read (`envs/agent.py`)."""
+
+
+def refuse_agent_keys(cfg: Config, why: str, keys: tuple[str, ...] = AGENT_KEYS) -> None:
+    """Refuse any of `keys` set away from its default: the env would ignore it (`why`)."""
+    default = EnvConfig()
+    given = [f"env.{k}={getattr(cfg.env, k)!r}" for k in keys if getattr(cfg.env, k) != getattr(default, k)]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: {why}, so the setting would be ignored (agent episodes: "
+                          "env.name=dataset with env.tools or env.environment, or an AgentEnv subclass by path; "
+                          "docs/agents.md)")
+
+
+def check_agent_lengths(cfg: Config, what: str) -> None:
+    """An agent env's episode limit holds a prompt and one whole turn."""
+    if cfg.engine.max_model_len <= 0:
+        raise ConfigError(f"{what} needs engine.max_model_len > 0: the token limit of a whole episode (prompt, "
+                          "every turn and every tool message)")
+    if cfg.engine.max_model_len <= cfg.engine.max_new_tokens:
+        raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} cannot hold a prompt and one turn of "
+                          f"engine.max_new_tokens={cfg.engine.max_new_tokens} ({what} plays whole episodes within it)")
+
+
 def check_agent_env(cfg: Config) -> None:
-    """env.tools / env.environment: paths, the parser, and the episode length limit."""
+    """env.tools / env.environment: an env that plays them, paths, and the episode length limit."""
     env = cfg.env
+    if env.name in ("arithmetic", "diplomacy"):
+        refuse_agent_keys(cfg, f"env.name={env.name} plays no tool episodes")
+    if env.name == "dataset" and not is_agent(cfg):
+        refuse_agent_keys(cfg, "env.name=dataset without env.tools or env.environment plays single turns",
+                          AGENT_KEYS[2:])
     if not is_agent(cfg):
         return
     for path in env.tools + ([env.environment] if env.environment else []):
         if not isinstance(path, str) or not is_object_path(path):
             raise ConfigError(f"env.tools / env.environment: {path!r} is not a path like 'my_pkg.tools:search'")
-    if cfg.engine.max_model_len <= 0:
-        raise ConfigError("env.tools / env.environment need engine.max_model_len > 0: the token limit of a whole "
-                          "episode (prompt, every turn and every tool message)")
-    if cfg.engine.max_model_len <= cfg.engine.max_new_tokens:
-        raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} leaves no room for a prompt before "
-                          f"engine.max_new_tokens={cfg.engine.max_new_tokens}")
+    if env.name == "dataset":
+        check_agent_lengths(cfg, "env.tools / env.environment")
 
 
 def _finite_number(value, where: str) -> float:

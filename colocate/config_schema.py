@@ -185,8 +185,17 @@ class EnvConfig:
     tables) leaves the loop that feeds the engine; 0 runs the env on that loop. Group order within a
     batch then follows timing, so not with the exact-resume mode (update drain, no oversampling)."""
     max_reward_errors: int = 100
-    """dataset: a reward function that raises or returns the wrong length, NaN or None scores that
-    sample 0 and is counted (`rollout/reward_errors`); this many bad samples in a row stop the run."""
+    """dataset: a reward function that raises (SystemExit too), outlasts `reward_timeout_s`, returns
+    the wrong length, None, NaN / inf or a value beyond `reward_max_abs` scores that sample 0 from it
+    and is counted (`rollout/reward_errors`, by kind `rollout/reward_errors/<kind>`); this many bad
+    samples in a row from one function stop the run, naming it."""
+    reward_timeout_s: float = 30.0
+    """dataset: a reward function's call (one group) not answered within this many seconds is a
+    `timeout` fault (its thread is abandoned: it cannot be killed; a function that runs code should
+    bound itself)."""
+    reward_max_abs: float = 1e6
+    """dataset: a reward value beyond +-this is an `out_of_range` fault (it never reaches the loss:
+    one huge value would swamp its group's advantages)."""
     options: dict = field(default_factory=dict)
     """Custom envs: keyword arguments handed to the env class's `from_config` (free-form)."""
     overlong_buffer: int = 0
@@ -215,7 +224,11 @@ class EnvConfig:
     tool_max_output_chars: int = 4000
     """Agents: a tool's output is cut to this many characters (counted as output_too_long)."""
     tool_workers: int = 8
-    """Agents: tool calls running at once per inference rank."""
+    """Agents: the threads that run tool calls, per env (a fixed pool: a worker stuck in a hung call
+    is abandoned and replaced, up to 8 threads beyond tool_workers; then the pool runs short)."""
+    tool_budget_s: float = 60.0
+    """Agents: wall time one episode may wait for its tool calls in all; a call's timeout is cut to
+    what is left, and calls once it is spent are answered `over_budget` without running."""
 
 
 @dataclass

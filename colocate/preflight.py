@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 from colocate.config import Config, ConfigError
+from colocate.config_checks import check_agent_lengths, refuse_agent_keys
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -190,6 +191,11 @@ def check_custom_env(cfg: Config) -> None:
         check_env_class(cls, cfg.env.options)
     except EnvProtocolError as e:
         raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
+    from colocate.envs.agent import AgentEnv
+    if issubclass(cls, AgentEnv):
+        check_agent_lengths(cfg, f"env.name={cfg.env.name!r} (an AgentEnv)")
+    else:
+        refuse_agent_keys(cfg, f"env.name={cfg.env.name!r} is not an AgentEnv")
 
 
 def check_agent_tools(cfg: Config) -> None:

@@ -8,10 +8,13 @@ Every function has TRL's signature, so an existing TRL reward function works unc
 as one assistant message (as TRL passes them); `columns` holds every other column of the rows,
 one value per completion. A group's G completions of one prompt go in one call.
 
-A result that cannot be used (the function raised, returned the wrong length, a NaN or None) scores
-the sample 0 from that function, is counted (`rollout/reward_errors`) and logged once per function
-and kind of fault with the offending sample; `max_errors` bad samples in a row stop the run with a
-`RewardError` naming the function, since by then the function is broken, not the data.
+Every call runs in a box (`colocate.calls`) with a time limit (`env.reward_timeout_s`). A result
+that cannot be used (the function raised - a `BaseException` such as `SystemExit` too -, did not
+answer in time, returned the wrong length, None, NaN or inf, or a value beyond +-`env.reward_max_abs`)
+scores the sample 0 from that function, is counted (`rollout/reward_errors` and
+`rollout/reward_errors/<kind>`) and logged once per function and kind of fault with the offending
+sample; `max_errors` bad samples in a row from one function stop the run with a `RewardError`
+naming the function, since by then the function is broken, not the data.
 """
 from __future__ import annotations
 
@@ -20,7 +23,11 @@ import numbers
 import re
 import sys
 import threading
+from collections import Counter
+from dataclasses import dataclass
 from fractions import Fraction
+
+from colocate.calls import CallPool, run_boxed
 
 NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")  # ASCII digits only: int() also takes other scripts
 
@@ -120,74 +127,144 @@ def load_reward(name: str, answer_column: str):
     return fn
 
 
+REWARD_ERROR_KINDS = ("raised", "base_exception", "timeout", "not_a_list", "wrong_length", "not_a_number",
+                      "non_finite", "out_of_range")
+"""Every kind of unusable reward result, counted in samples as `rollout/reward_errors/<kind>`."""
+
+
+@dataclass
+class Scores:
+    """One function's results over a group: a float or None per completion, the fault of each None."""
+    values: list
+    faults: list
+    detail: str = ""
+    """What the first fault was, for the log line."""
+    position: int = 0
+    """The completion it was found at."""
+
+
+def check_number(v, max_abs: float) -> str | None:
+    """None for a usable reward value, else its fault kind."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        return "not_a_number"
+    try:
+        f = float(v)
+    except (OverflowError, ValueError, TypeError):  # an int too large for a float
+        return "out_of_range"
+    if not math.isfinite(f):
+        return "non_finite"
+    return "out_of_range" if abs(f) > max_abs else None
+
+
+def check_scores(values, n: int, max_abs: float) -> Scores:
+    """A function's return value -> Scores (runs in the call's worker: a user's object may misbehave)."""
+    if not is_sequence(values):
+        return Scores([None] * n, ["not_a_list"] * n, f"returned {type(values).__name__} {_short(values)}, "
+                      f"expected a list of {n} numbers (one per completion)")
+    if len(values) != n:
+        return Scores([None] * n, ["wrong_length"] * n, f"returned {len(values)} values for {n} completions")
+    faults = [check_number(v, max_abs) for v in values]
+    first = next((i for i, f in enumerate(faults) if f), 0)
+    detail = "" if faults[first] is None else (
+        f"returned {type(values[first]).__name__} {_short(values[first])} at position {first}, expected a finite "
+        f"number within +-{max_abs:g} (env.reward_max_abs)")
+    return Scores([None if f else float(v) for v, f in zip(values, faults)], faults, detail, first)
+
+
+def evaluate(fn, n: int, max_abs: float, kwargs: dict) -> Scores:
+    """`fn(**kwargs)` and its result checked, in the call's worker; never raises."""
+    outcome = run_boxed(fn, kwargs=kwargs)
+    if outcome.kind != "value":
+        what = " (a BaseException: caught, the run goes on)" if outcome.kind == "base_exception" else ""
+        return Scores([None] * n, [outcome.kind] * n, f"raised {outcome.describe()}{what}")
+    checked = run_boxed(check_scores, (outcome.value, n, max_abs))
+    if checked.kind != "value":
+        return Scores([None] * n, ["not_a_list"] * n, f"returned a {type(outcome.value).__name__} that could not be "
+                      f"read as {n} numbers ({checked.describe()})")
+    return checked.value
+
+
+@dataclass
+class RewardLimits:
+    """How reward functions are bounded (env.* keys)."""
+    max_errors: int = 100
+    """Bad samples in a row from one function that stop the run (env.max_reward_errors)."""
+    timeout_s: float = 30.0
+    """A call not answered within this is a timeout (env.reward_timeout_s)."""
+    max_abs: float = 1e6
+    """A value beyond +-this is out_of_range (env.reward_max_abs)."""
+    workers: int = 1
+    """Calls at once (the scoring threads: env.reward_workers, at least 1)."""
+
+
 class RewardSet:
-    """The configured functions with their weights, and the count of unusable results."""
+    """The configured functions with their weights, and the count of unusable results. Every call
+    runs in a box (`colocate.calls`): a time limit, every exception (SystemExit too) an outcome."""
 
     def __init__(self, names: list[str], weights: list[float], *, answer_column: str = "answer",
-                 max_errors: int = 100):
+                 limits: RewardLimits | None = None):
         self.names = list(names)
         self.fns = [load_reward(n, answer_column) for n in self.names]
         self.weights = [float(w) for w in weights] or [1.0] * len(self.fns)
-        self.max_errors = max_errors
-        self.errors = 0          # bad samples since the last `take_errors`
-        self.in_a_row = 0        # bad samples since the last good one
+        self.limits = limits or RewardLimits()
+        self.max_errors = self.limits.max_errors
+        self.pool = CallPool(self.limits.workers, "reward")
+        self.errors = 0              # bad samples since the last `take_error_counts`
+        self.kinds: Counter = Counter()  # bad samples by (function's) fault kind, since then
+        self.in_a_row: Counter = Counter()  # function -> its bad samples since its last good one
         self._logged: set = set()
         self._lock = threading.Lock()  # scoring threads (`env.reward_workers`) share the counts
 
     def score(self, prompts: list, completions: list, columns: dict[str, list]) -> tuple[list[float], list[bool]]:
-        """Weighted sum per completion, and whether each sample had an unusable result."""
+        """Weighted sum per completion, and whether each sample had an unusable result (a bad value
+        adds nothing: the sample scores 0 from that function)."""
         n = len(completions)
         total, bad = [0.0] * n, [False] * n
         for name, fn, weight in zip(self.names, self.fns, self.weights):
-            values = self._call(name, fn, prompts, completions, columns)
-            for i, v in enumerate(values):
+            kwargs = {"prompts": prompts, "completions": completions, **columns}  # by keyword, as TRL calls them
+            scores = self._run(n, evaluate, fn, n, self.limits.max_abs, kwargs)
+            self._record(name, scores, prompts, completions)
+            for i, v in enumerate(scores.values):
                 if v is None:
                     bad[i] = True
                 else:
                     total[i] += weight * v
-        for i, is_bad in enumerate(bad):
-            self._count(is_bad, self.names)
+        with self._lock:
+            self.errors += sum(bad)
         return total, bad
 
-    def _call(self, name: str, fn, prompts, completions, columns) -> list[float | None]:
-        """One function over the group -> a float per completion, None where unusable (logged once)."""
-        n = len(completions)
-        try:
-            values = fn(prompts=prompts, completions=completions, **columns)  # by keyword, as TRL calls them
-        except Exception as e:  # noqa: BLE001 - a user's function; counted, not fatal at once
-            self._log_once(name, "raised", f"{type(e).__name__}: {e}", prompts[0], completions[0])
-            return [None] * n
-        if not is_sequence(values):
-            self._log_once(name, "not a list", f"returned {type(values).__name__} {_short(values)}, expected a list "
-                           f"of {n} numbers (one per completion)", prompts[0], completions[0])
-            return [None] * n
-        if len(values) != n:
-            self._log_once(name, "wrong length", f"returned {len(values)} values for {n} completions",
-                           prompts[0], completions[0])
-            return [None] * n
-        out = []
-        for i, v in enumerate(values):
-            ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok:
-                self._log_once(name, "bad value", f"returned {type(v).__name__} {_short(v)} at position {i}, "
-                               "expected a finite number", prompts[i], completions[i])
-            out.append(float(v) if ok else None)
-        return out
-
-    def _count(self, is_bad: bool, names) -> None:
+    def score_one(self, name: str, fn) -> float | None:
+        """One number from `fn()` (an environment's get_reward), in the same box -> it, or None."""
+        scores = self._run(1, evaluate_one, fn, self.limits.max_abs)
+        self._record(name, scores, [""], [""])
         with self._lock:
-            self._count_locked(is_bad, names)
+            self.errors += scores.values[0] is None
+        return scores.values[0]
 
-    def _count_locked(self, is_bad: bool, names) -> None:
-        if not is_bad:
-            self.in_a_row = 0
-            return
-        self.errors += 1
-        self.in_a_row += 1
-        if self.in_a_row > self.max_errors:
-            raise RewardError(f"{self.in_a_row} samples in a row got no usable reward from {', '.join(names)} "
-                              f"(env.max_reward_errors={self.max_errors}); the first fault was logged above: "
-                              "fix the function or the data")
+    def _run(self, n: int, check, *args) -> Scores:
+        """`check(*args)` (`evaluate`, `evaluate_one`) in the box -> its Scores, or n timeouts."""
+        outcome = self.pool.run(check, self.limits.timeout_s, *args)
+        if outcome.kind == "value":  # the checks never raise: any other outcome is the deadline
+            return outcome.value
+        return Scores([None] * n, ["timeout"] * n, f"gave no answer within env.reward_timeout_s="
+                      f"{self.limits.timeout_s:g}s (its thread is abandoned)")
+
+    def _record(self, name: str, scores: Scores, prompts, completions) -> None:
+        """Count the faults by kind, log the first of each kind once, stop on too many in a row."""
+        kind = next((f for f in scores.faults if f), None)
+        if kind is not None:
+            i = scores.position
+            self._log_once(name, kind, scores.detail, prompts[min(i, len(prompts) - 1)], completions[i])
+        with self._lock:
+            for fault in scores.faults:
+                if fault is None:
+                    self.in_a_row[name] = 0
+                    continue
+                self.kinds[fault] += 1
+                self.in_a_row[name] += 1
+                if self.in_a_row[name] > self.max_errors:
+                    raise RewardError(f"reward {name} gave no usable value for {self.in_a_row[name]} samples in a "
+                                      f"row (env.max_reward_errors={self.max_errors}); last: {fault}: {scores.detail}")
 
     def _log_once(self, name: str, kind: str, what: str, prompt, completion) -> None:
         with self._lock:
@@ -195,11 +272,36 @@ class RewardSet:
                 return
             self._logged.add((name, kind))
         print(f"colocate: reward function {name} {what}; the sample scores 0 from it and is counted under "
-              f"rollout/reward_errors (logged once): prompt={str(prompt)[-200:]!r} "
+              f"rollout/reward_errors/{kind} (logged once): prompt={str(prompt)[-200:]!r} "
               f"completion={str(completion)[:200]!r}", file=sys.stderr, flush=True)
 
-    def take_errors(self) -> int:
-        """Bad samples since the last call."""
+    def take_error_counts(self) -> dict[str, float]:
+        """Bad samples since the last call: in all (`reward_errors`) and by kind (a sample bad from
+        two functions counts once in all, under each function's kind)."""
         with self._lock:
-            n, self.errors = self.errors, 0
-        return n
+            n, kinds, self.errors, self.kinds = self.errors, self.kinds, 0, Counter()
+        return {"reward_errors": float(n), **{f"reward_errors/{k}": float(kinds[k]) for k in REWARD_ERROR_KINDS}}
+
+    def take_errors(self) -> int:
+        """Bad samples since the last call (the counts by kind too are reset)."""
+        return int(self.take_error_counts()["reward_errors"])
+
+    def restore_error_counts(self, counts: dict[str, float]) -> None:
+        """Put back what `take_error_counts` returned (an evaluation's own faults kept out of training's)."""
+        with self._lock:
+            self.errors = int(counts["reward_errors"])
+            self.kinds = Counter({k: int(counts[f"reward_errors/{k}"]) for k in REWARD_ERROR_KINDS})
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def evaluate_one(fn, max_abs: float) -> Scores:
+    """`fn()` that returns one number, checked, in the call's worker."""
+    outcome = run_boxed(fn)
+    if outcome.kind != "value":
+        return Scores([None], [outcome.kind], f"raised {outcome.describe()}")
+    fault = check_number(outcome.value, max_abs)
+    return Scores([None if fault else float(outcome.value)], [fault],
+                  f"returned {type(outcome.value).__name__} {_short(outcome.value)}, expected a finite number within "
+                  f"+-{max_abs:g} (env.reward_max_abs)" if fault else "")

@@ -61,8 +61,14 @@ files under it. Reward modules and env classes are imported and checked in the l
 (an env class against the `Env` protocol by signature, `env.options` against its constructor).
 At run time, a reward function or env method returning the wrong shape is logged once with what it
 returned and what was expected, counted (`rollout/reward_errors`, `rollout/env_errors`), and
-`env.max_reward_errors` of them in a row stop the run. When a rank fails, it alone prints
-`colocate: rank R (role) failed: ...`; the other ranks exit without a transport traceback.
+`env.max_reward_errors` of them in a row stop the run. A reward function runs in a box: one that
+raises (`SystemExit` too), outlasts `env.reward_timeout_s` or returns NaN, inf or a value beyond
+`env.reward_max_abs` is counted the same way, by kind (`rollout/reward_errors/<kind>`, docs/envs.md),
+and stops the run naming it (`RewardError: reward my_pkg.rewards:score gave no usable value for N
+samples in a row ...`). Model-written tool calls and users' tools never stop a run: each fault is a
+tool message and a count (`rollout/tool_errors/<kind>`, docs/agents.md). When a rank fails, it
+alone prints `colocate: rank R (role) failed: ...`; the other ranks exit without a transport
+traceback.
 
 | case | input | exit | message |
 | --- | --- | --- | --- |

@@ -123,10 +123,9 @@ def test_two_call_episode_trains_the_hand_built_sequence(tiny_tokenizer, fmt):
     assert batch.loss_mask.tolist() == mask * 4
     lp = [-0.1 * (i + 1) if policy else 0.0 for ids, policy in spans for i in range(len(ids))]
     torch.testing.assert_close(batch.behaviour_logprobs, torch.tensor(lp * 4))
-    requests = [p for p, _ in engine.sampled]
-    assert requests[:4] == [prompt] * 4  # 2 groups x 2 episodes, first turns
-    assert requests[4:8] == [prompt + turns[0] + results[0]] * 4
-    assert requests[8:] == [prompt + turns[0] + results[0] + turns[1] + results[1]] * 4
+    requests = sorted(p for p, _ in engine.sampled)  # episodes move on as their tools answer, in any order
+    assert requests == sorted([prompt] * 4 + [prompt + turns[0] + results[0]] * 4  # 2 groups x 2 episodes
+                              + [prompt + turns[0] + results[0] + turns[1] + results[1]] * 4)
     assert batch.rewards.tolist() == [1.0] * 4 and stats["tool_call_rate"] == 1.0
     assert stats["accuracy"] == 1.0 and stats["turns_per_episode"] == 3.0 and stats["tool_calls_per_episode"] == 2.0
     assert stats["policy_tokens_per_episode"] == sum(mask) and stats["env_tokens_per_episode"] == len(mask) - sum(mask)
@@ -140,14 +139,20 @@ BAD_CALLS = {
     "raised": '<tool_call>{"name": "explode", "arguments": {"reason": "why"}}</tool_call>',
     "timeout": '<tool_call>{"name": "sleepy", "arguments": {"seconds": 30}}</tool_call>',
     "output_too_long": '<tool_call>{"name": "repeat", "arguments": {"text": "ab", "times": 500}}</tool_call>',
+    # issue 52: text any policy can write, and tools that end in ways a plain `except Exception` misses
+    "too_deep": "<tool_call>" + "[" * 1200 + "</tool_call>",
+    "too_large": '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 4301 + ', "b": 1}}</tool_call>',
+    "base_exception": '<tool_call>{"name": "quit_now", "arguments": {"code": 5}}</tool_call>',
+    "unrenderable": '<tool_call>{"name": "returns_a_set", "arguments": {"n": 3}}</tool_call>',
 }
-BAD_TOOLS = [agent_fixtures.add, agent_fixtures.explode, agent_fixtures.sleepy, agent_fixtures.repeat]
+BAD_TOOLS = [agent_fixtures.add, agent_fixtures.explode, agent_fixtures.sleepy, agent_fixtures.repeat,
+             agent_fixtures.quit_now, agent_fixtures.returns_a_set]
+LONG = {"max_new_tokens": 6000, "max_model_len": 12000}  # the 4,301 digits are a token each here
 
 
 def test_every_bad_call_kind_is_a_tool_message_and_a_count(tiny_tokenizer):
     tok = tiny_tokenizer
-    env = make_env(tok, tools=BAD_TOOLS, group_size=len(BAD_CALLS), timeout_s=0.5, max_new_tokens=64,
-                   max_model_len=512)
+    env = make_env(tok, tools=BAD_TOOLS, group_size=len(BAD_CALLS), timeout_s=0.5, **LONG)
     env.start_group(0)
     keys = [k for k, _ in env.requests()]
     kinds = list(BAD_CALLS)
@@ -176,7 +181,7 @@ def test_an_episode_plays_on_after_a_bad_call(tiny_tokenizer, kind):
     """Through the rollout worker: the bad call's message is the env span, the next turn is played
     and the episode is trained and scored like any other."""
     tok = tiny_tokenizer
-    env = make_env(tok, tools=BAD_TOOLS, timeout_s=0.5, max_new_tokens=200, max_model_len=900)
+    env = make_env(tok, tools=BAD_TOOLS, timeout_s=0.5, **LONG)
     engine = ScriptedEngine(tok, [BAD_CALLS[kind], " 5"])
     batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
     assert batch.num_sequences == 2 and stats["finish/stop"] == 1.0 and stats["turns_per_episode"] == 2.0
@@ -190,6 +195,113 @@ def test_an_episode_plays_on_after_a_bad_call(tiny_tokenizer, kind):
         mask[first + len(env_span):])
     expected = "ab" * 100 + " ...[output truncated]" if kind == "output_too_long" else "error:"
     assert expected in tok.decode(env_span)
+
+
+SHOWN = {  # what the policy reads for each outcome (issue 52: once all of these read "timed out")
+    "too_deep": "error: invalid tool call: nested 1200 deep (at most 32)",
+    "too_large": "error: invalid tool call: an integer of 4301 digits (at most 100)",
+    "base_exception": "error: SystemExit: 5",
+    "unrenderable": "error: tool 'returns_a_set' returned a dict that cannot be shown as text (TypeError: Object of "
+                    "type set is not JSON serializable)",
+    "unprintable": "error: tool 'returns_unprintable' returned a Unprintable that cannot be shown as text "
+                   "(ValueError: no text for this)",
+}
+
+
+@pytest.mark.parametrize("kind", list(SHOWN))
+def test_each_outcome_is_shown_as_what_it_was_at_once_and_quietly(tiny_tokenizer, kind, capfd):
+    """Model text out of bounds, a tool raising SystemExit, a result json.dumps or str() cannot
+    render: each is its own kind and message, answered without waiting out the timeout, and nothing
+    reaches stderr (no thread traceback)."""
+    tok = tiny_tokenizer
+    call = BAD_CALLS.get(kind, '<tool_call>{"name": "returns_unprintable", "arguments": {"n": 1}}</tool_call>')
+    env = make_env(tok, tools=BAD_TOOLS + [agent_fixtures.returns_unprintable], timeout_s=30.0, **LONG)
+    t0 = time.monotonic()
+    batch, stats, _ = RolloutWorker(env, ScriptedEngine(tok, [call, " 5"]), groups_per_batch=1).collect()
+    assert time.monotonic() - t0 < 20  # not the 30 s timeout
+    assert stats[f"tool_errors/{'unrenderable' if kind == 'unprintable' else kind}"] == 2.0
+    assert stats["tool_errors/timeout"] == 0.0 and batch.num_sequences == 2
+    n, p = int(batch.seq_lens[0]), int(batch.prompt_lens[0])
+    assert f"<tool_response>\n{SHOWN[kind]}\n</tool_response>" in tok.decode(batch.tokens[p:n].tolist())
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+
+
+def test_model_text_of_any_shape_is_a_call_or_a_kind():
+    """parse_hermes never raises: the issue's two crashers, a string-encoded deep payload, an
+    oversize call, and the bounds' edges."""
+    from colocate.tools import MAX_CALL_CHARS, MAX_JSON_DEPTH, parse_hermes
+    wrap = "<tool_call>{}</tool_call>".format
+    cases = {
+        "[" * 1200: "too_deep",
+        '{"name": "add", "arguments": {"a": ' + "9" * 4301 + "}}": "too_large",
+        '{"name": "add", "arguments": "' + "[" * 1200 + '"}': "too_deep",  # arguments as a JSON string
+        '{"name": "add", "arguments": {"a": "' + "x" * MAX_CALL_CHARS + '"}}': "too_large",
+        '{"name": "add", "arguments": {"a": ' + "[" * (MAX_JSON_DEPTH - 2) + "]" * (MAX_JSON_DEPTH - 2) + "}}": None,
+        '{"name": "add", "arguments": {"a": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "}}": "too_deep",
+        '{"name": "add", "arguments": {"a": "[[[[' + "[" * 100 + '"}}': None,  # brackets inside a string
+        '{"name": "add", "arguments": {"a": 1e999}}': None,  # a float overflows to inf: a value, not an error
+        "\ud800": "invalid_json",
+    }
+    for text, kind in cases.items():
+        (call,) = parse_hermes(wrap(text))
+        assert call.error == kind, (text[:40], call)
+
+
+def test_hung_calls_leave_a_bounded_number_of_threads(tiny_tokenizer):
+    """500 calls of a tool that never returns, through episodes: each is answered timeout at its
+    deadline, hung workers are abandoned, replaced and counted, and the threads alive never exceed
+    tool_workers + MAX_ABANDONED (a thread per call left 501)."""
+    import threading
+
+    from colocate.calls import MAX_ABANDONED
+    tok = tiny_tokenizer
+    hang = '<tool_call>{"name": "hang", "arguments": {"n": 1}}</tool_call>'
+    runner = ToolRunnerSettings(timeout_s=0.05, max_output_chars=200, max_workers=3)
+    env = AgentEnv(tok, Rows([{"prompt": "add 2 and 3 ; answer :", "answer": "5"}]), RewardSet(["gsm8k"], []),
+                   AgentSettings(runner=runner, max_turns=11, max_tool_calls=50, max_new_tokens=1000,
+                                 max_model_len=60000), group_size=10, tools=[agent_fixtures.hang])
+    agent_fixtures.RELEASE.clear()
+    earlier = set(threading.enumerate())  # idle workers of other tests' envs
+    tool_threads = lambda: sum(t.name == "colocate-tool" and t not in earlier  # noqa: E731
+                               for t in threading.enumerate())
+    seen, done = [], threading.Event()
+    sampler = threading.Thread(target=lambda: [seen.append(tool_threads()) or time.sleep(0.001)
+                                               for _ in iter(done.is_set, True)])
+    sampler.start()
+    try:
+        engine = ScriptedEngine(tok, [hang * 5] * 10 + [" 5"])  # 10 episodes x 10 turns x 5 calls
+        batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
+        assert stats["tool_calls"] == 500.0 and stats["tool_errors/timeout"] == 500.0
+        assert stats["tool_workers_abandoned"] >= 3 and 0 < stats["tool_workers_hung"] <= 3 + MAX_ABANDONED
+        assert max(seen) <= 3 + MAX_ABANDONED, max(seen)
+    finally:
+        done.set()
+        sampler.join()
+        agent_fixtures.RELEASE.set()
+        env.close()
+    deadline = time.monotonic() + 10
+    while tool_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tool_threads() == 0  # released, every worker exits
+
+
+def test_an_episode_tool_time_is_bounded_by_its_budget(tiny_tokenizer):
+    """env.tool_budget_s: a 1 s tool with a 0.3 s timeout and a 0.5 s budget: the first call times
+    out at 0.3 s, the second at what is left (0.2 s), the third is answered over_budget unrun."""
+    tok = tiny_tokenizer
+    sleep = '<tool_call>{"name": "sleepy", "arguments": {"seconds": 1}}</tool_call>'
+    runner = ToolRunnerSettings(timeout_s=0.3, max_output_chars=200, budget_s=0.5)
+    env = AgentEnv(tok, Rows([{"prompt": "add 2 and 3 ; answer :", "answer": "5"}]), RewardSet(["gsm8k"], []),
+                   AgentSettings(runner=runner, max_turns=4, max_new_tokens=200, max_model_len=2000), group_size=2,
+                   tools=[agent_fixtures.sleepy])
+    t0 = time.monotonic()
+    batch, stats, _ = RolloutWorker(env, ScriptedEngine(tok, [sleep, sleep, sleep, " 5"]), groups_per_batch=1).collect()
+    assert time.monotonic() - t0 < 0.5 + 2.0  # the budget and the machine's slack, not 3 timeouts
+    assert stats["tool_errors/timeout"] == 4.0 and stats["tool_errors/over_budget"] == 2.0
+    text = tok.decode(batch.tokens[: int(batch.seq_lens[0])].tolist())
+    assert "timed out after 0.3s" in text and "env.tool_budget_s=0.5s) is spent" in text
+    env.close()
 
 
 def test_limits_end_episodes_cleanly(tiny_tokenizer):
@@ -223,6 +335,20 @@ def test_trl_style_tools_and_environment_run_unchanged(tiny_tokenizer):
     n = int(batch.seq_lens[0])
     text = tok.decode(batch.tokens[:n].tolist())  # each tool's own answer went back: 2, then add's 5, then 4
     assert [m.split("\n")[1] for m in text.split("<tool_response>")[1:]] == ["2", "5", "4"]
+
+
+def test_an_environment_get_reward_is_boxed_counted_and_named(tiny_tokenizer, capfd):
+    """get_reward() is user code like a reward function: its NaN is counted (non_finite), named by
+    the class, and the episode keeps the reward functions' value."""
+    from colocate.objects import load_object
+    tok = tiny_tokenizer
+    env = make_env(tok, environment=load_object("tests.agent_fixtures:NanCounter"),
+                   rewards=RewardSet(["tests.agent_fixtures:counter_reward"], []), rows=[{"prompt": "count", "target": 2}],
+                   max_new_tokens=200, max_model_len=900)
+    inc = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
+    batch, stats, _ = RolloutWorker(env, ScriptedEngine(tok, [inc, "done"]), groups_per_batch=1).collect()
+    assert batch.rewards.tolist() == [1.0, 1.0] and stats["reward_errors/non_finite"] == 2.0
+    assert "reward function tests.agent_fixtures:NanCounter.get_reward returned float nan" in capfd.readouterr().err
 
 
 def test_trl_tools_and_environment_from_the_config(tiny_cfg, tiny_tokenizer, tmp_path):

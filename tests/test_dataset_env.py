@@ -8,7 +8,7 @@ from colocate.config import EvalConfig
 from colocate.data import Completion
 from colocate.engine.base import Engine
 from colocate.envs.dataset import DatasetEnv, load_rows
-from colocate.rewards import RewardSet
+from colocate.rewards import RewardLimits, RewardSet
 
 
 class ScriptedEngine(Engine):
@@ -41,7 +41,8 @@ def write_rows(path, n):
 
 def make_env(tokenizer, tmp_path, n=5, group_size=4, reward=("exact",), seed=0, eval_rows=None, **kw):
     rows = load_rows([write_rows(tmp_path / "train.jsonl", n)], "train", str(tmp_path / "cache"))
-    return DatasetEnv(tokenizer, rows, RewardSet(list(reward), [], max_errors=kw.pop("max_errors", 100)),
+    limits = RewardLimits(max_errors=kw.pop("max_errors", 100), **kw.pop("limits", {}))
+    return DatasetEnv(tokenizer, rows, RewardSet(list(reward), [], limits=limits),
                       group_size=group_size, prompt_column="prompt", max_new_tokens=4, temperature=1.0, seed=seed,
                       eval_rows=eval_rows, **kw)
 
@@ -145,6 +146,67 @@ def test_bad_reward_results_are_counted_in_metrics(tiny_tokenizer, tmp_path, mon
     env = make_env(tiny_tokenizer, tmp_path, reward=["flaky_reward:score"], max_errors=3)
     with pytest.raises(RewardError, match="max_reward_errors=3"):
         play(env, ScriptedEngine(tiny_tokenizer, true_sum), range(5))
+
+
+def collect(env, engine, groups: int):
+    """One batch through the rollout worker: what the learner's loss gets."""
+    from colocate.rollout.worker import RolloutWorker
+    return RolloutWorker(env, engine, groups_per_batch=groups).collect()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sleeping_reward_is_cut_at_its_limit_and_counted(tiny_tokenizer, tmp_path, capfd, workers):
+    """A reward that sleeps 60 s per call, env.reward_timeout_s=0.5: each call ends at its limit,
+    its samples score 0 from it, are counted under reward_errors/timeout, and the line names it."""
+    import time
+    env = make_env(tiny_tokenizer, tmp_path, reward=["tests.agent_fixtures:reward_sleeps"], reward_workers=workers,
+                   limits={"timeout_s": 0.5})
+    t0 = time.monotonic()
+    batch, stats, _ = collect(env, ScriptedEngine(tiny_tokenizer, true_sum), 2)
+    assert time.monotonic() - t0 < 2 * 0.5 + 5.0  # two calls at their limit and the machine's slack, not 120 s
+    assert batch.rewards.tolist() == [0.0] * 8
+    assert stats["reward_errors"] == 8.0 and stats["reward_errors/timeout"] == 8.0
+    err = capfd.readouterr().err
+    assert ("reward function tests.agent_fixtures:reward_sleeps gave no answer within env.reward_timeout_s=0.5s"
+            in err and "rollout/reward_errors/timeout" in err), err
+    env.close()
+
+
+@pytest.mark.parametrize("fn,bad", [("reward_huge", 4), ("reward_first_huge", 1)])
+def test_a_huge_reward_is_counted_and_never_reaches_the_loss(tiny_tokenizer, tmp_path, fn, bad):
+    """1e308 is finite but overflows the group's statistics (issue 52: reward inf, loss nan): past
+    env.reward_max_abs it scores 0 from the function, is counted as out_of_range, and the batch's
+    rewards and advantages stay finite."""
+    import torch
+    env = make_env(tiny_tokenizer, tmp_path, reward=[f"tests.agent_fixtures:{fn}"])
+    batch, stats, _ = collect(env, ScriptedEngine(tiny_tokenizer, true_sum), 1)
+    assert sorted(batch.rewards.tolist()) == [0.0] * bad + [1.0] * (4 - bad)
+    assert torch.isfinite(batch.advantages).all()
+    assert stats["reward_errors/out_of_range"] == float(bad) and stats["reward_errors/non_finite"] == 0.0
+
+
+def test_a_reward_raising_systemexit_is_caught_counted_and_named(tiny_tokenizer, tmp_path, capfd):
+    env = make_env(tiny_tokenizer, tmp_path, reward=["tests.agent_fixtures:reward_exits"])
+    batch, stats, _ = collect(env, ScriptedEngine(tiny_tokenizer, true_sum), 1)
+    assert batch.rewards.tolist() == [0.0] * 4 and stats["reward_errors/base_exception"] == 4.0
+    assert "reward function tests.agent_fixtures:reward_exits raised SystemExit: 5" in capfd.readouterr().err
+
+
+def test_a_reward_that_always_hangs_stops_naming_it(tiny_tokenizer, tmp_path):
+    """Every call times out: max_reward_errors samples in a row stop the rollout with one message
+    naming the function and the fault (not a stall)."""
+    from colocate.rewards import RewardError
+    from tests import agent_fixtures
+    agent_fixtures.RELEASE.clear()
+    env = make_env(tiny_tokenizer, tmp_path, reward=["tests.agent_fixtures:reward_hangs"], max_errors=6,
+                   limits={"timeout_s": 0.2})
+    try:
+        with pytest.raises(RewardError, match=r"^reward tests.agent_fixtures:reward_hangs gave no usable value for 7 "
+                                              r"samples in a row \(env.max_reward_errors=6\); last: timeout"):
+            collect(env, ScriptedEngine(tiny_tokenizer, true_sum), 2)
+    finally:
+        agent_fixtures.RELEASE.set()  # the abandoned calls return
+        env.close()
 
 
 def test_evaluate_scores_every_eval_row_greedily(tiny_tokenizer, tmp_path):

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from colocate.rewards import RewardError, RewardSet, boxed, exact, gsm8k
+from colocate.rewards import RewardError, RewardLimits, RewardSet, boxed, exact, gsm8k
 
 USER_MODULE = '''
 calls = []
@@ -70,7 +70,7 @@ def test_trl_signature_function_by_path_gets_every_column(user_rewards):
 @pytest.mark.parametrize("name,bad", [("raises", [True] * 4), ("short", [True] * 4),
                                       ("nan_and_none", [True, True, False, False])])
 def test_bad_results_score_zero_are_counted_and_logged_once(user_rewards, name, bad, capsys):
-    rewards = RewardSet([f"my_rewards:{name}", "exact"], [], max_errors=100)
+    rewards = RewardSet([f"my_rewards:{name}", "exact"], [])
     for _ in range(2):
         total, flags = rewards.score(["p"] * 4, ["7", "7", "7", "7"], {"answer": ["7"] * 4})
         assert flags == bad
@@ -84,14 +84,14 @@ def test_bad_results_score_zero_are_counted_and_logged_once(user_rewards, name, 
 
 
 def test_too_many_bad_results_in_a_row_stop_the_run(user_rewards):
-    rewards = RewardSet(["my_rewards:raises"], [], max_errors=5)
+    rewards = RewardSet(["my_rewards:raises"], [], limits=RewardLimits(max_errors=5))
     rewards.score(["p"] * 4, ["a"] * 4, {"answer": ["a"] * 4})  # 4 in a row: under the limit
     with pytest.raises(RewardError, match="max_reward_errors=5"):
         rewards.score(["p"] * 4, ["a"] * 4, {"answer": ["a"] * 4})
 
 
 def test_a_good_sample_resets_the_run_of_errors(user_rewards):
-    rewards = RewardSet(["my_rewards:nan_and_none"], [], max_errors=3)
+    rewards = RewardSet(["my_rewards:nan_and_none"], [], limits=RewardLimits(max_errors=3))
     for _ in range(5):  # two bad, two good per call: never more than 2 in a row
         rewards.score(["p"] * 4, ["a"] * 4, {"answer": ["a"] * 4})
     assert rewards.take_errors() == 10

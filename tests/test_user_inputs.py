@@ -121,8 +121,8 @@ def returns_too_few(prompts, completions, **columns):
                                        ("returns_strings", "returned str '1' at position 0"),
                                        ("returns_too_few", "returned 1 values for 3 completions")])
 def test_reward_results_of_the_wrong_shape_are_named_counted_and_fatal_in_a_row(name, said, capsys):
-    from colocate.rewards import RewardError, RewardSet
-    rewards = RewardSet([f"tests.test_user_inputs:{name}"], [], max_errors=5)
+    from colocate.rewards import RewardError, RewardLimits, RewardSet
+    rewards = RewardSet([f"tests.test_user_inputs:{name}"], [], limits=RewardLimits(max_errors=5))
     total, bad = rewards.score(["p"] * 3, ["a", "b", "c"], {"answer": ["a"] * 3})
     assert total == [0.0] * 3 and bad == [True] * 3 and rewards.take_errors() == 3
     err = capsys.readouterr().err.strip().splitlines()
@@ -292,3 +292,22 @@ def test_start_up_failures_come_before_any_weights(tmp_path, monkeypatch, capsys
         path, filled = materialize(text, overrides, tmp_path)
         code, err = run_case(path, filled, tmp_path, monkeypatch, capsys)
         assert code == 2 and len(err.strip().splitlines()) == 1 and expected in err, (case_id, err)
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_always_hangs_stops_in_one_line_naming_it(tmp_path):
+    """Issue 52: a reward that never answers once stalled a run for good behind a generic stall
+    alert; now each call ends at env.reward_timeout_s and max_reward_errors of them in a row end the
+    run, non-zero, with one failure line naming the function."""
+    import time
+    cmd = [sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-dataset-tiny.yaml",
+           "--env.reward=[tests.agent_fixtures:reward_hangs]", "--env.reward_timeout_s=1", "--env.max_reward_errors=20",
+           "--learner.num_steps=5", f"--metrics.run_dir={tmp_path / 'run'}", f"--model.cache_dir={tmp_path / 'cache'}"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 300
+    failures = [line for line in proc.stderr.splitlines() if ") failed: " in line]
+    assert len(failures) == 1 and failures[0].startswith(
+        "colocate: rank 0 (inference) failed: RewardError: reward tests.agent_fixtures:reward_hangs gave no usable "
+        "value for 21 samples in a row (env.max_reward_errors=20); last: timeout: gave no answer within "
+        "env.reward_timeout_s=1s"), proc.stderr[-3000:]

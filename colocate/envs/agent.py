@@ -33,7 +33,7 @@ from colocate.chat import MARKER, ChatFormat, is_messages
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
-from colocate.rewards import RewardSet
+from colocate.rewards import REWARD_ERROR_KINDS, RewardSet
 from colocate.tools import (PARSERS, TOOL_ERROR_KINDS, PendingCall, ToolResult, ToolRunner, ToolRunnerSettings,
                             environment_tools, tool_name, tool_schema, wait_any)
 
@@ -103,6 +103,8 @@ class Episode:
     messages: list[dict] = field(default_factory=list)     # assistant and tool messages (rewards)
     versions: list[int] = field(default_factory=list)      # adapter versions of each turn's first and last token
     pending: list[PendingCall] = field(default_factory=list)
+    calls_started: float = 0.0            # when the pending calls were submitted
+    tool_time: float = 0.0                # seconds spent waiting for this episode's tools
     turns: int = 0
     tool_calls: int = 0
     ready: bool = True                    # its next turn can go to the engine
@@ -213,7 +215,13 @@ class AgentEnv(Env):
             else:
                 ep.tool_calls += len(calls)
                 self._counts["tool_calls"] += len(calls)
-                ep.pending = [self.runner.submit(call, ep.tools) for call in calls]
+                self._start_calls(ep, calls)
+
+    def _start_calls(self, ep: Episode, calls: list) -> None:
+        """Submit a turn's calls within what is left of the episode's tool time budget."""
+        ep.calls_started = time.monotonic()
+        ep.pending = [self.runner.submit(call, ep.tools, budget_left_s=self.settings.runner.budget_s - ep.tool_time)
+                      for call in calls]
 
     def _collect_tool_results(self) -> None:
         """Append the tool messages of every episode whose calls have all answered (or timed out)."""
@@ -225,6 +233,7 @@ class AgentEnv(Env):
             if any(r is None for r in results):
                 continue
             ep.pending = []
+            ep.tool_time += now - ep.calls_started
             for r in results:
                 if r.error is not None:
                     self._counts[f"tool_errors/{r.error}"] += 1
@@ -269,7 +278,8 @@ class AgentEnv(Env):
         samples = []
         for ep, reward, is_bad in zip(group, rewards, bad):
             if ep.environment is not None and callable(getattr(ep.environment, "get_reward", None)):
-                reward += float(ep.environment.get_reward())
+                extra = self.rewards.score_one(self._get_reward_name, ep.environment.get_reward)
+                reward, is_bad = reward + (extra or 0.0), is_bad or extra is None
             self._count_episode(ep, reward)
             completion = Completion(token_ids=ep.ids, logprobs=ep.logprobs, allowed_ids=ep.allowed,
                                     version=min(ep.versions, default=0), last_version=max(ep.versions, default=0),
@@ -294,7 +304,8 @@ class AgentEnv(Env):
                                   "policy_tokens_per_episode", "env_tokens_per_episode",
                                   *(f"finish/{r}" for r in FINISH_REASONS)), "episodes"),
                  "tool_error_rate": "tool_calls"}
-    COUNTS = ("reward_errors", *(f"tool_errors/{kind}" for kind in TOOL_ERROR_KINDS))
+    COUNTS = ("reward_errors", *(f"reward_errors/{kind}" for kind in REWARD_ERROR_KINDS),
+              *(f"tool_errors/{kind}" for kind in TOOL_ERROR_KINDS), "tool_workers_abandoned", "tool_workers_hung")
 
     def metrics(self) -> dict[str, float]:
         """Since the last call, over the episodes scored (whole groups): tool-call rate (episodes with
@@ -305,13 +316,24 @@ class AgentEnv(Env):
         out = {"tool_call_rate": c["episodes_calling"] / n, "accuracy": c["correct"] / n,
                "tool_calls_per_episode": c["episode_tool_calls"] / n, "turns_per_episode": c["turns"] / n,
                "policy_tokens_per_episode": c["policy_tokens"] / n, "env_tokens_per_episode": c["env_tokens"] / n,
-               "reward_errors": float(self.rewards.take_errors())}
+               **self.rewards.take_error_counts()}
         errors = {f"tool_errors/{kind}": float(c[f"tool_errors/{kind}"]) for kind in TOOL_ERROR_KINDS}
         out.update(errors)
+        abandoned, hung = self.runner.take_abandoned()
+        out.update(tool_workers_abandoned=float(abandoned), tool_workers_hung=float(hung))
         out["tool_error_rate"] = sum(errors.values()) / max(c["tool_calls"], 1)
         out.update({f"finish/{reason}": c[f"finish/{reason}"] / n for reason in FINISH_REASONS})
         out.update(episodes=float(c["episodes"]), tool_calls=float(c["tool_calls"]))
         return out
+
+    @property
+    def _get_reward_name(self) -> str:
+        cls = self.environment
+        return f"{getattr(cls, '__module__', '?')}:{getattr(cls, '__qualname__', tool_name(cls))}.get_reward"
+
+    def close(self) -> None:
+        self.runner.close()
+        self.rewards.close()
 
     def state_dict(self) -> dict | None:
         return self.rows.state_dict()
@@ -326,7 +348,7 @@ def agent_settings(cfg) -> AgentSettings:
                          temperature=cfg.engine.temperature, max_model_len=cfg.engine.max_model_len,
                          tool_parser=e.tool_parser,
                          runner=ToolRunnerSettings(timeout_s=e.tool_timeout_s, max_output_chars=e.tool_max_output_chars,
-                                                   max_workers=e.tool_workers))
+                                                   max_workers=e.tool_workers, budget_s=e.tool_budget_s))
 
 
 def with_observation(prompt, observation):

@@ -34,7 +34,7 @@ from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
 from colocate.envs.rows import WHAT, RowRules, RowScan, expand_files, locate, scan_rows
-from colocate.rewards import RewardSet
+from colocate.rewards import RewardLimits, RewardSet
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> `datasets` builder."""
@@ -78,6 +78,12 @@ def split_offset(files: list[str], split: str, cache_dir: str) -> int:
     import datasets
     total = len(load_rows(files, base.group(0), cache_dir))
     return datasets.ReadInstruction.from_spec(split).to_absolute({base.group(0): total})[0].from_ or 0
+
+
+def reward_limits(cfg) -> RewardLimits:
+    e = cfg.env
+    return RewardLimits(max_errors=e.max_reward_errors, timeout_s=e.reward_timeout_s, max_abs=e.reward_max_abs,
+                        workers=max(1, e.reward_workers))
 
 
 class BadRowError(ValueError):
@@ -207,8 +213,7 @@ class DatasetEnv(Env):
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "DatasetEnv":
         env = cfg.env
-        rewards = RewardSet(env.reward, env.reward_weights, answer_column=env.answer_column,
-                            max_errors=env.max_reward_errors)
+        rewards = RewardSet(env.reward, env.reward_weights, answer_column=env.answer_column, limits=reward_limits(cfg))
         chat = ChatFormat(tokenizer, cfg.model.chat_template)
         eval_rows, eval_scan = open_rows(cfg, "eval_files", chat.ids) if env.eval_files else (None, RowScan())
         rows, scan = open_rows(cfg, "data_files", chat.ids)
@@ -324,10 +329,16 @@ class DatasetEnv(Env):
     def data_stats(self) -> dict[str, float]:
         return dict(self.dropped)
 
+    def close(self) -> None:
+        self.rewards.close()
+        for pool in (self._pool, self._prompts):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
     def metrics(self) -> dict[str, float]:
         c = self._counts
         n = max(c["completions"], 1)
-        out = {"reward_errors": float(self.rewards.take_errors()), "completion_tokens_mean": c["tokens"] / n,
+        out = {**self.rewards.take_error_counts(), "completion_tokens_mean": c["tokens"] / n,
                "truncated_rate": c["truncated"] / n, "epoch": float(self.epoch)}
         self._counts = dict.fromkeys(c, 0)
         return out
@@ -370,14 +381,14 @@ class DatasetEnv(Env):
                             temperature=eval_cfg.temperature, constraint=self.constraint) for p in prompts]
         completions = engine.generate(requests)
         texts = self.texts_of(completions)
-        errors_before = self.rewards.take_errors()
+        training_counts = self.rewards.take_error_counts()
         rewards = []
         for prompt, text, row in zip(prompts, texts, rows):  # one call per row: a message list per prompt
             p, c = self.reward_inputs(prompt, [text])
             columns = {k: [v] for k, v in row.items() if k != self.prompt_column}
             rewards.append(self.rewards.score(p, c, columns)[0][0])
         eval_errors = self.rewards.take_errors()
-        self.rewards.errors = errors_before  # training's count goes on unchanged
+        self.rewards.restore_error_counts(training_counts)  # training's counts go on unchanged
         full = sum(self.rewards.weights)
         if out_dir:
             self._write_samples(out_dir, engine.version, prompts, texts, rewards)
