@@ -95,14 +95,15 @@ def file_digest(path: str) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def write_manifest(directory: str) -> None:
-    """Size and hash of every file in `directory`, as `manifest.json` (written last)."""
+def write_manifest(directory: str, **extra) -> None:
+    """Size and hash of every file in `directory`, and `extra` (the base model's identity, the
+    adapter's version), as `manifest.json` (written last)."""
     files = {}
     for name in sorted(os.listdir(directory)):
         if name != MANIFEST:
             size, digest = file_digest(os.path.join(directory, name))
             files[name] = {"bytes": size, "blake2b": digest}
-    _write_json(os.path.join(directory, MANIFEST), {"format": 1, "files": files})
+    _write_json(os.path.join(directory, MANIFEST), {"format": 1, "files": files, **extra})
 
 
 def verify_checkpoint(path: str, trust_unverified: bool = False) -> None:
@@ -117,18 +118,26 @@ def verify_checkpoint(path: str, trust_unverified: bool = False) -> None:
             print(f"colocate: warning: {path} has no {MANIFEST}; resuming unverified "
                   "(checkpoint.trust_unverified=true)", file=sys.stderr, flush=True)
         return
+    verify_files(path, REQUIRED)
+
+
+def verify_files(path: str, required: tuple[str, ...]) -> dict:
+    """Every file `path`'s manifest lists (`required` among them) has its size and hash -> the manifest."""
     manifest = _read_json(os.path.join(path, MANIFEST))
     files = manifest.get("files")
-    if not isinstance(files, dict) or not set(REQUIRED) <= set(files):
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: does not list every checkpoint file")
+    if not isinstance(files, dict) or not set(required) <= set(files):
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: does not list every file ({', '.join(required)})")
     for name, want in files.items():
+        if not isinstance(want, dict):
+            raise CheckpointError(f"{os.path.join(path, MANIFEST)}: entry {name!r} is not an object")
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: missing from checkpoint")
         size, digest = file_digest(file)
         if size != want.get("bytes") or digest != want.get("blake2b"):
             raise CheckpointError(f"{file}: content differs from the manifest ({size} bytes, expected "
-                                  f"{want.get('bytes')}): the checkpoint is damaged")
+                                  f"{want.get('bytes')}): the file is damaged")
+    return manifest
 
 
 # -- peft names ------------------------------------------------------------------------------------
@@ -211,12 +220,14 @@ class CheckpointState:
     rng: dict[str, torch.Tensor]                      # {"torch_cpu": torch.get_rng_state()}
     trainer_state: dict                               # step, version, history, the inference ranks' states
     config_yaml: str                                  # the resolved config
+    base: dict | None = None                          # the base model's identity (`models.base_identity`)
 
 
 def save_checkpoint(root: str, step: int, state: CheckpointState, *, keep: int, fault_hook=None,
                     protect_step: int | None = None) -> str:
     """Write `step-<step>` atomically and keep the newest `keep` checkpoints, and also the newest at
     or before `protect_step` when given (metrics.stop_on_collapse: the last good one). Returns its path.
+    The base model's identity (`state.base`) goes into the manifest.
 
     Every learner runs the optimizer gather (`flatten_optimizer`) before rank 0 calls this."""
     os.makedirs(root, exist_ok=True)
@@ -240,7 +251,7 @@ def save_checkpoint(root: str, step: int, state: CheckpointState, *, keep: int, 
         f.write(state.config_yaml)
         f.flush()
         os.fsync(f.fileno())
-    write_manifest(tmp)
+    write_manifest(tmp, **({"base": state.base} if state.base else {}))
     _fsync_dir(tmp)
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -254,19 +265,25 @@ def save_checkpoint(root: str, step: int, state: CheckpointState, *, keep: int, 
     return final
 
 
-def save_adapter(directory: str, adapter: dict[str, torch.Tensor], peft_config: dict) -> str:
+def save_adapter(directory: str, adapter: dict[str, torch.Tensor], peft_config: dict, *, base: dict,
+                 version: int) -> str:
     """The adapter alone in peft format (`PeftModel.from_pretrained`, vLLM's `LoRARequest`):
-    `<run_dir>/adapter` at the end of every run, checkpoints on or off. Written to a temp
-    directory, then renamed over the old one."""
+    `<run_dir>/adapter` at the end of every run, checkpoints on or off, with a manifest (each file's
+    hash, the base model's identity `base`, the adapter's `version`) that `colocate eval` and
+    `colocate export` verify. Built in a temp directory (every file fsynced), then renamed over the
+    old one."""
     tmp = f"{directory.rstrip(os.sep)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     _write_tensors(os.path.join(tmp, "adapter_model.safetensors"),
                    {to_peft_name(n): _full(t) for n, t in adapter.items()})
     _write_json(os.path.join(tmp, "adapter_config.json"), peft_config)
+    write_manifest(tmp, base=base, version=version)
+    _fsync_dir(tmp)
     if os.path.exists(directory):
         shutil.rmtree(directory)
     os.rename(tmp, directory)
+    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
     return directory
 
 
@@ -312,6 +329,57 @@ def load_checkpoint(path: str, trust_unverified: bool = False) -> dict:
     if not out["adapter"]:
         raise CheckpointError(f"{os.path.join(path, 'adapter_model.safetensors')}: holds no tensors")
     return out
+
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+"""What makes a directory an adapter: the run's `adapter/`, an exported one, a checkpoint's step."""
+
+
+def load_adapter(path: str, trust_unverified: bool = False) -> dict:
+    """An adapter to evaluate or export (`ADAPTER_FILES`, in a run's `adapter/`, an export or a
+    checkpoint) -> {adapter, peft_config, version, base (None when its manifest has none), path}.
+    Every file its manifest lists is verified first; a directory without a manifest is refused
+    unless `trust_unverified` (then its files are still read and checked)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such adapter or checkpoint directory")
+    for name in ADAPTER_FILES:
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"{os.path.join(path, name)}: missing (an adapter directory holds "
+                                  f"{' and '.join(ADAPTER_FILES)})")
+    manifest = {}
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        manifest = verify_files(path, ADAPTER_FILES)
+    elif not trust_unverified:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: missing (an adapter written before manifests existed "
+                              "cannot be verified); to use it anyway, add --checkpoint.trust_unverified=true")
+    adapter = {from_peft_name(k): v for k, v in _read_tensors(os.path.join(path, ADAPTER_FILES[0])).items()}
+    if not adapter:
+        raise CheckpointError(f"{os.path.join(path, ADAPTER_FILES[0])}: holds no tensors")
+    peft_config = _read_json(os.path.join(path, ADAPTER_FILES[1]))
+    for key in ("r", "lora_alpha", "target_modules"):
+        if key not in peft_config:
+            raise CheckpointError(f"{os.path.join(path, ADAPTER_FILES[1])}: no {key!r} (not a peft LoRA config)")
+    version = manifest.get("version")
+    if version is None and os.path.isfile(os.path.join(path, "trainer_state.json")):
+        version = _read_json(os.path.join(path, "trainer_state.json")).get("version")
+    return {"adapter": adapter, "peft_config": peft_config, "version": int(version or 0),
+            "base": manifest.get("base"), "path": path}
+
+
+def check_base(saved: dict | None, live: dict, path: str) -> None:
+    """The base model an adapter was trained on (its manifest's `base`) against this config's
+    (`models.base_identity`): the same parameter shapes, then the same weights. A manifest without
+    a base (older) is not compared; the adapter's shapes still are (`check_adapter_matches`)."""
+    if not saved:
+        return
+    where = os.path.join(path, MANIFEST)
+    if saved.get("shapes") != live["shapes"]:
+        raise CheckpointError(f"{where}: trained on another base model ({saved.get('source')}, "
+                              f"{saved.get('parameters', 0):,} parameters) than this config's ({live['source']}, "
+                              f"{live['parameters']:,}): set model.path / model.shape to the training run's")
+    if saved.get("fingerprint") != live["fingerprint"]:
+        raise CheckpointError(f"{where}: trained on a base model of this shape with other weights ({saved.get('source')}; "
+                              f"this config: {live['source']}): another model.seed, or other files at model.path")
 
 
 TASK_FIELDS = (("env", "name"), ("env", "unit_labels"), ("env", "list_supports"), ("env", "use_constraint"),

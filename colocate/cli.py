@@ -2,7 +2,7 @@
 
     colocate train  --config FILE [--nproc N] [--overwrite|--resume] [torchrun flags] [--section.key=value ...]
     colocate check  --config FILE [--world-size N] [--section.key=value ...]
-    colocate eval   --config FILE [--checkpoint DIR] [--opponents greedy,random] [--games N] [...]
+    colocate eval   --config FILE [--checkpoint DIR] | --run DIR [--out FILE] [--opponents greedy,random] [--games N] [...]
     colocate export --run DIR [--merge] --out DIR
     colocate <command> --help [SECTION]
 
@@ -31,9 +31,11 @@ COMMANDS = {
 USAGE = {
     "train": "colocate train --config FILE [--nproc N] [--overwrite | --resume] [torchrun flags: --nnodes N "
              "--node-rank R --rdzv-endpoint HOST:PORT ...] [--section.key=value ...]",
-    "check": "colocate check --config FILE [--world-size N] [--section.key=value ...]",
-    "eval": "colocate eval --config FILE [--checkpoint DIR] [--opponents greedy,random] [--games N] [--out FILE] "
-            "[--section.key=value ...]",
+    "check": "colocate check --config FILE [--world-size N] [--overwrite | --resume] [--section.key=value ...]",
+    "eval": "colocate eval (--config FILE [--checkpoint DIR] | --run RUN_DIR) [--out FILE] [--opponents greedy,random] "
+            "[--games N] [--section.key=value ...]\n\n--checkpoint: a run's adapter/ (RUN_DIR/adapter), an exported "
+            "adapter or a checkpoints/step-* directory; --run: RUN_DIR/adapter with RUN_DIR/config.yaml. Writes "
+            "<run>/evals/<name>/metrics.json (or --out)",
     "export": "colocate export --run DIR [--merge] --out DIR",
 }
 TORCHRUN_VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
@@ -218,14 +220,28 @@ def export(argv: list[str]) -> int:
 RUN = {"train": train, "check": check, "eval": evaluate, "export": export}
 
 
+def unknown_command(argv: list[str]) -> str | None:
+    """The line refusing a first argument that is no command (None: there is none, or `--help`)."""
+    import difflib
+    if not argv or argv[0] in ("--help", "-h"):
+        return None
+    near = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f" (commands: {', '.join(COMMANDS)})"
+    return f"colocate: unknown command {argv[0]!r}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and argv[0] in COMMANDS else None
     show, section = wants_help(argv)
     try:
-        if command is None:
-            print(command_help(None), file=sys.stdout if show or not argv else sys.stderr)
-            return 0 if show or not argv else 2
+        if command is None:  # `colocate --help` is the usage; no command, or an unknown one, is an error
+            if show and not unknown_command(argv):
+                print(command_help(None))
+                return 0
+            print(unknown_command(argv) or "colocate: a command is required", file=sys.stderr)
+            print(command_help(None), file=sys.stderr)
+            return 2
         if show:
             print(section_help(section) if section else command_help(command))
             return 0

@@ -99,7 +99,7 @@ def check_config(argv: list[str], world: int | None = None,
     """Everything checked before launch -> (config, --resume given, --check given); raises
     ConfigError. `--check`, every rank under torchrun and `colocate train` (before it starts
     torchrun, with the world it will ask for) run this one function: the config over its world
-    size, the preflight checks, and (a real run) the run directory policy (`run_dir.claim`)."""
+    size, the preflight checks, and the run directory policy (`run_dir.claim`; only a real run deletes)."""
     argv, overwrite = run_dir.split_overwrite(argv)
     argv, check_only, env_world, gpu_memory = split_check_flags(argv)
     world = world or env_world
@@ -107,9 +107,9 @@ def check_config(argv: list[str], world: int | None = None,
     preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu_memory,
               show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
     check_loggers(cfg)
-    if not check_only:
-        run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite,
-                      remove=int(os.environ.get("RANK", "0")) == 0)
+    # `--check` refuses what a run would refuse (the same `--resume` / `--overwrite`), and deletes nothing
+    run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite,
+                  remove=not check_only and int(os.environ.get("RANK", "0")) == 0)
     return cfg, resume_flag, check_only
 
 

@@ -9,9 +9,11 @@ Every rank builds the identical model from the seed, so no weights cross the wir
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import warnings
 
 import torch
 
@@ -126,12 +128,23 @@ def build_model(model_cfg, tokenizer, device: str | torch.device = "cpu"):
     return model
 
 
+@contextlib.contextmanager
+def quiet_peft_probe():
+    """peft's wrapping without its one warning: peft reads transformers' deprecated
+    `is_gradient_checkpointing` (a FutureWarning on every rank of every run) to decide what it need
+    not do here. Only that warning is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def add_lora(model, lora_cfg):
     """Wrap with a peft LoRA adapter; only adapter parameters require grad."""
     from peft import LoraConfig, get_peft_model
     pcfg = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                       target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
-    model = get_peft_model(model, pcfg)
+    with quiet_peft_probe():
+        model = get_peft_model(model, pcfg)
     set_fused_lora(model, lora_cfg.fused_epilogue)
     return model
 
@@ -337,3 +350,42 @@ def build_policy(cfg, tokenizer, device):
     if torch.device(device).type != "meta":
         materialize(model, cfg.model, device)
     return model
+
+
+FINGERPRINT_TENSORS = 3
+"""How many base weight matrices the fingerprint samples (the smallest, so a random-weight base
+computes them in milliseconds), FINGERPRINT_ROWS rows of each."""
+FINGERPRINT_ROWS = 2
+
+
+def base_identity(model_cfg, vocab_size: int) -> dict:
+    """The base model's identity, from what its weights are made of and without building it: its
+    parameters' names and shapes (a digest and a count) and a fingerprint of its weights (a BLAKE2b
+    of the first rows of a few fixed matrices, read from `model.path`'s safetensors or computed from
+    `model.seed` exactly as `materialize` does). Written into an adapter's manifest; `colocate eval`
+    and `colocate export` compare it before building anything (`checkpoint.check_base`).
+    `vocab_size`: the tokenizer's length (what a random-weight shape's vocabulary follows)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_cfg.path) if model_cfg.path else \
+        model_config(model_cfg.shape, vocab_size, model_cfg.dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = hashlib.blake2b(digest_size=16)
+    params, matrices = 0, []
+    for mod_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            key = hf_key(f"{mod_name}.{pname}" if mod_name else pname)
+            shapes.update(f"{key}:{tuple(param.shape)};".encode())
+            params += param.numel()
+            if param.dim() == 2:
+                matrices.append((param.numel(), key, module, pname, param.shape))
+    read = _checkpoint_reader(model_cfg.path) if model_cfg.path else None
+    std = getattr(config, "initializer_range", 0.02)
+    weights = hashlib.blake2b(digest_size=16)
+    for _, key, module, pname, shape in sorted(matrices, key=lambda m: m[:2])[:FINGERPRINT_TENSORS]:
+        rows = (0, min(FINGERPRINT_ROWS, shape[0]))
+        value = read(key, rows) if read else _initial_value(module, pname, key, shape, std, model_cfg.seed,
+                                                            torch.device("cpu"))[rows[0]:rows[1]]
+        weights.update(key.encode() + value.float().contiguous().numpy().tobytes())
+    source = model_cfg.path or f"embedded {model_cfg.shape} model, seed {model_cfg.seed}"
+    return {"source": source, "parameters": params, "shapes": shapes.hexdigest(), "fingerprint": weights.hexdigest()}

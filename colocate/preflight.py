@@ -22,16 +22,22 @@ from colocate.config_checks import check_agent_lengths, refuse_agent_keys
 def check_run_dir(run_dir: str) -> None:
     """metrics.run_dir must be writable, or creatable under its nearest existing parent
     (checkpoints, summaries and events go there). Nothing is created here."""
-    existing = os.path.abspath(run_dir)
+    check_writable_dir(f"metrics.run_dir={run_dir!r}", run_dir)
+
+
+def check_writable_dir(what: str, path: str) -> None:
+    """`path` is a directory that can be written, or can be created under its nearest existing
+    parent; `what` names it in the error (a key, or a flag: `--out='x'`)."""
+    existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ConfigError(f"metrics.run_dir={run_dir!r}: {existing} is a file, not a directory")
+        raise ConfigError(f"{what}: {existing} is a file, not a directory")
     try:  # a real write: permission bits do not tell root about read-only mounts
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise ConfigError(f"metrics.run_dir={run_dir!r}: {existing} is not writable ({e.strerror or e})") from None
+        raise ConfigError(f"{what}: {existing} is not writable ({e.strerror or e})") from None
 
 
 def check_model_dir(path: str) -> None:

@@ -146,7 +146,9 @@ def test_export_merged_model_answers_as_the_adapter_through_peft(tmp_path, tiny_
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     adapter = {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_" in n}
     from colocate.models import canonical_name
-    save_adapter(str(run / "adapter"), {canonical_name(n): t for n, t in adapter.items()}, peft_config_dict(policy))
+    from colocate.models import base_identity
+    save_adapter(str(run / "adapter"), {canonical_name(n): t for n, t in adapter.items()}, peft_config_dict(policy),
+                 base=base_identity(tiny_cfg.model, len(tiny_tokenizer)), version=1)
     assert cli.main(["export", "--run", str(run), "--merge", "--out", str(tmp_path / "merged")]) == 0
     assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / "adapter")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()

@@ -111,6 +111,19 @@ class Cohort:
         self.handed = [False] * len(requests)  # streamed: completions already handed back
 
 
+def cache_keyword(model) -> str:
+    """The keyword the Hugging Face model inside `model` (peft-wrapped or not) takes its KV cache by:
+    `cache` where its forward has it (transformers 5.x, which warns on every call given the older
+    name), else `past_key_values`."""
+    import inspect
+
+    from transformers import PreTrainedModel
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return "cache" if "cache" in inspect.signature(type(module).forward).parameters else "past_key_values"
+    return "past_key_values"
+
+
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", seed: int = 0,
                  max_batch_size: int = 256, decode_chunk: int = 4):
@@ -126,6 +139,7 @@ class HFEngine(Engine):
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.version = 0
         self._lora = {n: p for n, p in sorted(self.model.named_parameters()) if "lora_" in n}
+        self._cache_kw = cache_keyword(model)
         self._queue: list[tuple[int, Request]] = []  # submitted, not yet prefilled
         self._cohorts: list[Cohort] = []             # prefilled, some sequences still to hand back
         self._next_ticket = 0
@@ -279,7 +293,7 @@ class HFEngine(Engine):
         self._counters["decode_s"] += time.perf_counter() - t0
 
     def _forward(self, ids, attn, positions, cache) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, **{self._cache_kw: cache},
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 

@@ -9,6 +9,8 @@ It exists to prove the trainer learns in minutes on a CPU; it deliberately has n
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 from typing import Hashable
@@ -112,6 +114,27 @@ class ArithmeticEnv(Env):
     def load_state_dict(self, state: dict) -> None:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
+
+    def evaluate(self, engine, eval_cfg, out_dir: str | None = None) -> dict[str, float]:
+        """Every problem of the task once (all operand pairs, or the first `eval.max_samples`) at
+        `eval.temperature`: accuracy (= mean reward), unparseable answers, mean completion tokens.
+        The samples go to `<out_dir>/arithmetic-eval-v<version>.jsonl`."""
+        pairs = [(a, b) for a in range(self.max_operand + 1) for b in range(self.max_operand + 1)]
+        pairs = pairs[:eval_cfg.max_samples] if eval_cfg.max_samples else pairs
+        completions = engine.generate([Request(prompt_ids=self.chat.ids(prompt_text(a, b)),
+                                               max_new_tokens=self.max_new_tokens, temperature=eval_cfg.temperature,
+                                               constraint=self.constraint) for a, b in pairs])
+        texts = [self.tokenizer.decode([t for t in c.token_ids if t != self.eos_id]) for c in completions]
+        values = [parse_answer(t) for t in texts]
+        correct = [float(v == a + b) for v, (a, b) in zip(values, pairs)]
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"arithmetic-eval-v{engine.version}.jsonl"), "w") as f:
+                for (a, b), text, reward in zip(pairs, texts, correct):
+                    f.write(json.dumps({"prompt": prompt_text(a, b), "completion": text, "reward": reward}) + "\n")
+        n = len(pairs)
+        return {"accuracy": sum(correct) / n, "invalid_rate": sum(v is None for v in values) / n,
+                "mean_length": sum(len(c.token_ids) for c in completions) / n, "samples": float(n)}
 
     MEAN_OVER = {"invalid_rate": "completions"}
 

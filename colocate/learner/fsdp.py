@@ -22,6 +22,10 @@ from torch import nn
 
 from colocate.models import canonical_name
 
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch's one-tensor all-gather: `all_gather_single` where it exists (torch 2.13 deprecates
+`all_gather_into_tensor` with a FutureWarning on every call), the older name before."""
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a (peft-wrapped) transformers causal LM."""
@@ -156,6 +160,6 @@ class LoraGather:
             # to_local() under no_grad is the live local tensor (FSDP2 may swap it at lazy init)
             if self._sharded:
                 torch._foreach_copy_(self._send_dst, [p.to_local() for p in self._sharded])
-            dist.all_gather_into_tensor(self.recv.view(-1), self.send, group=self.group)
+            all_gather_single(self.recv.view(-1), self.send, group=self.group)
             torch._foreach_copy_(self._out_dst, self._out_src)
         return self.flat

@@ -101,6 +101,7 @@ class Learner:
         self.topology = topology
         self.model = model  # peft model; only adapter parameters require grad
         self.pad_id = tokenizer.pad_token_id
+        self.vocab_size = len(tokenizer)  # what the base model's identity needs (`models.base_identity`)
         self.device = topology.device
         lc = cfg.learner
         self.attention = resolve_attention(lc.attention, self.device, lc.prefix_sharing)
