@@ -78,7 +78,8 @@ def check_data_files(key: str, files: list[str]) -> None:
         if os.path.isdir(f) and not expand_files([f]):
             raise ConfigError(f"env.{key}: {f!r} is a directory with no json, jsonl, parquet or csv files in it")
         if not os.path.exists(f):
-            raise ConfigError(f"env.{key}: {f!r} does not exist (local json, jsonl, parquet or csv files)")
+            where = "" if os.path.isabs(f) else f"; a relative path is from the working directory {os.getcwd()}"
+            raise ConfigError(f"env.{key}: {f!r} does not exist (local json, jsonl, parquet or csv files{where})")
         if not os.path.isdir(f) and not os.path.isfile(f):
             raise ConfigError(f"env.{key}: {f!r} is not a regular file")
     files = expand_files(files)
@@ -121,6 +122,7 @@ def check_dataset(cfg: Config) -> None:
     if cfg.env.name != "dataset":
         return
     from colocate.envs.dataset import load_rows
+    from colocate.envs.rows import expand_files, first_bad_json
     from colocate.objects import ObjectPathError
     from colocate.rewards import load_reward
     for key, split in (("data_files", cfg.env.split), ("eval_files", "train")):
@@ -133,6 +135,9 @@ def check_dataset(cfg: Config) -> None:
         except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many kinds; one line names the files
             if "corresponds to no data" in str(e):  # a split expression that selects nothing
                 raise ConfigError(f"env.{key}: split {split!r} of {files} is empty") from None
+            bad_line = first_bad_json(expand_files(files))
+            if bad_line:  # the file's own line, not the row of a parser chunk
+                raise ConfigError(f"env.{key}: {bad_line}; fix that line") from None
             cause = e.__cause__ or e  # datasets wraps the parser's error
             raise ConfigError(f"env.{key}: {files} do not load as split {split!r} "
                               f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})") from None

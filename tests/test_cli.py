@@ -51,6 +51,29 @@ def test_help_of_the_command_and_of_a_config_section(capsys):
     assert "no config section 'lerner'" in capsys.readouterr().err
 
 
+def test_no_command_or_an_unknown_one_is_exit_2_with_usage(capsys):
+    assert cli.main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("colocate: a command is required\nusage: colocate <command>")
+    assert cli.main(["trian", "--config", TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("colocate: unknown command 'trian'; did you mean 'train'?\nusage:")
+    assert cli.main(["zzz"]) == 2
+    assert "unknown command 'zzz' (commands: train, check, eval, export)" in capsys.readouterr().err
+
+
+def test_colocate_check_refuses_a_run_dir_train_would_refuse(tmp_path, capsys, monkeypatch):
+    no_torchrun_env(monkeypatch)
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    args = ["--config", TINY, f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["check", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "holds an earlier run (adapter)" in err[0]
+    assert cli.main(["check", *args, "--overwrite"]) == 0 and (run / "adapter").exists()
+
+
 def test_train_checks_then_execs_torchrun_with_the_world_it_checked(monkeypatch, tmp_path):
     no_torchrun_env(monkeypatch)
     calls = []
@@ -111,7 +134,9 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(monkey
     with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, tb\): pass --resume"):
         check_config(args, world=2)
     check_config([*args, "--resume"], world=2)
-    check_config([*args, "--check"], world=2)  # a check writes and refuses nothing
+    with pytest.raises(ConfigError, match=r"holds an earlier run"):  # a check refuses what the run would
+        check_config([*args, "--check"], world=2)
+    check_config([*args, "--check", "--overwrite"], world=2)  # and deletes nothing
     assert (run / "tb").exists()
     check_config([*args, "--overwrite"], world=2)
     assert sorted(os.listdir(run)) == ["notes.txt"]  # the earlier run's entries only

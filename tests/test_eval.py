@@ -57,7 +57,9 @@ def test_run_evaluates_and_the_cli_scores_the_checkpoint_alike(tmp_path):
     trained = run_eval_cli(["--checkpoint", str(run_dir / "checkpoints" / "step-000004")], tmp_path)
     assert trained["version"] == 4 and trained["metrics"] == pytest.approx(
         {k: v for k, v in summary["eval_final"].items() if k not in ("version", "eval_s")})
-    assert json.loads((run_dir / "eval" / "eval-step-000004.json").read_text())["metrics"] == trained["metrics"]
+    assert json.loads((run_dir / "evals" / "step-000004" / "metrics.json").read_text())["metrics"] == trained["metrics"]
+    adapter = run_eval_cli(["--checkpoint", str(run_dir / "adapter")], tmp_path)  # the run's final adapter alike
+    assert adapter["version"] == 4 and adapter["metrics"] == trained["metrics"]
 
 
 def test_cli_bad_checkpoint_is_one_line_and_exit_2(tmp_path):

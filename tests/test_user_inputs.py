@@ -311,3 +311,37 @@ def test_a_run_whose_reward_always_hangs_stops_in_one_line_naming_it(tmp_path):
         "colocate: rank 0 (inference) failed: RewardError: reward tests.agent_fixtures:reward_hangs gave no usable "
         "value for 21 samples in a row (env.max_reward_errors=20); last: timeout: gave no answer within "
         "env.reward_timeout_s=1s"), proc.stderr[-3000:]
+
+
+# -- a file that does not parse, paths -----------------------------------------------------------
+def test_a_malformed_line_deep_in_a_large_file_is_named_by_its_file_line(tmp_path):
+    """`datasets` reports the row of its own parser chunk ("row 96"); the line is the file's."""
+    from colocate.config import ConfigError
+    from colocate.preflight import check_dataset
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        for i in range(20_000):
+            f.write('{"prompt": "x", bad\n' if i == 19_000 else json.dumps({"prompt": f"q {i}", "answer": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=rf"env.data_files: {path} line 19001 column 17: not valid JSON \("):
+        check_dataset(dataset_cfg(tmp_path, [str(path)]))
+    path.write_text('{"prompt": "q", "answer": "1"}\n\n[1, 2]\n')  # blank lines count, a list is no row
+    with pytest.raises(ConfigError, match=r"big.jsonl line 3: a JSON list, not an object of columns"):
+        check_dataset(dataset_cfg(tmp_path, [str(path)]))
+
+
+def test_data_files_are_relative_to_the_working_directory_and_base_to_the_config(tmp_path, monkeypatch):
+    """README, Configure: `base:` is relative to the config file, every other path to the directory
+    the command runs in; a data file missing under a relative path says so."""
+    from colocate.config import ConfigError
+    from colocate.preflight import check_dataset
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "data.jsonl").write_text('{"prompt": "add 1 and 2 ; answer :", "answer": "3"}\n')
+    (tmp_path / "conf" / "run.yaml").write_text(f"base: {os.path.relpath(DATASET, tmp_path / 'conf')}\n"
+                                                "env:\n  data_files: [data.jsonl]\n  eval_files: []\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("conf/run.yaml", {"model": {"cache_dir": str(tmp_path / "cache")}})  # base found from conf/
+    with pytest.raises(ConfigError, match=rf"'data.jsonl' does not exist .*relative path is from the working "
+                                          rf"directory {tmp_path}"):
+        check_dataset(cfg)
+    monkeypatch.chdir(tmp_path / "conf")
+    check_dataset(cfg)

@@ -159,6 +159,41 @@ def _count_records(file: str, suffix: str) -> int:
     return len(data) if isinstance(data, list) else 0
 
 
+def first_bad_json(files: list[str]) -> str | None:
+    """'FILE line L column C: what' for the first line of the JSON / JSON-lines files that is not a
+    JSON object (read line by line: `datasets` names only a row of its own parser chunk), or None."""
+    for file in files:
+        suffix = os.path.splitext(file)[1].lower()
+        if suffix not in (".json", ".jsonl"):
+            continue
+        if suffix == ".json" and _is_json_array(file):
+            with open(file, "rb") as f:
+                fault = _json_fault(f.read(), list)
+            if fault:
+                return f"{file} {fault}"
+            continue
+        with open(file, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                fault = _json_fault(line, dict) if line.strip() else None
+                if fault:
+                    return f"{file} line {line_no}{fault.partition('line 1')[2]}"
+    return None
+
+
+def _json_fault(data: bytes, kind: type) -> str | None:
+    """'line L column C: not valid JSON (why)' or 'line 1: ...' of one JSON text that should be a
+    `kind` (a file's array of rows, a JSON line's object), or None."""
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "line 1: not UTF-8 text"
+    except json.JSONDecodeError as e:
+        return f"line {e.lineno} column {e.colno}: not valid JSON ({e.msg})"
+    if not isinstance(record, kind):
+        return f"line 1: a JSON {type(record).__name__}, not {'an array of rows' if kind is list else 'an object of columns'}"
+    return None
+
+
 def locate(files: list[str], index: int) -> str:
     """'FILE line L' (or 'FILE record R') of row `index` of the files' concatenation."""
     seen = 0
