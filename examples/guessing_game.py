@@ -6,10 +6,11 @@ guesses again. Reward: 1 for a first-turn hit, 0.5 for a second-turn hit, else 0
 
 Train it with
 
-    torchrun --nproc-per-node 2 -m colocate.train --config configs/cpu-tiny.yaml \\
-        --env.name=examples.guessing_game:GuessingGameEnv --env.options='{max_number: 4}'
+    colocate train --config configs/cpu-tiny.yaml --metrics.run_dir=runs/guessing-game \\
+        --env.name=examples.guessing_game:GuessingGameEnv --env.options='{max_number: 4}' \\
+        --env.reward_target=0.4 --metrics.reward_drop_alert=0.25
 
-(from the repository root, so `examples` imports). Every continuation of a group plays against
+(from the repository root, so `examples` imports; docs/envs.md gives the figures to expect). Every continuation of a group plays against
 the same secret, so GRPO compares guesses under the same conditions. Both turns are trained: the
 first-turn sample of each continuation is the group's anchor (it enters the group's mean and
 std), the second-turn sample gets the advantage of its continuation without counting twice.

@@ -54,9 +54,9 @@ step colocate train --config configs/cpu-tiny.yaml --overwrite --learner.num_ste
 test -f runs/cpu-tiny/evals/adapter/metrics.json
 
 # docs/envs.md, the custom env's worked example; README, Your own task (the dataset preset):
-step colocate train --config configs/cpu-tiny.yaml --env.name=examples.guessing_game:GuessingGameEnv \
-  "--env.options={max_number: 4}" --env.reward_target=0.5 --metrics.run_dir=runs/guessing-game \
-  ${steps[@]+"${steps[@]}"}
+step colocate train --config configs/cpu-tiny.yaml --metrics.run_dir=runs/guessing-game \
+  --env.name=examples.guessing_game:GuessingGameEnv "--env.options={max_number: 4}" \
+  --env.reward_target=0.4 --metrics.reward_drop_alert=0.25 ${steps[@]+"${steps[@]}"}
 step colocate train --config configs/cpu-dataset-tiny.yaml ${steps[@]+"${steps[@]}"}
 step colocate eval --run runs/cpu-dataset-tiny > /dev/null
 
