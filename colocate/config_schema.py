@@ -465,7 +465,8 @@ class CheckpointConfig:
     """Write checkpoints at all."""
     trust_unverified: bool = False
     """Resume from a checkpoint that has no manifest.json (written before manifests existed), after a
-    one-line warning: its files are still read and checked, only their hashes cannot be."""
+    one-line warning, or evaluate / export such an adapter: its files are still read and checked,
+    only their hashes and base model cannot be."""
 
 
 @dataclass

@@ -80,6 +80,8 @@ def export(run: str, merge: bool, out: str, trust_unverified: bool = False) -> s
     tokenizer = load_tokenizer(cfg.model, corpus_fn, key)
     check_adapter(cfg, adapter, tokenizer)
     if merge:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # one file's "Writing model shards" bar: the last line says it all
         with quiet_peft_probe():
             model = PeftModel.from_pretrained(build_model(cfg.model, tokenizer, "cpu"), adapter_dir)
         model.merge_and_unload().save_pretrained(out, safe_serialization=True)

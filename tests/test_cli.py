@@ -185,3 +185,18 @@ def test_export_merged_model_answers_as_the_adapter_through_peft(tmp_path, tiny_
     want = greedy_answers(through_peft, tiny_tokenizer, prompts)
     assert greedy_answers(merged, tiny_tokenizer, prompts) == want
     assert greedy_answers(base, tiny_tokenizer, prompts) != want  # the adapter matters
+
+
+def test_readme_commands_script_runs_the_readmes_commands_in_order():
+    """scripts/readme_commands.sh (issue 56) holds every command of the README's Install, Run and
+    test blocks, in the README's order, so the two cannot drift apart."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    blocks = [block.split("```", 1)[0] for block in readme.split("```bash\n")[1:4]]
+    assert "pip install torch" in blocks[0] and "colocate train" in blocks[1] and "pytest" in blocks[2]
+    commands = [part.split("#")[0].strip() for block in blocks for line in block.splitlines()
+                for part in line.split(";") if part.split("#")[0].strip()]
+    script = open(os.path.join(REPO, "scripts", "readme_commands.sh")).read()
+    missing = [c for c in commands if c not in script]
+    assert not missing, missing
+    positions = [script.index(c) for c in commands]
+    assert positions == sorted(positions)

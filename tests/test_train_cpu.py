@@ -21,8 +21,9 @@ def torchrun(args, nproc=2, timeout=600):
 @pytest.mark.slow
 def test_cpu_run_reward_improves(tmp_path):
     run_dir = tmp_path / "run"
-    torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=80", f"--metrics.run_dir={run_dir}",
-              f"--model.cache_dir={tmp_path / 'cache'}", "--sync.check_checksum=true"])
+    proc = torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=80", f"--metrics.run_dir={run_dir}",
+                     f"--model.cache_dir={tmp_path / 'cache'}", "--sync.check_checksum=true"])
+    assert "Warning" not in proc.stderr, proc.stderr[-2000:]  # no FutureWarnings (issue 56) or others
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 80
     assert summary["reward_end"] >= summary["reward_start"] + 0.25, summary
