@@ -20,7 +20,7 @@ def run(tmp_path, tiny_cfg, tiny_tokenizer):
     """A finished run's directory as training leaves it: config.yaml and adapter/ (B != 0: trained-looking)."""
     from colocate.checkpoint import peft_config_dict, save_adapter
     from colocate.models import base_identity, canonical_name
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     run = tmp_path / "run"
     save_config(tiny_cfg, str(run / "config.yaml"))
     policy = build_policy(tiny_cfg, tiny_tokenizer, "cpu")
@@ -57,8 +57,7 @@ def no_weights(monkeypatch):
 
     def fail(*args, **kwargs):
         raise AssertionError("model weights were built before the input was checked")
-    monkeypatch.setattr(colocate.models, "build_model", fail)
-    monkeypatch.setattr(colocate.models, "materialize", fail)
+    monkeypatch.setattr(colocate.models, "materialize", fail)  # what gives a model (built on meta) its weights
 
 
 def test_the_adapter_manifest_lists_files_base_and_version(run, tiny_cfg, tiny_tokenizer):
@@ -90,7 +89,7 @@ def test_eval_scores_the_runs_adapter_and_writes_outside_the_run(run, tmp_path, 
 
 
 def test_eval_does_not_block_the_next_train_and_overwrite_keeps_it(monkeypatch, tmp_path, tiny_cfg, capsys):
-    from colocate.train import check_config
+    from colocate.launch import check_config
     for key in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)
     assert cli.main(eval_args(tmp_path, tiny_cfg)) == 0  # the base model, before training

@@ -119,7 +119,7 @@ def test_building_sampling_and_gathering_raise_no_future_warning(tiny_cfg, tiny_
     from colocate.data import Request
     from colocate.engine.hf import HFEngine
     from colocate.learner.fsdp import all_gather_single
-    from colocate.train import build_policy
+    from colocate.models import build_policy
     from tests.conftest import free_port
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

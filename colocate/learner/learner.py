@@ -33,6 +33,7 @@ FSDP the adapter gradients are all-reduced (summed) by hand.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, lay
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, UpdateResult, by_name,
                                     signal_fraction, step_stats)
-from colocate.models import materialize
+from colocate.models import base_identity, materialize
 from colocate.wire import unflatten_lora
 
 
@@ -101,7 +102,7 @@ class Learner:
         self.topology = topology
         self.model = model  # peft model; only adapter parameters require grad
         self.pad_id = tokenizer.pad_token_id
-        self.vocab_size = len(tokenizer)  # what the base model's identity needs (`models.base_identity`)
+        self.vocab_size = len(tokenizer)  # what the base model's identity follows (`base`)
         self.device = topology.device
         lc = cfg.learner
         self.attention = resolve_attention(lc.attention, self.device, lc.prefix_sharing)
@@ -130,6 +131,12 @@ class Learner:
         self._gather = None  # fsdp.LoraGather, built on first use
 
     # ---- collectives over the learner group -------------------------------------------------------
+
+    @functools.cached_property
+    def base(self) -> dict:
+        """The base model's identity (`models.base_identity`), in the manifest of every adapter and
+        checkpoint this learner writes; computed once, from the config (no collective)."""
+        return base_identity(self.cfg.model, self.vocab_size)
 
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.topology.num_learners > 1:

@@ -79,15 +79,6 @@ class LearnerRank:
         self.timeline: list[TimelineRow] = []
         self.block_params = sum(p.numel() for n, p in learner.model.named_parameters()
                                 if ".layers." in n and "lora_" not in n)
-        self._base: dict | None = None
-
-    @property
-    def base(self) -> dict:
-        """The base model's identity, kept in every adapter's and checkpoint's manifest (computed once)."""
-        if self._base is None:
-            from colocate.models import base_identity
-            self._base = base_identity(self.cfg.model, self.learner.vocab_size)
-        return self._base
 
     def receive(self, step: int) -> tuple[TrajectoryBatch, bool, dict]:
         """One shard from every inference rank -> (batch, a stop was requested there, wait times);
@@ -226,13 +217,13 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
         # a mismatch: the checkpoints written before this step never trained on that engine's samples
         good_step = step if mismatch else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
         write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.fault,
-                         protect_step=good_step, base=rank.base if rank.topo.rank == rank.topo.sync_src else None)
+                         protect_step=good_step)
         if (collapse or mismatch) and rank.topo.rank == rank.topo.sync_src:
             note_last_good(cfg, rank.writer, good_step, step + 1, "mismatch" if mismatch else "collapse")
     if (last or stopping) and rank.topo.role_rank == 0:  # the run's model, checkpoints on or off
         from colocate.checkpoint import peft_config_dict, save_adapter
         save_adapter(os.path.join(cfg.metrics.run_dir, "adapter"), adapter, peft_config_dict(rank.learner.model),
-                     base=rank.base, version=rank.learner.version)
+                     base=rank.learner.base, version=rank.learner.version)
     rank.log(step, stats, waits, gather_s, sync_s)
     if stopping:
         rank.drain(step)
@@ -383,9 +374,9 @@ def restore_learner(learner, resume: dict) -> int:
 
 
 def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, history: dict, step: int,
-                     fault: dict, protect_step: int | None = None, base: dict | None = None) -> None:
+                     fault: dict, protect_step: int | None = None) -> None:
     """Every learner joins the optimizer-state gather; learner rank 0 collects the inference ranks'
-    states and writes the checkpoint atomically (`base`: the base model's identity, for its manifest)."""
+    states and writes the checkpoint atomically (with the base model's identity in its manifest)."""
     from colocate.checkpoint import (CheckpointState, checkpoint_root, flatten_optimizer, peft_config_dict,
                                      save_checkpoint)
     # Gathering DTensor optimizer state (FSDP2) is a collective: every learner flattens it.
@@ -396,7 +387,7 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
     trainer_state = {"step": step, "version": learner.version, "history": history, "inference": inference}
     state = CheckpointState(adapter, peft_config_dict(learner.model), optimizer_state,
                             {"torch_cpu": torch.get_rng_state()}, trainer_state,
-                            yaml.safe_dump(to_dict(cfg), sort_keys=False), base=base)
+                            yaml.safe_dump(to_dict(cfg), sort_keys=False), base=learner.base)
     path = save_checkpoint(checkpoint_root(cfg.metrics.run_dir), step, state, keep=cfg.checkpoint.keep,
                            fault_hook=checkpoint_fault_hook(fault, step), protect_step=protect_step)
     print(f"[learner] checkpoint written: {path}", flush=True)
