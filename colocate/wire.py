@@ -172,8 +172,9 @@ def broadcast_json(obj, *, src: int, group, rank: int):
 FIELDS = [f.name for f in fields(TrajectoryBatch)]
 DTYPES = [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool]
 HEADER_LEN = 64
-HEADER_TAIL = 3
-"""The header's last slots: probe length, probe version + 1 (0: no probe score follows), flags."""
+HEADER_TAIL = 4
+"""The header's last slots: the inference rank's busy share in permille + 1 (0: not known), probe
+length, probe version + 1 (0: no probe score follows), flags."""
 
 
 @dataclass(frozen=True)
@@ -192,10 +193,13 @@ class Shard:
     """The inference rank's run control (a stop it saw)."""
     canary: ProbeScore | None = None
     """The engine's probe score of the version that sampled this batch, when it is scored first."""
+    busy: float | None = None
+    """The inference rank's share of the interval since its previous batch spent collecting this one
+    (the step line's `inf` busy); None for its first batch."""
 
 
-def encode_batch(batch: TrajectoryBatch, flags: int = 0,
-                 canary: ProbeScore | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def encode_batch(batch: TrajectoryBatch, flags: int = 0, canary: ProbeScore | None = None,
+                 busy: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """-> ([HEADER_LEN] int64 header, the tensors to send after it)."""
     tensors = batch.tensors()
     header = [len(tensors)]
@@ -205,16 +209,18 @@ def encode_batch(batch: TrajectoryBatch, flags: int = 0,
         payload.append(t.contiguous())
     if len(header) > HEADER_LEN - HEADER_TAIL:
         raise ValueError("trajectory header too long")
-    tail = [0, 0, int(flags)]
+    busy_slot = 0 if busy is None else 1 + round(min(max(busy, 0.0), 1.0) * 1000)
+    tail = [busy_slot, 0, 0, int(flags)]
     if canary is not None:
         payload.append(canary.logprobs.detach().float().contiguous().cpu())
-        tail = [canary.logprobs.numel(), canary.version + 1, int(flags)]
+        tail = [busy_slot, canary.logprobs.numel(), canary.version + 1, int(flags)]
     return torch.tensor(header + [0] * (HEADER_LEN - HEADER_TAIL - len(header)) + tail, dtype=torch.int64), payload
 
 
-def send_batch(batch: TrajectoryBatch, dst: int, group, flags: int = 0, canary: ProbeScore | None = None) -> None:
+def send_batch(batch: TrajectoryBatch, dst: int, group, flags: int = 0, canary: ProbeScore | None = None,
+               busy: float | None = None) -> None:
     """Blocking send of one shard to global rank `dst`."""
-    header, payload = encode_batch(batch, flags, canary)
+    header, payload = encode_batch(batch, flags, canary, busy)
     for t in (header, *payload):
         dist.send(t, dst=dst, group=group)
 
@@ -232,13 +238,13 @@ def recv_batch(src: int, group) -> Shard:
         t = torch.empty(shape, dtype=dtype)
         dist.recv(t, src=src, group=group)
         out[name] = t
-    probe_len, probe_version, flags = h[-HEADER_TAIL:]
+    busy_slot, probe_len, probe_version, flags = h[-HEADER_TAIL:]
     canary = None
     if probe_version:
         logprobs = torch.empty(probe_len, dtype=torch.float32)
         dist.recv(logprobs, src=src, group=group)
         canary = ProbeScore(probe_version - 1, logprobs)
-    return Shard(TrajectoryBatch(**out), RunFlags(flags), canary)
+    return Shard(TrajectoryBatch(**out), RunFlags(flags), canary, (busy_slot - 1) / 1000 if busy_slot else None)
 
 
 class TrajectorySender:
@@ -259,9 +265,9 @@ class TrajectorySender:
         self._thread.start()
 
     def submit(self, index: int, shards: list[tuple[TrajectoryBatch, int]], flags: int = 0,
-               canary: ProbeScore | None = None) -> None:
-        """Queue batch `index` as (shard, destination rank) pairs; `canary` goes to every destination."""
-        self._queue.put((index, shards, flags, canary))
+               canary: ProbeScore | None = None, busy: float | None = None) -> None:
+        """Queue batch `index` as (shard, destination rank) pairs; `canary` and `busy` go to every destination."""
+        self._queue.put((index, shards, flags, canary, busy))
 
     def in_flight(self, submitted_through: int) -> int:
         """Batches submitted (through `submitted_through`) but not yet taken by the learners."""
@@ -283,10 +289,10 @@ class TrajectorySender:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            index, shards, flags, canary = item
+            index, shards, flags, canary, busy = item
             try:
                 for batch, dst in shards:
-                    send_batch(batch, dst, self.group, flags, canary)
+                    send_batch(batch, dst, self.group, flags, canary, busy)
             except BaseException as e:  # a dead peer: surface it in the main thread
                 with self._cond:
                     self._error = e

@@ -35,7 +35,7 @@ def _learner(model, spec, group, result_path):
         json.dump({"bit_identical": torch.equal(flat, flatten_lora(lora_state(model), spec)),
                    "batch_flags": int(shard.flags), "canary_version": shard.canary.version,
                    "canary": shard.canary.logprobs.tolist(), "plain_canary": plain.canary is None,
-                   "plain_flags": int(plain.flags)}, f)
+                   "plain_flags": int(plain.flags), "busy": shard.busy, "plain_busy": plain.busy}, f)
 
 
 def _inference(model, tok, spec, group, result_path):
@@ -51,7 +51,8 @@ def _inference(model, tok, spec, group, result_path):
     for _ in FLAGS:
         updates.append((receiver.receive(), engine.version))
     dist.broadcast(flatten_lora(engine.lora_state(), spec), src=1, group=group)
-    send_batch(_example_batch(), 0, group, flags=RunFlags.STOP, canary=ProbeScore(5, -torch.arange(7.0) / 8))
+    send_batch(_example_batch(), 0, group, flags=RunFlags.STOP, canary=ProbeScore(5, -torch.arange(7.0) / 8),
+               busy=0.4567)
     send_batch(_example_batch(), 0, group)
     with open(result_path + ".updates", "w") as f:
         json.dump([{"version": u.version, "flags": int(u.flags), "engine_version": version,
@@ -104,6 +105,7 @@ def test_broadcast_channel_gives_the_engine_the_learners_bytes_with_flags(tmp_pa
     assert learner["batch_flags"] == int(RunFlags.STOP)
     assert learner["canary_version"] == 5 and learner["canary"] == (-torch.arange(7.0) / 8).tolist()
     assert learner["plain_canary"] and learner["plain_flags"] == 0
+    assert learner["busy"] == 0.457 and learner["plain_busy"] is None  # permille in the header; none when not known
     from safetensors.torch import load_file
     got, want = load_file(result + ".batch.safetensors"), _example_batch().tensors()
     assert got.keys() == want.keys()

@@ -87,7 +87,9 @@ class LearnerRank:
         received = [recv_batch(src, self.topo.transport_group) for src in self.topo.inference_ranks]
         # the last adapter's sends to the engines count as waiting, not training
         send_wait_s = self.sender.wait_sent()
-        waits = {"t0": t0, "u0": u0, "wait_s": time.perf_counter() - t0, "send_wait_s": send_wait_s}
+        busy = [s.busy for s in received if s.busy is not None]
+        waits = {"t0": t0, "u0": u0, "wait_s": time.perf_counter() - t0, "send_wait_s": send_wait_s,
+                 "inference_busy": sum(busy) / len(busy) if busy else None}
         self.check_canary([s.canary for s in received if s.canary is not None], step)
         return TrajectoryBatch.concat([s.batch for s in received]), any(s.flags & RunFlags.STOP for s in received), waits
 
@@ -178,7 +180,8 @@ class LearnerRank:
                               f"ent {stats['entropy']:.3f} gnorm {stats['grad_norm']:.3f} "
                               f"ratio {stats['ratio']:.3f}/{stats['ratio_max']:.2f} zadv {stats['zero_adv_fraction']:.2f} "
                               f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
-                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{self.canary_text()}{self.eta.text(step)}")
+                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{busy_text(waits)}{self.canary_text()}"
+                              f"{self.eta.text(step)}")
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
                                          stats["policy_lag_mean"], gather_s, sync_s))
 
@@ -191,6 +194,13 @@ class LearnerRank:
         for _ in range(min(step + 1 + sampling_lag(self.cfg), self.cfg.learner.num_steps) - (step + 1)):
             for src in self.topo.inference_ranks:
                 recv_batch(src, self.topo.transport_group)
+
+
+def busy_text(waits: dict) -> str:
+    """The step line's inference busy share: the inference ranks' time collecting their last batch
+    over the interval it took them (mean over ranks), beside the learner's `wait`."""
+    busy = waits.get("inference_busy")
+    return "" if busy is None else f" inf {busy:.0%} busy"
 
 
 def learner_step(rank: LearnerRank, step: int) -> bool:
