@@ -1,7 +1,7 @@
 """`colocate`: the command a user types (`colocate train|eval|check|export`).
 
     colocate train  --config FILE [--nproc N] [--overwrite|--resume] [torchrun flags] [--section.key=value ...]
-    colocate check  --config FILE [--world-size N] [--section.key=value ...]
+    colocate check  --config FILE [--world-size N] [--gpu-memory SIZE|CARD [--gpus-per-node G]] [--section.key=value ...]
     colocate eval   --config FILE [--checkpoint DIR] | --run DIR [--out FILE] [--opponents greedy,random] [--games N] [...]
     colocate export --run DIR [--merge] --out DIR
     colocate <command> --help [SECTION]
@@ -24,14 +24,15 @@ from colocate.config import Config, ConfigError, field_docs, load_config, parse_
 
 COMMANDS = {
     "train": "check the config, then start torchrun with the right number of processes",
-    "check": "check a config (values, world size, files, model) and print it resolved",
+    "check": "check a config (values, world size, files, model, each GPU's memory plan) and print it resolved",
     "eval": "evaluate a saved adapter (or the base model) on the config's env",
     "export": "write a run's final adapter (peft format), or with --merge a merged Hugging Face model",
 }
 USAGE = {
     "train": "colocate train --config FILE [--nproc N] [--overwrite | --resume] [torchrun flags: --nnodes N "
              "--node-rank R --rdzv-endpoint HOST:PORT ...] [--section.key=value ...]",
-    "check": "colocate check --config FILE [--world-size N] [--overwrite | --resume] [--section.key=value ...]",
+    "check": "colocate check --config FILE [--world-size N] [--gpu-memory 80GiB|h100|h200 [--gpus-per-node G]] "
+             "[--overwrite | --resume] [--section.key=value ...]",
     "eval": "colocate eval (--config FILE [--checkpoint DIR] | --run RUN_DIR) [--out FILE] [--opponents greedy,random] "
             "[--games N] [--section.key=value ...]\n\n--checkpoint: a run's adapter/ (RUN_DIR/adapter), an exported "
             "adapter or a checkpoints/step-* directory; --run: RUN_DIR/adapter with RUN_DIR/config.yaml. Writes "

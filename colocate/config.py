@@ -46,9 +46,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check (and for CLI strings, parse) one value against its field type."""
     origin = typing.get_origin(annotation) or annotation
     if origin is types.UnionType:  # `int | str`: a number, or a word its check names (micro_batch_tokens: auto)
-        value = yaml.safe_load(value) if isinstance(value, str) else value
+        names = " or ".join(a.__name__ for a in typing.get_args(annotation))
+        try:
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+        except yaml.YAMLError:
+            raise ConfigError(f"{where}: expected {names}, got {value!r}") from None
         if not isinstance(value, typing.get_args(annotation)) or isinstance(value, bool):
-            names = " or ".join(a.__name__ for a in typing.get_args(annotation))
             raise ConfigError(f"{where}: expected {names}, got {type(value).__name__} {value!r}")
         return value
     if isinstance(value, str) and annotation is float:

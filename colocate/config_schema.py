@@ -174,7 +174,10 @@ class EnvConfig:
     """dataset: one weight per entry of `reward`; empty = all 1.0."""
     reward_workers: int = 0
     """dataset: threads that compute rewards while the rollout keeps feeding the engine (for slow
-    functions: judges, sandboxes); 0 computes them inline when a group's completions are in."""
+    functions: judges, sandboxes); 0 waits for a group's rewards when its completions are in. Either
+    way the functions run on worker threads (at least one), which bounds their time
+    (`reward_timeout_s`): a function that needs the main thread (signal-based timeouts) must turn
+    those off (docs/envs.md)."""
     prefetch_prompts: int = 64
     """dataset: prompt token ids (chat template and tokenizer) built ahead, for the next this many rows
     of the epoch's order, by one background thread while the engine decodes; 0 builds each when its

@@ -84,9 +84,10 @@ class ModelShape:
         total = sum(p.numel() for p in model.parameters())
         lora = sum(cfg.lora.rank * (m.in_features + m.out_features) for name, m in model.named_modules()
                    if name.rpartition(".")[2] in cfg.lora.target_modules and isinstance(m, torch.nn.Linear))
-        kv = c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+        kv = c.num_key_value_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        dtype_bytes = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
         return ModelShape(total, total - blocks, blocks // c.num_hidden_layers, c.num_hidden_layers, c.hidden_size,
-                          kv, c.intermediate_size, c.vocab_size, lora, 2 if cfg.model.dtype == "bfloat16" else 4)
+                          kv, c.intermediate_size, c.vocab_size, lora, dtype_bytes)
 
 
 def per_token_bytes(cfg: Config, shape: ModelShape) -> dict[str, float]:
@@ -149,27 +150,36 @@ def fit_tokens(cfg: Config, shape: ModelShape, num_learners: int, room: int) -> 
     return max(0, min(AUTO_MAX, tokens))
 
 
-def learner_room(cfg: Config, shape: ModelShape, total: int, shares_gpu: bool) -> int:
-    """What a learner rank may use of its card: the card, less the engine's part where one shares it."""
-    return total - (rank_estimate(engine_parts(cfg, shape, total)) if shares_gpu else 0)
+def learner_rooms(cfg: Config, shape: ModelShape, roles: list[str], devices: list[tuple[int, int]],
+                  total: int) -> list[int]:
+    """What each learner may use, per GPU that holds learners: the card less `AUTO_MARGIN`, less the
+    engines' parts on it, shared by the learners on it."""
+    rooms = []
+    for gpu in sorted(set(devices)):
+        on_gpu = [roles[r] for r, d in enumerate(devices) if d == gpu]
+        if "learner" in on_gpu:
+            engines = on_gpu.count("inference") * rank_estimate(engine_parts(cfg, shape, total))
+            rooms.append(int((total * (1 - AUTO_MARGIN) - engines) // on_gpu.count("learner")))
+    return rooms
 
 
-def resolve_micro_batch_tokens(cfg: Config, shape: ModelShape | None, num_learners: int, total: int | None,
-                               shares_gpu: bool) -> str | None:
-    """`learner.micro_batch_tokens: auto` -> an integer, set in `cfg`; returns the line saying what it chose."""
+def resolve_micro_batch_tokens(cfg: Config, shape: ModelShape | None, roles: list[str],
+                               devices: list[tuple[int, int]] | None, total: int | None) -> str | None:
+    """`learner.micro_batch_tokens: auto` -> an integer, set in `cfg`: the largest budget every
+    learner's GPU holds; returns the line saying what it chose."""
     if cfg.learner.micro_batch_tokens != "auto":
         return None
-    if total is None or shape is None:
+    if total is None or shape is None or devices is None:
         cfg.learner.micro_batch_tokens = AUTO_WITHOUT_GPU
         return f"learner.micro_batch_tokens auto -> {AUTO_WITHOUT_GPU} (no GPU to plan for)"
-    room = int(learner_room(cfg, shape, total, shares_gpu) - AUTO_MARGIN * total)
-    tokens = fit_tokens(cfg, shape, num_learners, room)
+    num_learners = roles.count("learner")
+    tokens = min(fit_tokens(cfg, shape, num_learners, room) for room in learner_rooms(cfg, shape, roles, devices, total))
     if tokens < AUTO_STEP:
         fixed = rank_estimate(learner_parts(cfg, shape, num_learners, 0))
         raise ConfigError(f"learner.micro_batch_tokens=auto: no budget fits: a learner needs ~{fixed / GIB:.1f} GiB "
-                          f"before activations of its {total / GIB:.1f} GiB card ({AUTO_MARGIN:.0%} kept free); add "
-                          "learners (topology.num_learners), set learner.activation_checkpointing=true or lower "
-                          "engine.gpu_memory_utilization")
+                          f"before activations, beside what shares its {total / GIB:.1f} GiB card ({AUTO_MARGIN:.0%} "
+                          "kept free); add learners (topology.num_learners), set learner.activation_checkpointing=true "
+                          "or lower engine.gpu_memory_utilization")
     cfg.learner.micro_batch_tokens = tokens
     est = rank_estimate(learner_parts(cfg, shape, num_learners, tokens))
     return (f"learner.micro_batch_tokens auto -> {tokens} (learner ~{est / GIB:.1f} GiB of {total / GIB:.1f} GiB, "
@@ -241,15 +251,10 @@ def plan_lines(cfg: Config, plans: list[GpuPlan], total: int, card: str) -> list
 
 
 def gpu_total_bytes(index: int = 0) -> int | None:
-    """The card's memory from NVML (no CUDA context is made here); None when NVML is unavailable."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        physical = int(visible.split(",")[index]) if visible else index
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical)).total)
-    except Exception:  # no driver, a MIG or UUID device list: the plan is skipped, not the run
-        return None
+    """The card's memory from NVML; None when NVML is unavailable (the plan is skipped, not the run)."""
+    from colocate.metrics import nvml_memory
+    memory = nvml_memory(index)
+    return memory[0] if memory else None
 
 
 @dataclass(frozen=True)
@@ -265,12 +270,10 @@ def plan_memory(cfg: Config, model, roles: list[str], devices: list[tuple[int, i
     """Resolve `micro_batch_tokens: auto`, then plan and check every GPU -> the lines to print.
     `devices` None or `card` None: CPU ranks (only `auto` is resolved)."""
     if card is None or devices is None:
-        line = resolve_micro_batch_tokens(cfg, None, roles.count("learner"), None, False)
+        line = resolve_micro_batch_tokens(cfg, None, roles, None, None)
         return [f"colocate: {line}"] if line else []
     shape = ModelShape.of(cfg, model)
-    learners = [r for r, role in enumerate(roles) if role == "learner"]
-    shares = any(devices[r] == devices[learners[0]] for r, role in enumerate(roles) if role == "inference")
-    line = resolve_micro_batch_tokens(cfg, shape, len(learners), card.total, shares)
+    line = resolve_micro_batch_tokens(cfg, shape, roles, devices, card.total)
     plans = plan_gpus(cfg, shape, roles, devices, card.total)
     check_plan(cfg, plans, card.total)
     return ([f"colocate: {line}"] if line else []) + plan_lines(cfg, plans, card.total, card.name)

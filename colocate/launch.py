@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 from colocate import run_dir
 from colocate.config import Config, ConfigError, load_config, parse_overrides
-from colocate.preflight import preflight
+from colocate.preflight import CardSpec, preflight
 from colocate.topology import place_roles
 from colocate.trackers import check_loggers
 
@@ -20,29 +21,47 @@ def parse_config(argv: list[str], world: int) -> tuple[Config, bool]:
     return load_config(path, overrides, world_size=world), resume
 
 
-def split_check_flags(argv: list[str]) -> tuple[list[str], bool, int, str | None]:
-    """`--check [--world-size N] [--gpu-memory SIZE]` -> (the other arguments, check only, world
-    size, the card to plan for). Under torchrun the world size is torchrun's; a check before launch
-    assumes N processes (default 2), each on its own GPU of SIZE (`gpu_budget.parse_gpu_memory`)."""
-    check_only, world, gpu_memory, rest = False, None, None, []
+@dataclass(frozen=True)
+class CheckFlags:
+    """What `--check [--world-size N] [--gpu-memory SIZE [--gpus-per-node G]]` asked for."""
+    rest: list[str]
+    """The other arguments (the config and its overrides)."""
+    check_only: bool
+    world: int
+    """Under torchrun torchrun's world size; a check before launch assumes N processes (default 2)."""
+    card: CardSpec | None
+    """A card to plan for instead of this machine's (`gpu_budget.parse_gpu_memory`); checks only."""
+
+
+def split_check_flags(argv: list[str]) -> CheckFlags:
+    check_only, world, memory, per_node, rest = False, None, None, None, []
     it = iter(argv)
     for arg in it:
         name, sep, value = arg.partition("=")
         if arg == "--check":
             check_only = True
-        elif name in ("--world-size", "--gpu-memory"):
+        elif name in ("--world-size", "--gpu-memory", "--gpus-per-node"):
             value = value if sep else next(it, "")
             if name == "--gpu-memory":
-                gpu_memory = value
-            elif not value.isdigit() or int(value) < 2:
-                raise ConfigError(f"--world-size={value!r}: expected an integer >= 2 (one rank of each role)")
-            else:
+                memory = value
+            elif not value.isdigit() or int(value) < (2 if name == "--world-size" else 1):
+                raise ConfigError(f"{name}={value!r}: expected an integer >= "
+                                  + ("2 (one rank of each role)" if name == "--world-size" else "1"))
+            elif name == "--world-size":
                 world = int(value)
+            else:
+                per_node = int(value)
         else:
             rest.append(arg)
+    if (memory is not None or per_node is not None) and not check_only:
+        raise ConfigError("--gpu-memory / --gpus-per-node plan a card for `colocate check`; a run plans the GPUs "
+                          "it has")
+    if per_node is not None and memory is None:
+        raise ConfigError("--gpus-per-node: give the card too (--gpu-memory 80GiB, or h100, h200)")
+    card = CardSpec(memory, per_node) if memory is not None else None
     if "WORLD_SIZE" in os.environ:
-        return rest, check_only, int(os.environ["WORLD_SIZE"]), gpu_memory
-    return rest, check_only, world or (2 if check_only else 1), gpu_memory
+        return CheckFlags(rest, check_only, int(os.environ["WORLD_SIZE"]), card)
+    return CheckFlags(rest, check_only, world or (2 if check_only else 1), card)
 
 
 def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
@@ -101,10 +120,10 @@ def check_config(argv: list[str], world: int | None = None,
     torchrun, with the world it will ask for) run this one function: the config over its world
     size, the preflight checks, and the run directory policy (`run_dir.claim`; only a real run deletes)."""
     argv, overwrite = run_dir.split_overwrite(argv)
-    argv, check_only, env_world, gpu_memory = split_check_flags(argv)
-    world = world or env_world
+    flags = split_check_flags(argv)
+    argv, check_only, world = flags.rest, flags.check_only, world or flags.world
     cfg, resume_flag = parse_config(argv, world)
-    preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), gpu_memory,
+    preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), flags.card,
               show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
     check_loggers(cfg)
     # `--check` refuses what a run would refuse (the same `--resume` / `--overwrite`), and deletes nothing

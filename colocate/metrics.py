@@ -89,24 +89,33 @@ class MonitorThread(threading.Thread):
         raise NotImplementedError
 
 
+def nvml_memory(index: int) -> tuple[int, int] | None:
+    """(total, used) bytes of CUDA device `index` as NVML reports them (no CUDA context is made);
+    None without NVML, or for a MIG or UUID device list."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = int(visible.split(",")[index]) if visible else index
+        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
+        return int(info.total), int(info.used)
+    except Exception:  # noqa: BLE001 - no driver, no library: no NVML figures
+        return None
+
+
 def memory_peaks(device: torch.device) -> dict[str, float]:
-    """This rank's peak GPU memory in GiB: PyTorch's allocated and reserved peaks in this process,
-    and what NVML says the whole GPU holds now (every process on it: a vLLM engine core's pool, the
-    CUDA contexts). Empty on CPU. What the memory plan's estimates are checked against."""
+    """This rank's GPU memory in GiB: PyTorch's allocated and reserved peaks in this process, and what
+    NVML says the whole GPU holds at the end of the run (`device_used_at_end`: every process on it,
+    a vLLM engine core's pool, the CUDA contexts; PyTorch's cache keeps a learner's reserved peak).
+    Empty on CPU. What the memory plan's estimates are checked against."""
     import torch
     if device.type != "cuda":
         return {}
     peaks = {"allocated": torch.cuda.max_memory_allocated(device) / 2**30,
              "reserved": torch.cuda.max_memory_reserved(device) / 2**30}
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        index = device.index or 0
-        physical = int(visible.split(",")[index]) if visible else index
-        peaks["device_used"] = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical)).used / 2**30
-    except Exception:  # noqa: BLE001 - no NVML: PyTorch's figures only
-        pass
+    used = nvml_memory(device.index or 0)
+    if used is not None:
+        peaks["device_used_at_end"] = used[1] / 2**30
     return {k: round(v, 2) for k, v in peaks.items()}
 
 

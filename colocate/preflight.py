@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 import sys
 import tempfile
 
@@ -306,17 +307,27 @@ def gpu_count(cfg: Config) -> int:
     return torch.cuda.device_count()
 
 
-def the_card(cfg: Config, gpu_memory: str | None, gpus: int, local_world: int):
-    """The GPUs to plan memory for: `--gpu-memory` (a card this machine may not have; one GPU per
-    rank), else this machine's (NVML), else None (CPU ranks)."""
+@dataclass(frozen=True)
+class CardSpec:
+    """`colocate check --gpu-memory SIZE [--gpus-per-node G]`: plan for a card this machine may not have."""
+    memory: str
+    """80GiB, 80GB, 81559MiB, or a card's name (`gpu_budget.CARDS`)."""
+    gpus_per_node: int | None = None
+    """GPUs per node; None: one per rank (more ranks than GPUs share them round-robin, as a run does)."""
+
+
+def the_card(card: CardSpec | None, gpus: int, local_world: int):
+    """The GPUs to plan memory for: `card` (a check for another machine), else this machine's (NVML),
+    else None (CPU ranks)."""
     from colocate.gpu_budget import Card, gpu_total_bytes, parse_gpu_memory
-    if gpu_memory is not None:
-        return Card(parse_gpu_memory(gpu_memory), local_world, gpu_memory)
+    if card is not None:
+        per_node = card.gpus_per_node or local_world
+        return Card(parse_gpu_memory(card.memory), per_node, f"{card.memory}, {per_node} per node")
     total = gpu_total_bytes() if gpus else None
     return Card(total, gpus, "this machine's GPUs") if total else None
 
 
-def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, gpu_memory: str | None,
+def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, card: CardSpec | None,
                 gpus: int, show: bool) -> None:
     """`gpu_budget.plan_memory` over the ranks' placement: `auto` resolved, every GPU checked, the
     plan printed where `show` (a check, or rank 0 of a run)."""
@@ -325,14 +336,14 @@ def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, 
     world = world or 2
     local_world = local_world or world
     roles = place_roles(cfg, world, local_world)
-    card = the_card(cfg, gpu_memory, gpus, local_world)
-    lines = plan(cfg, model, roles, rank_devices(world, local_world, card.per_node) if card else None, card)
+    planned = the_card(card, gpus, local_world)
+    lines = plan(cfg, model, roles, rank_devices(world, local_world, planned.per_node) if planned else None, planned)
     if show:
         print_plan(lines)
 
 
 def preflight(cfg: Config, world: int | None = None, local_world: int | None = None,
-              gpu_memory: str | None = None, show_plan: bool = False) -> None:
+              card: CardSpec | None = None, show_plan: bool = False) -> None:
     gpus = gpu_count(cfg)
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
@@ -341,8 +352,8 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_dataset(cfg)
     check_custom_env(cfg)
     check_agent_tools(cfg)
-    if gpu_memory is None:  # `--gpu-memory` plans for another machine: its packages are not this one's
+    if card is None:  # `--gpu-memory` plans for another machine: its packages are not this one's
         check_optional_packages(cfg)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
-    plan_memory(cfg, model, world, local_world, gpu_memory, gpus, show_plan)
+    plan_memory(cfg, model, world, local_world, card, gpus, show_plan)

@@ -58,8 +58,6 @@ class ToolResult:
 
 
 HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
-JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-BRACKETS = re.compile(r"[\[\]{}]")
 
 
 class CallTextError(ValueError):
@@ -71,11 +69,26 @@ class CallTextError(ValueError):
 
 
 def json_depth(text: str) -> int:
-    """The deepest nesting of arrays and objects in `text`, strings skipped (without parsing it)."""
+    """The deepest nesting of arrays and objects in `text`, strings skipped (without parsing it): one
+    pass, linear in the text whatever its quotes (a regex over strings restarted at every unclosed
+    quote: quadratic)."""
     depth = deepest = 0
-    for bracket in BRACKETS.findall(JSON_STRING.sub("", text)):
-        depth = depth + 1 if bracket in "[{" else depth - 1
-        deepest = max(deepest, depth)
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
     return deepest
 
 

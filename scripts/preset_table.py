@@ -28,10 +28,10 @@ def job_rows(directory: str, name: str) -> tuple[str, list[str]]:
     for rank in sorted(peaks, key=int):
         p = peaks[rank]
         est = plan.get(rank)
-        measured = p.get("device_used", p.get("reserved"))  # the whole GPU, as the plan counts it
+        measured = p.get("device_used_at_end", p.get("device_used", p.get("reserved")))  # the whole GPU, as planned
         ratio = f"{est / measured:.2f}" if est and measured else ""
         ranks.append(f"| {name} | {rank} | {est if est is not None else ''} | {p.get('allocated', '')} | "
-                     f"{p.get('reserved', '')} | {p.get('device_used', '')} | {ratio} |")
+                     f"{p.get('reserved', '')} | {p.get('device_used_at_end', p.get('device_used', ''))} | {ratio} |")
     return line, ranks
 
 
@@ -48,7 +48,7 @@ def main(directory: str) -> None:
             continue
         print(line)
         memory += ranks
-    print("\n| job | rank | plan GiB | allocated peak | reserved peak | NVML used (whole GPU) | plan / measured |")
+    print("\n| job | rank | plan GiB | allocated peak | reserved peak | NVML used at the end (whole GPU) | plan / measured |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     print("\n".join(memory))
 

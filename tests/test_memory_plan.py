@@ -111,5 +111,24 @@ def test_the_shipped_presets_pass_the_check_for_h100s(capsys, monkeypatch, name,
     monkeypatch.chdir(REPO)
     code, err = check(capsys, "--config", f"configs/{name}.yaml", "--world-size", str(world), "--gpu-memory", "80GiB")
     assert code == 0, err
-    assert "colocate: memory plan (80GiB, 80.0 GiB a GPU)" in err
+    assert f"colocate: memory plan (80GiB, {world} per node, 80.0 GiB a GPU)" in err
     assert "micro_batch_tokens auto ->" in err
+
+
+def test_auto_sizes_a_learner_beside_what_shares_its_gpu(capsys):
+    """1 engine + 3 learners on 2 GPUs (round-robin: an engine and a learner on GPU 0, two learners
+    on GPU 1): auto takes the budget the fullest GPU holds, and the plan then passes."""
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--world-size", "4", "--gpu-memory", "h200",
+                      "--gpus-per-node", "2", "--topology.num_inference=1", "--topology.num_learners=3")
+    assert code == 0, err
+    assert "2 per node" in err and "ranks 0, 2: an engine" in err
+
+
+def test_planning_flags_belong_to_check_and_bad_values_are_one_line(capsys):
+    from colocate.launch import split_check_flags
+    with pytest.raises(ConfigError, match="plan a card for `colocate check`"):
+        split_check_flags(["--config", "x.yaml", "--gpu-memory", "h100"])
+    with pytest.raises(ConfigError, match="--gpus-per-node: give the card too"):
+        split_check_flags(["--check", "--gpus-per-node", "2"])
+    with pytest.raises(ConfigError, match=r"learner.micro_batch_tokens: expected int or str, got '\['"):
+        load_config(None, {"learner": {"micro_batch_tokens": "["}})

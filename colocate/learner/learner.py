@@ -191,7 +191,8 @@ class Learner:
                                 prompt_lens=torch.tensor([1], dtype=torch.int32), behaviour_logprobs=torch.zeros(n - 1),
                                 advantages=torch.zeros(1), rewards=torch.zeros(1), versions=torch.zeros(1, dtype=torch.int32))
         ((_, _, mb),) = layout(probe, n, self.cfg.learner.prefix_sharing, self.device, self.attention)
-        self.model.eval()  # the step's forward sets train() again
+        if self.cfg.lora.dropout > 0:  # else train mode computes the same, and compiled blocks keep their graphs
+            self.model.eval()  # the step's forward sets train() again
         logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
         logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
         return logp.cpu(), float(logits.pow(2).mean().sqrt())

@@ -324,7 +324,7 @@ def learner_memory(topo: Topology) -> dict[str, dict]:
     if topo.device.type != "cuda":
         return {}
     mine = memory_peaks(topo.device)
-    keys = ("allocated", "reserved", "device_used")
+    keys = ("allocated", "reserved", "device_used_at_end")
     local = torch.tensor([mine.get(k, -1.0) for k in keys], device=topo.device)
     every = [torch.empty_like(local) for _ in range(topo.num_learners)]
     dist.all_gather(every, local, group=topo.learner_group)

@@ -122,7 +122,8 @@ class InferenceRank:
                              "collect_s": time.perf_counter() - t_collect,
                              **{key: float(v) for key, v in {**stats, **engine_stats}.items() if key in BATCH_STATS}})
         flags = RunFlags.STOP if self.stop.requested else RunFlags.NONE  # reaches the learners in the header
-        busy = self.batches[-1]["collect_s"] / max(time.perf_counter() - t_wait, 1e-9)  # the step line's `inf`
+        # the step line's `inf`: not for this process's first batch, whose interval holds the start-up
+        busy = self.batches[-1]["collect_s"] / max(time.perf_counter() - t_wait, 1e-9) if len(self.batches) > 1 else None
         sender.submit(k, list(zip(shard_batch(batch, self.topo.num_learners), self.topo.learner_ranks)), flags, canary,
                       busy)
         stats["queue_depth"] = sender.in_flight(k)
