@@ -162,13 +162,16 @@ def slot_views(lora_module, slice_index: int, slot: int, is_a: bool, shape: tupl
 class AdapterSlot:
     """Receive buffer -> staged (engine dtype, B scaled) -> the slot's views, all on one device."""
 
-    def __init__(self, spec: LoraSpec, destinations: list[torch.Tensor], is_a: list[bool], scaling: float):
+    def __init__(self, spec: LoraSpec, destinations: list[torch.Tensor], is_a: list[bool], scaling: float,
+                 shard=None):
+        """`shard` (a `tp_shards.TpShard`): a tensor-parallel rank's worker, whose slot holds its slices."""
         device = destinations[0].device
         self.spec = spec
         self.scaling = float(scaling)
         self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=device)       # what the learner sent
         self.staged = torch.zeros(spec.numel, dtype=destinations[0].dtype, device=device)
         views = unflatten_lora(self.staged, spec)
+        views = shard.views(views) if shard is not None else views
         self.src = [views[n] for n in spec.names]
         self.dst = list(destinations)
         self.b_src = [v for v, a in zip(self.src, is_a) if not a]
@@ -228,13 +231,17 @@ class MergedAdapter:
     Same interface as `AdapterSlot` (`flat`, `apply`, `matches`); `weights` maps a module name to
     its weight tensor [out, in] (vLLM's, on the device)."""
 
-    def __init__(self, spec: LoraSpec, plan: list[MergeTarget], weights: dict[str, torch.Tensor], scaling: float):
+    def __init__(self, spec: LoraSpec, plan: list[MergeTarget], weights: dict[str, torch.Tensor], scaling: float,
+                 shard=None):
+        """`shard` (a `tp_shards.TpShard`): a tensor-parallel rank's worker, whose `weights` are its
+        shards and whose `plan` comes from `merge_plan` of the shard's shapes."""
         first = weights[plan[0].module]  # an adapted weight: the engine's device and dtype
         self.spec = spec
         self.scaling = float(scaling)
         self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=first.device)
         self.staged = torch.zeros(spec.numel, dtype=first.dtype, device=first.device)
         views = unflatten_lora(self.staged, spec)
+        views = shard.views(views) if shard is not None else views
         used = sorted({t.module for t in plan})
         self.base = {m: weights[m].detach().clone() for m in used}    # W0, never written again
         self.ops = [(weights[t.module][t.row_start:t.row_end], self.base[t.module][t.row_start:t.row_end],
