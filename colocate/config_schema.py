@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MODEL_SHAPES = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b")  # keys of colocate.models.SHAPES
+MODEL_SHAPES = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")  # keys of colocate.models.SHAPES
 DTYPES = ("float32", "bfloat16")
 ENGINE_KINDS = ("auto", "hf", "vllm")
 LORA_MODES = ("slot", "merged")
@@ -40,7 +40,7 @@ class ModelConfig:
     path: str = ""
     """Local HF model directory. Empty: build the embedded tiny model (random weights, local tokenizer)."""
     shape: str = "tiny"
-    """Named random-init shape when `path` is empty: tiny, qwen2.5-0.5b, qwen2.5-7b."""
+    """Named random-init shape when `path` is empty: tiny, qwen2.5-0.5b, qwen2.5-7b, qwen2.5-14b, qwen2.5-32b."""
     dtype: str = "float32"
     """Parameter dtype of the base model: float32 or bfloat16."""
     cache_dir: str = ".cache/colocate"

@@ -210,11 +210,21 @@ def check_plan(cfg: Config, plans: list[GpuPlan], total: int) -> None:
                     f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} gives vLLM "
                     f"{parts['vLLM'] / GIB:.1f} GiB of a {total / GIB:.1f} GiB card, less than its weights "
                     f"({parts['of which weights'] / GIB:.1f} GiB, engine.lora_mode={cfg.engine.lora_mode}) plus room "
-                    "for a KV cache; raise it, or use engine.lora_mode=slot")
+                    f"for a KV cache; {engine_remedy(cfg, parts['of which weights'], total)}")
         if plan.used() > total:
             raise ConfigError(f"GPU {plan.gpu[1]} (ranks {', '.join(map(str, plan.ranks))}) cannot hold "
                               f"{describe(cfg, plan)}: ~{plan.used() / GIB:.1f} GiB of {total / GIB:.1f} GiB; "
                               f"{remedy(cfg, plan)}")
+
+
+def engine_remedy(cfg: Config, weights: int, total: int) -> str:
+    """What frees an engine whose weights its share of the card cannot hold."""
+    merged = cfg.engine.lora_mode == "merged"
+    if weights + CONTEXT_BYTES < total:
+        return "raise it" + (", or use engine.lora_mode=slot" if merged else "")
+    if merged and weights // 2 + CONTEXT_BYTES < total:
+        return "no share of one card holds them: use engine.lora_mode=slot (one copy of the weights)"
+    return "no share of one card holds them: the model needs a tensor-parallel engine, not built yet"
 
 
 def remedy(cfg: Config, plan: GpuPlan) -> str:

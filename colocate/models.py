@@ -4,7 +4,8 @@ Nothing is downloaded. With `model.path` set, the tokenizer and weights come fro
 directory. Otherwise the embedded default is built once and cached under `model.cache_dir`:
   * a byte-level BPE tokenizer trained with `tokenizers` on the environment's own text;
   * a Qwen2-architecture model at a named shape with random weights from `model.seed`
-    (`tiny` for CPU runs; `qwen2.5-0.5b` / `qwen2.5-7b` shapes for GPU benchmarks).
+    (`tiny` for CPU runs; `qwen2.5-0.5b` / `qwen2.5-7b` shapes for GPU benchmarks; `qwen2.5-14b` /
+    `qwen2.5-32b` for the memory plan of bigger models).
 Every rank builds the identical model from the seed, so no weights cross the wire at start-up.
 """
 from __future__ import annotations
@@ -33,6 +34,15 @@ SHAPES = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, max_position_embeddings=32768, vocab_size=152064,
                        tie_word_embeddings=False),
+    # For the memory plan, ahead of tensor-parallel engines (docs/design.md): a 32B engine does not fit
+    # one 80 GB card in merged mode, and in slot mode its 61 GiB of weights alone take
+    # engine.gpu_memory_utilization 0.78 of it.
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, max_position_embeddings=32768, vocab_size=152064,
+                        tie_word_embeddings=False),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, max_position_embeddings=32768, vocab_size=152064,
+                        tie_word_embeddings=False),
 }
 
 

@@ -132,3 +132,43 @@ def test_planning_flags_belong_to_check_and_bad_values_are_one_line(capsys):
         split_check_flags(["--check", "--gpus-per-node", "2"])
     with pytest.raises(ConfigError, match=r"learner.micro_batch_tokens: expected int or str, got '\['"):
         load_config(None, {"learner": {"micro_batch_tokens": "["}})
+
+
+# Parameters of the published bf16 checkpoints (their safetensors' total_size / 2).
+PUBLISHED_PARAMS = {"qwen2.5-14b": 14_770_033_664, "qwen2.5-32b": 32_763_876_352}
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED_PARAMS))
+def test_the_14b_and_32b_shapes_are_qwens(shape):
+    cfg = load_config(None, {"model": {"shape": shape, "dtype": "bfloat16"}})
+    planned = ModelShape.of(cfg, meta_model(cfg))
+    assert abs(planned.num_params - PUBLISHED_PARAMS[shape]) <= 1e-3 * PUBLISHED_PARAMS[shape], planned.num_params
+    assert (planned.hidden, planned.kv, planned.vocab) == (5120, 8 * 128, 152064)
+
+
+def test_a_32b_engine_is_refused_on_one_80gb_card_saying_why(capsys, monkeypatch):
+    """Merged mode keeps two copies of 61 GiB of weights: no share of an H100 holds them (one line,
+    pointing at slot mode); slot mode's one copy needs a larger share; a 40 GB card needs tensor parallelism."""
+    monkeypatch.chdir(REPO)
+    base = ("--config", "configs/gpu-4.yaml", "--world-size=4", "--model.shape=qwen2.5-32b")
+    code, err = check(capsys, *base, "--gpu-memory", "h100")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "less than its weights (122.1 GiB, engine.lora_mode=merged)" in lines[0]
+    assert lines[0].endswith("no share of one card holds them: use engine.lora_mode=slot (one copy of the weights)")
+    code, err = check(capsys, *base, "--gpu-memory", "h100", "--engine.lora_mode=slot")
+    assert code == 2 and err.strip().endswith("(61.0 GiB, engine.lora_mode=slot) plus room for a KV cache; raise it")
+    code, err = check(capsys, *base, "--gpu-memory", "a100-40", "--engine.lora_mode=slot",
+                      "--learner.micro_batch_tokens=1024")  # the engine's GPU is planned first
+    assert code == 2 and err.strip().endswith("the model needs a tensor-parallel engine, not built yet")
+
+
+def test_a_14b_learner_fits_beside_another_at_an_auto_budget(capsys, monkeypatch):
+    """Two FSDP2 learners of 14B on H100s: each holds half the weights, and the plan finds a budget."""
+    monkeypatch.chdir(REPO)
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--world-size=4", "--model.shape=qwen2.5-14b",
+                      "--gpu-memory", "h100")
+    assert code == 0, err
+    tokens = int(err.split("micro_batch_tokens auto -> ")[1].split()[0])
+    assert tokens >= AUTO_STEP and tokens % AUTO_STEP == 0
+    assert f"ranks 2, 3: a learner at {tokens} tokens (weights 13.8," in err  # 14.77 B bf16 parameters / 2
