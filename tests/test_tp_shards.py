@@ -117,8 +117,8 @@ def rank_engine(base: dict[str, SimpleNamespace], heads: Heads, tp: int, t: int)
 
 
 def load_slot(engine: RankEngine, spec: LoraSpec, shard: TpShard, flat: torch.Tensor) -> AdapterSlot:
-    packed = {m: [f"{fused_parts(m)[0]}.{p}" for p in fused_parts(m)[1]] for m in engine.lora if m.endswith("_proj")
-              and m.rpartition(".")[2] in PACKED}
+    packed = {m: [f"{fused_parts(m)[0]}.{p}" for p in fused_parts(m)[1]] for m in engine.lora
+              if m.rpartition(".")[2] in PACKED}
     plan = slot_plan(spec.names, set(engine.lora), packed)
     shape_of = dict(zip(shard.spec.names, shard.spec.shapes))
     dst = [slot_views(engine.lora[p.module], p.slice_index, SLOT, p.is_a, shape_of[p.name]) for p in plan]
@@ -141,6 +141,8 @@ def load_merged(engine: RankEngine, spec: LoraSpec, shard: TpShard, flat: torch.
 def forward(engine: RankEngine, module: str, x: torch.Tensor, use_slot: bool) -> torch.Tensor:
     """The rank's layer output; in slot mode punica's add_lora_linear: slice i's rows += (x A_i^T) B_i^T."""
     out = x @ engine.weights[module].T
+    if engine.biases[module] is not None:
+        out += engine.biases[module]
     if use_slot:
         offset, lora = 0, engine.lora[module]
         for a, b in zip(lora.lora_a_stacked, lora.lora_b_stacked):
@@ -158,23 +160,20 @@ def column_outputs(model, heads: Heads, tp: int, use_slot: bool) -> dict[str, tu
     spec = LoraSpec.of(adapter)
     flat = flatten_lora(adapter, spec)
     x = torch.randn(5, model.config.hidden_size, dtype=torch.float64)
-    engines = [rank_engine(base_layers(model), heads, tp, t)
-               for t in range(tp)]
+    engines = [rank_engine(base_layers(model), heads, tp, t) for t in range(tp)]
     for t, engine in enumerate(engines):
         (load_slot if use_slot else load_merged)(engine, spec, TpShard.of(spec, heads, tp, t), flat)
     replicas = kv_split(heads, tp).replicas
     out = {}
     for module in (m for m in engines[0].weights if m.rpartition(".")[2] in PACKED):
         parent, parts = fused_parts(module)
-        per_rank = []
-        for engine in engines:
-            y = forward(engine, module, x, use_slot) + engine.biases[module] if engine.biases[module] is not None \
-                else forward(engine, module, x, use_slot)
-            per_rank.append(y.split([b.shape[2] for b in engine.lora[module].lora_b_stacked], dim=1))
+        per_rank = [forward(engine, module, x, use_slot).split([b.shape[2] for b in engine.lora[module].lora_b_stacked],
+                                                                dim=1) for engine in engines]
         for i, part in enumerate(parts):
-            owners = range(0, tp, replicas) if part in ("k_proj", "v_proj") else range(tp)
+            step = replicas if part in ("k_proj", "v_proj") else 1
+            owners = range(0, tp, step)
             for t in range(tp):  # a replicated kv head: every replica computes the same rows
-                assert torch.equal(per_rank[t][i], per_rank[t - t % replicas if part in ("k_proj", "v_proj") else t][i])
+                assert torch.equal(per_rank[t][i], per_rank[t - t % step][i])
             with torch.no_grad():
                 full = projections(model)[f"{parent}.{part}"](x)
             out[f"{parent}.{part}"] = (torch.cat([per_rank[t][i] for t in owners], dim=1), full)
@@ -194,9 +193,9 @@ def row_case(model) -> RowCase:
     g = torch.Generator().manual_seed(1)
     layers = {m: layer for m, layer in projections(model).items() if m.rpartition(".")[2] in ROW}
     x = {m: torch.randn(5, layer.in_features, generator=g, dtype=torch.float64) for m, layer in layers.items()}
-    with torch.no_grad():  # less the bias: vLLM adds it once, after the all-reduce
-        reference = {m: layer(x[m]) - (layer.base_layer.bias if layer.base_layer.bias is not None else 0)
-                     for m, layer in layers.items()}
+    assert all(layer.base_layer.bias is None for layer in layers.values())  # Qwen2's; vLLM adds one after the all-reduce
+    with torch.no_grad():
+        reference = {m: layer(x[m]) for m, layer in layers.items()}
     return RowCase(base_layers(model), x, reference, Heads.of(model.config))
 
 
@@ -205,11 +204,10 @@ def row_partials(case: RowCase, spec: LoraSpec, flat: torch.Tensor, tp: int, t: 
     """Rank t's partial sums of every row-parallel projection on its input columns (before the all-reduce)."""
     engine = rank_engine(case.base, case.heads, tp, t)
     (load_slot if use_slot else load_merged)(engine, spec, TpShard.of(spec, case.heads, tp, t), flat)
-    x = case.x
     out = {}
-    for module in (m for m in engine.weights if m.rpartition(".")[2] in ROW):
-        cols = x[module].shape[1] // tp
-        out[module] = forward(engine, module, x[module][:, t * cols:(t + 1) * cols], use_slot)
+    for module, x in case.x.items():
+        cols = x.shape[1] // tp  # the rank's input: its heads' attention output, its share of gate * up
+        out[module] = forward(engine, module, x[:, t * cols:(t + 1) * cols], use_slot)
     return out
 
 

@@ -87,10 +87,6 @@ class ShardSlice:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.length if d == self.dim else n for d, n in enumerate(self.full_shape))
 
-    @property
-    def is_replicated(self) -> bool:
-        return self.start == 0 and self.length == self.full_shape[self.dim]
-
 
 def even_part(name: str, size: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     if size % tp_size:
