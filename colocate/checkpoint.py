@@ -61,8 +61,9 @@ def latest_checkpoint(root: str) -> str | None:
 def resolve_resume(resume: str, run_dir: str, trust_unverified: bool = False) -> tuple[str | None, list[str]]:
     """-> (checkpoint to resume from, why each newer one was skipped).
 
-    '' -> nothing; 'auto' -> the newest checkpoint of run_dir that verifies (None if there is
-    none); else that path, which must verify."""
+    '' -> nothing; 'auto' -> the newest checkpoint of run_dir that verifies, refused when there is
+    none (as `Trainer.train(resume_from_checkpoint=True)` refuses: starting over in the run's
+    directory would silently redo and overwrite its work); else that path, which must verify."""
     if not resume:
         return None, []
     if resume != "auto":
@@ -78,7 +79,9 @@ def resolve_resume(resume: str, run_dir: str, trust_unverified: bool = False) ->
             skipped.append(f"skipped {path}: {e}")
     if skipped:  # checkpoints exist, none verifies: starting over would silently discard the run
         raise CheckpointError(f"no checkpoint under {checkpoint_root(run_dir)} verifies; " + "; ".join(skipped))
-    return None, skipped
+    raise CheckpointError(f"--resume: no checkpoint found in {checkpoint_root(run_dir)} (a run writes them with "
+                          f"--checkpoint.enabled=true); to start afresh, leave out --resume (and pass --overwrite "
+                          f"if {run_dir} holds an earlier run), or name another --metrics.run_dir")
 
 
 # -- manifest --------------------------------------------------------------------------------------

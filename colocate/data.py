@@ -68,6 +68,8 @@ class Sample:
     is_anchor: bool = True
     """Only anchors enter the group's mean/std; others (later phases) just receive the advantage."""
     info: dict = field(default_factory=dict)
+    """What the env knows of the sample; `reward_error` True: a reward function gave it no usable
+    value (it scores 0 from that function), counted in the step line and the summary."""
 
 
 @dataclass
@@ -95,6 +97,8 @@ class TrajectoryBatch:
     loss_mask: torch.Tensor | None = None
     """[N] bool: completion tokens in the loss (an episode's policy spans); False for env spans (their
     behaviour log-probs are 0 and unused). None: every completion token is trained."""
+    reward_errors: torch.Tensor | None = None
+    """[B] bool: the sequence got no usable reward from a reward function (`Sample.info`); None: none."""
 
     @property
     def num_sequences(self) -> int:
@@ -138,7 +142,8 @@ class TrajectoryBatch:
             behaviour_logprobs=comp(self.behaviour_logprobs), advantages=self.advantages[idx],
             rewards=self.rewards[idx], versions=self.versions[idx], allowed_ids=comp(self.allowed_ids),
             old_logprobs=comp(self.old_logprobs),
-            loss_mask=comp(self.loss_mask))
+            loss_mask=comp(self.loss_mask),
+            reward_errors=self.reward_errors[idx] if self.reward_errors is not None else None)
 
     @staticmethod
     def concat(batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
@@ -146,6 +151,9 @@ class TrajectoryBatch:
             parts = [getattr(b, name) for b in batches]
             if name == "loss_mask" and any(p is not None for p in parts):  # None: all trained
                 parts = [p if p is not None else torch.ones(b.num_completion_tokens, dtype=torch.bool)
+                         for p, b in zip(parts, batches)]
+            if name == "reward_errors" and any(p is not None for p in parts):  # None: no errors
+                parts = [p if p is not None else torch.zeros(b.num_sequences, dtype=torch.bool)
                          for p, b in zip(parts, batches)]
             if any(p is None for p in parts):
                 return None
@@ -188,6 +196,7 @@ def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBat
             allowed.extend(c.allowed_ids)
         if masked:
             loss_mask.extend(c.loss_mask if c.loss_mask is not None else [True] * len(c.token_ids))
+    errors = [bool(s.info.get("reward_error")) for s in samples]
     allowed_t = None
     if constrained:
         k = max((len(a) for a in allowed), default=1)
@@ -204,6 +213,7 @@ def build_batch(samples: list[Sample], advantages: list[float]) -> TrajectoryBat
         versions=torch.tensor(versions, dtype=torch.int32),
         allowed_ids=allowed_t,
         loss_mask=host_tensor(loss_mask, np.bool_) if masked else None,
+        reward_errors=torch.tensor(errors, dtype=torch.bool) if any(errors) else None,
     )
 
 

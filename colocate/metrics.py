@@ -22,14 +22,20 @@ from dataclasses import dataclass
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, role: str, *, enabled: bool, tensorboard: bool = True):
+    """A role's scalars into `<run_dir>/tb/<role>` (and the trackers), its progress lines.
+
+    A resumed run passes `first_step` (the checkpoint's step): the killed run's events at that step
+    and later are purged (TensorBoard's `purge_step`), so every step shows once, with the values of
+    the run that went on."""
+
+    def __init__(self, run_dir: str, role: str, *, enabled: bool, tensorboard: bool = True, first_step: int = 0):
         self.enabled = enabled
         self.role = role
         self._tb = None
         self.trackers: list = []  # W&B / MLflow / trackio (`colocate.trackers`): the same scalars
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tb", role))
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tb", role), purge_step=first_step or None)
 
     def scalars(self, namespace: str, values: dict[str, float], step: int) -> None:
         for tracker in self.trackers:

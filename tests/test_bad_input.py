@@ -189,6 +189,7 @@ CONFIG_CASES = [
     ("checkpoint every negative", None, ["--checkpoint.every=-1"], "checkpoint.every"),
     ("checkpoint keep negative", None, ["--checkpoint.keep=-1"], "checkpoint.keep"),
     ("resume dir missing", None, ["--checkpoint.resume=/nonexistent/step-000001"], "does not exist"),
+    ("resume without a checkpoint", None, ["--checkpoint.resume=auto"], "no checkpoint found in"),
 ]
 AGENT = ["--env.name=dataset", "--env.data_files=<data>", "--engine.max_model_len=512"]
 USER_CASES = [  # user data and user code (tests/test_user_inputs.py has the run-time cases)

@@ -175,7 +175,8 @@ def test_auto_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path,
     flip_byte(str(root / "step-000001" / "rng.safetensors"))  # nothing verifies: refused, not a fresh start
     with pytest.raises(CheckpointError, match="no checkpoint .* verifies"):
         resolve_resume("auto", str(tmp_path))
-    assert resolve_resume("auto", str(tmp_path / "elsewhere")) == (None, [])
+    with pytest.raises(CheckpointError, match="no checkpoint found in"):  # nothing to resume: refused too
+        resolve_resume("auto", str(tmp_path / "elsewhere"))
 
 
 # -- multi-process behaviour (2 ranks, gloo) --------------------------------------------------------

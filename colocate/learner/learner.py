@@ -334,7 +334,8 @@ class Learner:
         all equal, no signal). Its tokens and sequences are the loss's global normalizers."""
         local = {"tokens": batch.num_trained_tokens, "sequences": batch.num_sequences,
                  "reward": float(batch.rewards.sum()), "lag": lag_sum, "dropped": dropped,
-                 "flat_tokens": float(batch.seq_lens.sum()), "zero_adv": float((batch.advantages == 0).sum())}
+                 "flat_tokens": float(batch.seq_lens.sum()), "zero_adv": float((batch.advantages == 0).sum()),
+                 "reward_errors": float(batch.reward_errors.sum()) if batch.reward_errors is not None else 0.0}
         return self._all_reduce(torch.tensor([float(local[k]) for k in BATCH_COUNTS], device=self.device))
 
     def _num_micro_batches(self, local: int) -> int:

@@ -55,17 +55,17 @@ class LearnerRank:
     """One learner rank's state across steps: the `Learner`, its adapter sender, history and timers."""
 
     def __init__(self, cfg: Config, topo: Topology, learner, sender: AdapterSender, stop: StopSignal,
-                 probe: list[int]):
+                 probe: list[int], start: int = 0):
         self.cfg, self.topo, self.learner, self.sender, self.stop = cfg, topo, learner, sender, stop
         self.probe = probe  # the canary's token ids (`canary.probe_ids`), the engines score the same
-        self.writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0,
+        self.writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0, first_step=start,
                                     tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         if topo.role_rank == 0:  # W&B / MLflow / trackio: the learner's scalars, once per job
             from colocate.trackers import open_trackers
             self.writer.trackers = open_trackers(cfg)
         self.fault = parse_fault()
         self.eta = StepClock(cfg.learner.num_steps)
-        self.history: dict[str, list[float]] = {"reward": [], "loss": []}
+        self.history: dict[str, list[float]] = {"reward": [], "loss": [], "reward_errors": []}
         self.monitor = CollapseMonitor(cfg.metrics)  # same global stats on every learner: same verdicts
         self.collapsed_at: int | None = None  # the step whose reward_drop alert stopped the run
         shape = learner.model.config
@@ -133,8 +133,8 @@ class LearnerRank:
         self.check_finite(stats["loss"], step)
         for name, message in self.monitor.update(step + 1, stats["reward"], stats["entropy"], stats["grad_norm_max"]):
             self.writer.alert(name, message, step)
-        self.history["reward"].append(stats["reward"])
-        self.history["loss"].append(stats["loss"])
+        for key in self.history:  # reward, loss, reward_errors
+            self.history[key].append(stats[key])
         return stats
 
     def check_finite(self, loss: float, step: int) -> None:
@@ -175,7 +175,9 @@ class LearnerRank:
         self.writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3,
                                      "send_wait_ms": waits["send_wait_s"] * 1e3}, step)
         if step % self.cfg.metrics.log_every == 0 or last:
+            errors = int(stats["reward_errors"])  # samples no reward function scored: say so on the line
             self.writer.print(f"step {step + 1}/{self.cfg.learner.num_steps} reward {stats['reward']:.3f} "
+                              + (f"({errors} reward errors) " if errors else "") +
                               f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
                               f"ent {stats['entropy']:.3f} gnorm {stats['grad_norm']:.3f} "
                               f"ratio {stats['ratio']:.3f}/{stats['ratio_max']:.2f} zadv {stats['zero_adv_fraction']:.2f} "
@@ -264,11 +266,12 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
     """The learner role: receive shards, train, hand the adapter to the inference ranks -> the step
     whose collapse or canary mismatch stopped the run (metrics.stop_on_collapse / stop_on_mismatch),
     or None."""
-    rank = LearnerRank(cfg, topo, learner, sender, stop, probe)
-    start = 0
+    start = resume["trainer_state"]["step"] if resume is not None else 0
+    rank = LearnerRank(cfg, topo, learner, sender, stop, probe, start)
     if resume is not None:
-        start = restore_learner(learner, resume)
-        rank.history = {k: list(v) for k, v in resume["trainer_state"]["history"].items()}
+        restore_learner(learner, resume)
+        saved = resume["trainer_state"]["history"]  # older checkpoints kept no reward_errors: none counted
+        rank.history = {k: list(saved.get(k, [0.0] * len(saved["reward"]))) for k in rank.history}
     rank.record_canary()  # the version the engines start with
     monitors = contextlib.ExitStack()  # daemon threads and a profiler window
     role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
@@ -431,6 +434,7 @@ def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, wri
         "wall_time_s": wall_s,
         "rewards": rewards,
         "losses": history["loss"],
+        "reward_errors": int(sum(history["reward_errors"])),  # samples no reward function could score
         "env": cfg.env.name,
         "world_size": topo.world_size,
         "num_inference": topo.num_inference,
@@ -441,5 +445,8 @@ def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, wri
     write_json_atomic(os.path.join(cfg.metrics.run_dir, "summary.json"), summary)
     busy = "".join(f", {name} {summary[key]:.0%} busy" for name, key in
                    (("learners", "learner_busy_fraction"), ("inference", "inference_busy_fraction")) if key in summary)
+    errors = summary["reward_errors"]
     writer.print(f"summary: reward {summary['reward_start']:.3f} -> {summary['reward_end']:.3f} "
-                 f"(target {cfg.env.reward_target}) in {wall_s:.0f}s{busy}")
+                 f"(target {cfg.env.reward_target}) in {wall_s:.0f}s{busy}"
+                 + (f"; {errors} samples got no usable reward from a reward function (scored 0 from it; "
+                    "the first fault of each kind was logged above; rollout/reward_errors per step)" if errors else ""))

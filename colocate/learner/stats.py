@@ -15,10 +15,10 @@ importance weight and entropy, and n itself; its masked sequences. Its largest r
 max, not summed, and travels beside them (`UpdateResult.ratio_max`)."""
 STEP_STATS = (*MICRO_BATCH_STATS, "model_tokens")
 """One update's statistics summed over the learner ranks, and the model tokens run."""
-BATCH_COUNTS = ("tokens", "sequences", "reward", "lag", "dropped", "flat_tokens", "zero_adv")
+BATCH_COUNTS = ("tokens", "sequences", "reward", "lag", "dropped", "flat_tokens", "zero_adv", "reward_errors")
 """A batch's counts summed over the learner ranks (`Learner._global_counts`): trained completion
 tokens, sequences, reward sum, lag sum, dropped (stale) sequences, tokens of the sequences laid
-flat, sequences with a zero advantage."""
+flat, sequences with a zero advantage, sequences without a usable reward."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ def step_stats(counts: dict[str, float], updates: list[UpdateResult], t0: float)
         "grad_norm": sum(float(u.grad_norm) for u in updates) / len(updates),
         "grad_norm_max": max(float(u.grad_norm) for u in updates),
         "reward": counts["reward"] / num_seqs,
+        "reward_errors": counts["reward_errors"],
         "policy_lag_mean": counts["lag"] / num_seqs,
         "dropped_stale": counts["dropped"],
         "tokens": s["tokens"],

@@ -44,7 +44,7 @@ class InferenceRank:
     """One inference rank's state across batches: its engine, env, worker and adapter receiver."""
 
     def __init__(self, cfg: Config, topo: Topology, engine: Engine, env: Env, receiver: AdapterReceiver,
-                 stop: StopSignal, probe: list[int]):
+                 stop: StopSignal, probe: list[int], start: int = 0):
         self.cfg, self.topo, self.engine, self.env, self.receiver, self.stop = cfg, topo, engine, env, receiver, stop
         self.probe = probe  # the canary's token ids (`canary.probe_ids`), the learner scores the same
         self.scored_version: int | None = None  # the last version the canary scored
@@ -54,20 +54,27 @@ class InferenceRank:
                                     overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens,
                                     max_env_errors=cfg.env.max_reward_errors,
                                     inflight=cfg.rollout.update == "inflight")
-        self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0,
+        self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0, first_step=start,
                                     tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)
-        self.writer.scalars("data", env.data_stats(), 0)  # e.g. data/dropped/<reason> (env.bad_rows=skip)
+        if start == 0:  # e.g. data/dropped/<reason> (env.bad_rows=skip); a resumed run logged them
+            self.writer.scalars("data", env.data_stats(), 0)
         self.stopped = False  # a STOP flag arrived in an adapter header
         self.batches: list[dict] = []  # per batch: where the rank waited, what the rollout did (e2e profile)
+        # batch k -> this rank's resume state before it played batch k (checkpoints on, lag >= 1): the
+        # checkpoint of version v arrives after batches v .. v + L - 1 were played, and a resume at
+        # step v plays them again (they were sent, not trained). Kept until version k arrives.
+        self.states_before: dict[int, dict] = {}
 
     def take_adapters_through(self, version: int) -> None:
         """Receive adapter updates until the engine samples with `version` (or a stop arrives)."""
         while self.engine.version < version and not self.stopped:
             update = self.receiver.receive()
             self.writer.scalars("sync", update.metrics, update.version)
+            # the state before batch `version`: played already with lag >= 1, else the present one
+            state = self.states_before.pop(update.version, None)
             if update.flags & RunFlags.CHECKPOINT:  # this rank's part of the checkpoint, at this version
-                send_json(self.resume_state(), self.topo.sync_src, self.topo.transport_group)
+                send_json(state or self.resume_state(), self.topo.sync_src, self.topo.transport_group)
             self.stopped = self.stopped or bool(update.flags & RunFlags.STOP)
 
     def score_canary(self) -> ProbeScore | None:
@@ -87,8 +94,8 @@ class InferenceRank:
         return {"rank": self.topo.rank, "next_group": self.worker.next_group, "env": self.env.state_dict(),
                 "engine_rng": self.engine.rng_state()}
 
-    def restore(self, resume: dict) -> int:
-        """The adapter and this rank's sampler/env state as of the checkpoint -> the first batch."""
+    def restore(self, resume: dict) -> None:
+        """The adapter and this rank's sampler/env state as of the checkpoint (before its batch)."""
         trainer_state = resume["trainer_state"]
         self.engine.load_lora(trainer_state["version"], resume["adapter"])
         state = trainer_state["inference"].get(str(self.topo.rank))
@@ -98,12 +105,13 @@ class InferenceRank:
                 self.env.load_state_dict(state["env"])
             if state.get("engine_rng") is not None:
                 self.engine.set_rng_state(state["engine_rng"])
-        return trainer_state["step"]
 
     def play_batch(self, k: int, sender: TrajectorySender, lag: int) -> tuple[dict, dict] | None:
         """Batch k: wait for its version and for old sends, collect, queue the shards -> (rollout
         stats, engine stats), or None when a stop arrived first."""
         t_wait = time.perf_counter()
+        if self.cfg.checkpoint.enabled and lag > 0:
+            self.states_before[k] = self.resume_state()
         self.take_adapters_through(k - lag)
         if self.stopped:
             return None
@@ -160,8 +168,10 @@ def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
 def run_inference(cfg: Config, topo: Topology, engine: Engine, env: Env, receiver: AdapterReceiver, *,
                   resume: dict | None, stop: StopSignal, probe: list[int]) -> None:
     """The inference role: play batches, send them to the learners, take adapters as they come."""
-    rank = InferenceRank(cfg, topo, engine, env, receiver, stop, probe)
-    start = rank.restore(resume) if resume is not None else 0
+    start = resume["trainer_state"]["step"] if resume is not None else 0
+    rank = InferenceRank(cfg, topo, engine, env, receiver, stop, probe, start)
+    if resume is not None:
+        rank.restore(resume)
     t_start = time.perf_counter()
     with role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo), what="trajectory produced") as role:
         # A vLLM engine built with a profile_dir traces its own GPU work over the role profiler's
