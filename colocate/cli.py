@@ -7,10 +7,11 @@
     colocate <command> --help [SECTION]
 
 `train` checks everything `--check` checks (`launch.check_config`, with the world size it is about
-to ask for) in this process, then replaces itself with torchrun (`python -m torch.distributed.run
+to ask for) in this process, then runs torchrun in it (`python -m torch.distributed.run
 --nproc-per-node N -m colocate.train ...`): a bad config is one line and exit code 2, and no
-torchrun starts. Flags that are not ours or config keys (`--nnodes`, `--node-rank`,
-`--rdzv-endpoint`, ...) go to torchrun as given. `torchrun -m colocate.train` works as before.
+torchrun starts; a failed job exits with the failed rank's code, without torchrun's summary. Flags
+that are not ours or config keys (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun
+as given. `torchrun -m colocate.train` works as before.
 
 This module is the top of the import graph: nothing imports it.
 """
@@ -163,34 +164,32 @@ def train(argv: list[str]) -> int:
         return 2
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
-    cfg = load_config(*parse_overrides([a for a in split_train_args(argv)[2] if a != "--overwrite"])[:2])
-    if cfg.metrics.stop_on_collapse or cfg.metrics.stop_on_mismatch:  # torchrun turns a rank's exit 3 into 1: read the summary
-        return run_and_map_collapse(cmd, launch_env(nproc), cfg.metrics.run_dir)
-    os.execvpe(cmd[0], cmd, launch_env(nproc))
-    return 0  # not reached
+    os.environ.update(launch_env(nproc))
+    return run_torchrun(cmd[3:])
 
 
-def run_and_map_collapse(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
-    """torchrun as a child (SIGTERM and SIGINT passed on) -> its exit code, or 3 when the run's
-    summary says metrics.stop_on_collapse or metrics.stop_on_mismatch ended it."""
-    import json
-    import signal
-    import subprocess
-    import time
-    started = time.time()
-    child = subprocess.Popen(cmd, env=env)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
-    code = child.wait()
-    path = os.path.join(run_dir, "summary.json")
-    try:  # this run's summary, not one left by an earlier run in the same directory
-        with open(path) as f:
-            summary = json.load(f)
-        stopped = summary.get("collapse_step") is not None or summary.get("mismatch_step") is not None
-        collapsed = stopped and os.path.getmtime(path) >= started
-    except (OSError, ValueError):
-        collapsed = False
-    return 3 if collapsed else code
+def run_torchrun(args: list[str]) -> int:
+    """torchrun (its arguments after `-m torch.distributed.run`) in this process -> the job's exit
+    code: 0, else the first failed rank's own (2 bad input, 3 metrics.stop_on_collapse or
+    stop_on_mismatch, 1 a rank failed; 128 + N for a rank killed by signal N), where torchrun itself would say 1. The rank
+    that failed has printed its one line; torchrun's log lines and its failure summary stay out of
+    the terminal (`LOGLEVEL=INFO` brings its log back)."""
+    import logging
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # torch.distributed.elastic's loggers read it when made
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+    for name in list(logging.root.manager.loggerDict):  # those made before this call
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(os.environ["LOGLEVEL"])
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        code = e.get_first_failure()[1].exitcode
+        return code if code > 0 else 128 - code
+    except SignalException as e:  # SIGTERM / Ctrl-C: torchrun passed it on to the ranks
+        return 128 + int(e.sigval)
+    return 0
 
 
 def check(argv: list[str]) -> int:

@@ -65,6 +65,61 @@ def quiet_thread_peer_failures() -> None:
     threading.excepthook = hook
 
 
+FAILED_EXIT = 1
+"""The exit code of a rank that failed, and of `colocate train` when one did (README)."""
+
+
+def _is_library(filename: str) -> bool:
+    """Whether a frame's file is colocate's own, Python's or an installed package's (not the user's)."""
+    import sysconfig
+    here = os.path.dirname(os.path.abspath(__file__))  # colocate/, and kernels/ beside it when editable
+    roots = [here, os.path.join(os.path.dirname(here), "kernels"),
+             *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))]
+    path = os.path.abspath(filename)
+    return filename.startswith("<") or any(path.startswith(os.path.abspath(r) + os.sep) for r in roots)
+
+
+def shown_path(path: str) -> str:
+    """A file's path as a line shows it: relative to the working directory when inside it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def failure_frame(error: BaseException):
+    """The frame to name for `error`: the innermost one of the user's code (a reward function, an
+    env, a tool) anywhere in its chain of causes, else the innermost one where it was raised."""
+    import traceback
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in reversed(chain):  # the root cause first
+        user = [f for f in traceback.extract_tb(e.__traceback__) if not _is_library(f.filename)]
+        if user:
+            return user[-1]
+    frames = traceback.extract_tb(chain[0].__traceback__)
+    return frames[-1] if frames else None
+
+
+def report_failure(error: BaseException, rank: int, role: str, run_dir: str) -> str:
+    """Write the full traceback to `<run_dir>/failure-rank<R>.txt` -> the one line to print: the
+    error, the function, file and line it names, and where the traceback is."""
+    import traceback
+    path = os.path.join(run_dir, f"failure-rank{rank}.txt")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write("".join(traceback.format_exception(error)))
+        where = f"traceback in {path}"
+    except OSError as e:
+        where = f"traceback not written ({path}: {e.strerror})"
+    frame = failure_frame(error)
+    at = f" in {frame.name} ({shown_path(frame.filename)}:{frame.lineno})" if frame else ""
+    message = str(error).splitlines()[0] if str(error) else ""
+    return f"colocate: failed: rank {rank} ({role}): {type(error).__name__}: {message}{at}; {where}"
+
+
 def exit_quietly(code: int = 1) -> None:
     """Leave now without unwinding (a process group's teardown could wait on the dead peer)."""
     sys.stdout.flush()

@@ -119,13 +119,14 @@ def check_prompt_column(key: str, rows, cfg: Config) -> None:
 
 def check_dataset(cfg: Config) -> None:
     """env.name=dataset: the files load, the split is not empty, the columns are there and of the
-    right kind, every reward function imports."""
+    right kind, every reward function imports and scores the first row."""
     if cfg.env.name != "dataset":
         return
     from colocate.envs.dataset import load_rows
     from colocate.envs.rows import expand_files, first_bad_json
     from colocate.objects import ObjectPathError
     from colocate.rewards import load_reward
+    first = None
     for key, split in (("data_files", cfg.env.split), ("eval_files", "train")):
         files = getattr(cfg.env, key)
         if not files:
@@ -143,12 +144,27 @@ def check_dataset(cfg: Config) -> None:
             raise ConfigError(f"env.{key}: {files} do not load as split {split!r} "
                               f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})") from None
         check_prompt_column(key, rows, cfg)
-        check_rows(key, cfg)
+        rows = check_rows(key, cfg)
+        if key == "data_files":
+            first = rows[0]
     for name in cfg.env.reward:
         try:
-            load_reward(name, cfg.env.answer_column)
+            fn = load_reward(name, cfg.env.answer_column)
         except ObjectPathError as e:
             raise ConfigError(f"env.reward: {e}") from None
+        check_reward_call(cfg, name, fn, first)
+
+
+def check_reward_call(cfg: Config, name: str, fn, row: dict) -> None:
+    """A user's reward function, called on the first row as the dataset env calls it (an agent's
+    rewards also get each episode's environment: checked at run time)."""
+    from colocate.rewards import check_reward
+    if ":" not in name or row is None or cfg.env.tools or cfg.env.environment:
+        return
+    columns = {k: v for k, v in row.items() if k != cfg.env.prompt_column}
+    problem = check_reward(name, fn, row[cfg.env.prompt_column], row.get(cfg.env.answer_column), columns)
+    if problem:
+        raise ConfigError(f"env.reward: {problem}")
 
 
 def lazy_prompt_ids(cfg: Config):
@@ -167,9 +183,9 @@ def lazy_prompt_ids(cfg: Config):
     return prompt_ids
 
 
-def check_rows(key: str, cfg: Config) -> None:
+def check_rows(key: str, cfg: Config):
     """Every row of env.<key> (`envs/rows.py`): under env.bad_rows=error the first unusable one is
-    the error; under skip the dropped rows are counted in one line (stdout, rank 0)."""
+    the error; under skip the dropped rows are counted in one line (stdout, rank 0) -> the usable rows."""
     from colocate.envs.dataset import BadRowError, open_rows
     try:
         rows, scan = open_rows(cfg, key, lazy_prompt_ids(cfg))
@@ -181,6 +197,7 @@ def check_rows(key: str, cfg: Config) -> None:
     if scan.bad and int(os.environ.get("RANK", "0")) == 0:
         print(f"colocate: env.{key}: dropping {len(scan.bad)} unusable rows ({_counts(scan.counts)}; "
               "env.bad_rows=skip)", file=sys.stderr, flush=True)
+    return rows
 
 
 def _counts(counts: dict) -> str:

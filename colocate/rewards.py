@@ -127,6 +127,51 @@ def load_reward(name: str, answer_column: str):
     return fn
 
 
+def defined_at(fn) -> str:
+    """Where a function is defined, `file:line` (relative to the working directory), or its repr."""
+    import inspect
+    from colocate.lifecycle import shown_path
+    try:
+        return f"{shown_path(inspect.getsourcefile(fn))}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError):
+        return repr(fn)
+
+
+def check_reward(name: str, fn, prompt, answer, columns: dict) -> str | None:
+    """Call a user's reward function as the dataset env will, on one row: its prompt twice, with the
+    row's answer and a wrong one as completions (messages for a chat prompt), each other column
+    once per completion -> what is wrong, naming the function and where (None: it works). Before
+    launch: a wrong signature, a raise on the first row or an unusable result is a config error,
+    not 100 counted errors into the run."""
+    import inspect
+    from colocate.chat import is_messages
+    from colocate.lifecycle import failure_frame, shown_path
+    texts = [str(answer) if answer is not None else "", "I do not know."]
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if is_messages(prompt) else texts
+    kwargs = {"prompts": [prompt] * 2, "completions": completions, **{k: [v] * 2 for k, v in columns.items()}}
+    where = f"{name} ({defined_at(fn)})"
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as e:
+        return (f"{where} cannot be called as TRL calls a reward function, fn(prompts=, completions=, **columns) "
+                f"with columns {', '.join(columns) or '(none)'}: {e} (add **kwargs to take the columns it ignores)")
+    except ValueError:  # no signature to read (a builtin): calling it says
+        pass
+    try:
+        values = fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
+        frame = failure_frame(e)
+        at = f" at {shown_path(frame.filename)}:{frame.lineno}" if frame else ""
+        return f"{where} raised {type(e).__name__}: {e}{at} on the first row (a reward must score any completion)"
+    if not is_sequence(values) or len(values) != 2:
+        got = f"{len(values)} values" if is_sequence(values) else f"{type(values).__name__} {_short(values)}"
+        return f"{where} returned {got} for 2 completions, expected a list of 2 numbers (one per completion)"
+    for v in values:
+        if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
+            return f"{where} returned {type(v).__name__} {_short(v)} in its list, expected numbers"
+    return None
+
+
 REWARD_ERROR_KINDS = ("raised", "base_exception", "timeout", "not_a_list", "wrong_length", "not_a_number",
                       "non_finite", "out_of_range")
 """Every kind of unusable reward result, counted in samples as `rollout/reward_errors/<kind>`."""
@@ -141,6 +186,8 @@ class Scores:
     """What the first fault was, for the log line."""
     position: int = 0
     """The completion it was found at."""
+    error: BaseException | None = None
+    """What the function raised (the cause a RewardError names: its file and line)."""
 
 
 def check_number(v, max_abs: float) -> str | None:
@@ -176,7 +223,7 @@ def evaluate(fn, n: int, max_abs: float, kwargs: dict) -> Scores:
     outcome = run_boxed(fn, kwargs=kwargs)
     if outcome.kind != "value":
         what = " (a BaseException: caught, the run goes on)" if outcome.kind == "base_exception" else ""
-        return Scores([None] * n, [outcome.kind] * n, f"raised {outcome.describe()}{what}")
+        return Scores([None] * n, [outcome.kind] * n, f"raised {outcome.describe()}{what}", error=outcome.error)
     checked = run_boxed(check_scores, (outcome.value, n, max_abs))
     if checked.kind != "value":
         return Scores([None] * n, ["not_a_list"] * n, f"returned a {type(outcome.value).__name__} that could not be "
@@ -264,7 +311,7 @@ class RewardSet:
                 self.in_a_row[name] += 1
                 if self.in_a_row[name] > self.max_errors:
                     raise RewardError(f"reward {name} gave no usable value for {self.in_a_row[name]} samples in a "
-                                      f"row (env.max_reward_errors={self.max_errors}); last: {fault}: {scores.detail}")
+                                      f"row (env.max_reward_errors={self.max_errors}); last: {fault}: {scores.detail}") from scores.error
 
     def _log_once(self, name: str, kind: str, what: str, prompt, completion) -> None:
         with self._lock:

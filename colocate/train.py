@@ -40,7 +40,8 @@ from colocate.envs import env_corpus, env_facts, make_env
 from colocate.launch import configure, rank_role
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
-from colocate.lifecycle import StopSignal, die_with_parent, exit_quietly, is_peer_failure, quiet_thread_peer_failures
+from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, is_peer_failure,
+                                quiet_thread_peer_failures, report_failure)
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
 from colocate.topology import Topology, build_topology, split_cpu_threads
@@ -163,15 +164,18 @@ def main(argv: list[str] | None = None) -> None:
     quiet_thread_peer_failures()
     try:
         collapse_step = run_rank(cfg, resume, stop)
-    except BaseException as e:
-        # One line that names the rank and the cause; torchrun then stops the other ranks (their
-        # collectives time out after topology.timeout_s at the latest). A rank whose transport only
-        # reports that another rank died exits quietly: that rank has printed the cause.
-        if not isinstance(e, (SystemExit, KeyboardInterrupt)) and is_peer_failure(e):
-            exit_quietly(1)
-        rank, role = int(os.environ.get("RANK", "0")), rank_role(cfg)
-        print(f"colocate: rank {rank} ({role}) failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    except (SystemExit, KeyboardInterrupt):
         raise
+    except BaseException as e:
+        # One line that names the rank, the cause and where it was raised (the user's function when
+        # it was theirs), the traceback in a file; torchrun then stops the other ranks (their
+        # collectives time out after topology.timeout_s at the latest). A rank whose transport only
+        # reports that another rank died exits quietly: that rank has printed the cause. No
+        # interpreter shutdown: nothing else reaches the terminal (third-party leak reports).
+        if not is_peer_failure(e):
+            rank = int(os.environ.get("RANK", "0"))
+            print(report_failure(e, rank, rank_role(cfg), cfg.metrics.run_dir), file=sys.stderr, flush=True)
+        exit_quietly(FAILED_EXIT)
     if collapse_step is not None:
         sys.exit(COLLAPSE_EXIT)
 

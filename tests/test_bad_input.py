@@ -221,6 +221,18 @@ USER_CASES = [  # user data and user code (tests/test_user_inputs.py has the run
                                               "--env.reward=user_raises:score"], "ZeroDivisionError"),
     ("reward module imports a missing package", None, ["--env.name=dataset", "--env.data_files=<data>",
                                                        "--env.reward=user_missing_dep:score"], "no_such_dependency"),
+    ("reward without prompts", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                      "--env.reward=user_reward_signature:score"],
+     "user_reward_signature.py:1) cannot be called as TRL calls a reward function"),
+    ("reward raises on the first row", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                              "--env.reward=user_reward_raises:score"],
+     "user_reward_raises.py:1) raised KeyError: 'solution' at "),
+    ("reward returns one number", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                         "--env.reward=user_reward_number:score"], "returned float 1.0 for 2 completions"),
+    ("reward returns too few", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                      "--env.reward=user_reward_short:score"], "returned 1 values for 2 completions"),
+    ("reward returns text", None, ["--env.name=dataset", "--env.data_files=<data>",
+                                   "--env.reward=user_reward_text:score"], "returned str '1' in its list, expected numbers"),
     ("custom env without requests", None, ["--env.name=user_envs:NoRequests"], "does not implement requests()"),
     ("custom env from_config signature", None, ["--env.name=user_envs:OldFromConfig"],
      "cannot be called as from_config(cfg, tokenizer, seed)"),
@@ -269,6 +281,12 @@ ROWS = {  # fixture files of one bad row on line 3 (line 2 is blank: line number
 USER_MODULES = {  # user code, importable from the case's directory
     "user_syntax_error.py": "def score(prompts, completions, **kw)\n    return [1.0] * len(completions)\n",
     "user_raises.py": "RATE = 1 / 0\n",
+    "user_reward_signature.py": "def score(completions):\n    return [0.0] * len(completions)\n",
+    "user_reward_raises.py": ("def score(prompts, completions, **columns):\n"
+                              "    return [float(c == columns['solution'][0]) for c in completions]\n"),
+    "user_reward_number.py": "def score(prompts, completions, **columns):\n    return 1.0\n",
+    "user_reward_short.py": "def score(prompts, completions, **columns):\n    return [1.0]\n",
+    "user_reward_text.py": "def score(prompts, completions, **columns):\n    return ['1' for _ in completions]\n",
     "user_missing_dep.py": "import no_such_dependency  # noqa\n",
     "user_envs.py": ("from colocate.envs.base import Env\n\n\n"
                      "class NoRequests(Env):\n    @classmethod\n    def from_config(cls, cfg, tokenizer, seed):\n"

@@ -240,9 +240,9 @@ def test_raising_rank_ends_job_and_is_named(tmp_path):
                               env={"COLOCATE_FAULT": "raise:rank=1:step=2"}), timeout=120)
     assert code != 0
     assert "step 3/50" not in out and not (tmp_path / "run" / "summary.json").exists(), out  # nothing trained on
-    assert "rank 1 (learner) failed: RuntimeError: injected fault" in out, out
+    assert "colocate: failed: rank 1 (learner): RuntimeError: injected fault" in out, out
     # one failure, one message: the other rank's transport reports nothing of its own
-    assert out.count(") failed: ") == 1, out
+    assert out.count("colocate: failed: ") == 1, out
     assert "Connection closed by peer" not in out and "DistBackendError" not in out, out
 
 

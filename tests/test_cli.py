@@ -74,34 +74,28 @@ def test_colocate_check_refuses_a_run_dir_train_would_refuse(tmp_path, capsys, m
     assert cli.main(["check", *args, "--overwrite"]) == 0 and (run / "adapter").exists()
 
 
-def test_train_checks_then_execs_torchrun_with_the_world_it_checked(monkeypatch, tmp_path):
+def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, tmp_path):
     no_torchrun_env(monkeypatch)
     calls = []
-    monkeypatch.setattr(cli.os, "execvpe", lambda exe, cmd, env: calls.append((cmd, env)))
-    # metrics.stop_on_mismatch (on by default) keeps `colocate train` as torchrun's parent, to turn
-    # the run's exit 3 (which torchrun reports as 1) back into 3; with it off, torchrun replaces it
-    mapped = []
-    monkeypatch.setattr(cli, "run_and_map_collapse", lambda cmd, env, run_dir: mapped.append(cmd) or 0)
+    monkeypatch.setattr(cli, "run_torchrun", lambda args: calls.append(args) or 0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"]
-    assert cli.main(["train", *args]) == 0 and not calls
-    args.append("--metrics.stop_on_mismatch=false")
     assert cli.main(["train", *args]) == 0
-    (cmd, env), = calls
-    assert mapped[0][:6] == cmd[:6] and mapped[0][6:] == cmd[6:-1]
-    assert cmd[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m"]
-    assert cmd[6:] == ["colocate.train", *args] and env["OMP_NUM_THREADS"].isdigit()
+    cmd, = calls
+    assert cmd[:3] == ["--nproc-per-node=2", "--standalone", "-m"]
+    assert cmd[3:] == ["colocate.train", *args] and os.environ["OMP_NUM_THREADS"].isdigit()
     # several nodes: torchrun's flags pass through, the check covers nproc x nnodes ranks
     calls.clear()
     assert cli.main(["train", "--nproc", "3", "--nnodes=2", "--node-rank", "1", "--rdzv-endpoint=h:29400", *args]) == 0
-    cmd = calls[0][0]
-    assert "--standalone" not in cmd and cmd[3:8] == ["--nproc-per-node=3", "--nnodes=2", "--node-rank", "1",
-                                                      "--rdzv-endpoint=h:29400"]
+    cmd = calls[0]
+    assert "--standalone" not in cmd and cmd[:5] == ["--nproc-per-node=3", "--nnodes=2", "--node-rank", "1",
+                                                     "--rdzv-endpoint=h:29400"]
 
 
 def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monkeypatch, tmp_path, capsys):
     from tests.test_bad_input import CASES, materialize
     no_torchrun_env(monkeypatch)
-    monkeypatch.setattr(cli.os, "execvpe", lambda *a: pytest.fail("torchrun started on a bad config"))
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a: pytest.fail("torchrun started on a bad config"))
     for case_id, text, overrides, expected in CASES:
         case_dir = tmp_path / case_id.replace(" ", "_")
         case_dir.mkdir()

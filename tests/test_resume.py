@@ -97,7 +97,7 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(monkeypatch, tmp_pat
     from colocate import cli
     from tests.test_cli import no_torchrun_env
     no_torchrun_env(monkeypatch)
-    monkeypatch.setattr(cli.os, "execvpe", lambda *a: pytest.fail("torchrun started without a checkpoint"))
+    monkeypatch.setattr(cli, "run_torchrun", lambda *a: pytest.fail("torchrun started without a checkpoint"))
     run = tmp_path / "run"
     run.mkdir()
     if earlier:  # what a run with checkpoints off leaves
