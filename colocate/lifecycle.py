@@ -115,7 +115,7 @@ def report_failure(error: BaseException, rank: int, role: str, run_dir: str) -> 
     except OSError as e:
         where = f"traceback not written ({path}: {e.strerror})"
     frame = failure_frame(error)
-    at = f" in {frame.name} ({shown_path(frame.filename)}:{frame.lineno})" if frame else ""
+    at = f"; at {frame.name} ({shown_path(frame.filename)}:{frame.lineno})" if frame else ""
     message = str(error).splitlines()[0] if str(error) else ""
     return f"colocate: failed: rank {rank} ({role}): {type(error).__name__}: {message}{at}; {where}"
 

@@ -6,7 +6,8 @@ one. The policy (README, "Runs keep their work"):
 
   * a run directory that holds an earlier run (its `config.yaml`, `tb/`, `summary.json`,
     `adapter/` or `checkpoints/`) is refused, one line, exit code 2, before anything starts;
-  * `--resume` (or `checkpoint.resume`) continues the run there, so its directory is expected;
+  * `--resume` (or `checkpoint.resume`) continues the run there from its newest checkpoint, so its
+    directory is expected (without a checkpoint it is refused: `checkpoint.resolve_resume`);
   * `--overwrite` deletes what the earlier run wrote there (those entries only; other files stay)
     and starts afresh;
   * or name another directory: `--metrics.run_dir=runs/try-2`.
@@ -43,8 +44,11 @@ def claim(cfg: Config, *, resume: bool, overwrite: bool, remove: bool) -> None:
     if not found or resume:
         return
     if not overwrite:
+        resumable = "checkpoints" in found and any(os.scandir(os.path.join(cfg.metrics.run_dir, "checkpoints")))
+        how = ("pass --resume to continue it, --overwrite to replace it" if resumable else
+               "it wrote no checkpoint to --resume from: pass --overwrite to replace it")
         raise ConfigError(f"metrics.run_dir={cfg.metrics.run_dir!r} holds an earlier run ({', '.join(found)}): "
-                          "pass --resume to continue it, --overwrite to replace it, or --metrics.run_dir=NEW")
+                          f"{how}, or --metrics.run_dir=NEW")
     if remove:
         for entry in found:
             path = os.path.join(cfg.metrics.run_dir, entry)

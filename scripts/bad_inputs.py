@@ -58,17 +58,20 @@ model's context less `engine.max_new_tokens`, and a null answer where the reward
 line number and column; under `skip` they are dropped and counted (`data/dropped/<reason>` in
 TensorBoard, one line on stderr at start-up). A directory in `env.data_files` stands for the data
 files under it. Reward modules and env classes are imported and checked in the launching process
-(an env class against the `Env` protocol by signature, `env.options` against its constructor).
+(an env class against the `Env` protocol by signature, `env.options` against its constructor; a
+reward function called on the first row as the env will call it: signature, raise, result shape).
 At run time, a reward function or env method returning the wrong shape is logged once with what it
-returned and what was expected, counted (`rollout/reward_errors`, `rollout/env_errors`), and
-`env.max_reward_errors` of them in a row stop the run. A reward function runs in a box: one that
+returned and what was expected, counted (`rollout/reward_errors`, `rollout/env_errors`; reward
+errors also on the step line and in the summary), and `env.max_reward_errors` of them in a row
+stop the run. A reward function runs in a box: one that
 raises (`SystemExit` too), outlasts `env.reward_timeout_s` or returns NaN, inf or a value beyond
 `env.reward_max_abs` is counted the same way, by kind (`rollout/reward_errors/<kind>`, docs/envs.md),
 and stops the run naming it (`RewardError: reward my_pkg.rewards:score gave no usable value for N
 samples in a row ...`). Model-written tool calls and users' tools never stop a run: each fault is a
 tool message and a count (`rollout/tool_errors/<kind>`, docs/agents.md). When a rank fails, it
-alone prints `colocate: rank R (role) failed: ...`; the other ranks exit without a transport
-traceback.
+alone prints `colocate: failed: rank R (role): ...; at FUNCTION (FILE:LINE); traceback in
+RUN_DIR/failure-rankR.txt`, and `colocate train` exits with 1; the other ranks exit without a
+transport traceback.
 
 | case | input | exit | message |
 | --- | --- | --- | --- |

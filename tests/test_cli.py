@@ -125,7 +125,11 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(monkey
     (run / "tb" / "learner").mkdir(parents=True)
     (run / "config.yaml").write_text("x")
     (run / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, tb\): pass --resume"):
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(config.yaml, tb\): it wrote no checkpoint to "
+                                          r"--resume from: pass --overwrite"):
+        check_config(args, world=2)
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"\(config.yaml, tb, checkpoints\): pass --resume to continue it"):
         check_config(args, world=2)
     check_config([*args, "--resume"], world=2)
     with pytest.raises(ConfigError, match=r"holds an earlier run"):  # a check refuses what the run would

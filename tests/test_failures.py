@@ -32,7 +32,7 @@ def test_a_reward_failing_in_a_rank_is_one_line_and_a_traceback_file(tmp_path):
     failed = [line for line in ours if line.startswith("colocate: failed: ")]
     assert len(failed) == 1, out[-4000:]
     assert "rank 0 (inference): RewardError" in failed[0], failed
-    assert "in breaks_after_its_first_call (tests/reward_fixtures.py:19)" in failed[0], failed
+    assert "; at breaks_after_its_first_call (tests/reward_fixtures.py:19); " in failed[0], failed
     assert f"traceback in {run / 'failure-rank0.txt'}" in failed[0], failed
     traceback = (run / "failure-rank0.txt").read_text()
     assert "ConnectionError: reward service unreachable" in traceback and "RewardError" in traceback
