@@ -58,6 +58,12 @@ class MetricsWriter:
         print(f"[{time.strftime('%H:%M:%S')} {self.role}] ALERT {name}: {message}", file=sys.stderr, flush=True)
         self.scalars("alerts", {name: 1.0}, step)
 
+    def flush(self) -> None:
+        """Put what was logged on disk (once a step: a run killed with kill -9 keeps its curves up
+        to its last step, which a resume then purges and logs again)."""
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.close()

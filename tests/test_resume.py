@@ -47,10 +47,11 @@ def kill_after(proc: subprocess.Popen, step: int) -> str:
     return "".join(lines)
 
 
-def learner_rewards_in_tensorboard(run_dir) -> list[tuple[int, float]]:
-    """(step, value) of learner/reward as TensorBoard shows it (purged steps left out)."""
+def learner_rewards_in_tensorboard(run_dir, purge: bool = True) -> list[tuple[int, float]]:
+    """(step, value) of learner/reward as TensorBoard shows it (purged steps left out), or with
+    `purge` off every event the files hold."""
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-    acc = EventAccumulator(str(run_dir / "tb" / "learner"), size_guidance={SCALARS: 0})
+    acc = EventAccumulator(str(run_dir / "tb" / "learner"), size_guidance={SCALARS: 0}, purge_orphaned_data=purge)
     acc.Reload()
     return [(e.step, e.value) for e in acc.Scalars("learner/reward")]
 
@@ -63,12 +64,14 @@ def test_kill_9_and_resume_replays_every_batch(tmp_path, lag):
     finish(launch([lag_arg, f"--metrics.run_dir={whole}"], tmp_path, tmp_path / "whole.tsv"))
 
     run = tmp_path / "run"
-    kill_step = random.randint(EVERY + 1, STEPS - 2)  # after the first checkpoint, before the end
+    # after the first checkpoint, between two (so the killed run logged steps the resumed one redoes)
+    kill_step = random.choice([s for s in range(EVERY + 1, STEPS - 1) if s % EVERY])
     killed = kill_after(launch([lag_arg, f"--metrics.run_dir={run}"], tmp_path, tmp_path / "killed.tsv"), kill_step)
     out = finish(launch([lag_arg, f"--metrics.run_dir={run}", "--resume"], tmp_path, tmp_path / "resumed.tsv"))
     start = int(re.search(r"resuming from \S+ \(step (\d+)\)", out).group(1))
     why = f"lag {lag}, killed after step {kill_step}, resumed from step {start}\n{killed[-2000:]}\n{out[-3000:]}"
-    assert EVERY <= start <= kill_step, why
+    assert start % EVERY == 0 and EVERY <= start <= kill_step + 1, why
+    last_logged = max(int(n) for n in re.findall(rf"\] step (\d+)/{STEPS} ", killed))
 
     # the same prompts batch for batch: the resumed run plays batches start.. again, none skipped
     whole_groups, resumed_groups = read_record(tmp_path / "whole.tsv"), read_record(tmp_path / "resumed.tsv")
@@ -84,9 +87,12 @@ def test_kill_9_and_resume_replays_every_batch(tmp_path, lag):
     else:  # batches start .. start + lag - 1 were sampled again, with the checkpoint's adapter
         assert b["rewards"][:start] == a["rewards"][:start], why
 
-    shown = learner_rewards_in_tensorboard(run)  # each step once, the resumed run's value after start
+    # TensorBoard: steps start..last_logged - 1 are in both runs' files, shown once (the resumed value)
+    held = [s for s, _ in learner_rewards_in_tensorboard(run, purge=False)]
+    assert all(held.count(s) == 2 for s in range(start, last_logged)), (held, why)
+    shown = learner_rewards_in_tensorboard(run)
     assert [s for s, _ in shown] == list(range(STEPS)), (shown, why)
-    assert [v for _, v in shown] == pytest.approx(b["rewards"], rel=1e-6), why
+    assert [v for _, v in shown] == pytest.approx(b["rewards"], rel=1e-6), why  # float32 in the events
 
 
 @pytest.mark.parametrize("earlier", [True, False], ids=["earlier-run", "empty-dir"])

@@ -186,6 +186,7 @@ class LearnerRank:
                               f"{self.eta.text(step)}")
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
                                          stats["policy_lag_mean"], gather_s, sync_s))
+        self.writer.flush()
 
     def canary_text(self) -> str:
         return "" if self.canary_gap is None else f" canary {self.canary_gap:.1e}"
