@@ -55,3 +55,28 @@ def test_reward_errors_are_in_the_step_lines_and_the_summary(tmp_path):
     assert shown == summary["reward_errors"], steps
     printed = [line for line in proc.stdout.splitlines() if "] summary: " in line]
     assert len(printed) == 1 and f"{summary['reward_errors']} samples got no usable reward" in printed[0], printed
+
+
+def test_reward_errors_travel_with_their_sequences_to_every_learner():
+    """A sample's `reward_error` becomes its batch row's flag, which sharding, the wire header and
+    concatenation keep with its sequence (the learners' counts sum to the batch's)."""
+    import torch
+
+    from colocate.data import Completion, Sample, TrajectoryBatch, build_batch, shard_batch
+    from colocate.wire import FIELDS, encode_batch
+    samples = [Sample(prompt_ids=[1, 2], completion=Completion(token_ids=[3] * (i + 1), logprobs=[-0.5] * (i + 1),
+                                                               allowed_ids=None, version=0),
+                      reward=0.0, group_key=0, info={"reward_error": i in (1, 2)}) for i in range(4)]
+    batch = build_batch(samples, [0.0] * 4)
+    assert batch.reward_errors.tolist() == [False, True, True, False]
+    shards = shard_batch(batch, 2)
+    assert [int(s.reward_errors.sum()) for s in shards] == [1, 1]
+    h, ids, pos = encode_batch(shards[0])[0].tolist(), [], 1
+    for _ in range(h[0]):  # (field id, dtype id, ndim, *shape) per field
+        ids.append(h[pos])
+        pos += 3 + h[pos + 2]
+    assert FIELDS[ids[-1]] == "reward_errors"
+    assert torch.equal(TrajectoryBatch.concat(shards).reward_errors, batch.reward_errors)
+    clean = build_batch(samples[:1], [0.0])  # no errors: no field, and concat fills False
+    assert clean.reward_errors is None
+    assert TrajectoryBatch.concat([clean, shards[1]]).reward_errors.tolist() == [False, True, False]

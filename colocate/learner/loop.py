@@ -272,7 +272,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
     if resume is not None:
         restore_learner(learner, resume)
         saved = resume["trainer_state"]["history"]  # older checkpoints kept no reward_errors: none counted
-        rank.history = {k: list(saved.get(k, [0.0] * len(saved["reward"]))) for k in rank.history}
+        rank.history = {k: list(saved.get(k, [0.0] * len(saved.get("reward", [])))) for k in rank.history}
     rank.record_canary()  # the version the engines start with
     monitors = contextlib.ExitStack()  # daemon threads and a profiler window
     role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
