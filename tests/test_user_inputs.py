@@ -306,9 +306,9 @@ def test_a_run_whose_reward_always_hangs_stops_in_one_line_naming_it(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and time.monotonic() - t0 < 300
-    failures = [line for line in proc.stderr.splitlines() if ") failed: " in line]
+    failures = [line for line in proc.stderr.splitlines() if "colocate: failed: " in line]
     assert len(failures) == 1 and failures[0].startswith(
-        "colocate: rank 0 (inference) failed: RewardError: reward tests.agent_fixtures:reward_hangs gave no usable "
+        "colocate: failed: rank 0 (inference): RewardError: reward tests.agent_fixtures:reward_hangs gave no usable "
         "value for 21 samples in a row (env.max_reward_errors=20); last: timeout: gave no answer within "
         "env.reward_timeout_s=1s"), proc.stderr[-3000:]
 
