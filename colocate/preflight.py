@@ -158,11 +158,14 @@ def check_dataset(cfg: Config) -> None:
 def check_reward_call(cfg: Config, name: str, fn, row: dict) -> None:
     """A user's reward function, called on the first row as the dataset env calls it (an agent's
     rewards also get each episode's environment: checked at run time)."""
-    from colocate.rewards import check_reward
+    from colocate.envs.dataset import reward_limits
+    from colocate.rewards import RewardRow, check_reward
     if ":" not in name or row is None or cfg.env.tools or cfg.env.environment:
         return
-    columns = {k: v for k, v in row.items() if k != cfg.env.prompt_column}
-    problem = check_reward(name, fn, row[cfg.env.prompt_column], row.get(cfg.env.answer_column), columns)
+    env = cfg.env
+    columns = {k: v for k, v in row.items() if k != env.prompt_column}
+    problem = check_reward(name, fn, RewardRow(row[env.prompt_column], row.get(env.answer_column), columns),
+                           reward_limits(cfg))
     if problem:
         raise ConfigError(f"env.reward: {problem}")
 

@@ -137,39 +137,42 @@ def defined_at(fn) -> str:
         return repr(fn)
 
 
-def check_reward(name: str, fn, prompt, answer, columns: dict) -> str | None:
+def check_reward(name: str, fn, row: "RewardRow", limits: "RewardLimits") -> str | None:
     """Call a user's reward function as the dataset env will, on one row: its prompt twice, with the
     row's answer and a wrong one as completions (messages for a chat prompt), each other column
-    once per completion -> what is wrong, naming the function and where (None: it works). Before
-    launch: a wrong signature, a raise on the first row or an unusable result is a config error,
-    not 100 counted errors into the run."""
+    once per completion, in the run's box (`evaluate`, `env.reward_timeout_s`) -> what is wrong,
+    naming the function and where (None: it works, or gave no answer in time: the run's own
+    timeout deals with that). Before launch a wrong signature, a raise on the first row or an
+    unusable result is a config error, not `env.max_reward_errors` counted errors into the run."""
     import inspect
     from colocate.chat import is_messages
     from colocate.lifecycle import failure_frame, shown_path
-    texts = [str(answer) if answer is not None else "", "I do not know."]
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if is_messages(prompt) else texts
-    kwargs = {"prompts": [prompt] * 2, "completions": completions, **{k: [v] * 2 for k, v in columns.items()}}
+    texts = [str(row.answer) if row.answer is not None else "", "I do not know."]
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if is_messages(row.prompt) else texts
+    kwargs = {"prompts": [row.prompt] * 2, "completions": completions, **{k: [v] * 2 for k, v in row.columns.items()}}
     where = f"{name} ({defined_at(fn)})"
     try:
         inspect.signature(fn).bind(**kwargs)
     except TypeError as e:
         return (f"{where} cannot be called as TRL calls a reward function, fn(prompts=, completions=, **columns) "
-                f"with columns {', '.join(columns) or '(none)'}: {e} (add **kwargs to take the columns it ignores)")
+                f"with columns {', '.join(row.columns) or '(none)'}: {e} (add **kwargs to take the columns it ignores)")
     except ValueError:  # no signature to read (a builtin): calling it says
         pass
-    try:
-        values = fn(**kwargs)
-    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
-        frame = failure_frame(e)
-        at = f" at {shown_path(frame.filename)}:{frame.lineno}" if frame else ""
-        return f"{where} raised {type(e).__name__}: {e}{at} on the first row (a reward must score any completion)"
-    if not is_sequence(values) or len(values) != 2:
-        got = f"{len(values)} values" if is_sequence(values) else f"{type(values).__name__} {_short(values)}"
-        return f"{where} returned {got} for 2 completions, expected a list of 2 numbers (one per completion)"
-    for v in values:
-        if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
-            return f"{where} returned {type(v).__name__} {_short(v)} in its list, expected numbers"
-    return None
+    outcome = CallPool(1, "reward-check").run(evaluate, limits.timeout_s, fn, 2, limits.max_abs, kwargs)
+    scores = outcome.value if outcome.kind == "value" else None
+    if scores is None or not any(scores.faults):
+        return None
+    frame = failure_frame(scores.error) if scores.error is not None else None
+    at = f" at {shown_path(frame.filename)}:{frame.lineno}" if frame else ""
+    return f"{where} {scores.detail}{at} on the first row (a reward must score any completion)"
+
+
+@dataclass
+class RewardRow:
+    """One data row as a reward function gets it: the prompt, the answer, every other column."""
+    prompt: object
+    answer: object
+    columns: dict
 
 
 REWARD_ERROR_KINDS = ("raised", "base_exception", "timeout", "not_a_list", "wrong_length", "not_a_number",
