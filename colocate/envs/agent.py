@@ -182,8 +182,15 @@ class AgentEnv(Env):
         """The next turn of every episode ready for one. With none ready and tools running, waits
         for a tool (nothing can be in the engine then: every live episode is waiting on one)."""
         self._collect_tool_results()
-        if not any(ep.ready for ep in self._episodes.values()):
-            wait_any([p for ep in self._episodes.values() for p in ep.pending])
+        # An episode is ready once all of its turn's calls answered; each wait answers at least one
+        # call (its result or its deadline), so this ends. One wait was not enough: the first
+        # deadline to pass could leave every episode with a later one still open (no request, nothing
+        # in the engine: the worker's "env has no requests" error, under load).
+        while not any(ep.ready for ep in self._episodes.values()):
+            pending = [p for ep in self._episodes.values() for p in ep.pending if p.answer is None]
+            if not pending:
+                break
+            wait_any(pending)
             self._collect_tool_results()
         out = []
         for key, ep in self._episodes.items():
