@@ -4,7 +4,8 @@ from setuptools import find_packages, setup
 setup(
     name="colocate",
     version="0.1.0",
-    description="Single-node GRPO trainer: vLLM inference ranks, FSDP2 LoRA learners, NCCL adapter sync",
+    description="RL trainer for LLM agents in one torchrun job (one node or several): vLLM inference ranks, "
+                "FSDP2 LoRA learners, NCCL adapter sync; GRPO, DAPO, Dr.GRPO and GSPO objectives",
     python_requires=">=3.10",
     # kernels/ sits at the top of the repository and installs as colocate.kernels (a top-level
     # `kernels` would shadow the hub-kernels package transformers probes for); benchmarks/ is not

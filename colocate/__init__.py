@@ -1,4 +1,6 @@
-"""colocate: a single-node torch.distributed GRPO trainer (inference ranks + learner ranks + adapter sync).
+"""colocate: a torch.distributed RL trainer for LLM agents in one torchrun job, on one node or several:
+inference ranks + learner ranks + adapter sync; GRPO-family objectives (GRPO, DAPO, Dr.GRPO, GSPO), with a
+fused loss kernel on GPU.
 
 Start at `train.py` (the composition root) and `docs/design.md`.
 

@@ -1,6 +1,8 @@
 """Config checks: each key on its own (`check_values`: one table of choices and ranges), then the
 rules across keys (`validate`). Every failure is a `ConfigError` with one line naming the keys
-involved; `config.load_config` runs `validate` after merging, before anything is built.
+involved; `config.load_config` runs `validate` after merging, before anything is built. An env's own
+rules (its keys among themselves, keys it would ignore, env.processes) are its `check` hook, which
+`preflight` runs (`envs.check_env`).
 
 This module imports nothing of colocate but `config_schema`.
 """
@@ -11,10 +13,10 @@ import difflib
 import math
 import re
 
-from colocate.config_schema import (ATTENTIONS, BAD_ROWS, BUILTIN_REWARDS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
+from colocate.config_schema import (ATTENTIONS, BAD_ROWS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
                                     ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
                                     NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
-                                    UPDATE_MODES, Config, EnvConfig, RolloutConfig)
+                                    UPDATE_MODES, Config, RolloutConfig)
 
 
 class ConfigError(ValueError):
@@ -174,87 +176,6 @@ def is_object_path(text: str) -> bool:
     return bool(_PATH.fullmatch(text))
 
 
-def check_dataset_env(env: EnvConfig) -> None:
-    """The dataset env's keys among themselves (what the files hold is `preflight`'s)."""
-    if env.name != "dataset":
-        return
-    if not env.data_files:
-        raise ConfigError("env.name=dataset needs env.data_files: local json, jsonl, parquet or csv files of prompts")
-    for key in ("data_files", "eval_files", "reward"):
-        bad = [v for v in getattr(env, key) if not isinstance(v, str) or not v]
-        if bad:
-            raise ConfigError(f"env.{key}: {bad[0]!r} is not a non-empty string")
-    if not env.reward:
-        raise ConfigError("env.reward is empty: name at least one reward function (gsm8k, boxed, exact or "
-                          "my_pkg.module:function)")
-    for name in env.reward:
-        if name not in BUILTIN_REWARDS and not is_object_path(name):
-            raise ConfigError(f"env.reward: {name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor a "
-                              "function path like 'my_pkg.rewards:score'")
-    if env.reward_weights and len(env.reward_weights) != len(env.reward):
-        raise ConfigError(f"env.reward_weights has {len(env.reward_weights)} entries for {len(env.reward)} "
-                          "reward functions (one weight each, or none for all 1.0)")
-    env.reward_weights = [_finite_number(w, "env.reward_weights") for w in env.reward_weights]
-
-
-def is_agent(cfg: Config) -> bool:
-    """Whether the run plays multi-turn tool episodes (`envs/agent.py`)."""
-    return bool(cfg.env.tools or cfg.env.environment)
-
-
-AGENT_KEYS = ("tools", "environment", "tool_parser", "max_turns", "max_tool_calls", "tool_timeout_s",
-              "tool_max_output_chars", "tool_workers", "tool_budget_s")
-"""env keys only agent episodes read (`envs/agent.py`)."""
-
-
-def refuse_agent_keys(cfg: Config, why: str, keys: tuple[str, ...] = AGENT_KEYS) -> None:
-    """Refuse any of `keys` set away from its default: the env would ignore it (`why`)."""
-    default = EnvConfig()
-    given = [f"env.{k}={getattr(cfg.env, k)!r}" for k in keys if getattr(cfg.env, k) != getattr(default, k)]
-    if given:
-        raise ConfigError(f"{', '.join(given)}: {why}, so the setting would be ignored (agent episodes: "
-                          "env.name=dataset with env.tools or env.environment, or an AgentEnv subclass by path; "
-                          "docs/agents.md)")
-
-
-def check_agent_lengths(cfg: Config, what: str) -> None:
-    """An agent env's episode limit holds a prompt and one whole turn."""
-    if cfg.engine.max_model_len <= 0:
-        raise ConfigError(f"{what} needs engine.max_model_len > 0: the token limit of a whole episode (prompt, "
-                          "every turn and every tool message)")
-    if cfg.engine.max_model_len <= cfg.engine.max_new_tokens:
-        raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} cannot hold a prompt and one turn of "
-                          f"engine.max_new_tokens={cfg.engine.max_new_tokens} ({what} plays whole episodes within it)")
-
-
-def check_agent_env(cfg: Config) -> None:
-    """env.tools / env.environment: an env that plays them, paths, and the episode length limit."""
-    env = cfg.env
-    if env.name in ("arithmetic", "diplomacy"):
-        refuse_agent_keys(cfg, f"env.name={env.name} plays no tool episodes")
-    if env.name == "dataset" and not is_agent(cfg):
-        refuse_agent_keys(cfg, "env.name=dataset without env.tools or env.environment plays single turns",
-                          AGENT_KEYS[2:])
-    if not is_agent(cfg):
-        return
-    for path in env.tools + ([env.environment] if env.environment else []):
-        if not isinstance(path, str) or not is_object_path(path):
-            raise ConfigError(f"env.tools / env.environment: {path!r} is not a path like 'my_pkg.tools:search'")
-    if env.name == "dataset":
-        check_agent_lengths(cfg, "env.tools / env.environment")
-
-
-def _finite_number(value, where: str) -> float:
-    """A list item as a float (items of a list given on the command line arrive as strings)."""
-    try:
-        number = float(value) if not isinstance(value, bool) else math.nan
-    except (TypeError, ValueError):
-        number = math.nan
-    if not math.isfinite(number):
-        raise ConfigError(f"{where}: {value!r} is not a finite number")
-    return number
-
-
 def derive_batch_size(r: RolloutConfig) -> None:
     """rollout.batch_size is groups_per_step * group_size: 0 (the default) fills it in; a value set
     by hand is accepted only when it agrees (so `--rollout.group_size=16` alone is a valid change)."""
@@ -269,8 +190,6 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Value checks (`check_values`), then cross-field checks. Each failure is one line naming the
     fields involved."""
     check_values(cfg)
-    check_dataset_env(cfg.env)
-    check_agent_env(cfg)
     r = cfg.rollout
     if r.group_size < 2:
         raise ConfigError(f"rollout.group_size={r.group_size}: GRPO needs at least 2 samples per group")
@@ -279,14 +198,6 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"rollout.oversample_groups={r.oversample_groups} needs learner.max_policy_lag >= 2: "
                           "a group carried over to the next batch is trained a step later, so batches start one "
                           "version fresher than the budget (lag 1 would make rollouts wait for every learner step)")
-    if cfg.env.processes > 0 and cfg.env.name == "dataset":
-        raise ConfigError(f"env.processes={cfg.env.processes} with env.name=dataset: each copy would walk its own "
-                          "epoch of the rows; the dataset env builds prompts ahead on a thread instead "
-                          "(env.prefetch_prompts) and scores on env.reward_workers")
-    if cfg.env.processes > 0 and r.update == "drain" and r.oversample_groups == 0:
-        raise ConfigError(f"env.processes={cfg.env.processes} with rollout.update=drain and no oversample_groups: "
-                          "that mode resumes exactly, which needs samples in the in-process env's order (env "
-                          "processes hand them back as they finish); set env.processes=0 or oversample_groups > 0")
     if r.update == "inflight" and cfg.learner.max_policy_lag < 1:
         raise ConfigError("rollout.update=inflight needs learner.max_policy_lag >= 1: requests still in flight when a "
                           "batch ships are trained with a later batch, at least one version after their first token")

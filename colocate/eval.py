@@ -88,13 +88,13 @@ def configure(argv: list[str]) -> tuple[Config, dict, dict | None]:
     from colocate.checkpoint import CheckpointError, check_same_task, load_adapter
     from colocate.envs import env_corpus
     from colocate.models import load_tokenizer
-    from colocate.preflight import check_custom_env, check_dataset, check_model_dir
+    from colocate.envs import check_env
+    from colocate.preflight import check_model_dir
     try:
         rest, flags = split_flags(argv)
         cfg = load_eval_config(rest, flags)
         check_model_dir(cfg.model.path)
-        check_dataset(cfg)
-        check_custom_env(cfg)
+        check_env(cfg)
         flags["out"] = output_path(cfg, flags)
         adapter = None
         if flags["checkpoint"]:

@@ -77,8 +77,7 @@ def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
         return None
     state = load_checkpoint(path, trust)
     check_same_task(cfg, path)
-    check_same_data(cfg, state["trainer_state"], path)
-    check_same_env_processes(cfg, state["trainer_state"], path)
+    check_same_env(cfg, state["trainer_state"], path)
     state["path"] = path
     return state
 
@@ -89,28 +88,16 @@ def saved_env_states(trainer_state: dict) -> list[dict]:
             if isinstance(s, dict) and isinstance(s.get("env"), dict)]
 
 
-def check_same_data(cfg: Config, trainer_state: dict, path: str) -> None:
-    """A dataset run resumes only on the data files it was saved with: its position indexes their
-    rows, so other files (even with as many rows) would silently train on other prompts."""
+def check_same_env(cfg: Config, trainer_state: dict, path: str) -> None:
+    """The env's own resume rules (`envs.check_env_resume`: e.g. the dataset env's files, the number
+    of env copies) against the env states the checkpoint at `path` holds."""
     from colocate.checkpoint import CheckpointError
-    from colocate.envs.dataset import data_fingerprint
-    saved = {env.get("data") for env in saved_env_states(trainer_state)} - {None}
-    if cfg.env.name != "dataset" or not saved:
-        return
-    if saved != {data_fingerprint(cfg.env.data_files, cfg.env.split)}:
-        raise CheckpointError(f"{path}: env.data_files hold other contents than when this checkpoint was saved; "
-                              "resume with those files, or start a new metrics.run_dir")
-
-
-def check_same_env_processes(cfg: Config, trainer_state: dict, path: str) -> None:
-    """An env resume state saved by N copies (`env.processes`) holds one state per copy, each for
-    its own groups: it resumes only with N copies (an env that keeps no state resumes with any)."""
-    from colocate.checkpoint import CheckpointError
-    from colocate.envs.processes import saved_processes
-    for env in saved_env_states(trainer_state):
-        if saved_processes(env) != cfg.env.processes:
-            raise CheckpointError(f"{path}: saved with env.processes={saved_processes(env)}, this run has "
-                                  f"env.processes={cfg.env.processes}: resume with the saved number")
+    from colocate.envs import check_env_resume
+    from colocate.envs.base import ResumeError
+    try:
+        check_env_resume(saved_env_states(trainer_state), cfg)
+    except ResumeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def check_config(argv: list[str], world: int | None = None,

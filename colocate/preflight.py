@@ -1,10 +1,10 @@
 """Checks of what a valid config points at, before any process group or model exists.
 
 `config_checks.validate` checks values (types, ranges, cross-field rules); this checks the world they name:
-the run directory can be written, a model directory holds a `config.json` that parses, the
-Diplomacy state cache loads, the dataset env's files load with their columns and reward functions,
-a custom env class imports, an agent's tools and environment class import and give tool schemas,
-and every LoRA target module exists in the model. Each failure is one
+the run directory can be written, a model directory holds a `config.json` that parses, the env's
+own rules and what they point at hold (`envs.check_env`: the env class's `check` and `preflight`
+hooks, e.g. the dataset env's files and reward functions, the Diplomacy state cache, an agent's
+tools), and every LoRA target module exists in the model. Each failure is one
 `ConfigError` line naming the key, which `train.py` prints before exiting with code 2; the same
 checks run for `python -m colocate.train --config X --check`.
 """
@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-import sys
 import tempfile
 
 from colocate.config import Config, ConfigError
-from colocate.config_checks import check_agent_lengths, refuse_agent_keys
+from colocate.envs import check_env
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -57,220 +56,6 @@ def check_model_dir(path: str) -> None:
         raise ConfigError(f"model.path={path!r}: config.json does not parse ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model.path={path!r}: config.json is not a JSON object")
-
-
-def check_state_cache(cfg: Config) -> None:
-    """env.state_cache (Diplomacy): the file exists and every line is a saved game state."""
-    if cfg.env.name != "diplomacy" or not cfg.env.state_cache:
-        return
-    from colocate.envs.diplomacy.game import StateCacheError, load_state_cache
-    try:
-        load_state_cache(cfg.env.state_cache)
-    except (OSError, StateCacheError) as e:
-        raise ConfigError(f"env.state_cache={cfg.env.state_cache!r}: {e}") from None
-
-
-def check_data_files(key: str, files: list[str]) -> None:
-    """Each file exists (a directory stands for the data files under it), and all are of one kind
-    `datasets` reads."""
-    from colocate.envs.dataset import BUILDERS, builder_of
-    from colocate.envs.rows import expand_files
-    for f in files:
-        if os.path.isdir(f) and not expand_files([f]):
-            raise ConfigError(f"env.{key}: {f!r} is a directory with no json, jsonl, parquet or csv files in it")
-        if not os.path.exists(f):
-            where = "" if os.path.isabs(f) else f"; a relative path is from the working directory {os.getcwd()}"
-            raise ConfigError(f"env.{key}: {f!r} does not exist (local json, jsonl, parquet or csv files{where})")
-        if not os.path.isdir(f) and not os.path.isfile(f):
-            raise ConfigError(f"env.{key}: {f!r} is not a regular file")
-    files = expand_files(files)
-    try:
-        builder_of(files)
-    except ValueError:
-        raise ConfigError(f"env.{key}: {files} must all be one of {', '.join(sorted(BUILDERS))}") from None
-    if all(os.path.getsize(f) == 0 for f in files):  # `datasets` fails obscurely on empty files
-        raise ConfigError(f"env.{key}: {files} is empty (no rows to draw prompts from)")
-
-
-def check_prompt_column(key: str, rows, cfg: Config) -> None:
-    """The split has rows, and its prompt column holds text or chat messages (from the Arrow schema:
-    every row has that type, so no row is read)."""
-    import datasets
-    env = cfg.env
-    if len(rows) == 0:
-        raise ConfigError(f"env.{key}: split {env.split!r} of {getattr(env, key)} is empty")
-    if env.prompt_column not in rows.column_names:
-        raise ConfigError(f"env.prompt_column={env.prompt_column!r} is no column of env.{key} "
-                          f"(columns: {', '.join(rows.column_names)})")
-    feature = rows.features[env.prompt_column]
-    inner = feature.feature if isinstance(feature, (datasets.List, datasets.Sequence)) else None
-    # a null column (every prompt null) passes here: the row checks name its first row
-    is_text = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")
-    is_messages = isinstance(inner, dict) and {"role", "content"} <= set(inner) and all(
-        isinstance(inner[k], datasets.Value) and inner[k].dtype in ("string", "large_string") for k in ("role", "content"))
-    if not (is_text or is_messages):
-        raise ConfigError(f"env.prompt_column={env.prompt_column!r} of env.{key} holds {feature}: a prompt must be "
-                          "text or a list of chat messages with string role and content")
-    builtins = [r for r in env.reward if ":" not in r]
-    if (builtins or env.answer_choices) and env.answer_column not in rows.column_names:
-        raise ConfigError(f"env.answer_column={env.answer_column!r} is no column of env.{key} (the built-in "
-                          f"reward {builtins[0]} compares against it; columns: {', '.join(rows.column_names)})")
-
-
-def check_dataset(cfg: Config) -> None:
-    """env.name=dataset: the files load, the split is not empty, the columns are there and of the
-    right kind, every reward function imports and scores the first row."""
-    if cfg.env.name != "dataset":
-        return
-    from colocate.envs.dataset import load_rows
-    from colocate.envs.rows import expand_files, first_bad_json
-    from colocate.objects import ObjectPathError
-    from colocate.rewards import load_reward
-    first = None
-    for key, split in (("data_files", cfg.env.split), ("eval_files", "train")):
-        files = getattr(cfg.env, key)
-        if not files:
-            continue
-        check_data_files(key, files)
-        try:
-            rows = load_rows(files, split, cfg.model.cache_dir)
-        except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many kinds; one line names the files
-            if "corresponds to no data" in str(e):  # a split expression that selects nothing
-                raise ConfigError(f"env.{key}: split {split!r} of {files} is empty") from None
-            bad_line = first_bad_json(expand_files(files))
-            if bad_line:  # the file's own line, not the row of a parser chunk
-                raise ConfigError(f"env.{key}: {bad_line}; fix that line") from None
-            cause = e.__cause__ or e  # datasets wraps the parser's error
-            raise ConfigError(f"env.{key}: {files} do not load as split {split!r} "
-                              f"({type(cause).__name__}: {' '.join(str(cause).split())[:300]})") from None
-        check_prompt_column(key, rows, cfg)
-        rows = check_rows(key, cfg)
-        if key == "data_files":
-            first = rows[0]
-    for name in cfg.env.reward:
-        try:
-            fn = load_reward(name, cfg.env.answer_column)
-        except ObjectPathError as e:
-            raise ConfigError(f"env.reward: {e}") from None
-        check_reward_call(cfg, name, fn, first)
-
-
-def check_reward_call(cfg: Config, name: str, fn, row: dict) -> None:
-    """A user's reward function, called on the first row as the dataset env calls it (an agent's
-    rewards also get each episode's environment: checked at run time)."""
-    from colocate.envs.dataset import reward_limits
-    from colocate.rewards import RewardRow, check_reward
-    if ":" not in name or row is None or cfg.env.tools or cfg.env.environment:
-        return
-    env = cfg.env
-    columns = {k: v for k, v in row.items() if k != env.prompt_column}
-    problem = check_reward(name, fn, RewardRow(row[env.prompt_column], row.get(env.answer_column), columns),
-                           reward_limits(cfg))
-    if problem:
-        raise ConfigError(f"env.reward: {problem}")
-
-
-def lazy_prompt_ids(cfg: Config):
-    """prompt -> token ids as the env will compute them; the tokenizer is loaded on the first call
-    (only a prompt that may be too long for the model needs it)."""
-    chat = []
-
-    def prompt_ids(prompt) -> list[int]:
-        if not chat:
-            from colocate.chat import ChatFormat
-            from colocate.envs import env_corpus
-            from colocate.models import load_tokenizer
-            key, corpus_fn = env_corpus(cfg)
-            chat.append(ChatFormat(load_tokenizer(cfg.model, corpus_fn, key), cfg.model.chat_template))
-        return chat[0].ids(prompt)
-    return prompt_ids
-
-
-def check_rows(key: str, cfg: Config):
-    """Every row of env.<key> (`envs/rows.py`): under env.bad_rows=error the first unusable one is
-    the error; under skip the dropped rows are counted in one line (stdout, rank 0) -> the usable rows."""
-    from colocate.envs.dataset import BadRowError, open_rows
-    try:
-        rows, scan = open_rows(cfg, key, lazy_prompt_ids(cfg))
-    except BadRowError as e:
-        raise ConfigError(str(e)) from None
-    if scan.bad and len(rows) == 0:
-        raise ConfigError(f"env.{key}: every row is unusable ({_counts(scan.counts)}; env.bad_rows=skip "
-                          "dropped them all): nothing to draw prompts from")
-    if scan.bad and int(os.environ.get("RANK", "0")) == 0:
-        print(f"colocate: env.{key}: dropping {len(scan.bad)} unusable rows ({_counts(scan.counts)}; "
-              "env.bad_rows=skip)", file=sys.stderr, flush=True)
-    return rows
-
-
-def _counts(counts: dict) -> str:
-    return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()))
-
-
-def check_custom_env(cfg: Config) -> None:
-    """A custom env class by path: it imports, subclasses `Env` and follows its protocol by
-    signature, and `env.options` fits its constructor (`envs/protocol.py`)."""
-    if cfg.env.name in ("arithmetic", "diplomacy", "dataset"):
-        return
-    from colocate.envs import env_class
-    from colocate.envs.protocol import EnvProtocolError, check_env_class
-    from colocate.objects import ObjectPathError
-    try:
-        cls = env_class(cfg.env.name)
-    except ObjectPathError as e:
-        raise ConfigError(f"env.name: {e}") from None
-    try:
-        check_env_class(cls, cfg.env.options)
-    except EnvProtocolError as e:
-        raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
-    from colocate.envs.agent import AgentEnv
-    if issubclass(cls, AgentEnv):
-        check_agent_lengths(cfg, f"env.name={cfg.env.name!r} (an AgentEnv)")
-    else:
-        refuse_agent_keys(cfg, f"env.name={cfg.env.name!r} is not an AgentEnv")
-
-
-def check_agent_tools(cfg: Config) -> None:
-    """env.tools / env.environment: each imports; a tool is a function whose schema (what the chat
-    template's `tools=` gets) builds from its type hints and docstring; the environment is a class
-    with `reset`, and so is every public method of one instance (its tools)."""
-    if not (cfg.env.tools or cfg.env.environment):
-        return
-    from colocate.objects import ObjectPathError, load_object
-    from colocate.tools import environment_tools
-    for path in cfg.env.tools:
-        try:
-            fn = load_object(path)
-        except ObjectPathError as e:
-            raise ConfigError(f"env.tools: {e}") from None
-        if isinstance(fn, type) or not callable(fn):
-            raise ConfigError(f"env.tools: {path!r} is not a function")
-        _check_tool_schema("env.tools", path, fn)
-    if not cfg.env.environment:
-        return
-    path = cfg.env.environment
-    try:
-        cls = load_object(path)
-    except ObjectPathError as e:
-        raise ConfigError(f"env.environment: {e}") from None
-    if not isinstance(cls, type) or not callable(getattr(cls, "reset", None)):
-        raise ConfigError(f"env.environment: {path!r} is not a class with a reset(**row) method "
-                          "(TRL's environment_factory shape: docs/agents.md)")
-    try:
-        instance = cls()
-    except Exception as e:  # noqa: BLE001 - a user's constructor may raise anything
-        raise ConfigError(f"env.environment: {path}() failed: {type(e).__name__}: {e}") from None
-    for name, method in environment_tools(instance).items():
-        _check_tool_schema("env.environment", f"{path}.{name}", method)
-
-
-def _check_tool_schema(key: str, path: str, fn) -> None:
-    from colocate.tools import tool_schema
-    try:
-        tool_schema(fn)
-    except Exception as e:  # noqa: BLE001 - transformers' schema builder raises its own kinds
-        raise ConfigError(f"{key}: {path!r} has no tool schema: {type(e).__name__}: {' '.join(str(e).split())} "
-                          "(a tool needs type hints and a Google-style docstring with an Args: section)") from None
 
 
 def check_optional_packages(cfg: Config) -> None:
@@ -368,10 +153,7 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
     check_model_dir(cfg.model.path)
-    check_state_cache(cfg)
-    check_dataset(cfg)
-    check_custom_env(cfg)
-    check_agent_tools(cfg)
+    check_env(cfg)  # the env's own rules and what they point at (its `check` and `preflight` hooks)
     if card is None:  # `--gpu-memory` plans for another machine: its packages are not this one's
         check_optional_packages(cfg)
     model = meta_model(cfg)  # once: its module names and its size

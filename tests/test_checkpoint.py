@@ -86,25 +86,25 @@ def test_resume_keeps_the_data_files(tmp_path):
     indexes their rows): same row count, other contents is refused in one line naming the key; a
     copy of the same bytes elsewhere resumes; a checkpoint without the digest (older) is taken."""
     from colocate.config import load_config
-    from colocate.envs.dataset import data_fingerprint
-    from colocate.launch import check_same_data
+    from colocate.envs.dataset_files import data_fingerprint
+    from colocate.launch import check_same_env
     data = tmp_path / "train.jsonl"
     rows = [json.dumps({"prompt": f"add {i} 1", "answer": str(i + 1)}) for i in range(6)]
     data.write_text("\n".join(rows) + "\n")
     cfg = load_config(os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml"), {"env": {"data_files": [str(data)]}})
     saved = {"inference": {"0": {"env": {"epoch": 0, "position": 3, "rows": 6,
                                          "data": data_fingerprint([str(data)], "train")}}}}
-    check_same_data(cfg, saved, "ckpt")
+    check_same_env(cfg, saved, "ckpt")
     copy = tmp_path / "elsewhere.jsonl"
     copy.write_bytes(data.read_bytes())
-    check_same_data(load_config(os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml"),
+    check_same_env(load_config(os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml"),
                                 {"env": {"data_files": [str(copy)]}}), saved, "ckpt")
     data.write_text("\n".join(rows[::-1]) + "\n")  # as many rows, another order
     with pytest.raises(CheckpointError, match="^ckpt: env.data_files hold other contents"):
-        check_same_data(cfg, saved, "ckpt")
-    check_same_data(cfg, {"inference": {"0": {"env": {"epoch": 0, "position": 3, "rows": 6}}}}, "ckpt")
+        check_same_env(cfg, saved, "ckpt")
+    check_same_env(cfg, {"inference": {"0": {"env": {"epoch": 0, "position": 3, "rows": 6}}}}, "ckpt")
     with pytest.raises(CheckpointError):  # the split is part of what the position indexes
-        check_same_data(load_config(os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml"),
+        check_same_env(load_config(os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml"),
                                     {"env": {"data_files": [str(copy)], "split": "train[:50%]"}}), saved, "ckpt")
 
 

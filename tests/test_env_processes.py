@@ -246,17 +246,22 @@ def test_agent_metrics_count_whole_groups_only(tiny_tokenizer):
     ({"env.name": "arithmetic"}, "resumes exactly"),
 ])
 def test_config_refuses_processes_where_they_change_meaning(overrides, message):
+    """The env's rules (`envs.check_env`: the dataset env's own, then env.processes against the
+    rollout mode) refuse what the config's own checks let through."""
+    from colocate.envs import check_env
     cfg = Config()
     cfg.env.processes = 2
     cfg.env.data_files = ["x.jsonl"]
     for key, value in overrides.items():
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
+    validate(cfg)
     with pytest.raises(ConfigError, match=message):
-        validate(cfg)
+        check_env(cfg, outside_world=False)
     cfg.env.name = "arithmetic"
     cfg.rollout.oversample_groups, cfg.learner.max_policy_lag = 2, 2
-    validate(cfg)  # oversampled: the order is timing's anyway
+    validate(cfg)
+    check_env(cfg, outside_world=False)  # oversampled: the order is timing's anyway
 
 
 class BigEnv(OneRoundEnv):
@@ -433,20 +438,20 @@ def test_a_resume_with_another_env_processes_is_refused_before_launch():
     """Each copy's state resumes its own groups: the saved number of copies must be this run's,
     checked with the checkpoint (exit 2 before any model), not when the env loads it."""
     from colocate.checkpoint import CheckpointError
-    from colocate.launch import check_same_env_processes
+    from colocate.launch import check_same_env
     cfg = Config()
     saved_in_process = {"inference": {"0": {"env": {"rng": [1, 2]}}}}
     saved_two = {"inference": {"0": {"env": {"env_processes": [{"rng": 1}, {"rng": 2}]}}}}
     stateless = {"inference": {"0": {"env": None}}}
-    check_same_env_processes(cfg, saved_in_process, "ckpt")
-    check_same_env_processes(cfg, stateless, "ckpt")
+    check_same_env(cfg, saved_in_process, "ckpt")
+    check_same_env(cfg, stateless, "ckpt")
     with pytest.raises(CheckpointError, match=r"^ckpt: saved with env.processes=2, this run has env.processes=0"):
-        check_same_env_processes(cfg, saved_two, "ckpt")
+        check_same_env(cfg, saved_two, "ckpt")
     cfg.env.processes = 2
-    check_same_env_processes(cfg, saved_two, "ckpt")
-    check_same_env_processes(cfg, stateless, "ckpt")  # Diplomacy keeps no state: any number resumes
+    check_same_env(cfg, saved_two, "ckpt")
+    check_same_env(cfg, stateless, "ckpt")  # Diplomacy keeps no state: any number resumes
     with pytest.raises(CheckpointError, match="saved with env.processes=0, this run has env.processes=2"):
-        check_same_env_processes(cfg, saved_in_process, "ckpt")
+        check_same_env(cfg, saved_in_process, "ckpt")
 
 
 def test_a_script_without_a_main_guard_is_told_why_its_copies_died(tmp_path):

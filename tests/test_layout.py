@@ -134,6 +134,52 @@ def test_no_function_over_sixty_lines():
     assert not long, long
 
 
+def env_name_branches(source: str, names) -> list[int]:
+    """Lines of `source` that compare with a built-in env's name (`"dataset"`, a tuple holding one)
+    or compare `env.name` with a string literal: branching on an env that the env should own."""
+    def literal(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(literal(e) for e in node.elts)
+
+    def is_env_name(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "name" and ast.unparse(node.value).endswith("env")
+
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            strings = any(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in sides)
+            if any(literal(n) for n in sides) or (strings and any(is_env_name(n) for n in sides)):
+                hits.append(node.lineno)
+    return hits
+
+
+def test_no_file_outside_envs_branches_on_an_env_name():
+    """Env facts live in `colocate/envs/` (each env's `check`, `preflight`, `check_resume` hooks and
+    `envs.BUILTIN`): no other module compares `env.name` with a literal or names a built-in env
+    in a comparison."""
+    from colocate.config_schema import ENV_NAMES
+    from colocate.envs import BUILTIN
+    assert tuple(BUILTIN) == ENV_NAMES
+    hits = []
+    for path in python_files("colocate", "kernels"):
+        rel = os.path.relpath(path, REPO)
+        if rel.startswith(os.path.join("colocate", "envs") + os.sep):
+            continue
+        hits += [f"{rel}:{line}" for line in env_name_branches(open(path).read(), set(BUILTIN))]
+    assert not hits, hits
+
+
+def test_env_name_branches_finds_them():
+    names = {"arithmetic", "diplomacy", "dataset"}
+    assert env_name_branches('if cfg.env.name != "dataset":\n    pass', names) == [1]
+    assert env_name_branches('x = cfg.env.name in ("arithmetic", "diplomacy")', names) == [1]
+    assert env_name_branches('ok = env.name == "my_pkg.envs:MyEnv"', names) == [1]
+    assert env_name_branches('ok = "dataset" == kind', names) == [1]
+    assert env_name_branches('print(f"env {cfg.env.name}"); ok = cfg.env.name in BUILTIN', names) == []
+
+
 MAX_PARAMETERS = 8
 SIGNATURES_SET_ELSEWHERE = {
     # kernel launches: one scalar or pointer per kernel argument

@@ -55,7 +55,7 @@ def digit_ids(prompt) -> list[int]:
 
 
 def test_20000_rows_with_1_percent_bad_skip_counts_them_and_error_names_the_first(tmp_path):
-    from colocate.envs.dataset import BadRowError, open_rows
+    from colocate.envs.dataset_files import BadRowError, open_rows
     file = tmp_path / "big.jsonl"
     lines = write_rows(file, 20_000, bad_every=100)
     rows, scan = open_rows(dataset_cfg(tmp_path, [str(file)], bad_rows="skip"), "data_files", digit_ids)
@@ -90,7 +90,7 @@ def test_the_env_hashes_its_data_files_once_when_a_checkpoint_first_asks(tmp_pat
 
 def test_a_directory_of_data_files_is_read_as_its_files(tmp_path):
     from colocate.envs.dataset import load_rows
-    from colocate.preflight import check_data_files
+    from colocate.envs.dataset_files import check_data_files
     folder = tmp_path / "data"
     (folder / "part").mkdir(parents=True)
     write_rows(folder / "a.jsonl", 30, bad_every=1000)
@@ -317,7 +317,7 @@ def test_a_run_whose_reward_always_hangs_stops_in_one_line_naming_it(tmp_path):
 def test_a_malformed_line_deep_in_a_large_file_is_named_by_its_file_line(tmp_path):
     """`datasets` reports the row of its own parser chunk ("row 96"); the line is the file's."""
     from colocate.config import ConfigError
-    from colocate.preflight import check_dataset
+    from colocate.envs.dataset_files import check_dataset
     path = tmp_path / "big.jsonl"
     with open(path, "w") as f:
         for i in range(20_000):
@@ -333,7 +333,7 @@ def test_data_files_are_relative_to_the_working_directory_and_base_to_the_config
     """README, Configure: `base:` is relative to the config file, every other path to the directory
     the command runs in; a data file missing under a relative path says so."""
     from colocate.config import ConfigError
-    from colocate.preflight import check_dataset
+    from colocate.envs.dataset_files import check_dataset
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "data.jsonl").write_text('{"prompt": "add 1 and 2 ; answer :", "answer": "3"}\n')
     (tmp_path / "conf" / "run.yaml").write_text(f"base: {os.path.relpath(DATASET, tmp_path / 'conf')}\n"

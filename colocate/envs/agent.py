@@ -33,6 +33,7 @@ from colocate.chat import MARKER, ChatFormat, is_messages
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
+from colocate.envs.checks import check_agent, check_agent_tools
 from colocate.rewards import REWARD_ERROR_KINDS, RewardSet
 from colocate.tools import (PARSERS, TOOL_ERROR_KINDS, PendingCall, ToolResult, ToolRunner, ToolRunnerSettings,
                             environment_tools, tool_name, tool_schema, wait_any)
@@ -145,6 +146,15 @@ class AgentEnv(Env):
         self._groups: dict[int, dict] = {}       # group -> its row's columns
         self._done: dict[int, list[Sample]] = {}
         self._counts: Counter = Counter()
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """A subclass by path (`env.name`): its tools, environment and episode length (`checks.check_agent`)."""
+        check_agent(cfg, f"env.name={cfg.env.name!r} (an AgentEnv)")
+
+    @classmethod
+    def preflight(cls, cfg) -> None:
+        check_agent_tools(cfg)
 
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "AgentEnv":

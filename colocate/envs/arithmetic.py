@@ -19,6 +19,7 @@ from colocate.chat import ChatFormat
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
+from colocate.envs.checks import refuse_agent_keys
 
 
 def corpus(max_operand: int) -> list[str]:
@@ -44,6 +45,18 @@ def parse_answer(text: str) -> int | None:
 
 
 class ArithmeticEnv(Env):
+    @classmethod
+    def check(cls, cfg) -> None:
+        refuse_agent_keys(cfg, "env.name=arithmetic plays no tool episodes")
+
+    @classmethod
+    def corpus_key(cls, cfg) -> str:
+        return f"arithmetic-{cfg.env.max_operand}"
+
+    @classmethod
+    def corpus(cls, cfg) -> list[str]:
+        return corpus(cfg.env.max_operand)
+
     @classmethod
     def prompt_bound(cls, cfg) -> int:
         """A prompt is one short line ("add A and B ; answer :")."""

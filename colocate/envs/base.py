@@ -22,6 +22,10 @@ from typing import Hashable
 from colocate.data import Completion, Request, Sample
 
 
+class ResumeError(ValueError):
+    """A checkpoint this run cannot continue from (`Env.check_resume`); the caller names the checkpoint."""
+
+
 class Env:
     group_size: int = 1
     """G: continuations per group."""
@@ -56,6 +60,30 @@ class Env:
         raise NotImplementedError
 
     # ---- optional, with defaults ---------------------------------------------------------------
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """The run's config against this env's rules (keys among themselves, keys it would ignore):
+        raise `colocate.config.ConfigError` with one line naming the keys. Runs before anything is
+        built, after the config's own checks (`envs.check_env`). Default: nothing to check."""
+
+    @classmethod
+    def preflight(cls, cfg) -> None:
+        """What the config points at in the outside world (data files, a state cache, tools that
+        import): raise `ConfigError` with one line naming the key. Runs after `check`, before any
+        model is built (`envs.preflight_env`). Default: nothing to check."""
+
+    @classmethod
+    def check_resume(cls, saved: list[dict], cfg) -> None:
+        """Whether this run can continue from the env resume states `saved` (`state_dict()` of each
+        inference rank that kept one): raise `ResumeError` with one line saying what differs and what
+        to do (e.g. the dataset env's files changed). Default: any saved state resumes."""
+
+    @classmethod
+    def corpus_key(cls, cfg) -> str | None:
+        """Names the embedded tokenizer trained on `corpus(cfg)`: a key that changes when the text
+        does, so the tokenizer is trained once per text. Default None: keyed by the text itself."""
+        return None
 
     @classmethod
     def prompt_bound(cls, cfg) -> int:

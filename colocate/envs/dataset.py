@@ -24,7 +24,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -32,13 +31,12 @@ from typing import Hashable
 from colocate.chat import ChatFormat, is_messages
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
-from colocate.envs.base import Env
-from colocate.envs.rows import WHAT, RowRules, RowScan, expand_files, locate, scan_rows
-from colocate.rewards import RewardLimits, RewardSet
-
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-"""File extension -> `datasets` builder."""
-
+from colocate.config_checks import ConfigError
+from colocate.envs.base import Env, ResumeError
+from colocate.envs.checks import AGENT_KEYS, check_agent, check_agent_tools, check_dataset_keys, is_agent, refuse_agent_keys
+from colocate.envs.dataset_files import check_dataset, data_fingerprint, load_rows, open_rows, reward_limits
+from colocate.envs.rows import RowScan, expand_files
+from colocate.rewards import RewardSet
 
 def decode_texts(tokenizer, id_lists: list[list[int]]) -> list[str]:
     """`tokenizer.decode` of each list, in one call to the Rust tokenizer when that is the same
@@ -49,83 +47,6 @@ def decode_texts(tokenizer, id_lists: list[list[int]]) -> list[str]:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return [tokenizer.decode(ids) for ids in id_lists]
     return backend.decode_batch(id_lists, skip_special_tokens=False)
-
-
-def builder_of(files: list[str]) -> str:
-    files = expand_files(files)
-    kinds = {BUILDERS.get(os.path.splitext(f)[1].lower()) for f in files}
-    if None in kinds or len(kinds) != 1:
-        raise ValueError(f"{files}: expected files of one kind among {', '.join(sorted(BUILDERS))}")
-    return kinds.pop()
-
-
-def load_rows(files: list[str], split: str, cache_dir: str):
-    """A memory-mapped `datasets.Dataset` of `files` (the `split` expression names their split)."""
-    import datasets  # only this env needs it
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a bad file is reported once, by the caller
-    base = re.match(r"\w+", split)
-    name = base.group(0) if base else "train"
-    return datasets.load_dataset(builder_of(files), data_files={name: expand_files(files)}, split=split,
-                                 cache_dir=os.path.join(cache_dir, "datasets"))
-
-
-def split_offset(files: list[str], split: str, cache_dir: str) -> int:
-    """Index in the files' concatenation of the split's first row (`train[100:]` -> 100)."""
-    base = re.match(r"\w+", split)
-    if base is None or base.group(0) == split:
-        return 0
-    import datasets
-    total = len(load_rows(files, base.group(0), cache_dir))
-    return datasets.ReadInstruction.from_spec(split).to_absolute({base.group(0): total})[0].from_ or 0
-
-
-def reward_limits(cfg) -> RewardLimits:
-    e = cfg.env
-    return RewardLimits(max_errors=e.max_reward_errors, timeout_s=e.reward_timeout_s, max_abs=e.reward_max_abs,
-                        workers=max(1, e.reward_workers))
-
-
-class BadRowError(ValueError):
-    """A row the run cannot use under env.bad_rows=error; the message names file, line and column."""
-
-
-def row_rules(cfg, prompt_ids) -> RowRules:
-    """What a usable row is for this run; `prompt_ids` tokenizes a prompt as the env will."""
-    from colocate.models import model_context
-    env = cfg.env
-    needs_answer = bool([r for r in env.reward if ":" not in r] or env.answer_choices)
-    return RowRules(env.prompt_column, env.answer_column, needs_answer,
-                    max_prompt_tokens=model_context(cfg) - cfg.engine.max_new_tokens, prompt_ids=prompt_ids)
-
-
-def bad_row_message(cfg, key: str, rows, index: int, reason: str, rules: RowRules) -> str:
-    """One line: the key, the file and its line, the column, what is wrong and what to do."""
-    files = expand_files(getattr(cfg.env, key))
-    split = cfg.env.split if key == "data_files" else "train"
-    where = locate(files, split_offset(files, split, cfg.model.cache_dir) + index)
-    column = rules.answer_column if reason == "missing_answer" else rules.prompt_column
-    what = WHAT[reason]
-    if reason == "too_long":
-        n = len(rules.prompt_ids(rows[index][rules.prompt_column]))
-        what = (f"has {n} tokens, more than the model's context less engine.max_new_tokens="
-                f"{cfg.engine.max_new_tokens} ({rules.max_prompt_tokens})")
-    return (f"env.{key}: {where}, column {column!r}: the {'answer' if column != rules.prompt_column else 'prompt'} "
-            f"{what}; fix the row, or set env.bad_rows=skip to drop such rows and count them")
-
-
-def open_rows(cfg, key: str, prompt_ids) -> tuple[object, RowScan]:
-    """The rows of `env.<key>` with every row checked (`rows.py`) -> (usable rows, what was found).
-    Under env.bad_rows=error the first bad row raises `BadRowError`; under skip the bad rows are dropped."""
-    split = cfg.env.split if key == "data_files" else "train"
-    rows = load_rows(getattr(cfg.env, key), split, cfg.model.cache_dir)
-    rules = row_rules(cfg, prompt_ids)
-    scan = scan_rows(rows, rules, stop_at_first=cfg.env.bad_rows == "error")
-    if scan.bad and cfg.env.bad_rows == "error":
-        raise BadRowError(bad_row_message(cfg, key, rows, *scan.bad[0], rules))
-    if scan.bad:
-        rows = rows.select(scan.keep(len(rows)))
-    return rows, scan
 
 
 def prompt_text(prompt) -> str:
@@ -145,19 +66,6 @@ def corpus_key(cfg) -> str:
         st = os.stat(f)
         parts.append(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}")
     return "dataset-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
-
-
-def data_fingerprint(files: list[str], split: str) -> str:
-    """Digest of the train files' contents, in the order their rows are read, and the split: a
-    resumed run's position indexes these rows, so a resume must find the same ones
-    (`launch.check_same_data`; ~1 s per GB)."""
-    digest = hashlib.blake2b(split.encode(), digest_size=12)
-    for path in sorted(expand_files(files)):
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        digest.update(b"\0")
-    return digest.hexdigest()
 
 
 def corpus(cfg) -> list[str]:
@@ -227,6 +135,41 @@ class DatasetEnv(Env):
         made.dropped = {**{f"dropped/{r}": float(n) for r, n in scan.counts.items()},
                         **{f"dropped_eval/{r}": float(n) for r, n in eval_scan.counts.items()}}
         return made
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """The keys among themselves; with env.tools or env.environment the episodes are an agent's
+        (`checks.check_agent`), without them the agent keys would be ignored; env.processes is refused."""
+        check_dataset_keys(cfg.env)
+        if is_agent(cfg):
+            check_agent(cfg, "env.tools / env.environment")
+        else:
+            refuse_agent_keys(cfg, "env.name=dataset without env.tools or env.environment plays single turns",
+                              AGENT_KEYS[2:])
+        if cfg.env.processes > 0:
+            raise ConfigError(f"env.processes={cfg.env.processes} with env.name=dataset: each copy would walk its "
+                              "own epoch of the rows; the dataset env builds prompts ahead on a thread instead "
+                              "(env.prefetch_prompts) and scores on env.reward_workers")
+
+    @classmethod
+    def preflight(cls, cfg) -> None:
+        """The files load and hold usable rows, the reward functions import (`dataset_files`); an
+        agent's tools import (`checks.check_agent_tools`)."""
+        check_dataset(cfg)
+        check_agent_tools(cfg)
+
+    @classmethod
+    def check_resume(cls, saved: list[dict], cfg) -> None:
+        """A dataset run resumes only on the data files it was saved with: its position indexes their
+        rows, so other files (even with as many rows) would silently train on other prompts."""
+        fingerprints = {state.get("data") for state in saved} - {None}
+        if fingerprints and fingerprints != {data_fingerprint(cfg.env.data_files, cfg.env.split)}:
+            raise ResumeError("env.data_files hold other contents than when this checkpoint was saved; "
+                              "resume with those files, or start a new metrics.run_dir")
+
+    @classmethod
+    def corpus_key(cls, cfg) -> str:
+        return corpus_key(cfg)
 
     @classmethod
     def corpus(cls, cfg) -> list[str]:

@@ -34,8 +34,9 @@ from multiprocessing import resource_tracker
 from multiprocessing.reduction import ForkingPickler
 from typing import Hashable
 
+from colocate.config_checks import ConfigError
 from colocate.data import Completion, Request, Sample
-from colocate.envs.base import Env
+from colocate.envs.base import Env, ResumeError
 from colocate.envs.protocol import is_keyed_request
 
 
@@ -47,6 +48,24 @@ def saved_processes(state) -> int:
     """env.processes of the run that saved an env resume state (0: the env was in-process)."""
     parts = state.get(STATE_KEY) if isinstance(state, dict) else None
     return len(parts) if isinstance(parts, list) else 0
+
+
+def check_processes(cfg) -> None:
+    """env.processes against the rollout mode: copies hand samples back as they finish, not in order."""
+    r = cfg.rollout
+    if cfg.env.processes > 0 and r.update == "drain" and r.oversample_groups == 0:
+        raise ConfigError(f"env.processes={cfg.env.processes} with rollout.update=drain and no oversample_groups: "
+                          "that mode resumes exactly, which needs samples in the in-process env's order (env "
+                          "processes hand them back as they finish); set env.processes=0 or oversample_groups > 0")
+
+
+def check_resume_processes(saved: list[dict], cfg) -> None:
+    """An env resume state saved by N copies (`env.processes`) holds one state per copy, each for
+    its own groups: it resumes only with N copies (an env that keeps no state resumes with any)."""
+    for state in saved:
+        if saved_processes(state) != cfg.env.processes:
+            raise ResumeError(f"saved with env.processes={saved_processes(state)}, this run has "
+                              f"env.processes={cfg.env.processes}: resume with the saved number")
 
 
 class EnvProcessError(RuntimeError):

@@ -35,10 +35,12 @@ from typing import Hashable
 
 from colocate.chat import ChatFormat
 from colocate.data import Completion, Request, Sample
+from colocate.config_checks import ConfigError
 from colocate.envs.base import Env, weighted_mean
+from colocate.envs.checks import refuse_agent_keys
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import parse_orders
-from colocate.envs.diplomacy.prompt import (PowerOrders, TokenCache, board_lines, instruction,
+from colocate.envs.diplomacy.prompt import (CORPUS_VERSION, PowerOrders, TokenCache, board_lines, corpus, instruction,
                                             max_completion_tokens, opening_texts, own_lines, power_orders)
 
 CENTRE_SCALE = 3.0
@@ -129,6 +131,28 @@ class DiplomacyEnv(Env):
         self._engine_orders: dict[str, str] = {}
         self._groups: dict[int, Group] = {}
         self._reset_counters()
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        refuse_agent_keys(cfg, "env.name=diplomacy plays no tool episodes")
+
+    @classmethod
+    def preflight(cls, cfg) -> None:
+        """env.state_cache: the file exists and every line is a saved game state."""
+        if not cfg.env.state_cache:
+            return
+        try:
+            dg.load_state_cache(cfg.env.state_cache)
+        except (OSError, dg.StateCacheError) as e:
+            raise ConfigError(f"env.state_cache={cfg.env.state_cache!r}: {e}") from None
+
+    @classmethod
+    def corpus_key(cls, cfg) -> str:
+        return f"diplomacy-{CORPUS_VERSION}"
+
+    @classmethod
+    def corpus(cls, cfg) -> list[str]:
+        return corpus()
 
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "DiplomacyEnv":

@@ -37,6 +37,7 @@ civil-disorder rule). Retreats: one slot per dislodged unit (R X or D).
 """
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -310,3 +311,24 @@ def opening_texts(unit_labels: bool = True, list_supports: bool = True) -> list[
 def max_completion_tokens(constraint: Constraint) -> int:
     """Longest completion the constraint allows, EOS included."""
     return sum(max(len(c) for c in slot) for slot in constraint.slots) + 1
+
+
+CORPUS_VERSION = "2"
+"""Keys the cached embedded tokenizer: bump it whenever the prompt or order format changes."""
+
+
+def corpus(num_games: int = 8, last_year: int = 1910, seed: int = 0) -> list[str]:
+    """Prompts and completions of seeded random games: every power's prompt in every phase."""
+    from colocate.envs.diplomacy import game as dg
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(num_games):
+        game = dg.new_game()
+        while not game.is_game_done and dg.phase_key(game.get_current_phase())[0] <= last_year:
+            board = "".join(board_lines(game))
+            for power, orders in power_orders(game, dg.legal_orders(game)).items():
+                chosen = [rng.choice(c) for c in orders.choices]
+                texts.append(INSTRUCTION + board + "".join(own_lines(orders)) + completion_text(chosen))
+                game.set_orders(power, chosen)
+            game.process()
+    return texts
