@@ -32,6 +32,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from colocate.lifecycle import NO_FAULTS, Faults
+
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 REQUIRED = ("adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "optimizer.json",
             "rng.safetensors", "trainer_state.json")
@@ -226,7 +228,7 @@ class CheckpointState:
     base: dict | None = None                          # the base model's identity (`models.base_identity`)
 
 
-def save_checkpoint(root: str, step: int, state: CheckpointState, *, keep: int, fault_hook=None,
+def save_checkpoint(root: str, step: int, state: CheckpointState, *, keep: int, faults: Faults = NO_FAULTS,
                     protect_step: int | None = None) -> str:
     """Write `step-<step>` atomically and keep the newest `keep` checkpoints, and also the newest at
     or before `protect_step` when given (metrics.stop_on_collapse: the last good one). Returns its path.
@@ -243,8 +245,7 @@ def save_checkpoint(root: str, step: int, state: CheckpointState, *, keep: int, 
     _write_tensors(os.path.join(tmp, "adapter_model.safetensors"),
                    {to_peft_name(n): _full(t) for n, t in state.adapter.items()})
     _write_json(os.path.join(tmp, "adapter_config.json"), state.peft_config)
-    if fault_hook is not None:
-        fault_hook()  # tests: a kill -9 in the middle of a write
+    faults.mid_checkpoint(step)  # nothing, unless a failure test asked for a kill -9 here
     opt_tensors, opt_meta = state.optimizer
     _write_tensors(os.path.join(tmp, "optimizer.safetensors"), opt_tensors)
     _write_json(os.path.join(tmp, "optimizer.json"), opt_meta)

@@ -151,35 +151,51 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def parse_fault(spec: str | None = None) -> dict:
-    """'raise:rank=1:step=3' -> {'kind': 'raise', 'rank': 1, 'step': 3}; '' -> {}."""
-    spec = os.environ.get("COLOCATE_FAULT", "") if spec is None else spec
-    if not spec:
-        return {}
-    kind, *fields = spec.split(":")
-    out: dict = {"kind": kind}
-    for f in fields:
-        key, _, value = f.partition("=")
-        out[key] = int(value)
-    return out
+class Faults:
+    """Where a run can be made to fail on purpose: before a learner step, on a batch, in the middle of
+    a checkpoint write. This one does nothing, and is what a run gets; the composition root builds
+    `faults_from_env()`, the only place that reads COLOCATE_FAULT (the failure tests set it)."""
+
+    def before_step(self, rank: int, step: int) -> None:
+        pass
+
+    def on_batch(self, step: int, batch) -> None:
+        pass
+
+    def mid_checkpoint(self, step: int) -> None:
+        pass
 
 
-def maybe_raise(fault: dict, rank: int, step: int) -> None:
-    if fault.get("kind") == "raise" and fault.get("rank") == rank and fault.get("step") == step:
-        raise RuntimeError(f"injected fault (COLOCATE_FAULT) at step {step}")
+NO_FAULTS = Faults()
 
 
-def checkpoint_fault_hook(fault: dict, step: int):
-    """A hook for save_checkpoint that SIGKILLs this process mid-write, or None."""
-    if fault.get("kind") == "kill_in_checkpoint" and fault.get("step") == step:
-        return lambda: os.kill(os.getpid(), signal.SIGKILL)
-    return None
+class InjectedFaults(Faults):
+    """COLOCATE_FAULT: `raise:rank=R:step=S` (a rank raises before step S), `kill_in_checkpoint:step=S`
+    (SIGKILL in the middle of step S's checkpoint write), `nan:from=S` (NaN advantages from step S on:
+    the non-finite-loss path), `flip:from=S` (negated advantages from step S on: a reward collapse)."""
+
+    def __init__(self, spec: str):
+        kind, *fields = spec.split(":")
+        self.kind = kind
+        self.fields = {key: int(value) for key, _, value in (f.partition("=") for f in fields)}
+
+    def before_step(self, rank: int, step: int) -> None:
+        if self.kind == "raise" and self.fields.get("rank") == rank and self.fields.get("step") == step:
+            raise RuntimeError(f"injected fault (COLOCATE_FAULT) at step {step}")
+
+    def on_batch(self, step: int, batch) -> None:
+        if self.kind == "nan" and step >= self.fields.get("from", 0):
+            batch.advantages.fill_(float("nan"))
+        if self.kind == "flip" and step >= self.fields.get("from", 0):
+            batch.advantages.neg_()
+
+    def mid_checkpoint(self, step: int) -> None:
+        if self.kind == "kill_in_checkpoint" and self.fields.get("step") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
-def maybe_poison(fault: dict, step: int, batch) -> None:
-    """`nan:from=S`: NaN advantages from step S on (the non-finite-loss path, end to end);
-    `flip:from=S`: negated advantages from step S on (a reward collapse, for the collapse alerts)."""
-    if fault.get("kind") == "nan" and step >= fault.get("from", 0):
-        batch.advantages.fill_(float("nan"))
-    if fault.get("kind") == "flip" and step >= fault.get("from", 0):
-        batch.advantages.neg_()
+def faults_from_env() -> Faults:
+    spec = os.environ.get("COLOCATE_FAULT", "")
+    return InjectedFaults(spec) if spec else NO_FAULTS
+
+

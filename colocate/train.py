@@ -40,7 +40,7 @@ from colocate.envs import env_corpus, env_facts, make_env
 from colocate.launch import configure, rank_role
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
-from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, is_peer_failure,
+from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, faults_from_env, is_peer_failure,
                                 quiet_thread_peer_failures, report_failure)
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
@@ -130,7 +130,8 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     else:
         learner = Learner(cfg, topo, model, tokenizer)
         sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
-        collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop, probe=probe)
+        collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop, probe=probe,
+                                    faults=faults_from_env())
     dist.destroy_process_group()
     gc.unfreeze()  # let interpreter shutdown release the frozen heap (else nanobind reports leaks)
     return collapse_step if topo.role == "learner" else None

@@ -1,6 +1,7 @@
 """The layout holds: imports run one way, kernels stand alone, functions fit a screen, docs live
 in the repo, and a non-editable install ships `colocate.kernels` but not the benchmarks."""
 import ast
+import glob
 import os
 import re
 import subprocess
@@ -268,3 +269,23 @@ def test_non_editable_install_ships_kernels_not_benchmarks(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert (target / "colocate" / "kernels" / "grpo_rows_sm90.cu").is_file()
+
+
+def test_the_module_map_names_every_module():
+    """DEVELOPERS.md's module map names every module of colocate/: a row whose path is the module's
+    folder or one above it, naming the module."""
+    text = open(os.path.join(REPO, "DEVELOPERS.md")).read()
+    rows = [(re.match(r"\| `([^`]+)`", line).group(1), line) for line in text.splitlines()
+            if re.match(r"\| `(colocate|kernels)/", line)]
+    missing = []
+    for path in sorted(glob.glob(os.path.join(REPO, "colocate", "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(path, REPO)
+        stem = os.path.basename(rel)[:-3]
+        if stem == "__init__" and os.path.dirname(rel) != "colocate":
+            continue  # a package's own row stands for it
+        folder = os.path.dirname(rel) + "/"
+        named = any(rel == key or (folder.startswith(key.split("{")[0].rpartition("/")[0] + "/")
+                                   and re.search(rf"\b{re.escape(stem)}\b", row)) for key, row in rows)
+        if not named:
+            missing.append(rel)
+    assert not missing, f"DEVELOPERS.md's module map lacks {missing}"

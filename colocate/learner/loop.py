@@ -28,7 +28,7 @@ from colocate.canary import CanaryCheck, compute_dtype
 from colocate.channel import AdapterSender
 from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
-from colocate.lifecycle import StopSignal, checkpoint_fault_hook, maybe_poison, maybe_raise, parse_fault
+from colocate.lifecycle import NO_FAULTS, Faults, StopSignal
 from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role_monitors, write_json_atomic
 from colocate.models import canonical_name
 from colocate.topology import Topology, gpu_index
@@ -63,7 +63,7 @@ class LearnerRank:
         if topo.role_rank == 0:  # W&B / MLflow / trackio: the learner's scalars, once per job
             from colocate.trackers import open_trackers
             self.writer.trackers = open_trackers(cfg)
-        self.fault = parse_fault()
+        self.faults: Faults = NO_FAULTS  # run_learner sets the composition root's
         self.eta = StepClock(cfg.learner.num_steps)
         self.history: dict[str, list[float]] = {"reward": [], "loss": [], "reward_errors": []}
         self.monitor = CollapseMonitor(cfg.metrics)  # same global stats on every learner: same verdicts
@@ -116,7 +116,7 @@ class LearnerRank:
 
     def train(self, batch: TrajectoryBatch, step: int, waits: dict) -> dict[str, float]:
         """`Learner.train_step` -> its stats (+ MFU); the train start and end go into `waits`."""
-        maybe_poison(self.fault, step, batch)
+        self.faults.on_batch(step, batch)
         lags = (self.learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
         self.writer.histogram("learner/policy_lag", lags, step)
         t_train, waits["u_train"] = time.perf_counter(), time.time()
@@ -209,7 +209,7 @@ def busy_text(waits: dict) -> str:
 def learner_step(rank: LearnerRank, step: int) -> bool:
     """One step of the protocol (module docstring) -> whether the run stops after it."""
     cfg = rank.cfg
-    maybe_raise(rank.fault, rank.topo.rank, step)
+    rank.faults.before_step(rank.topo.rank, step)
     batch, stop_elsewhere, waits = rank.receive(step)
     stats = rank.train(batch, step, waits)
     rank.record_canary()
@@ -229,7 +229,7 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     if checkpointing:
         # a mismatch: the checkpoints written before this step never trained on that engine's samples
         good_step = step if mismatch else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
-        write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.fault,
+        write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.faults,
                          protect_step=good_step)
         if (collapse or mismatch) and rank.topo.rank == rank.topo.sync_src:
             note_last_good(cfg, rank.writer, good_step, step + 1, "mismatch" if mismatch else "collapse")
@@ -263,12 +263,13 @@ def checkpoint_step(path: str) -> int:
 
 
 def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, resume: dict | None,
-                stop: StopSignal, probe: list[int]) -> int | None:
+                stop: StopSignal, probe: list[int], faults: Faults = NO_FAULTS) -> int | None:
     """The learner role: receive shards, train, hand the adapter to the inference ranks -> the step
     whose collapse or canary mismatch stopped the run (metrics.stop_on_collapse / stop_on_mismatch),
     or None."""
     start = resume["trainer_state"]["step"] if resume is not None else 0
     rank = LearnerRank(cfg, topo, learner, sender, stop, probe, start)
+    rank.faults = faults
     if resume is not None:
         restore_learner(learner, resume)
         saved = resume["trainer_state"]["history"]  # older checkpoints kept no reward_errors: none counted
@@ -388,7 +389,7 @@ def restore_learner(learner, resume: dict) -> int:
 
 
 def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, history: dict, step: int,
-                     fault: dict, protect_step: int | None = None) -> None:
+                     faults: Faults, protect_step: int | None = None) -> None:
     """Every learner joins the optimizer-state gather; learner rank 0 collects the inference ranks'
     states and writes the checkpoint atomically (with the base model's identity in its manifest)."""
     from colocate.checkpoint import (CheckpointState, checkpoint_root, flatten_optimizer, peft_config_dict,
@@ -403,7 +404,7 @@ def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, histor
                             {"torch_cpu": torch.get_rng_state()}, trainer_state,
                             yaml.safe_dump(to_dict(cfg), sort_keys=False), base=learner.base)
     path = save_checkpoint(checkpoint_root(cfg.metrics.run_dir), step, state, keep=cfg.checkpoint.keep,
-                           fault_hook=checkpoint_fault_hook(fault, step), protect_step=protect_step)
+                           faults=faults, protect_step=protect_step)
     print(f"[learner] checkpoint written: {path}", flush=True)
 
 
