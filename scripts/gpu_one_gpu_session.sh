@@ -33,6 +33,8 @@
 #   parity   vLLM's sampled-token log-probs against the learner's at the 7B shape, both on the GPU (the sync
 #            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot); paritymask: the
 #            same at the 0.5B shape with engine.constraint_masks=ours
+#   canary   the sync canary on vLLM: an engine that skips updates is caught in slot and merged mode
+#            (exit 3), and a healthy 300-step learning run stays under its bound (drain, vLLM masks)
 #   masks    the constraint-mask kernel's GPU test (against its PyTorch reference)
 #   logprob  the sampled-token log-prob kernel: its GPU parity test (against vLLM's sampler function
 #            too) and `--profile logprob` (vLLM's against ours, device ms per decode step); lpcalls: only
@@ -91,7 +93,7 @@ step() {  # one step of the chain, by name
             --metrics.run_dir=$GS/run-gpu1-7b-tree ;;
     prefixtest) with_memory prefixtest timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
             tests/test_prefix_sharing.py ;;
-    gputests) with_memory gputests timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    gputests) with_memory gputests timeout 900 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
             tests/test_kernel_bulk.py tests/test_kernel_triton.py tests/test_prefix_sharing.py \
             tests/test_packing.py tests/test_shared_gpu.py tests/test_loss_reference.py ;;
     kernel) with_memory kernel timeout 600 python3 scripts/benchmark.py --profile kernel --iters 20 --no-compile \
@@ -126,6 +128,9 @@ step() {  # one step of the chain, by name
     paritymask) with_memory paritymask timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu \
               --shape 0.5b --iters 3 --also parity --budget-s 400 --constraint-masks ours \
               --out "$GS/parity-05b-masks.json" ;;
+    canary) with_memory canary timeout 2400 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+            "tests/test_vllm_gpu.py::test_canary_catches_an_engine_that_skips_updates" \
+            "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu[drain-vllm]" ;;
     masks) with_memory masks timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_constraint_masks.py ;;
     lpcalls) with_memory lpcalls timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider \
               "tests/test_vllm_gpu.py::test_running_engine_takes_log_probs_from_our_kernel" ;;
@@ -187,6 +192,13 @@ def leaves(d, prefix=""):
     for k, v in d.items():
         yield from leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
 
+
+after, before = (os.path.join(sys.argv[1], f) for f in ("kernel.json", "kernel-tree.json"))
+if os.path.exists(after) and os.path.exists(before):  # a before/after pair: device ms, this tree over KERNEL_TREE's
+    a, b = json.load(open(after))["figures"], json.load(open(before))["figures"]
+    print(f"{'kernel figure':<40} {'before':>8} {'after':>8} {'ratio':>6}")
+    for key in sorted(k for k in a if k.endswith("_gpu_ms") and k in b):
+        print(f"{key:<40} {b[key]:>8.3f} {a[key]:>8.3f} {a[key] / b[key]:>6.3f}")
 
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "parity-*.json"))):
     for key, v in leaves(json.load(open(path))):
