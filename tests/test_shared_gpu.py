@@ -100,5 +100,5 @@ def test_both_roles_on_cuda0_train_three_steps(tmp_path):
            "--sync.check_checksum=true", f"--metrics.run_dir={tmp_path}", f"--model.cache_dir={tmp_path / 'cache'}"]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "one GPU of" in out.stderr  # the memory split was printed
+    assert "colocate: memory plan" in out.stderr and "to spare" in out.stderr  # the memory split was printed
     assert os.path.exists(tmp_path / "summary.json")
