@@ -41,7 +41,7 @@ import torch
 
 from colocate.constraint import Constraint
 from colocate.data import Request
-from colocate.metrics import write_json_atomic
+from colocate.jsonfile import write_atomic
 
 SHAPES = {"0.5b": "qwen2.5-0.5b", "7b": "qwen2.5-7b", "tiny": "tiny"}
 LEARNER = "cuda:0"
@@ -240,7 +240,7 @@ def run_parts(s: Session, parts: dict[str, Part], figures: dict, deadline: float
     partial = os.environ.get("COLOCATE_PARTIAL_JSON", "")  # figures so far, rewritten after each part
     for name, part in parts.items():
         if partial:
-            write_json_atomic(partial, {"shape": s.shape, "figures": figures})
+            write_atomic(partial, {"shape": s.shape, "figures": figures})
         if time.time() > deadline:
             figures[f"{name}/skipped"] = "budget"
             continue
@@ -275,7 +275,7 @@ def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, 
             figures["sync/trace_error"] = f"{type(exc).__name__}: {exc}"[:500]
     figures["engine/stats"] = dict(s.engine.counters)
     if os.environ.get("COLOCATE_PARTIAL_JSON"):
-        write_json_atomic(os.environ["COLOCATE_PARTIAL_JSON"], {"shape": shape, "figures": figures})
+        write_atomic(os.environ["COLOCATE_PARTIAL_JSON"], {"shape": shape, "figures": figures})
     s.engine.shutdown()
     return figures
 

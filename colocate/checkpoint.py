@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from colocate.jsonfile import read_object
 from colocate.lifecycle import NO_FAULTS, Faults
 
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -293,14 +294,7 @@ def save_adapter(directory: str, adapter: dict[str, torch.Tensor], peft_config: 
 
 # -- read ------------------------------------------------------------------------------------------
 def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable or corrupt JSON ({e.__class__.__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
+    return read_object(path, CheckpointError)
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ import sys
 import time
 
 from colocate.config import Config, ConfigError, load_config, parse_overrides
-from colocate.metrics import write_json_atomic
+from colocate.jsonfile import write_atomic
 
 
 def split_flags(argv: list[str]) -> tuple[list[str], dict]:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
               "version": adapter["version"] if adapter else 0, "metrics": metrics,
               "adapter_blake2b": adapter_hash(flags["checkpoint"]) if adapter else None,
               "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    write_json_atomic(out, result)
+    write_atomic(out, result)
     print(json.dumps(result, indent=2))
     print(f"colocate: eval wrote {out} (the env's samples beside it)", file=sys.stderr, flush=True)
     if not metrics:

@@ -13,7 +13,6 @@ profiler plugin open.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -331,14 +330,6 @@ def make_profiler(metrics_cfg, role: str, rank: int, *, enabled: bool):
                    record_shapes=False, profile_memory=False, with_stack=False)
     prof.start()
     return prof
-
-
-def write_json_atomic(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 class CollapseMonitor:

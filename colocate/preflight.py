@@ -10,12 +10,12 @@ checks run for `python -m colocate.train --config X --check`.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 import tempfile
 
 from colocate.config import Config, ConfigError
+from colocate.jsonfile import read_object
 from colocate.envs import check_env
 
 
@@ -49,13 +49,7 @@ def check_model_dir(path: str) -> None:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ConfigError(f"model.path={path!r} has no config.json (a Hugging Face model directory is expected)")
-    try:
-        with open(file) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path={path!r}: config.json does not parse ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"model.path={path!r}: config.json is not a JSON object")
+    read_object(file, ConfigError, name=f"model.path={path!r}: config.json")
 
 
 def check_optional_packages(cfg: Config) -> None:

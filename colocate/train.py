@@ -141,7 +141,7 @@ def write_memory_plan(cfg: Config, topo: Topology) -> None:
     """<run_dir>/memory_plan.json: each rank's estimated peak (GiB) on this machine's cards, which
     summary.json sets beside the measured peaks (GPU runs only)."""
     from colocate.gpu_budget import estimates_by_rank, gpu_total_bytes
-    from colocate.metrics import write_json_atomic
+    from colocate.jsonfile import write_atomic
     from colocate.preflight import meta_model
     from colocate.topology import rank_devices
     total = gpu_total_bytes() if topo.device.type == "cuda" else None
@@ -149,7 +149,7 @@ def write_memory_plan(cfg: Config, topo: Topology) -> None:
         return
     devices = rank_devices(topo.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)),
                            torch.cuda.device_count())
-    write_json_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"),
+    write_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"),
                       estimates_by_rank(cfg, meta_model(cfg), list(topo.roles), devices, total))
 
 

@@ -34,7 +34,7 @@ CONFIG_CASES = [
     # model
     ("model dir missing", None, ["--model.path=/nonexistent/model"], "model.path"),
     ("model dir without config.json", None, ["--model.path=<emptydir>"], "config.json"),
-    ("model config.json invalid", None, ["--model.path=<badmodel>"], "config.json does not parse"),
+    ("model config.json invalid", None, ["--model.path=<badmodel>"], "config.json: unreadable or corrupt JSON"),
     ("unknown shape", None, ["--model.shape=llama-70b"], "model.shape"),
     ("unknown dtype", None, ["--model.dtype=float8"], "model.dtype"),
     # lora

@@ -29,7 +29,8 @@ from colocate.channel import AdapterSender
 from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
 from colocate.lifecycle import NO_FAULTS, Faults, StopSignal
-from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role_monitors, write_json_atomic
+from colocate.jsonfile import read_object, write_atomic
+from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role_monitors
 from colocate.models import canonical_name
 from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
@@ -253,7 +254,7 @@ def note_last_good(cfg: Config, writer: MetricsWriter, good_step: int, step: int
     root = checkpoint_root(cfg.metrics.run_dir)
     good = [p for p in checkpoints(root) if checkpoint_step(p) <= good_step]  # newest first
     path = good[0] if good else None
-    write_json_atomic(os.path.join(root, "last_good.json"),
+    write_atomic(os.path.join(root, "last_good.json"),
                       {"path": path, "step": checkpoint_step(path) if path else None, f"{why}_step": step})
     writer.print(f"{why} at step {step}: last good checkpoint {path or 'none (set checkpoint.every)'}")
 
@@ -302,7 +303,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
             "learner_busy_fraction": rank.busy_s / max(wall, 1e-9),
             "inference_busy_fraction": sum(r["busy_fraction"] for r in reports) / len(reports),
             "memory_peak_gib": {**{str(r["rank"]): r["memory"] for r in reports}, **memory},
-            "memory_plan_gib": read_json(os.path.join(cfg.metrics.run_dir, "memory_plan.json")),
+            "memory_plan_gib": read_object(os.path.join(cfg.metrics.run_dir, "memory_plan.json"), missing_ok=True),
             "dropped_stale": rank.dropped,
             "steps_per_hour": (len(rank.history["reward"]) - start) / max(wall, 1e-9) * 3600,
             "timeline": [row.to_json() for row in rank.timeline], "gpu_util": gpu_util, "collapse_step": rank.collapsed_at,
@@ -311,16 +312,6 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
             rank.writer.print(run_files(cfg))
     rank.writer.close()
     return rank.collapsed_at or rank.mismatch_at
-
-
-def read_json(path: str) -> dict:
-    """A JSON file's object, or {} when it is not there (CPU runs write no memory plan)."""
-    import json
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except OSError:
-        return {}
 
 
 def learner_memory(topo: Topology) -> dict[str, dict]:
@@ -444,7 +435,7 @@ def write_summary(cfg: Config, topo: Topology, history: dict, wall_s: float, wri
         "max_policy_lag": cfg.learner.max_policy_lag,
         **extra,
     }
-    write_json_atomic(os.path.join(cfg.metrics.run_dir, "summary.json"), summary)
+    write_atomic(os.path.join(cfg.metrics.run_dir, "summary.json"), summary)
     busy = "".join(f", {name} {summary[key]:.0%} busy" for name, key in
                    (("learners", "learner_busy_fraction"), ("inference", "inference_busy_fraction")) if key in summary)
     errors = summary["reward_errors"]

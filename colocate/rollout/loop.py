@@ -25,8 +25,8 @@ from colocate.data import shard_batch
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
 from colocate.lifecycle import StopSignal
-from colocate.metrics import (EngineProfileWindow, MetricsWriter, Profilers, make_profiler, memory_peaks, role_monitors,
-                              write_json_atomic)
+from colocate.jsonfile import write_atomic
+from colocate.metrics import EngineProfileWindow, MetricsWriter, Profilers, make_profiler, memory_peaks, role_monitors
 from colocate.rollout.evaluation import Evaluator
 from colocate.rollout.worker import RolloutWorker
 from colocate.topology import Topology, gpu_index
@@ -186,6 +186,6 @@ def run_inference(cfg: Config, topo: Topology, engine: Engine, env: Env, receive
         report = {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9),
                   "memory": memory_peaks(topo.device)}
         send_json(report, topo.sync_src, topo.transport_group)  # learner rank 0 puts it into summary.json
-        write_json_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
+        write_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
                           {**report, "batches": rank.batches, "gpu_util": role.gpu_util()})
     rank.writer.close()
