@@ -7,7 +7,7 @@ import pytest
 from colocate.config import EvalConfig
 from colocate.data import Completion
 from colocate.engine.base import Engine
-from colocate.envs.dataset import DatasetEnv, load_rows
+from colocate.envs.dataset import DatasetEnv, DatasetSettings, load_rows
 from colocate.rewards import RewardLimits, RewardSet
 
 
@@ -39,12 +39,13 @@ def write_rows(path, n):
     return str(path)
 
 
-def make_env(tokenizer, tmp_path, n=5, group_size=4, reward=("exact",), seed=0, eval_rows=None, **kw):
+def make_env(tokenizer, tmp_path, n=5, group_size=4, reward=("exact",), seed=0, eval_rows=None, choices=None, **kw):
+    """`kw`: `DatasetSettings` fields, `max_errors` and `limits` (the reward functions' bounds)."""
     rows = load_rows([write_rows(tmp_path / "train.jsonl", n)], "train", str(tmp_path / "cache"))
     limits = RewardLimits(max_errors=kw.pop("max_errors", 100), **kw.pop("limits", {}))
     return DatasetEnv(tokenizer, rows, RewardSet(list(reward), [], limits=limits),
-                      group_size=group_size, prompt_column="prompt", max_new_tokens=4, temperature=1.0, seed=seed,
-                      eval_rows=eval_rows, **kw)
+                      DatasetSettings(group_size=group_size, max_new_tokens=4, **kw), seed=seed, eval_rows=eval_rows,
+                      choices=choices)
 
 
 def play(env, engine, groups):
@@ -150,8 +151,8 @@ def test_bad_reward_results_are_counted_in_metrics(tiny_tokenizer, tmp_path, mon
 
 def collect(env, engine, groups: int):
     """One batch through the rollout worker: what the learner's loss gets."""
-    from colocate.rollout.worker import RolloutWorker
-    return RolloutWorker(env, engine, groups_per_batch=groups).collect()
+    from colocate.rollout.worker import RolloutSettings, RolloutWorker
+    return RolloutWorker(env, engine, RolloutSettings(groups_per_batch=groups)).collect()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
