@@ -13,12 +13,13 @@ import torch
 from colocate.chat import ChatFormat
 from colocate.data import Completion, Sample, build_batch
 from colocate.engine.base import Engine
-from colocate.envs.agent import AgentEnv, AgentSettings
+from colocate.config import Config
+from colocate.envs.agent import AgentEnv, AgentSettings, agent_settings
 from colocate.rewards import RewardSet
 from colocate.rollout.worker import RolloutSettings, RolloutWorker
 from colocate.tools import TOOL_ERROR_KINDS, ToolRunnerSettings
 from tests import agent_fixtures
-from tests.conftest import CompletionView, right_padded_logits
+from tests.conftest import CompletionView, fields_left_at_default, right_padded_logits
 
 
 class Rows:
@@ -489,3 +490,18 @@ def test_sampler_gap_counts_only_trained_choices_of_the_current_version(tiny_cfg
     stats = learner.train_step(batch)
     assert stats["sampler_gap_tokens"] == int(counted.sum()) > 0
     assert abs(stats["sampler_logprob_gap"] - 0.25) < 1e-5
+
+
+def test_agent_settings_come_from_their_config_keys():
+    """One episode's limits, sampling, tool parser and runner, and the prompt column (env.prompt_column)."""
+    cfg = Config()
+    e = cfg.env
+    e.max_turns, e.max_tool_calls, e.tool_parser, e.prompt_column = 6, 3, "other", "question"
+    e.tool_timeout_s, e.tool_max_output_chars, e.tool_workers, e.tool_budget_s = 3.0, 100, 2, 20.0
+    cfg.engine.max_new_tokens, cfg.engine.temperature, cfg.engine.max_model_len = 100, 0.7, 900
+    settings = agent_settings(cfg)
+    assert settings == AgentSettings(max_turns=6, max_tool_calls=3, max_new_tokens=100, temperature=0.7,
+                                     max_model_len=900, tool_parser="other", prompt_column="question",
+                                     runner=ToolRunnerSettings(timeout_s=3.0, max_output_chars=100, max_workers=2,
+                                                               budget_s=20.0))
+    assert fields_left_at_default(settings) == [] and fields_left_at_default(settings.runner) == []

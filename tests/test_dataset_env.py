@@ -4,11 +4,12 @@ import json
 
 import pytest
 
-from colocate.config import EvalConfig
+from colocate.config import Config, EvalConfig
 from colocate.data import Completion
 from colocate.engine.base import Engine
 from colocate.envs.dataset import DatasetEnv, DatasetSettings, load_rows
 from colocate.rewards import RewardLimits, RewardSet
+from tests.conftest import fields_left_at_default
 
 
 class ScriptedEngine(Engine):
@@ -271,3 +272,13 @@ def test_decode_texts_is_the_tokenizers_decode(tiny_tokenizer):
     cleaning = SimpleNamespace(backend_tokenizer=tiny_tokenizer.backend_tokenizer, clean_up_tokenization_spaces=True,
                                decode=lambda ids: "clean:" + tiny_tokenizer.decode(ids))
     assert decode_texts(cleaning, id_lists) == ["clean:" + t for t in expected]
+
+
+def test_dataset_settings_come_from_their_config_keys():
+    cfg = Config()
+    cfg.rollout.group_size, cfg.env.prompt_column, cfg.env.reward_workers, cfg.env.prefetch_prompts = 3, "question", 2, 5
+    cfg.engine.max_new_tokens, cfg.engine.temperature = 100, 0.7
+    settings = DatasetSettings.from_config(cfg)
+    assert settings == DatasetSettings(group_size=3, prompt_column="question", max_new_tokens=100, temperature=0.7,
+                                       reward_workers=2, prefetch_prompts=5)
+    assert fields_left_at_default(settings) == []

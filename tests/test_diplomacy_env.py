@@ -9,6 +9,7 @@ from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings, corpus, ran
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.game import StateCacheError
 from colocate.models import train_tokenizer
+from tests.conftest import fields_left_at_default
 
 CACHE = dg.__file__.replace("game.py", "states.jsonl")
 
@@ -219,3 +220,16 @@ def test_with_the_hf_engine_and_tiny_model(tokenizer):
     metrics = env.metrics()
     assert metrics["invalid_order_rate"] == 0.0 and metrics["garbled_lines_per_completion"] == 0.0
     assert metrics["phases_processed"] == 2
+
+
+def test_diplomacy_settings_come_from_their_config_keys():
+    cfg = Config()
+    e = cfg.env
+    e.horizon_years, e.stall_years, e.train_later_phases, e.use_constraint = 3, 5, True, False
+    e.unit_labels, e.list_supports = False, False
+    cfg.rollout.group_size, cfg.engine.max_new_tokens, cfg.engine.temperature = 6, 100, 0.7
+    settings = DiplomacySettings.from_config(cfg)
+    assert settings == DiplomacySettings(group_size=6, horizon_years=3, stall_years=5, train_later_phases=True,
+                                         use_constraint=False, unit_labels=False, list_supports=False,
+                                         max_new_tokens=100, temperature=0.7)
+    assert fields_left_at_default(settings) == []

@@ -2,13 +2,16 @@
 streaming plays the same games as the phase barrier."""
 import hashlib
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from colocate.config import Config
 from colocate.data import Completion, Request, Sample
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
 from colocate.rollout.worker import RolloutSettings, RolloutWorker
+from tests.conftest import fields_left_at_default
 
 
 class SlowGroupEnv(Env):
@@ -334,3 +337,17 @@ def test_drain_ships_with_nothing_in_flight():
     for _ in range(3):
         batch, stats, _ = worker.collect()
         assert not engine.pending and stats["requests_in_flight"] == 0 and stats["version_span"] == 0
+
+
+def test_rollout_settings_come_from_their_config_keys():
+    """Every field from its key (none left at its default): this rank's share of the groups, group
+    ids counting from a per-rank base, and rollout.update=inflight as `inflight`."""
+    cfg = Config()
+    r = cfg.rollout
+    r.groups_per_step, r.oversample_groups, r.stream, r.drop_uniform_groups, r.update = 10, 3, True, True, "inflight"
+    cfg.env.overlong_buffer, cfg.env.max_reward_errors, cfg.engine.max_new_tokens = 5, 9, 77
+    settings = RolloutSettings.from_config(cfg, SimpleNamespace(rank=2, share=lambda total: total // 2))
+    assert settings == RolloutSettings(groups_per_batch=5, first_group_id=2_000_000, oversample=3, stream=True,
+                                       drop_uniform=True, overlong_buffer=5, max_new_tokens=77, max_env_errors=9,
+                                       inflight=True)
+    assert fields_left_at_default(settings) == []
