@@ -112,11 +112,11 @@ def side_ours(args) -> dict:
     from colocate.engine.vllm import VLLMEngine, lora_spec_for
     from colocate.engine.vllm_settings import engine_settings
     from colocate.envs import env_facts
-    from colocate.rollout.worker import RolloutWorker
+    from colocate.rollout.worker import RolloutSettings, RolloutWorker
     cfg, tokenizer, model_dir, env = build(args)
     engine = VLLMEngine(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id,
                         engine_settings(cfg, 1, seed=0, **env_facts(cfg)))
-    worker = RolloutWorker(env, engine, groups_per_batch=QUESTIONS, stream=cfg.rollout.stream)
+    worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=QUESTIONS, stream=cfg.rollout.stream))
     rounds = []
     for i in range(args.rounds + 1):
         before = dict(engine.counters)
@@ -152,9 +152,10 @@ def side_vllm(args, logprobs: bool, ours_args: bool = False) -> dict:
         return engine_step()
     llm.llm_engine.step = counted_step  # LLM.generate steps its engine through this attribute
     rounds = []
+    column = env.settings.prompt_column
     for i in range(args.rounds + 1):
         # the env's own rows and prompt ids, in its order: the same prompts as ours
-        prompts = [{"prompt_token_ids": env.chat.ids(env.next_row()[env.prompt_column])} for _ in range(QUESTIONS)]
+        prompts = [{"prompt_token_ids": env.chat.ids(env.next_row()[column])} for _ in range(QUESTIONS)]
         steps[0] = 0
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

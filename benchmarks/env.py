@@ -95,14 +95,15 @@ def feed_stats(tokenizer, processes: int, batches: int, groups: int, seed: int) 
     in that many copies (`env.processes`). One warm-up batch first."""
     from colocate.config import Config
     from colocate.envs import make_env
-    from colocate.rollout.worker import RolloutWorker
+    from colocate.rollout.worker import RolloutSettings, RolloutWorker
     cfg = Config()
     cfg.env.name, cfg.env.horizon_years, cfg.env.unit_labels, cfg.env.list_supports = "diplomacy", 4, False, False
     cfg.env.state_cache = "colocate/envs/diplomacy/states.jsonl"
     cfg.rollout.group_size = 2
     env = make_env(cfg, tokenizer, seed=seed, processes=processes)
     engine = InstantStreamEngine(seed)
-    worker = RolloutWorker(env, engine, groups_per_batch=groups, oversample=max(groups // 4, 1), stream=True)
+    worker = RolloutWorker(env, engine,
+                           RolloutSettings(groups_per_batch=groups, oversample=max(groups // 4, 1), stream=True))
     try:
         worker.collect()
         submitted = engine.next
@@ -135,8 +136,8 @@ def play_random(env, rng):
 
 def run_ours(tokenizer, starts, group_size, horizon_years, seed) -> tuple[float, float, int, dict]:
     """(wall s, CPU s, phases, env metrics) of playing one group per start state with DiplomacyEnv."""
-    from colocate.envs.diplomacy import DiplomacyEnv
-    env = DiplomacyEnv(tokenizer, group_size=group_size, horizon_years=horizon_years, seed=seed)
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=group_size, horizon_years=horizon_years), seed=seed)
     rng = random.Random(seed)
     t0, c0 = time.perf_counter(), time.process_time()
     for group_id, state in enumerate(starts):
@@ -223,8 +224,9 @@ def fork_timings(states, quick: bool) -> tuple[dict, dict]:
 def forced_token_stats(tokenizer, starts, group_size: int, seed: int) -> dict:
     """Forced-token share and the per-phase longest completion (all / choice tokens); see above."""
     from colocate.constraint import forced_positions
-    from colocate.envs.diplomacy import DiplomacyEnv, random_legal_completion
-    env = DiplomacyEnv(tokenizer, group_size=group_size, horizon_years=1, unit_labels=False, seed=seed)
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings, random_legal_completion
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=group_size, horizon_years=1, unit_labels=False),
+                       seed=seed)
     for group_id, state in enumerate(starts):
         env.start_states = [state]
         env.start_group(group_id)
@@ -244,9 +246,9 @@ def forced_token_stats(tokenizer, starts, group_size: int, seed: int) -> dict:
 
 def prefill_stats(tokenizer, starts, group_size: int, seed: int, list_supports: bool, block: int = 16) -> dict:
     """Prompt tokens per request and what an ideal block prefix cache leaves to prefill (see above)."""
-    from colocate.envs.diplomacy import DiplomacyEnv
-    env = DiplomacyEnv(tokenizer, group_size=group_size, horizon_years=4, unit_labels=False,
-                       list_supports=list_supports, seed=seed)
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
+    settings = DiplomacySettings(group_size=group_size, horizon_years=4, unit_labels=False, list_supports=list_supports)
+    env = DiplomacyEnv(tokenizer, settings, seed=seed)
     for group_id, state in enumerate(starts):
         env.start_states = [state]
         env.start_group(group_id)

@@ -85,8 +85,8 @@ def measure_parity(s: Session, n: int = 64) -> dict:
     assert all(c.version == s.version for c in comps)
     out = parity_stats("parity", s, reqs, comps)
     try:
-        from colocate.envs.diplomacy import DiplomacyEnv
-        env = DiplomacyEnv(s.tokenizer, group_size=4, horizon_years=1, seed=3)
+        from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
+        env = DiplomacyEnv(s.tokenizer, DiplomacySettings(group_size=4, horizon_years=1), seed=3)
         for g in range(3):
             env.start_group(g)
         dreqs = [r for _, r in env.requests()][:n]

@@ -119,11 +119,11 @@ def measure_rollout(s: Session, num_seqs: int = 512, rounds: int = 2, hf_seqs: i
 def measure_diplomacy(s: Session, groups: int = 9, group_size: int = 8) -> dict:
     """One fork phase of Diplomacy (every power of every continuation): vLLM alone vs our path with
     the env's own prompt building and order parsing (`requests` + `generate` + `step`)."""
-    from colocate.envs.diplomacy import DiplomacyEnv
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
     out = {}
     try:
         def fresh():
-            env = DiplomacyEnv(s.tokenizer, group_size=group_size, horizon_years=1, seed=5)
+            env = DiplomacyEnv(s.tokenizer, DiplomacySettings(group_size=group_size, horizon_years=1), seed=5)
             for g in range(groups):
                 env.start_group(g)
             return env
@@ -152,12 +152,12 @@ def measure_diplomacy(s: Session, groups: int = 9, group_size: int = 8) -> dict:
 
 def measure_text_grammar(s: Session, n: int = 128) -> dict:
     """How often a text grammar (choices as strings) samples ids outside the Constraint's trie."""
-    from colocate.envs.diplomacy import DiplomacyEnv
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
     e = s.engine
     before = dict(e.counters)
     masks, e.grammar_mode, e.constraint_masks = e.constraint_masks, "text", "vllm"  # text grammars are vLLM's
     try:
-        env = DiplomacyEnv(s.tokenizer, group_size=8, horizon_years=1, seed=6)
+        env = DiplomacyEnv(s.tokenizer, DiplomacySettings(group_size=8, horizon_years=1), seed=6)
         for g in range(3):
             env.start_group(g)
         reqs = [r for _, r in env.requests()][:n]

@@ -1,5 +1,6 @@
 """Shared fixtures (a tiny tokenizer + model built once per session in a temp cache) and the
 right-padded reference layout the learner's packed path is checked against."""
+import dataclasses
 import os
 import socket
 
@@ -28,6 +29,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fields_left_at_default(record) -> list[str]:
+    """The fields of a settings record that hold their default. A test that sets every key a
+    `from_config` reads off its default expects none: a key forgotten there would show up here."""
+    left = []
+    for f in dataclasses.fields(record):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if getattr(record, f.name) == default:
+            left.append(f.name)
+    return left
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,13 @@ import torch
 from colocate.chat import ChatFormat
 from colocate.data import Completion, Sample, build_batch
 from colocate.engine.base import Engine
-from colocate.envs.agent import AgentEnv, AgentSettings
+from colocate.config import Config
+from colocate.envs.agent import AgentEnv, AgentSettings, agent_settings
 from colocate.rewards import RewardSet
-from colocate.rollout.worker import RolloutWorker
+from colocate.rollout.worker import RolloutSettings, RolloutWorker
 from colocate.tools import TOOL_ERROR_KINDS, ToolRunnerSettings
 from tests import agent_fixtures
-from tests.conftest import CompletionView, right_padded_logits
+from tests.conftest import CompletionView, fields_left_at_default, right_padded_logits
 
 
 class Rows:
@@ -108,7 +109,7 @@ def test_two_call_episode_trains_the_hand_built_sequence(tiny_tokenizer, fmt):
     env = make_env(tok, tools=[agent_fixtures.add], max_new_tokens=200, max_model_len=800, chat=chat,
                    rows=[{"prompt": "add 2 and 3 and 4 ; answer :", "answer": "9"}])
     engine = ScriptedEngine(tok, [CALL, CALL_2, " 9"], **({"prompt_eos": 2, "turn_eos": 2} if fmt == "chat" else {}))
-    batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=2).collect()
+    batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=2)).collect()
     eos = [tok.eos_token_id]
     prompt_text, tool_text = HAND_BUILT[fmt]
     encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
@@ -183,7 +184,7 @@ def test_an_episode_plays_on_after_a_bad_call(tiny_tokenizer, kind):
     tok = tiny_tokenizer
     env = make_env(tok, tools=BAD_TOOLS, timeout_s=0.5, **LONG)
     engine = ScriptedEngine(tok, [BAD_CALLS[kind], " 5"])
-    batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
+    batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=1)).collect()
     assert batch.num_sequences == 2 and stats["finish/stop"] == 1.0 and stats["turns_per_episode"] == 2.0
     assert stats[f"tool_errors/{kind}"] == 2.0 and stats["tool_error_rate"] == 1.0
     assert batch.rewards.tolist() == [1.0, 1.0]
@@ -217,7 +218,8 @@ def test_each_outcome_is_shown_as_what_it_was_at_once_and_quietly(tiny_tokenizer
     call = BAD_CALLS.get(kind, '<tool_call>{"name": "returns_unprintable", "arguments": {"n": 1}}</tool_call>')
     env = make_env(tok, tools=BAD_TOOLS + [agent_fixtures.returns_unprintable], timeout_s=30.0, **LONG)
     t0 = time.monotonic()
-    batch, stats, _ = RolloutWorker(env, ScriptedEngine(tok, [call, " 5"]), groups_per_batch=1).collect()
+    engine = ScriptedEngine(tok, [call, " 5"])
+    batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=1)).collect()
     assert time.monotonic() - t0 < 20  # not the 30 s timeout
     assert stats[f"tool_errors/{'unrenderable' if kind == 'unprintable' else kind}"] == 2.0
     assert stats["tool_errors/timeout"] == 0.0 and batch.num_sequences == 2
@@ -271,7 +273,7 @@ def test_hung_calls_leave_a_bounded_number_of_threads(tiny_tokenizer):
     sampler.start()
     try:
         engine = ScriptedEngine(tok, [hang * 5] * 10 + [" 5"])  # 10 episodes x 10 turns x 5 calls
-        batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
+        batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=1)).collect()
         assert stats["tool_calls"] == 500.0 and stats["tool_errors/timeout"] == 500.0
         assert stats["tool_workers_abandoned"] >= 3 and 0 < stats["tool_workers_hung"] <= 3 + MAX_ABANDONED
         assert max(seen) <= 3 + MAX_ABANDONED, max(seen)
@@ -296,7 +298,8 @@ def test_an_episode_tool_time_is_bounded_by_its_budget(tiny_tokenizer):
                    AgentSettings(runner=runner, max_turns=4, max_new_tokens=200, max_model_len=2000), group_size=2,
                    tools=[agent_fixtures.sleepy])
     t0 = time.monotonic()
-    batch, stats, _ = RolloutWorker(env, ScriptedEngine(tok, [sleep, sleep, sleep, " 5"]), groups_per_batch=1).collect()
+    engine = ScriptedEngine(tok, [sleep, sleep, sleep, " 5"])
+    batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=1)).collect()
     assert time.monotonic() - t0 < 0.5 + 2.0  # the budget and the machine's slack, not 3 timeouts
     assert stats["tool_errors/timeout"] == 4.0 and stats["tool_errors/over_budget"] == 2.0
     text = tok.decode(batch.tokens[: int(batch.seq_lens[0])].tolist())
@@ -311,7 +314,7 @@ def test_limits_end_episodes_cleanly(tiny_tokenizer):
                              ({"max_model_len": 150}, "truncated")]:
         env = make_env(tok, tools=[agent_fixtures.add], max_new_tokens=200, **{"max_model_len": 600, **settings})
         engine = ScriptedEngine(tok, [CALL, CALL, CALL])
-        batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
+        batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=1)).collect()
         assert stats[f"finish/{reason}"] == 1.0, (reason, stats)
         assert int(batch.seq_lens.max()) <= settings.get("max_model_len", 600)
 
@@ -328,7 +331,7 @@ def test_trl_style_tools_and_environment_run_unchanged(tiny_tokenizer):
     assert {s["function"]["name"] for s in env.format.schemas} == {"add", "increment"}
     inc = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
     engine = ScriptedEngine(tok, [inc, CALL, inc, "done"])
-    batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=1).collect()
+    batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=1)).collect()
     assert engine.sampled[0][0] == tok.encode("count (count to 4)", add_special_tokens=False)
     assert batch.rewards.tolist() == [1.0, 1.0] and stats["tool_calls_per_episode"] == 3.0
     assert sum(stats[f"tool_errors/{k}"] for k in TOOL_ERROR_KINDS) == 0.0 and stats["tool_error_rate"] == 0.0
@@ -346,7 +349,8 @@ def test_an_environment_get_reward_is_boxed_counted_and_named(tiny_tokenizer, ca
                    rewards=RewardSet(["tests.agent_fixtures:counter_reward"], []), rows=[{"prompt": "count", "target": 2}],
                    max_new_tokens=200, max_model_len=900)
     inc = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
-    batch, stats, _ = RolloutWorker(env, ScriptedEngine(tok, [inc, "done"]), groups_per_batch=1).collect()
+    engine = ScriptedEngine(tok, [inc, "done"])
+    batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=1)).collect()
     assert batch.rewards.tolist() == [1.0, 1.0] and stats["reward_errors/non_finite"] == 2.0
     assert "reward function tests.agent_fixtures:NanCounter.get_reward returned float nan" in capfd.readouterr().err
 
@@ -370,7 +374,7 @@ def test_trl_tools_and_environment_from_the_config(tiny_cfg, tiny_tokenizer, tmp
     assert isinstance(env, AgentEnv) and set(env.tools) == {"add"} and env.environment is agent_fixtures.Counter
     inc = '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
     engine = ScriptedEngine(tiny_tokenizer, [inc, inc, "done"])
-    batch, stats, _ = RolloutWorker(env, engine, groups_per_batch=2).collect()
+    batch, stats, _ = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=2)).collect()
     prompts = {tiny_tokenizer.decode(p) for p, _ in engine.sampled[:4]}
     assert prompts == {"count (count to 4)", "count (count to 6)"}
     starts = [0] + batch.seq_lens.cumsum(0).tolist()[:-1]
@@ -486,3 +490,18 @@ def test_sampler_gap_counts_only_trained_choices_of_the_current_version(tiny_cfg
     stats = learner.train_step(batch)
     assert stats["sampler_gap_tokens"] == int(counted.sum()) > 0
     assert abs(stats["sampler_logprob_gap"] - 0.25) < 1e-5
+
+
+def test_agent_settings_come_from_their_config_keys():
+    """One episode's limits, sampling, tool parser and runner, and the prompt column (env.prompt_column)."""
+    cfg = Config()
+    e = cfg.env
+    e.max_turns, e.max_tool_calls, e.tool_parser, e.prompt_column = 6, 3, "other", "question"
+    e.tool_timeout_s, e.tool_max_output_chars, e.tool_workers, e.tool_budget_s = 3.0, 100, 2, 20.0
+    cfg.engine.max_new_tokens, cfg.engine.temperature, cfg.engine.max_model_len = 100, 0.7, 900
+    settings = agent_settings(cfg)
+    assert settings == AgentSettings(max_turns=6, max_tool_calls=3, max_new_tokens=100, temperature=0.7,
+                                     max_model_len=900, tool_parser="other", prompt_column="question",
+                                     runner=ToolRunnerSettings(timeout_s=3.0, max_output_chars=100, max_workers=2,
+                                                               budget_s=20.0))
+    assert fields_left_at_default(settings) == [] and fields_left_at_default(settings.runner) == []

@@ -9,7 +9,7 @@ import pytest
 
 from colocate.data import Completion
 from colocate.engine.base import Engine
-from colocate.rollout.worker import RolloutWorker
+from colocate.rollout.worker import RolloutSettings, RolloutWorker
 
 PATH = "examples.calculator_agent:CalculatorEnv"
 
@@ -74,7 +74,7 @@ def test_final_answer_reward():
 
 def test_a_right_episode_scores_one(tiny_cfg, tmp_path):
     env, tokenizer = build(tiny_cfg, tmp_path)
-    batch, stats, _ = RolloutWorker(env, RightAgent(env, tokenizer), groups_per_batch=2).collect()
+    batch, stats, _ = RolloutWorker(env, RightAgent(env, tokenizer), RolloutSettings(groups_per_batch=2)).collect()
     assert batch.rewards.tolist() == [1.0] * 4
     assert stats["tool_call_rate"] == 1.0 and stats["accuracy"] == 1.0 and stats["turns_per_episode"] == 2.0
 

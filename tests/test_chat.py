@@ -65,9 +65,10 @@ def test_every_env_renders_its_prompts_with_the_template(chat_tokenizer, tiny_cf
 
 def test_diplomacy_prompts_are_wrapped(chat_tokenizer):
     pytest.importorskip("diplomacy")
-    from colocate.envs.diplomacy import DiplomacyEnv
-    plain = DiplomacyEnv(chat_tokenizer, group_size=2, seed=0)
-    wrapped = DiplomacyEnv(chat_tokenizer, group_size=2, seed=0, chat=ChatFormat(chat_tokenizer, "auto"))
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
+    plain = DiplomacyEnv(chat_tokenizer, DiplomacySettings(group_size=2), seed=0)
+    wrapped = DiplomacyEnv(chat_tokenizer, DiplomacySettings(group_size=2), seed=0,
+                           chat=ChatFormat(chat_tokenizer, "auto"))
     for env in (plain, wrapped):
         env.start_group(0)
     (_, raw), *_ = plain.requests()

@@ -4,11 +4,12 @@ import json
 
 import pytest
 
-from colocate.config import EvalConfig
+from colocate.config import Config, EvalConfig
 from colocate.data import Completion
 from colocate.engine.base import Engine
-from colocate.envs.dataset import DatasetEnv, load_rows
+from colocate.envs.dataset import DatasetEnv, DatasetSettings, load_rows
 from colocate.rewards import RewardLimits, RewardSet
+from tests.conftest import fields_left_at_default
 
 
 class ScriptedEngine(Engine):
@@ -39,12 +40,13 @@ def write_rows(path, n):
     return str(path)
 
 
-def make_env(tokenizer, tmp_path, n=5, group_size=4, reward=("exact",), seed=0, eval_rows=None, **kw):
+def make_env(tokenizer, tmp_path, n=5, group_size=4, reward=("exact",), seed=0, eval_rows=None, choices=None, **kw):
+    """`kw`: `DatasetSettings` fields, `max_errors` and `limits` (the reward functions' bounds)."""
     rows = load_rows([write_rows(tmp_path / "train.jsonl", n)], "train", str(tmp_path / "cache"))
     limits = RewardLimits(max_errors=kw.pop("max_errors", 100), **kw.pop("limits", {}))
     return DatasetEnv(tokenizer, rows, RewardSet(list(reward), [], limits=limits),
-                      group_size=group_size, prompt_column="prompt", max_new_tokens=4, temperature=1.0, seed=seed,
-                      eval_rows=eval_rows, **kw)
+                      DatasetSettings(group_size=group_size, max_new_tokens=4, **kw), seed=seed, eval_rows=eval_rows,
+                      choices=choices)
 
 
 def play(env, engine, groups):
@@ -150,8 +152,8 @@ def test_bad_reward_results_are_counted_in_metrics(tiny_tokenizer, tmp_path, mon
 
 def collect(env, engine, groups: int):
     """One batch through the rollout worker: what the learner's loss gets."""
-    from colocate.rollout.worker import RolloutWorker
-    return RolloutWorker(env, engine, groups_per_batch=groups).collect()
+    from colocate.rollout.worker import RolloutSettings, RolloutWorker
+    return RolloutWorker(env, engine, RolloutSettings(groups_per_batch=groups)).collect()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -270,3 +272,13 @@ def test_decode_texts_is_the_tokenizers_decode(tiny_tokenizer):
     cleaning = SimpleNamespace(backend_tokenizer=tiny_tokenizer.backend_tokenizer, clean_up_tokenization_spaces=True,
                                decode=lambda ids: "clean:" + tiny_tokenizer.decode(ids))
     assert decode_texts(cleaning, id_lists) == ["clean:" + t for t in expected]
+
+
+def test_dataset_settings_come_from_their_config_keys():
+    cfg = Config()
+    cfg.rollout.group_size, cfg.env.prompt_column, cfg.env.reward_workers, cfg.env.prefetch_prompts = 3, "question", 2, 5
+    cfg.engine.max_new_tokens, cfg.engine.temperature = 100, 0.7
+    settings = DatasetSettings.from_config(cfg)
+    assert settings == DatasetSettings(group_size=3, prompt_column="question", max_new_tokens=100, temperature=0.7,
+                                       reward_workers=2, prefetch_prompts=5)
+    assert fields_left_at_default(settings) == []

@@ -5,10 +5,11 @@ import pytest
 
 from colocate.config import Config
 from colocate.data import Completion, group_advantages
-from colocate.envs.diplomacy import DiplomacyEnv, corpus, random_legal_completion
+from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings, corpus, random_legal_completion
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.game import StateCacheError
 from colocate.models import train_tokenizer
+from tests.conftest import fields_left_at_default
 
 CACHE = dg.__file__.replace("game.py", "states.jsonl")
 
@@ -44,7 +45,7 @@ def text_completion(tokenizer, text):
 
 
 def test_groups_anchor_keys_and_rewards(tokenizer):
-    env = DiplomacyEnv(tokenizer, group_size=4, horizon_years=1, seed=0)
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=4, horizon_years=1), seed=0)
     samples = run(env, random_policy(), [0, 1])
     assert samples and all(s.is_anchor for s in samples)
     keys = {}
@@ -71,7 +72,7 @@ def test_without_unit_labels_the_same_choices_play_the_same_games(tokenizer):
     """The format changes the tokens, not the game: the same pick per slot gives the same orders."""
     runs = {}
     for unit_labels in (True, False):
-        env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=2, unit_labels=unit_labels, seed=3,
+        env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=2, horizon_years=2, unit_labels=unit_labels), seed=3,
                            start_states=dg.load_state_cache(CACHE))
         samples = run(env, random_policy(seed=5), [0, 1])
         metrics = env.metrics()
@@ -90,8 +91,8 @@ def test_unlisted_supports_shorten_prompts_not_the_game(tokenizer):
     so the same picks play the same games; only the prompts shrink."""
     runs = {}
     for list_supports in (True, False):
-        env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=1, unit_labels=False, list_supports=list_supports,
-                           seed=3, start_states=dg.load_state_cache(CACHE))
+        settings = DiplomacySettings(group_size=2, horizon_years=1, unit_labels=False, list_supports=list_supports)
+        env = DiplomacyEnv(tokenizer, settings, seed=3, start_states=dg.load_state_cache(CACHE))
         rng, prompts, slots, samples = random.Random(5), [], [], []
         env.start_group(0)
         while True:
@@ -109,7 +110,7 @@ def test_unlisted_supports_shorten_prompts_not_the_game(tokenizer):
 
 
 def test_requests_come_per_phase_for_powers_that_can_order(tokenizer):
-    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=2, seed=1)
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=2, horizon_years=2), seed=1)
     env.start_group(7)
     policy = random_policy(1)
     seen_adjustment = False
@@ -137,7 +138,7 @@ def test_requests_come_per_phase_for_powers_that_can_order(tokenizer):
 
 
 def test_train_later_phases_share_key_and_reward(tokenizer):
-    env = DiplomacyEnv(tokenizer, group_size=3, horizon_years=1, train_later_phases=True, seed=2)
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=3, horizon_years=1, train_later_phases=True), seed=2)
     samples = run(env, random_policy(2), [5])
     anchors = [s for s in samples if s.is_anchor]
     later = [s for s in samples if not s.is_anchor]
@@ -149,7 +150,7 @@ def test_train_later_phases_share_key_and_reward(tokenizer):
 
 
 def test_empty_completions_hold_everything_and_stall_stops(tokenizer):
-    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=5, stall_years=1, seed=3,
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=2, horizon_years=5, stall_years=1), seed=3,
                        start_states=dg.load_state_cache(CACHE))
     eos = tokenizer.eos_token_id
     samples = run(env, lambda k, r: Completion([eos], [0.0], None, 0), [0])
@@ -167,14 +168,14 @@ def test_garbage_and_free_text_never_crash(tokenizer):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
         return Completion(ids, [0.0] * len(ids), None, 0, finish_reason="length")
 
-    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=1, use_constraint=False, seed=4)
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=2, horizon_years=1, use_constraint=False), seed=4)
     samples = run(env, garbage, [0, 1])
     assert samples and env.metrics()["invalid_order_rate"] > 0.9
 
-    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=1, use_constraint=False, seed=5)
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=2, horizon_years=1, use_constraint=False), seed=5)
     env.start_group(0)
     keyed = env.requests()
-    assert all(r.constraint is None and r.max_new_tokens == env.max_new_tokens for _, r in keyed)
+    assert all(r.constraint is None and r.max_new_tokens == env.settings.max_new_tokens for _, r in keyed)
     free = {"FRANCE": "1. a par -> bur\nF BRE - MAO\nA MAR - SPA\n"}
     env.step({k: text_completion(tokenizer, free.get(k[2], "")) for k, _ in keyed})
     france = env._groups[0].continuations[0].game.powers["FRANCE"]
@@ -207,7 +208,7 @@ def test_with_the_hf_engine_and_tiny_model(tokenizer):
     from colocate.models import build_model
     model = build_model(ModelConfig(shape="tiny"), tokenizer)
     engine = HFEngine(model, tokenizer, seed=0)
-    env = DiplomacyEnv(tokenizer, group_size=2, horizon_years=1, seed=7, max_new_tokens=160)
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=2, horizon_years=1, max_new_tokens=160), seed=7)
     env.start_group(0)
     keyed = env.requests()  # the fork phase: 2 continuations x 7 powers, one engine call
     completions = engine.generate([r for _, r in keyed])
@@ -219,3 +220,16 @@ def test_with_the_hf_engine_and_tiny_model(tokenizer):
     metrics = env.metrics()
     assert metrics["invalid_order_rate"] == 0.0 and metrics["garbled_lines_per_completion"] == 0.0
     assert metrics["phases_processed"] == 2
+
+
+def test_diplomacy_settings_come_from_their_config_keys():
+    cfg = Config()
+    e = cfg.env
+    e.horizon_years, e.stall_years, e.train_later_phases, e.use_constraint = 3, 5, True, False
+    e.unit_labels, e.list_supports = False, False
+    cfg.rollout.group_size, cfg.engine.max_new_tokens, cfg.engine.temperature = 6, 100, 0.7
+    settings = DiplomacySettings.from_config(cfg)
+    assert settings == DiplomacySettings(group_size=6, horizon_years=3, stall_years=5, train_later_phases=True,
+                                         use_constraint=False, unit_labels=False, list_supports=False,
+                                         max_new_tokens=100, temperature=0.7)
+    assert fields_left_at_default(settings) == []

@@ -7,7 +7,7 @@ import pytest
 
 from colocate.config import ConfigError, load_config
 from colocate.config_schema import EvalConfig
-from colocate.envs.diplomacy import DiplomacyEnv, corpus
+from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings, corpus
 from colocate.envs.diplomacy import evaluate as ev
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.archive import load_game
@@ -139,7 +139,7 @@ def test_evaluate_with_the_hf_engine_batches_every_game_per_phase(tokenizer, tmp
     calls = []
     generate = engine.generate
     engine.generate = lambda requests: calls.append(requests) or generate(requests)
-    env = DiplomacyEnv(tokenizer, group_size=2, max_new_tokens=160)
+    env = DiplomacyEnv(tokenizer, DiplomacySettings(group_size=2, max_new_tokens=160))
     cfg = EvalConfig(games=1, opponents=["random", "hold"], horizon_years=1, temperature=0.0)
     metrics = env.evaluate(engine, cfg, out_dir=str(tmp_path))
     for opponent in ("random", "hold"):

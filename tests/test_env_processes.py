@@ -8,7 +8,7 @@ from colocate.data import Completion, Request, Sample
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
 from colocate.envs.processes import EnvProcesses, EnvProcessError
-from colocate.rollout.worker import RolloutWorker
+from colocate.rollout.worker import RolloutSettings, RolloutWorker
 from tests.test_rollout_worker import BarrierEngine, ShuffledStreamEngine, _samples, dip_tokenizer  # noqa: F401
 
 
@@ -24,7 +24,7 @@ def test_one_process_plays_the_in_process_env_games(dip_tokenizer):
     cfg = dip_cfg()
 
     def play(env):
-        worker = RolloutWorker(env, BarrierEngine(), groups_per_batch=3)
+        worker = RolloutWorker(env, BarrierEngine(), RolloutSettings(groups_per_batch=3))
         return [worker.collect()[0] for _ in range(2)]
 
     here = play(DiplomacyEnv.from_config(cfg, dip_tokenizer, seed=7))
@@ -47,7 +47,7 @@ def test_two_processes_stream_every_group_once_with_tables_built(dip_tokenizer):
     submit = engine.submit
     engine.submit = lambda requests: (submitted.extend(requests), submit(requests))[1]
     try:
-        worker = RolloutWorker(env, engine, groups_per_batch=3, oversample=1, stream=True)
+        worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=3, oversample=1, stream=True))
         completions = 0
         for _ in range(3):
             batch, stats, _ = worker.collect()
@@ -132,11 +132,12 @@ def test_a_copy_that_raises_stops_with_its_traceback():
 
 def test_merged_metrics_are_what_one_env_reports(dip_tokenizer):
     """Groups 0-1 then 2-3 reported apart and merged == one env reporting all four."""
-    from colocate.envs.diplomacy import DiplomacyEnv
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
     from tests.test_diplomacy_env import random_policy, run
 
     def env():
-        return DiplomacyEnv(dip_tokenizer, group_size=3, horizon_years=2, unit_labels=False, seed=1)
+        settings = DiplomacySettings(group_size=3, horizon_years=2, unit_labels=False)
+        return DiplomacyEnv(dip_tokenizer, settings, seed=1)
 
     apart = env()
     run(apart, random_policy(2), [0, 1])
@@ -424,7 +425,7 @@ def test_inflight_ships_with_the_replacement_groups_already_in_the_engine():
     env = EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=2)
     engine = OneAtATimeEngine()
     try:
-        worker = RolloutWorker(env, engine, groups_per_batch=2, inflight=True)
+        worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=2, inflight=True))
         for _ in range(3):
             batch, _, _ = worker.collect()
             assert batch.num_sequences == 4
@@ -545,7 +546,8 @@ def test_garbled_pop_finished_from_a_copy_is_counted_not_a_crash():
         calls = []
         pop = env.pop_finished
         env.pop_finished = lambda: (calls.append(1), pop())[1]
-        worker = RolloutWorker(env, FixedAnswer(None, ids=[3]), groups_per_batch=8, oversample=4, max_env_errors=3)
+        worker = RolloutWorker(env, FixedAnswer(None, ids=[3]),
+                               RolloutSettings(groups_per_batch=8, oversample=4, max_env_errors=3))
         for _ in range(2):
             calls.clear()
             batch, stats, _ = worker.collect()
@@ -584,8 +586,9 @@ def test_a_streamed_poll_is_told_to_wake_on_the_env_s_news(dip_tokenizer):
         for stream, expected in ((True, {(False, env.has_news)}), (False, {(True, None)})):
             engine = Recording(seed=0)
             engine.wakes = set()
-            RolloutWorker(env, engine, groups_per_batch=2, oversample=1, stream=stream,
-                          first_group_id=0 if stream else 100).collect()
+            settings = RolloutSettings(groups_per_batch=2, oversample=1, stream=stream,
+                                       first_group_id=0 if stream else 100)
+            RolloutWorker(env, engine, settings).collect()
             assert engine.wakes == expected, stream
     finally:
         env.close()
@@ -605,7 +608,7 @@ def test_a_tool_using_agent_plays_whole_episodes_in_copies():
     script = ['<tool_call>{"name": "calculator", "arguments": {"expression": "12 + 30"}}</tool_call>', "answer 42"]
     env = EnvProcesses(env_type(cfg), cfg, tok, seed=0, num=2)
     try:
-        worker = RolloutWorker(env, ScriptedEngine(tok, script), groups_per_batch=3, oversample=1)
+        worker = RolloutWorker(env, ScriptedEngine(tok, script), RolloutSettings(groups_per_batch=3, oversample=1))
         for _ in range(2):
             batch, stats, _ = worker.collect()
             assert batch.num_sequences == 3 * cfg.rollout.group_size and stats["env_errors"] == 0

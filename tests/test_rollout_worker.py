@@ -2,13 +2,16 @@
 streaming plays the same games as the phase barrier."""
 import hashlib
 import random
+from types import SimpleNamespace
 
 import pytest
 
+from colocate.config import Config
 from colocate.data import Completion, Request, Sample
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
-from colocate.rollout.worker import RolloutWorker
+from colocate.rollout.worker import RolloutSettings, RolloutWorker
+from tests.conftest import fields_left_at_default
 
 
 class SlowGroupEnv(Env):
@@ -52,14 +55,14 @@ class CountingEngine(Engine):
 
 def test_one_engine_call_per_round_across_games():
     engine = CountingEngine()
-    worker = RolloutWorker(SlowGroupEnv(slow_every=100), engine, groups_per_batch=8)
+    worker = RolloutWorker(SlowGroupEnv(slow_every=100), engine, RolloutSettings(groups_per_batch=8))
     batch, stats, _ = worker.collect()
     assert engine.calls == [16] and batch.num_sequences == 16  # 8 games x 2, one call
 
 
 def test_without_oversampling_a_straggler_holds_the_batch():
     engine = CountingEngine()
-    worker = RolloutWorker(SlowGroupEnv(), engine, groups_per_batch=4)
+    worker = RolloutWorker(SlowGroupEnv(), engine, RolloutSettings(groups_per_batch=4))
     batch, _, _ = worker.collect()
     assert len(engine.calls) == 20  # group 3 needs 20 rounds
     assert sorted(set(batch.rewards.tolist())) == [0.0, 1.0, 2.0, 3.0]
@@ -67,7 +70,7 @@ def test_without_oversampling_a_straggler_holds_the_batch():
 
 def test_oversampling_ships_when_enough_groups_finish_and_carries_stragglers():
     engine = CountingEngine()
-    worker = RolloutWorker(SlowGroupEnv(), engine, groups_per_batch=4, oversample=2)
+    worker = RolloutWorker(SlowGroupEnv(), engine, RolloutSettings(groups_per_batch=4, oversample=2))
     batch, stats, _ = worker.collect()
     assert len(engine.calls) == 1  # groups 0, 1, 2, 4 finish in the first round; 3 keeps playing
     assert sorted(set(batch.rewards.tolist())) == [0.0, 1.0, 2.0, 4.0]
@@ -146,11 +149,12 @@ def _samples(batch):
 
 
 def test_streaming_plays_the_same_games_as_the_phase_barrier(dip_tokenizer):
-    from colocate.envs.diplomacy import DiplomacyEnv
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
 
     def play(engine, stream):
-        env = DiplomacyEnv(dip_tokenizer, group_size=2, horizon_years=1, unit_labels=False, seed=11)
-        worker = RolloutWorker(env, engine, groups_per_batch=3, stream=stream)
+        settings = DiplomacySettings(group_size=2, horizon_years=1, unit_labels=False)
+        env = DiplomacyEnv(dip_tokenizer, settings, seed=11)
+        worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=3, stream=stream))
         return [worker.collect() for _ in range(2)]  # two batches: nothing may leak between them
 
     barrier = play(BarrierEngine(), stream=False)
@@ -164,10 +168,10 @@ def test_streaming_plays_the_same_games_as_the_phase_barrier(dip_tokenizer):
 
 
 def test_streaming_with_oversampling_drains_before_returning(dip_tokenizer):
-    from colocate.envs.diplomacy import DiplomacyEnv
-    env = DiplomacyEnv(dip_tokenizer, group_size=2, horizon_years=1, seed=12)
+    from colocate.envs.diplomacy import DiplomacyEnv, DiplomacySettings
+    env = DiplomacyEnv(dip_tokenizer, DiplomacySettings(group_size=2, horizon_years=1), seed=12)
     engine = ShuffledStreamEngine(seed=6)
-    worker = RolloutWorker(env, engine, groups_per_batch=2, oversample=2, stream=True)
+    worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=2, oversample=2, stream=True))
     for _ in range(3):
         batch, stats, _ = worker.collect()
         assert batch.num_sequences == 2 * 2 * 7 and not engine.pending  # idle: an update may come now
@@ -194,20 +198,22 @@ class RewardPatternEnv(SlowGroupEnv):
 
 def test_dynamic_sampling_drops_uniform_groups_and_fills_the_batch():
     engine = CountingEngine()
-    worker = RolloutWorker(RewardPatternEnv(), engine, groups_per_batch=4, drop_uniform=True)
+    worker = RolloutWorker(RewardPatternEnv(), engine, RolloutSettings(groups_per_batch=4, drop_uniform=True))
     batch, stats, _ = worker.collect()
     assert batch.num_sequences == 8  # the batch is still full
     rewards = batch.rewards.view(4, 2)
     assert bool((rewards[:, 0] != rewards[:, 1]).all())  # every group kept has a signal
     assert stats["dropped_uniform_groups"] >= 1 and stats["kept_uniform_groups"] == 0
-    plain, plain_stats, _ = RolloutWorker(RewardPatternEnv(), CountingEngine(), groups_per_batch=4).collect()
+    plain, plain_stats, _ = RolloutWorker(RewardPatternEnv(), CountingEngine(),
+                                          RolloutSettings(groups_per_batch=4)).collect()
     assert plain_stats["dropped_uniform_groups"] == 0
     assert bool((plain.rewards.view(4, 2)[:, 0] == plain.rewards.view(4, 2)[:, 1]).any())  # off: uniform kept
 
 
 def test_dynamic_sampling_stops_dropping_past_its_limit():
     from colocate.rollout.worker import DROP_LIMIT
-    worker = RolloutWorker(RewardPatternEnv(uniform_every=1), CountingEngine(), groups_per_batch=2, drop_uniform=True)
+    worker = RolloutWorker(RewardPatternEnv(uniform_every=1), CountingEngine(),
+                           RolloutSettings(groups_per_batch=2, drop_uniform=True))
     batch, stats, _ = worker.collect()  # every group is uniform: the call still ends
     assert batch.num_sequences == 4
     assert stats["dropped_uniform_groups"] == DROP_LIMIT * 2 and stats["kept_uniform_groups"] == 2
@@ -216,8 +222,8 @@ def test_dynamic_sampling_stops_dropping_past_its_limit():
 def test_overlong_buffer_shapes_rewards_by_completion_length():
     from colocate.rollout.worker import overlong_penalty
     max_new, buffer = 5, 2
-    worker = RolloutWorker(RewardPatternEnv(uniform_every=10**9), CountingEngine(), groups_per_batch=5,
-                           overlong_buffer=buffer, max_new_tokens=max_new)
+    worker = RolloutWorker(RewardPatternEnv(uniform_every=10**9), CountingEngine(),
+                           RolloutSettings(groups_per_batch=5, overlong_buffer=buffer, max_new_tokens=max_new))
     batch, _, _ = worker.collect()
     lens = batch.completion_lens.tolist()
     raw = [float(i % 2) for i in range(batch.num_sequences)]
@@ -306,7 +312,7 @@ def test_inflight_ships_without_draining_and_loses_nothing():
     changed under them); no sample or group is lost or shipped twice; the engine stays as full as
     the live groups."""
     env, engine = IdentityEnv(), DelayedStreamEngine()
-    worker = RolloutWorker(env, engine, groups_per_batch=4, oversample=2, inflight=True)
+    worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=4, oversample=2, inflight=True))
     shipped, carried_tickets, spans = [], 0, 0.0
     for k in range(8):
         batch, stats, _ = worker.collect()
@@ -327,7 +333,21 @@ def test_inflight_ships_without_draining_and_loses_nothing():
 
 def test_drain_ships_with_nothing_in_flight():
     env, engine = IdentityEnv(), DelayedStreamEngine()
-    worker = RolloutWorker(env, engine, groups_per_batch=4, oversample=2, stream=True)
+    worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=4, oversample=2, stream=True))
     for _ in range(3):
         batch, stats, _ = worker.collect()
         assert not engine.pending and stats["requests_in_flight"] == 0 and stats["version_span"] == 0
+
+
+def test_rollout_settings_come_from_their_config_keys():
+    """Every field from its key (none left at its default): this rank's share of the groups, group
+    ids counting from a per-rank base, and rollout.update=inflight as `inflight`."""
+    cfg = Config()
+    r = cfg.rollout
+    r.groups_per_step, r.oversample_groups, r.stream, r.drop_uniform_groups, r.update = 10, 3, True, True, "inflight"
+    cfg.env.overlong_buffer, cfg.env.max_reward_errors, cfg.engine.max_new_tokens = 5, 9, 77
+    settings = RolloutSettings.from_config(cfg, SimpleNamespace(rank=2, share=lambda total: total // 2))
+    assert settings == RolloutSettings(groups_per_batch=5, first_group_id=2_000_000, oversample=3, stream=True,
+                                       drop_uniform=True, overlong_buffer=5, max_new_tokens=77, max_env_errors=9,
+                                       inflight=True)
+    assert fields_left_at_default(settings) == []

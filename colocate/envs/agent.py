@@ -44,7 +44,7 @@ FINISH_REASONS = ("stop", "max_turns", "max_tool_calls", "truncated")
 
 @dataclass
 class AgentSettings:
-    """One episode's limits and sampling (from env.* and engine.*)."""
+    """One episode's limits, sampling and prompt column (`agent_settings`: from env.* and engine.*)."""
     max_turns: int = 4
     max_tool_calls: int = 8
     max_new_tokens: int = 64
@@ -54,6 +54,8 @@ class AgentSettings:
     """Prompt + every span of an episode (engine.max_model_len)."""
     tool_parser: str = "hermes"
     runner: ToolRunnerSettings = field(default_factory=ToolRunnerSettings)
+    prompt_column: str = "prompt"
+    """The row's column that holds the prompt (env.prompt_column)."""
 
 
 class TurnFormat:
@@ -127,11 +129,11 @@ class Episode:
 
 class AgentEnv(Env):
     def __init__(self, tokenizer, rows, rewards: RewardSet, settings: AgentSettings, *, group_size: int,
-                 prompt_column: str = "prompt", tools=(), environment=None, chat: ChatFormat | None = None):
+                 tools=(), environment=None, chat: ChatFormat | None = None):
         """`rows`: `next_row()` -> a dict of columns (and `state_dict` / `load_state_dict` for resume);
         `tools`: functions; `environment`: a TRL environment_factory class or callable."""
         self.tokenizer, self.rows, self.rewards, self.settings = tokenizer, rows, rewards, settings
-        self.group_size, self.prompt_column = group_size, prompt_column
+        self.group_size, self.prompt_column = group_size, settings.prompt_column
         self.tools = {tool_name(t): t for t in tools}
         self.environment = environment
         if settings.tool_parser not in PARSERS:
@@ -165,8 +167,8 @@ class AgentEnv(Env):
         rows = DatasetEnv.from_config(cfg, tokenizer, seed)
         environment = load_object(cfg.env.environment) if cfg.env.environment else None
         return cls(tokenizer, rows, rows.rewards, agent_settings(cfg), group_size=cfg.rollout.group_size,
-                   prompt_column=cfg.env.prompt_column, tools=[load_object(p) for p in cfg.env.tools],
-                   environment=environment, chat=ChatFormat(tokenizer, cfg.model.chat_template))
+                   tools=[load_object(p) for p in cfg.env.tools], environment=environment,
+                   chat=ChatFormat(tokenizer, cfg.model.chat_template))
 
     # ------------------------------------------------------------------ episodes
 
@@ -363,7 +365,7 @@ def agent_settings(cfg) -> AgentSettings:
     e = cfg.env
     return AgentSettings(max_turns=e.max_turns, max_tool_calls=e.max_tool_calls, max_new_tokens=cfg.engine.max_new_tokens,
                          temperature=cfg.engine.temperature, max_model_len=cfg.engine.max_model_len,
-                         tool_parser=e.tool_parser,
+                         tool_parser=e.tool_parser, prompt_column=e.prompt_column,
                          runner=ToolRunnerSettings(timeout_s=e.tool_timeout_s, max_output_chars=e.tool_max_output_chars,
                                                    max_workers=e.tool_workers, budget_s=e.tool_budget_s))
 

@@ -88,17 +88,35 @@ class Group:
     completions: dict = field(default_factory=dict)  # index -> Completion
 
 
+@dataclass(frozen=True, kw_only=True)
+class DatasetSettings:
+    """How a `DatasetEnv` plays its rows (`from_config`: a run's keys; tests set what they exercise)."""
+    group_size: int
+    prompt_column: str = "prompt"
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    reward_workers: int = 0
+    """Threads scoring groups while the rollout goes on (0: inline)."""
+    prefetch_prompts: int = 0
+    """Rows of the order whose prompt ids one thread builds ahead (0: when the group starts)."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "DatasetSettings":
+        return cls(group_size=cfg.rollout.group_size, prompt_column=cfg.env.prompt_column,
+                   max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature,
+                   reward_workers=cfg.env.reward_workers, prefetch_prompts=cfg.env.prefetch_prompts)
+
+
 class DatasetEnv(Env):
-    def __init__(self, tokenizer, rows, rewards: RewardSet, *, group_size: int, prompt_column: str,
-                 max_new_tokens: int, temperature: float, seed: int, chat: ChatFormat | None = None,
-                 eval_rows=None, reward_workers: int = 0, choices: list[str] | None = None,
-                 prefetch_prompts: int = 0):
+    def __init__(self, tokenizer, rows, rewards: RewardSet, settings: DatasetSettings, *, seed: int,
+                 chat: ChatFormat | None = None, eval_rows=None, choices: list[str] | None = None):
+        """`rows`: a `datasets.Dataset`; `seed`: this rank's (each epoch's order); `choices`: the
+        answers a constrained completion picks from (env.answer_choices), or None."""
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
         self.tokenizer, self.rows, self.rewards, self.eval_rows = tokenizer, rows, rewards, eval_rows
         self.data_source: tuple[list[str], str] | None = None  # (data files, split), set by from_config
-        self.group_size, self.prompt_column = group_size, prompt_column
-        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.settings, self.group_size, self.seed = settings, settings.group_size, seed
         self.chat = chat or ChatFormat(tokenizer, "none")
         self.eos_id = tokenizer.eos_token_id
         self.constraint = None if choices is None else Constraint(  # " 7": the answer as a word after the prompt
@@ -110,10 +128,10 @@ class DatasetEnv(Env):
         self._pending: set = set()                  # keys handed out and not yet answered
         self._scoring: dict[int, Future] = {}       # group -> its samples, being scored
         self._done: dict[int, list[Sample]] = {}
-        self._pool = ThreadPoolExecutor(reward_workers, thread_name_prefix="colocate-reward") \
-            if reward_workers > 0 else None
-        self.prefetch_prompts = prefetch_prompts
-        self._prompts = ThreadPoolExecutor(1, thread_name_prefix="colocate-prompts") if prefetch_prompts > 0 else None
+        self._pool = ThreadPoolExecutor(settings.reward_workers, thread_name_prefix="colocate-reward") \
+            if settings.reward_workers > 0 else None
+        self._prompts = ThreadPoolExecutor(1, thread_name_prefix="colocate-prompts") \
+            if settings.prefetch_prompts > 0 else None
         self._ahead: dict[int, Future] = {}         # row index -> its prompt ids, being built
         self._counts = dict.fromkeys(("completions", "tokens", "truncated"), 0)
         self.dropped: dict[str, float] = {}  # rows dropped when opened (env.bad_rows=skip), by reason
@@ -126,11 +144,8 @@ class DatasetEnv(Env):
         eval_rows, eval_scan = open_rows(cfg, "eval_files", chat.ids) if env.eval_files else (None, RowScan())
         rows, scan = open_rows(cfg, "data_files", chat.ids)
         choices = sorted({str(a) for a in rows[env.answer_column]}) if env.answer_choices else None
-        made = cls(tokenizer, rows, rewards, choices=choices,
-                   group_size=cfg.rollout.group_size, prompt_column=env.prompt_column,
-                   max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
-                   chat=chat, eval_rows=eval_rows, reward_workers=env.reward_workers,
-                   prefetch_prompts=env.prefetch_prompts)
+        made = cls(tokenizer, rows, rewards, DatasetSettings.from_config(cfg), seed=seed, chat=chat,
+                   eval_rows=eval_rows, choices=choices)
         made.data_source = (env.data_files, env.split)
         made.dropped = {**{f"dropped/{r}": float(n) for r, n in scan.counts.items()},
                         **{f"dropped_eval/{r}": float(n) for r, n in eval_scan.counts.items()}}
@@ -199,13 +214,13 @@ class DatasetEnv(Env):
         if self._prompts is None:
             return self.chat.ids(prompt)
         future = self._ahead.pop(index, None) or self._prompts.submit(self.chat.ids, prompt)
-        for pos in range(self.position, min(self.position + self.prefetch_prompts, len(self._order))):
+        for pos in range(self.position, min(self.position + self.settings.prefetch_prompts, len(self._order))):
             if self._order[pos] not in self._ahead:  # this epoch's order only: the next one is not drawn yet
                 self._ahead[self._order[pos]] = self._prompts.submit(self._build_ids, self._order[pos])
         return future.result()
 
     def _build_ids(self, index: int) -> list[int]:
-        return self.chat.ids(self.rows[index][self.prompt_column])
+        return self.chat.ids(self.rows[index][self.settings.prompt_column])
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -235,10 +250,10 @@ class DatasetEnv(Env):
     def start_group(self, group_id: int) -> None:
         index = self._next_index()
         row = self.rows[index]
-        prompt = row[self.prompt_column]
-        request = Request(prompt_ids=self._prompt_ids(index, prompt), max_new_tokens=self.max_new_tokens,
-                          temperature=self.temperature, constraint=self.constraint)
-        columns = {k: v for k, v in row.items() if k != self.prompt_column}
+        prompt = row[self.settings.prompt_column]
+        request = Request(prompt_ids=self._prompt_ids(index, prompt), max_new_tokens=self.settings.max_new_tokens,
+                          temperature=self.settings.temperature, constraint=self.constraint)
+        columns = {k: v for k, v in row.items() if k != self.settings.prompt_column}
         self._groups[group_id] = Group(prompt, request, columns)
         self._pending.update((group_id, i) for i in range(self.group_size))
 
@@ -319,8 +334,8 @@ class DatasetEnv(Env):
             return {}
         n = len(self.eval_rows) if not eval_cfg.max_samples else min(eval_cfg.max_samples, len(self.eval_rows))
         rows = self.eval_rows.select(range(n))
-        prompts = rows[self.prompt_column]
-        requests = [Request(prompt_ids=self.chat.ids(p), max_new_tokens=self.max_new_tokens,
+        prompts = rows[self.settings.prompt_column]
+        requests = [Request(prompt_ids=self.chat.ids(p), max_new_tokens=self.settings.max_new_tokens,
                             temperature=eval_cfg.temperature, constraint=self.constraint) for p in prompts]
         completions = engine.generate(requests)
         texts = self.texts_of(completions)
@@ -328,7 +343,7 @@ class DatasetEnv(Env):
         rewards = []
         for prompt, text, row in zip(prompts, texts, rows):  # one call per row: a message list per prompt
             p, c = self.reward_inputs(prompt, [text])
-            columns = {k: [v] for k, v in row.items() if k != self.prompt_column}
+            columns = {k: [v] for k, v in row.items() if k != self.settings.prompt_column}
             rewards.append(self.rewards.score(p, c, columns)[0][0])
         eval_errors = self.rewards.take_errors()
         self.rewards.restore_error_counts(training_counts)  # training's counts go on unchanged

@@ -28,7 +28,7 @@ from colocate.lifecycle import StopSignal
 from colocate.jsonfile import write_atomic
 from colocate.metrics import EngineProfileWindow, MetricsWriter, Profilers, make_profiler, memory_peaks, role_monitors
 from colocate.rollout.evaluation import Evaluator
-from colocate.rollout.worker import RolloutWorker
+from colocate.rollout.worker import RolloutSettings, RolloutWorker
 from colocate.topology import Topology, gpu_index
 from colocate.wire import ProbeScore, RunFlags, TrajectorySender, send_json
 
@@ -48,12 +48,7 @@ class InferenceRank:
         self.cfg, self.topo, self.engine, self.env, self.receiver, self.stop = cfg, topo, engine, env, receiver, stop
         self.probe = probe  # the canary's token ids (`canary.probe_ids`), the learner scores the same
         self.scored_version: int | None = None  # the last version the canary scored
-        self.worker = RolloutWorker(env, engine, groups_per_batch=topo.share(cfg.rollout.groups_per_step),
-                                    first_group_id=topo.rank * 1_000_000, oversample=cfg.rollout.oversample_groups,
-                                    stream=cfg.rollout.stream, drop_uniform=cfg.rollout.drop_uniform_groups,
-                                    overlong_buffer=cfg.env.overlong_buffer, max_new_tokens=cfg.engine.max_new_tokens,
-                                    max_env_errors=cfg.env.max_reward_errors,
-                                    inflight=cfg.rollout.update == "inflight")
+        self.worker = RolloutWorker(env, engine, RolloutSettings.from_config(cfg, topo))
         self.writer = MetricsWriter(cfg.metrics.run_dir, "inference", enabled=topo.role_rank == 0, first_step=start,
                                     tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         self.evaluator = Evaluator(cfg, env, engine, self.writer, enabled=topo.role_rank == 0)

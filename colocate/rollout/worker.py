@@ -31,11 +31,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from colocate.config_schema import Config
 from colocate.data import Sample, TrajectoryBatch, build_batch, group_advantages
 from colocate.engine.base import Engine
 from colocate.envs.base import Env
 from colocate.envs.protocol import ResultCheck
 from colocate.metrics import percentiles
+from colocate.topology import Topology
 
 DROP_LIMIT = 8  # batches' worth of uniform groups one collect may drop before it keeps them
 
@@ -90,21 +92,42 @@ class _Play:
     requests: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class RolloutSettings:
+    """How a `RolloutWorker` plays (the module docstring says what each does); `from_config` fills it
+    from a run's config once per inference rank, tests and benchmarks set what they exercise."""
+    groups_per_batch: int
+    """This rank's groups per batch (its share of rollout.groups_per_step)."""
+    first_group_id: int = 0
+    """Group ids count up from here (unique across ranks)."""
+    oversample: int = 0
+    stream: bool = False
+    drop_uniform: bool = False
+    overlong_buffer: int = 0
+    max_new_tokens: int = 0
+    """What `overlong_buffer`'s penalty counts back from (engine.max_new_tokens)."""
+    max_env_errors: int = 100
+    """Bad results of the env's methods tolerated (`ResultCheck`) before the rollout fails."""
+    inflight: bool = False
+    """rollout.update=inflight: no drain; implies streamed polls."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, topo: Topology) -> "RolloutSettings":
+        return cls(groups_per_batch=topo.share(cfg.rollout.groups_per_step), first_group_id=topo.rank * 1_000_000,
+                   oversample=cfg.rollout.oversample_groups, stream=cfg.rollout.stream,
+                   drop_uniform=cfg.rollout.drop_uniform_groups, overlong_buffer=cfg.env.overlong_buffer,
+                   max_new_tokens=cfg.engine.max_new_tokens, max_env_errors=cfg.env.max_reward_errors,
+                   inflight=cfg.rollout.update == "inflight")
+
+
 class RolloutWorker:
-    def __init__(self, env: Env, engine: Engine, *, groups_per_batch: int, first_group_id: int = 0,
-                 oversample: int = 0, stream: bool = False, drop_uniform: bool = False, overlong_buffer: int = 0,
-                 max_new_tokens: int = 0, max_env_errors: int = 100, inflight: bool = False):
+    def __init__(self, env: Env, engine: Engine, settings: RolloutSettings):
         self.env = env
-        self.check = ResultCheck(env, max_env_errors)  # what the env's methods return
+        self.check = ResultCheck(env, settings.max_env_errors)  # what the env's methods return
         self.engine = engine
-        self.groups_per_batch = groups_per_batch
-        self.oversample = oversample
-        self.stream = stream or inflight  # no drain: a poll must leave unfinished requests running
-        self.inflight = inflight
-        self.drop_uniform = drop_uniform
-        self.overlong_buffer = overlong_buffer
-        self.max_new_tokens = max_new_tokens
-        self.next_group = first_group_id
+        self.settings = settings
+        self.stream = settings.stream or settings.inflight  # no drain: a poll must leave unfinished requests running
+        self.next_group = settings.first_group_id
         self._live: set = set()                    # groups started and not yet complete
         self._complete: dict = {}                  # group -> its samples, in completion order
         self._in_flight: dict = {}                 # ticket -> (env key, submit time); across calls when inflight
@@ -122,12 +145,12 @@ class RolloutWorker:
         once the groups are complete; what is in flight keeps running into the next call."""
         play = _Play()
         self._start_groups()
-        while len(self._complete) < self.groups_per_batch or (self._in_flight and not self.inflight):
-            if len(self._complete) < self.groups_per_batch:  # past it: only drain what is in flight
+        while len(self._complete) < self.settings.groups_per_batch or (self._in_flight and not self.settings.inflight):
+            if len(self._complete) < self.settings.groups_per_batch:  # past it: only drain what is in flight
                 self._start_groups()  # again after a drop or (inflight) a completed group
                 self._submit_waiting(play)
             self._file_finished(self._advance(play), play)
-        if self.inflight:  # replace the groups just completed: the engine stays full while the batch ships
+        if self.settings.inflight:  # replace the groups just completed: the engine stays full while the batch ships
             self._start_groups()
             self.env.settle()  # an env working in other processes: their first requests, before shipping
             self._submit_waiting(play)
@@ -139,8 +162,8 @@ class RolloutWorker:
     def _start_groups(self) -> None:
         """Keep `groups_per_batch + oversample` groups in play (live or complete and waiting); with
         `inflight`, that many live: a completed group is replaced at once."""
-        waiting = 0 if self.inflight else len(self._complete)
-        while len(self._live) + waiting < self.groups_per_batch + self.oversample:
+        waiting = 0 if self.settings.inflight else len(self._complete)
+        while len(self._live) + waiting < self.settings.groups_per_batch + self.settings.oversample:
             self.env.start_group(self.next_group)
             self._live.add(self.next_group)
             self.next_group += 1
@@ -189,13 +212,14 @@ class RolloutWorker:
         now = time.perf_counter() - play.t0
         groups: dict = {}
         for s in finished:
-            s.reward += overlong_penalty(len(s.completion.token_ids), self.max_new_tokens, self.overlong_buffer)
+            s.reward += overlong_penalty(len(s.completion.token_ids), self.settings.max_new_tokens,
+                                         self.settings.overlong_buffer)
             play.group_s.setdefault(s.group_key, now)
             groups.setdefault(group_of(s), []).append(s)
             self._live.discard(group_of(s))
         for g, samples in groups.items():
-            if self.drop_uniform and is_uniform(samples):
-                if play.dropped_uniform < DROP_LIMIT * self.groups_per_batch:
+            if self.settings.drop_uniform and is_uniform(samples):
+                if play.dropped_uniform < DROP_LIMIT * self.settings.groups_per_batch:
                     play.dropped_uniform += 1
                     continue
                 play.kept_uniform += 1
@@ -203,7 +227,7 @@ class RolloutWorker:
 
     def _take_samples(self) -> list[Sample]:
         """The samples of the first `groups_per_batch` complete groups (the rest wait for a later batch)."""
-        taken = list(self._complete)[: self.groups_per_batch]
+        taken = list(self._complete)[: self.settings.groups_per_batch]
         return [s for g in taken for s in self._complete.pop(g)]
 
     def _rollout_stats(self, batch: TrajectoryBatch, samples: list[Sample], play: _Play,
@@ -213,7 +237,7 @@ class RolloutWorker:
             "samples": float(len(samples)),
             "polls": float(len(play.poll_s)),
             "latency_s": elapsed,
-            "games_per_s": self.groups_per_batch * self.env.group_size / max(elapsed, 1e-9),
+            "games_per_s": self.settings.groups_per_batch * self.env.group_size / max(elapsed, 1e-9),
             **percentiles(play.poll_s, "poll_latency_s"),
             **percentiles(play.request_s, "request_latency_s"),
             **percentiles(list(play.group_s.values()), "group_latency_s"),

@@ -10,9 +10,9 @@ the prompt or order format changes (it keys the cached tokenizer).
 """
 from __future__ import annotations
 
-from colocate.envs.diplomacy.env import DiplomacyEnv, power_rewards, random_legal_completion
+from colocate.envs.diplomacy.env import DiplomacyEnv, DiplomacySettings, power_rewards, random_legal_completion
 from colocate.envs.diplomacy.game import StateCacheError, fork_game, load_state_cache
 from colocate.envs.diplomacy.prompt import CORPUS_VERSION, corpus
 
-__all__ = ["CORPUS_VERSION", "DiplomacyEnv", "StateCacheError", "corpus", "fork_game", "load_state_cache",
-           "power_rewards", "random_legal_completion"]
+__all__ = ["CORPUS_VERSION", "DiplomacyEnv", "DiplomacySettings", "StateCacheError", "corpus", "fork_game",
+           "load_state_cache", "power_rewards", "random_legal_completion"]

@@ -94,6 +94,30 @@ class Group:
     continuations: list[Continuation]
 
 
+@dataclass(frozen=True, kw_only=True)
+class DiplomacySettings:
+    """How a `DiplomacyEnv` plays (the module docstring; `from_config`: a run's env keys). The defaults
+    are a short game for tests and benchmarks: one year, room for a whole order list."""
+    group_size: int
+    """Continuations forked from one start state (rollout.group_size)."""
+    horizon_years: int = 1
+    stall_years: int = 2
+    train_later_phases: bool = False
+    use_constraint: bool = True
+    unit_labels: bool = True
+    list_supports: bool = True
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "DiplomacySettings":
+        e = cfg.env
+        return cls(group_size=cfg.rollout.group_size, horizon_years=e.horizon_years, stall_years=e.stall_years,
+                   train_later_phases=e.train_later_phases, use_constraint=e.use_constraint,
+                   unit_labels=e.unit_labels, list_supports=e.list_supports,
+                   max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature)
+
+
 class DiplomacyEnv(Env):
     @classmethod
     def prompt_bound(cls, cfg) -> int:
@@ -105,29 +129,20 @@ class DiplomacyEnv(Env):
         """Every continuation asks for all seven powers' orders in each phase."""
         return cfg.rollout.group_size * len(dg.POWERS)
 
-    def __init__(self, tokenizer, *, group_size: int, horizon_years: int = 1, stall_years: int = 2,
-                 train_later_phases: bool = False, use_constraint: bool = True, unit_labels: bool = True,
-                 list_supports: bool = True,
-                 max_new_tokens: int = 256, temperature: float = 1.0, seed: int = 0,
-                 start_states: list[dict] | None = None, chat: ChatFormat | None = None):
-        if horizon_years < 1:
-            raise ValueError(f"horizon_years={horizon_years} must be >= 1")
+    def __init__(self, tokenizer, settings: DiplomacySettings, *, seed: int = 0, start_states: list[dict] | None = None,
+                 chat: ChatFormat | None = None):
+        """`seed`: this rank's (start states, fork choices); `start_states`: saved game states a group
+        forks from (`env.state_cache`), None: the opening."""
+        if settings.horizon_years < 1:
+            raise ValueError(f"horizon_years={settings.horizon_years} must be >= 1")
         self.tokenizer = tokenizer
         self.chat = chat or ChatFormat(tokenizer, "none")  # wraps the memoized prompt ids in the template
-        self.group_size = group_size
-        self.horizon_years = horizon_years
-        self.stall_years = stall_years
-        self.train_later_phases = train_later_phases
-        self.use_constraint = use_constraint
-        self.unit_labels = unit_labels
-        self.list_supports = list_supports
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
+        self.settings, self.group_size = settings, settings.group_size
         self.start_states = start_states
         self.rng = random.Random(seed)
         self.eos_id = tokenizer.eos_token_id
-        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts(unit_labels, list_supports),
-                                 instruction_text=instruction(unit_labels, list_supports))
+        self.tokens = TokenCache(tokenizer, sample_texts=opening_texts(settings.unit_labels, settings.list_supports),
+                                 instruction_text=instruction(settings.unit_labels, settings.list_supports))
         self._engine_orders: dict[str, str] = {}
         self._groups: dict[int, Group] = {}
         self._reset_counters()
@@ -156,12 +171,8 @@ class DiplomacyEnv(Env):
 
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "DiplomacyEnv":
-        env_cfg = cfg.env
-        path = env_cfg.state_cache
-        return cls(tokenizer, group_size=cfg.rollout.group_size, horizon_years=env_cfg.horizon_years,
-                   stall_years=env_cfg.stall_years, train_later_phases=env_cfg.train_later_phases,
-                   use_constraint=env_cfg.use_constraint, unit_labels=env_cfg.unit_labels,
-                   list_supports=env_cfg.list_supports, max_new_tokens=cfg.engine.max_new_tokens, temperature=cfg.engine.temperature, seed=seed,
+        path = cfg.env.state_cache
+        return cls(tokenizer, DiplomacySettings.from_config(cfg), seed=seed,
                    start_states=dg.load_state_cache(path) if path else None,
                    chat=ChatFormat(tokenizer, cfg.model.chat_template))
 
@@ -173,7 +184,7 @@ class DiplomacyEnv(Env):
         root = dg.game_from_state(self.rng.choice(self.start_states)) if self.start_states else dg.new_game()
         view = self._build_view(root)
         key = dg.phase_key(root.get_current_phase())
-        end_key = (key[0] + self.horizon_years, key[1], key[2])
+        end_key = (key[0] + self.settings.horizon_years, key[1], key[2])
         centres, owners = dg.centre_counts(root), dg.centre_owners(root)
         t0 = time.perf_counter()
         games = [dg.fork_game(root) for _ in range(self.group_size)]
@@ -216,7 +227,7 @@ class DiplomacyEnv(Env):
             self._count["invalid"] += parsed.num_invalid
             self._count["garbled_lines"] += parsed.num_garbled
             self._count["truncated"] += completion.finish_reason == "length"
-            if cont.num_phases == 0 or self.train_later_phases:
+            if cont.num_phases == 0 or self.settings.train_later_phases:
                 cont.decisions.append((cont.num_phases, power, cont.view.requests[power].prompt_ids,
                                        completion, parsed.num_invalid))
             if len(cont.answers) == len(cont.view.requests):
@@ -305,7 +316,7 @@ class DiplomacyEnv(Env):
         board_ids = self.tokens.encode("".join(board_lines(game)))
         requests = {}
         for power, orders in all_orders.items():
-            requests[power] = request = self.request(board_ids, orders, self.temperature)
+            requests[power] = request = self.request(board_ids, orders, self.settings.temperature)
             prompt_ids = request.prompt_ids
             if request.constraint is not None:
                 needed = max_completion_tokens(request.constraint)
@@ -320,17 +331,17 @@ class DiplomacyEnv(Env):
     def request(self, board_ids: list[int], orders: PowerOrders, temperature: float) -> Request:
         """One power's prompt (board_ids: the phase's encoded `board_lines`), under the legal-order
         constraint when the env uses it; training and evaluation ask alike."""
-        prompt_ids = self.chat.wrap(self.tokens.prompt_ids(board_ids, own_lines(orders, self.list_supports)))
-        constraint, max_new = None, self.max_new_tokens
-        if self.use_constraint:
-            constraint = self.tokens.constraint(orders, self.eos_id, self.unit_labels)
+        prompt_ids = self.chat.wrap(self.tokens.prompt_ids(board_ids, own_lines(orders, self.settings.list_supports)))
+        constraint, max_new = None, self.settings.max_new_tokens
+        if self.settings.use_constraint:
+            constraint = self.tokens.constraint(orders, self.eos_id, self.settings.unit_labels)
             max_new = min(max_new, max_completion_tokens(constraint))
         return Request(prompt_ids=prompt_ids, max_new_tokens=max_new, temperature=temperature, constraint=constraint)
 
     def parse(self, completion: Completion, orders: PowerOrders):
         """Completion -> `orders.ParsedOrders` (legal orders, invalid slots, garbled lines)."""
         ids = [t for t in completion.token_ids if t != self.eos_id]
-        return parse_orders(self.tokenizer.decode(ids), orders, self.unit_labels)
+        return parse_orders(self.tokenizer.decode(ids), orders, self.settings.unit_labels)
 
     def evaluate(self, engine, eval_cfg, out_dir: str | None = None) -> dict[str, float]:
         """The policy against fixed opponents (`evaluate.py`); saved games and boards under out_dir."""
@@ -358,7 +369,7 @@ class DiplomacyEnv(Env):
             cont.owners, cont.last_change_year = owners, key[0]
         if key >= cont.end_key:
             return self._finish(cont, "horizon")
-        if self.stall_years > 0 and key[0] - cont.last_change_year >= self.stall_years:
+        if self.settings.stall_years > 0 and key[0] - cont.last_change_year >= self.settings.stall_years:
             self._count["stall_stops"] += 1
             return self._finish(cont, "stall")
         return None
