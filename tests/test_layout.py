@@ -1,6 +1,7 @@
 """The layout holds: imports run one way, kernels stand alone, functions fit a screen, docs live
 in the repo, and a non-editable install ships `colocate.kernels` but not the benchmarks."""
 import ast
+import collections
 import glob
 import os
 import re
@@ -282,3 +283,19 @@ def test_the_module_map_names_every_module():
         if not named:
             missing.append(rel)
     assert not missing, f"DEVELOPERS.md's module map lacks {missing}"
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(REPO, ".git")), reason="needs a git checkout")
+def test_no_top_level_function_is_unreferenced():
+    """Every top-level function of colocate/ and kernels/ is named somewhere besides its definition
+    (code, tests, configs, scripts, docs): dead code leaves the tree."""
+    words: collections.Counter = collections.Counter()
+    for rel in tracked_text_files():
+        if os.path.isfile(os.path.join(REPO, rel)):
+            words.update(re.findall(r"[A-Za-z_]\w*", open(os.path.join(REPO, rel), errors="replace").read()))
+    dead = []
+    for path in python_files("colocate", "kernels"):
+        for node in ast.parse(open(path).read()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and words[node.name] <= 1:
+                dead.append(f"{os.path.relpath(path, REPO)}:{node.lineno} {node.name}")
+    assert not dead, dead
