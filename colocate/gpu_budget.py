@@ -135,11 +135,19 @@ class GpuPlan:
     parts: tuple[dict, ...]
 
     def used(self) -> int:
-        return sum(sum(v for k, v in p.items() if not k.startswith("of which")) for p in self.parts)
+        return sum(rank_estimate(p) for p in self.parts)
 
 
 def rank_estimate(parts: dict) -> int:
     return sum(v for k, v in parts.items() if not k.startswith("of which"))
+
+
+def ranks_by_gpu(devices: list[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """{(node, index): the ranks on that GPU}, in GPU order."""
+    by_gpu: dict[tuple[int, int], list[int]] = {}
+    for rank, gpu in enumerate(devices):
+        by_gpu.setdefault(gpu, []).append(rank)
+    return dict(sorted(by_gpu.items()))
 
 
 def fit_tokens(cfg: Config, shape: ModelShape, num_learners: int, room: int) -> int:
@@ -155,8 +163,8 @@ def learner_rooms(cfg: Config, shape: ModelShape, roles: list[str], devices: lis
     """What each learner may use, per GPU that holds learners: the card less `AUTO_MARGIN`, less the
     engines' parts on it, shared by the learners on it."""
     rooms = []
-    for gpu in sorted(set(devices)):
-        on_gpu = [roles[r] for r, d in enumerate(devices) if d == gpu]
+    for ranks in ranks_by_gpu(devices).values():
+        on_gpu = [roles[r] for r in ranks]
         if "learner" in on_gpu:
             engines = on_gpu.count("inference") * rank_estimate(engine_parts(cfg, shape, total))
             rooms.append(int((total * (1 - AUTO_MARGIN) - engines) // on_gpu.count("learner")))
@@ -190,11 +198,8 @@ def plan_gpus(cfg: Config, shape: ModelShape, roles: list[str], devices: list[tu
               total: int) -> list[GpuPlan]:
     """Every GPU's ranks and their estimates (micro_batch_tokens already an integer)."""
     num_learners = roles.count("learner")
-    by_gpu: dict[tuple[int, int], list[int]] = {}
-    for rank, gpu in enumerate(devices):
-        by_gpu.setdefault(gpu, []).append(rank)
     plans = []
-    for gpu, ranks in sorted(by_gpu.items()):
+    for gpu, ranks in ranks_by_gpu(devices).items():
         parts = tuple(engine_parts(cfg, shape, total) if roles[r] == "inference" else
                       learner_parts(cfg, shape, num_learners, cfg.learner.micro_batch_tokens) for r in ranks)
         plans.append(GpuPlan(gpu, tuple(ranks), tuple(roles[r] for r in ranks), parts))
@@ -275,24 +280,28 @@ class Card:
     name: str
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the plan says: the lines printed at start, and each rank's estimate in GiB (by global
+    rank as a string; empty without a card), which the run keeps beside the measured peaks."""
+    lines: list[str]
+    estimates_gib: dict[str, float]
+
+
 def plan_memory(cfg: Config, model, roles: list[str], devices: list[tuple[int, int]] | None,
-                card: Card | None) -> list[str]:
-    """Resolve `micro_batch_tokens: auto`, then plan and check every GPU -> the lines to print.
+                card: Card | None) -> MemoryPlan:
+    """Resolve `micro_batch_tokens: auto`, then plan and check every GPU.
     `devices` None or `card` None: CPU ranks (only `auto` is resolved)."""
     if card is None or devices is None:
         line = resolve_micro_batch_tokens(cfg, None, roles, None, None)
-        return [f"colocate: {line}"] if line else []
+        return MemoryPlan([f"colocate: {line}"] if line else [], {})
     shape = ModelShape.of(cfg, model)
     line = resolve_micro_batch_tokens(cfg, shape, roles, devices, card.total)
     plans = plan_gpus(cfg, shape, roles, devices, card.total)
     check_plan(cfg, plans, card.total)
-    return ([f"colocate: {line}"] if line else []) + plan_lines(cfg, plans, card.total, card.name)
-
-
-def estimates_by_rank(cfg: Config, model, roles: list[str], devices: list[tuple[int, int]], total: int) -> dict:
-    """{rank: estimated GiB} for the summary (micro_batch_tokens resolved): set beside the measured peaks."""
-    plans = plan_gpus(cfg, ModelShape.of(cfg, model), roles, devices, total)
-    return {str(r): round(rank_estimate(p) / GIB, 2) for plan in plans for r, p in zip(plan.ranks, plan.parts)}
+    estimates = {str(r): round(rank_estimate(p) / GIB, 2) for plan in plans for r, p in zip(plan.ranks, plan.parts)}
+    return MemoryPlan(([f"colocate: {line}"] if line else []) + plan_lines(cfg, plans, card.total, card.name),
+                      estimates)
 
 
 def print_plan(lines: list[str]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from colocate import run_dir
 from colocate.config import Config, ConfigError, load_config, parse_overrides
+from colocate.jsonfile import write_atomic
 from colocate.preflight import CardSpec, preflight
 from colocate.topology import place_roles
 from colocate.trackers import check_loggers
@@ -110,12 +111,15 @@ def check_config(argv: list[str], world: int | None = None,
     flags = split_check_flags(argv)
     argv, check_only, world = flags.rest, flags.check_only, world or flags.world
     cfg, resume_flag = parse_config(argv, world)
-    preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), flags.card,
-              show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
+    estimates = preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), flags.card,
+                          show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
     check_loggers(cfg)
     # `--check` refuses what a run would refuse (the same `--resume` / `--overwrite`), and deletes nothing
-    run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite,
-                  remove=not check_only and int(os.environ.get("RANK", "0")) == 0)
+    one_process = not check_only and int(os.environ.get("RANK", "0")) == 0
+    run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite, remove=one_process)
+    if one_process and estimates and "WORLD_SIZE" in os.environ:  # rank 0 of a GPU run
+        # each rank's estimated peak, which the learners' summary sets beside the measured ones
+        write_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"), estimates)
     return cfg, resume_flag, check_only
 
 

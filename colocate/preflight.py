@@ -127,22 +127,23 @@ def the_card(card: CardSpec | None, gpus: int, local_world: int):
 
 
 def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, card: CardSpec | None,
-                gpus: int, show: bool) -> None:
+                gpus: int, show: bool) -> dict[str, float]:
     """`gpu_budget.plan_memory` over the ranks' placement: `auto` resolved, every GPU checked, the
-    plan printed where `show` (a check, or rank 0 of a run)."""
+    plan printed where `show` (a check, or rank 0 of a run) -> each rank's estimate (GiB; {} on CPU)."""
     from colocate.gpu_budget import plan_memory as plan, print_plan
     from colocate.topology import place_roles, rank_devices
     world = world or 2
     local_world = local_world or world
     roles = place_roles(cfg, world, local_world)
     planned = the_card(card, gpus, local_world)
-    lines = plan(cfg, model, roles, rank_devices(world, local_world, planned.per_node) if planned else None, planned)
+    memory = plan(cfg, model, roles, rank_devices(world, local_world, planned.per_node) if planned else None, planned)
     if show:
-        print_plan(lines)
+        print_plan(memory.lines)
+    return memory.estimates_gib
 
 
 def preflight(cfg: Config, world: int | None = None, local_world: int | None = None,
-              card: CardSpec | None = None, show_plan: bool = False) -> None:
+              card: CardSpec | None = None, show_plan: bool = False) -> dict[str, float]:
     gpus = gpu_count(cfg)
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
@@ -152,4 +153,4 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
         check_optional_packages(cfg)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
-    plan_memory(cfg, model, world, local_world, card, gpus, show_plan)
+    return plan_memory(cfg, model, world, local_world, card, gpus, show_plan)

@@ -27,7 +27,6 @@ import os
 import socket
 import sys
 
-import torch
 import torch.distributed as dist
 import yaml
 
@@ -105,7 +104,6 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
               f"({socket.gethostname()})", flush=True)
     if topo.rank == 0:
         save_config(cfg, os.path.join(cfg.metrics.run_dir, "config.yaml"))
-        write_memory_plan(cfg, topo)
         if resume is not None:
             print(f"colocate: resuming from {resume['path']} (step {resume['trainer_state']['step']})", flush=True)
     key, corpus_fn = env_corpus(cfg)
@@ -135,22 +133,6 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     dist.destroy_process_group()
     gc.unfreeze()  # let interpreter shutdown release the frozen heap (else nanobind reports leaks)
     return collapse_step if topo.role == "learner" else None
-
-
-def write_memory_plan(cfg: Config, topo: Topology) -> None:
-    """<run_dir>/memory_plan.json: each rank's estimated peak (GiB) on this machine's cards, which
-    summary.json sets beside the measured peaks (GPU runs only)."""
-    from colocate.gpu_budget import estimates_by_rank, gpu_total_bytes
-    from colocate.jsonfile import write_atomic
-    from colocate.preflight import meta_model
-    from colocate.topology import rank_devices
-    total = gpu_total_bytes() if topo.device.type == "cuda" else None
-    if total is None:
-        return
-    devices = rank_devices(topo.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)),
-                           torch.cuda.device_count())
-    write_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"),
-                      estimates_by_rank(cfg, meta_model(cfg), list(topo.roles), devices, total))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -330,7 +330,11 @@ def write_fixture_rows(tmp_path) -> dict[str, str]:
 
 
 def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
-    """Write the case's config file and fixtures; -> (config path, overrides with paths filled in)."""
+    """Write the case's config file and fixtures; -> (config path, overrides with paths filled in).
+    The cases' user modules (`user_*.py`) are written afresh: an earlier case's import of the same
+    name, from another directory, is forgotten so that this one's file is the one imported."""
+    for name in [m for m in sys.modules if m.startswith("user_")]:
+        del sys.modules[name]
     if text == "<missing>":
         path = str(tmp_path / "missing.yaml")
     elif text is None:

@@ -56,7 +56,7 @@ def plan(name: str, world: int, card: str, **learner) -> tuple[object, list[str]
     from colocate.topology import place_roles
     roles = place_roles(cfg, world, world)
     return cfg, plan_memory(cfg, meta_model(cfg), roles, rank_devices(world, world, world),
-                            Card(parse_gpu_memory(card), world, card))
+                            Card(parse_gpu_memory(card), world, card)).lines
 
 
 def test_auto_takes_the_largest_budget_that_leaves_the_margin(seven_b):
@@ -73,7 +73,7 @@ def test_auto_takes_the_largest_budget_that_leaves_the_margin(seven_b):
 
 def test_auto_without_a_card_is_the_fixed_default():
     cfg = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"), world_size=4)
-    lines = plan_memory(cfg, meta_model(cfg), ["inference"] * 2 + ["learner"] * 2, None, None)
+    lines = plan_memory(cfg, meta_model(cfg), ["inference"] * 2 + ["learner"] * 2, None, None).lines
     assert cfg.learner.micro_batch_tokens == AUTO_WITHOUT_GPU and "no GPU" in lines[0]
 
 
@@ -172,3 +172,23 @@ def test_a_14b_learner_fits_beside_another_at_an_auto_budget(capsys, monkeypatch
     tokens = int(err.split("micro_batch_tokens auto -> ")[1].split()[0])
     assert tokens >= AUTO_STEP and tokens % AUTO_STEP == 0
     assert f"ranks 2, 3: a learner at {tokens} tokens (weights 13.8," in err  # 14.77 B bf16 parameters / 2
+
+
+@pytest.mark.parametrize("rank,written", [("0", True), ("1", False)])
+def test_rank_0_keeps_the_plans_estimates_in_the_run_dir(monkeypatch, tmp_path, rank, written):
+    """The estimates preflight made are what summary.json sets beside the measured peaks: rank 0 of a
+    run writes them once it holds the run directory (no second model build); other ranks and
+    `--check` write nothing."""
+    from colocate import launch
+    monkeypatch.setattr(launch, "preflight", lambda *a, **k: {"0": 70.1, "1": 64.2})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), f"--metrics.run_dir={tmp_path / 'run'}"]
+    launch.check_config([*argv, "--check"])
+    assert not (tmp_path / "run" / "memory_plan.json").exists()
+    launch.check_config(argv)
+    path = tmp_path / "run" / "memory_plan.json"
+    assert path.exists() == written
+    if written:
+        from colocate.jsonfile import read_object
+        assert read_object(str(path)) == {"0": 70.1, "1": 64.2}

@@ -63,7 +63,7 @@ def test_topology_on_one_gpu_builds_no_nccl_group_across_it(monkeypatch):
 
 def one_gpu_plan(cfg, total):
     """Both roles of a 2-process world on GPU 0 of `total` bytes -> the lines (raises ConfigError)."""
-    return plan_memory(cfg, meta_model(cfg), ["inference", "learner"], rank_devices(2, 2, 1), Card(total, 1, "test"))
+    return plan_memory(cfg, meta_model(cfg), ["inference", "learner"], rank_devices(2, 2, 1), Card(total, 1, "test")).lines
 
 
 def test_memory_split_refuses_what_cannot_fit():
