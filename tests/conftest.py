@@ -3,6 +3,10 @@ right-padded reference layout the learner's packed path is checked against."""
 import dataclasses
 import os
 import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +44,37 @@ def fields_left_at_default(record) -> list[str]:
         if getattr(record, f.name) == default:
             left.append(f.name)
     return left
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun -m colocate.train ARGS` on this machine; it must succeed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "colocate.train", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    run_dir: Path
+    stdout: str
+    stderr: str
+
+
+LEARNING_STEPS = 80
+
+
+@pytest.fixture(scope="session")
+def learning_run(tmp_path_factory) -> FinishedRun:
+    """cpu-tiny as configured (lag 1, the canary at every version) for `LEARNING_STEPS` steps with
+    adapter checksums on, under torchrun: one run that every test of a healthy learning run reads
+    (the reward improves: test_train_cpu; the canary never alerts: test_canary)."""
+    tmp = tmp_path_factory.mktemp("learning")
+    proc = torchrun(["--config", "configs/cpu-tiny.yaml", f"--learner.num_steps={LEARNING_STEPS}",
+                     f"--metrics.run_dir={tmp / 'run'}", f"--model.cache_dir={tmp / 'cache'}",
+                     "--sync.check_checksum=true"])
+    return FinishedRun(tmp / "run", proc.stdout, proc.stderr)
 
 
 @pytest.fixture(scope="session")

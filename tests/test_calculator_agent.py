@@ -84,7 +84,7 @@ def test_a_short_torchrun_run_logs_the_agent_curves_and_a_zero_sampler_gap(tmp_p
     """4 steps under torchrun (the episodes' loss mask crosses the transport): the agent scalars are
     in TensorBoard, and with K = 2 at lag 0 the HF engine's log-probs of the policy spans equal the
     learner's (both fp32 on this CPU, different kernels: rounding only)."""
-    from tests.test_train_cpu import torchrun
+    from tests.conftest import torchrun
     from tests.test_vllm_gpu import tb_scalars
     run_dir = tmp_path / "run"
     torchrun(["--config", "configs/cpu-calculator-agent.yaml", "--learner.num_steps=4", "--learner.max_policy_lag=0",

@@ -28,19 +28,21 @@ def test_temperature_zero_is_greedy(tiny_cfg, tiny_tokenizer, tiny_policy):
     assert all(lp <= 0 for c in sampled for lp in c.logprobs)
 
 
-def run_eval_cli(args, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "colocate.eval", "--config", "configs/cpu-dataset-tiny.yaml",
-                          f"--model.cache_dir={tmp_path / 'cache'}", f"--metrics.run_dir={tmp_path / 'run'}", *args],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+def run_eval_cli(args, tmp_path, capsys):
+    """`python -m colocate.eval ARGS` as a call (its `main`, what the module runs) -> the JSON it printed."""
+    from colocate.eval import main
+    capsys.readouterr()
+    main(["--config", "configs/cpu-dataset-tiny.yaml", f"--model.cache_dir={tmp_path / 'cache'}",
+          f"--metrics.run_dir={tmp_path / 'run'}", *args])
+    return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.slow
-def test_run_evaluates_and_the_cli_scores_the_checkpoint_alike(tmp_path):
+def test_run_evaluates_and_the_cli_scores_the_checkpoint_alike(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the config's data files are relative to the working directory
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.test_train_cpu import torchrun
+    from tests.conftest import torchrun
     run_dir = tmp_path / "run"
     torchrun(["--config", "configs/cpu-dataset-tiny.yaml", "--learner.num_steps=4", "--eval.every=2",
               "--checkpoint.enabled=true", f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"])
@@ -51,14 +53,14 @@ def test_run_evaluates_and_the_cli_scores_the_checkpoint_alike(tmp_path):
     assert [e.step for e in acc.Scalars("eval/accuracy")] == [0, 2, 4]
     assert {"eval/mean_reward", "eval/mean_length", "rollout/reward_errors"} <= set(acc.Tags()["scalars"])
     assert os.path.exists(run_dir / "eval" / "dataset-eval-v4.jsonl")
-    base = run_eval_cli([], tmp_path)
+    base = run_eval_cli([], tmp_path, capsys)
     assert base["version"] == 0 and base["metrics"] == pytest.approx(
         {k: v for k, v in summary["eval"][0].items() if k not in ("version", "eval_s")})
-    trained = run_eval_cli(["--checkpoint", str(run_dir / "checkpoints" / "step-000004")], tmp_path)
+    trained = run_eval_cli(["--checkpoint", str(run_dir / "checkpoints" / "step-000004")], tmp_path, capsys)
     assert trained["version"] == 4 and trained["metrics"] == pytest.approx(
         {k: v for k, v in summary["eval_final"].items() if k not in ("version", "eval_s")})
     assert json.loads((run_dir / "evals" / "step-000004" / "metrics.json").read_text())["metrics"] == trained["metrics"]
-    adapter = run_eval_cli(["--checkpoint", str(run_dir / "adapter")], tmp_path)  # the run's final adapter alike
+    adapter = run_eval_cli(["--checkpoint", str(run_dir / "adapter")], tmp_path, capsys)  # the run's final adapter alike
     assert adapter["version"] == 4 and adapter["metrics"] == trained["metrics"]
 
 

@@ -65,7 +65,7 @@ def test_two_turns_reward_a_first_hit_more_than_a_second(tiny_cfg, tiny_tokenize
 
 @pytest.mark.slow
 def test_custom_env_trains_under_torchrun(tmp_path):
-    from tests.test_train_cpu import torchrun
+    from tests.conftest import torchrun
     run_dir = tmp_path / "run"
     torchrun(["--config", "configs/cpu-tiny.yaml", f"--env.name={PATH}", "--env.options={max_number: 4}",
               "--learner.num_steps=3", f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"])

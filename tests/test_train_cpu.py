@@ -1,31 +1,19 @@
 """End-to-end CPU runs under torchrun (2 processes, gloo): the trainer learns; model.path loads."""
 import glob
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO
-
-
-def torchrun(args, nproc=2, timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "colocate.train", *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc
+from tests.conftest import LEARNING_STEPS, torchrun
 
 
 @pytest.mark.slow
-def test_cpu_run_reward_improves(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=80", f"--metrics.run_dir={run_dir}",
-                     f"--model.cache_dir={tmp_path / 'cache'}", "--sync.check_checksum=true"])
-    assert "Warning" not in proc.stderr, proc.stderr[-2000:]  # no FutureWarnings (issue 56) or others
+def test_cpu_run_reward_improves(learning_run):
+    run_dir = learning_run.run_dir
+    assert "Warning" not in learning_run.stderr, learning_run.stderr[-2000:]  # no FutureWarnings (issue 56) or others
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 80
+    assert summary["steps"] == LEARNING_STEPS
     assert summary["reward_end"] >= summary["reward_start"] + 0.25, summary
     assert (run_dir / "config.yaml").exists()
     assert (run_dir / "adapter" / "adapter_model.safetensors").exists()  # the final adapter, checkpoints off
