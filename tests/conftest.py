@@ -5,7 +5,6 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,7 @@ def torchrun(args: list[str], nproc: int = 2, timeout: int = 600) -> subprocess.
     return proc
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class FinishedRun:
     run_dir: Path
     stdout: str
