@@ -36,5 +36,5 @@ setup(
         # metrics.loggers beyond TensorBoard (colocate/trackers.py); CI installs them with [test]
         "trackers": ["wandb>=0.19", "mlflow-skinny>=2.20", "trackio>=0.2"],
     },
-    entry_points={"console_scripts": ["colocate = colocate.cli:main"]},
+    entry_points={"console_scripts": ["colocate = colocate.cli:entry"]},
 )

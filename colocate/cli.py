@@ -251,5 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `colocate` console script: `main`, then `lifecycle.leave` with its code."""
+    from colocate.lifecycle import leave
+    leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

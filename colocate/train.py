@@ -40,7 +40,7 @@ from colocate.launch import configure, rank_role
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
 from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, faults_from_env, is_peer_failure,
-                                quiet_thread_peer_failures, report_failure)
+                                leave, quiet_thread_peer_failures, report_failure)
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
 from colocate.topology import Topology, build_topology, split_cpu_threads
@@ -135,11 +135,13 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     return collapse_step if topo.role == "learner" else None
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """One rank (or `--check`) -> its exit code: 0, or COLLAPSE_EXIT when a collapse or a canary
+    mismatch stopped the run; bad input exits 2 and a failure FAILED_EXIT from inside."""
     cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
     if check_only:  # `--check`: the resolved config, exit 0
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
-        return
+        return 0
     split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it
         die_with_parent()
@@ -159,9 +161,8 @@ def main(argv: list[str] | None = None) -> None:
             rank = int(os.environ.get("RANK", "0"))
             print(report_failure(e, rank, rank_role(cfg), cfg.metrics.run_dir), file=sys.stderr, flush=True)
         exit_quietly(FAILED_EXIT)
-    if collapse_step is not None:
-        sys.exit(COLLAPSE_EXIT)
+    return COLLAPSE_EXIT if collapse_step is not None else 0
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())
