@@ -42,8 +42,11 @@ def role_nodes(outputs: list[str]) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_two_nodes_train_to_the_target_with_roles_by_node(tmp_path):
+    """200 of the preset's 300 steps: in 5,000-step runs of cpu-tiny (3 seeds, profiles/README.md,
+    "Embedded default") every 100-step window after the first held a mean reward >= 0.976, so the
+    last 10 steps of 200 clear the 0.9 target by the same margin the full run does."""
     run = tmp_path / "run"
-    nodes = start_nodes(tmp_path, run, [])
+    nodes = start_nodes(tmp_path, run, ["--learner.num_steps=200"])
     outputs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     assert role_nodes(outputs) == {"inference": 0, "learner": 1}, outputs
