@@ -21,14 +21,26 @@ def test_cpu_run_reward_improves(learning_run):
         assert glob.glob(str(run_dir / "tb" / role / "events.out.tfevents.*")), role
 
 
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory, tiny_cfg, tiny_tokenizer):
+    """The embedded tiny model and tokenizer saved as a local model directory -> (dir, model)."""
+    from colocate.models import build_model, save_tiny_model
+    model = build_model(tiny_cfg.model, tiny_tokenizer)
+    model_dir = tmp_path_factory.mktemp("local") / "model"
+    save_tiny_model(str(model_dir), model, tiny_tokenizer)
+    return model_dir, model
+
+
 @pytest.mark.slow
-def test_oversampled_groups_carried_over_fit_the_lag_budget(tmp_path):
+def test_oversampled_groups_carried_over_fit_the_lag_budget(tmp_path, local_model):
+    """Trained from the local model directory (`model.path`): the run is also
+    test_local_model_path_loads_and_trains's proof that such a directory trains."""
     # 2 extra groups in play: the HF engine finishes all 18 per poll, the batch takes 16 and the other
     # 2 wait for the next batch, one step later. The batch starts one version fresher than the budget
     # (config.sampling_lag), so those carried groups are trained at lag 2 exactly, not dropped at 3.
     run_dir = tmp_path / "run"
     torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=4", "--learner.max_policy_lag=2",
-              "--rollout.oversample_groups=2", f"--metrics.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"])
+              "--rollout.oversample_groups=2", f"--metrics.run_dir={run_dir}", f"--model.path={local_model[0]}"])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["dropped_stale"] == 0, summary
     lags = [row["policy_lag"] for row in summary["timeline"]]  # per step: mean policy lag of the trained sequences
@@ -36,22 +48,18 @@ def test_oversampled_groups_carried_over_fit_the_lag_budget(tmp_path):
     assert lags[0] == 0 and lags[2:] == [pytest.approx(1.125)] * 2, lags
 
 
-@pytest.mark.slow
-def test_local_model_path_loads_and_trains(tmp_path, tiny_cfg, tiny_tokenizer):
-    from colocate.models import build_model, build_model as build, load_tokenizer, save_tiny_model
-    model = build_model(tiny_cfg.model, tiny_tokenizer)
-    model_dir = tmp_path / "model"
-    save_tiny_model(str(model_dir), model, tiny_tokenizer)
+def test_local_model_path_loads_and_trains(local_model, tiny_cfg, tiny_tokenizer):
+    """A saved model directory loads as the same model and tokenizer; the oversampled run above
+    trains from it under torchrun."""
+    from colocate.models import build_model, load_tokenizer
+    model_dir, model = local_model
     cfg = tiny_cfg.model.__class__(path=str(model_dir))
     tok2 = load_tokenizer(cfg, None, "")
-    model2 = build(cfg, tok2)
+    model2 = build_model(cfg, tok2)
     ids = torch.tensor([tiny_tokenizer.encode("add 1 and 2 ; answer :")])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, model2(ids).logits)
     assert tok2.encode("add 4 and 4") == tiny_tokenizer.encode("add 4 and 4")
-    torchrun(["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=3", f"--model.path={model_dir}",
-              f"--metrics.run_dir={tmp_path / 'run'}"])
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
 
 
 GAME_TAGS = ("rollout/reward", "rollout/invalid_order_rate", "rollout/sc_delta_mean", "rollout/prompt_tokens_mean")
