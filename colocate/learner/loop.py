@@ -256,7 +256,7 @@ def note_last_good(cfg: Config, writer: MetricsWriter, good_step: int, step: int
     good = [p for p in checkpoints(root) if checkpoint_step(p) <= good_step]  # newest first
     path = good[0] if good else None
     write_atomic(os.path.join(root, "last_good.json"),
-                      {"path": path, "step": checkpoint_step(path) if path else None, f"{why}_step": step})
+                 {"path": path, "step": checkpoint_step(path) if path else None, f"{why}_step": step})
     writer.print(f"{why} at step {step}: last good checkpoint {path or 'none (set checkpoint.every)'}")
 
 

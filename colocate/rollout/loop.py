@@ -182,5 +182,5 @@ def run_inference(cfg: Config, topo: Topology, engine: Engine, env: Env, receive
                   "memory": memory_peaks(topo.device)}
         send_json(report, topo.sync_src, topo.transport_group)  # learner rank 0 puts it into summary.json
         write_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),
-                          {**report, "batches": rank.batches, "gpu_util": role.gpu_util()})
+                     {**report, "batches": rank.batches, "gpu_util": role.gpu_util()})
     rank.writer.close()
