@@ -6,9 +6,11 @@ an adapter written into the wrong slot or with the wrong scale, a merged copy le
 So both sides score one fixed probe sequence (`probe_ids`: a sentence through the run's tokenizer,
 `PROBE_TOKENS` long) with the same adapter version:
 
-  * the learner, right after each step, with the version it is about to send (`Learner.score_probe`:
-    one no-grad forward of the probe; every learner rank runs it, FSDP needs them all), and keeps
-    the log-probs and the logits' scale (`CanaryCheck.record`);
+  * the learner, right after each step has sent its adapter (so the engines never wait for the
+    probe), with the version it just sent (`Learner.score_probe`: one no-grad forward of the probe;
+    every learner rank runs it, FSDP needs them all), and keeps the log-probs and the logits' scale
+    on the device, unread (`CanaryCheck.record`): nothing waits for that forward until the engines'
+    scores of the version arrive with a later batch, long after it ran;
   * each inference rank, before it samples a batch with a version it has not scored yet
     (`Engine.score`: the HF engine's forward, vLLM's `prompt_logprobs`), and ships the log-probs
     with that batch's trajectories (`wire.ProbeScore` in the shard header: one direction, on the
@@ -72,6 +74,11 @@ def canary_bound(dtype: torch.dtype, *, reduction: int, num_layers: int, logit_s
     return 4.0 * eps * math.sqrt(num_layers) * logit_scale
 
 
+def due(version: int, every: int) -> bool:
+    """Whether both sides score `version` (`sync.canary_every`; 0: never)."""
+    return every > 0 and version % every == 0
+
+
 @dataclass(frozen=True)
 class CanaryResult:
     version: int
@@ -89,15 +96,15 @@ class CanaryCheck:
 
     def __init__(self, dtype: torch.dtype, *, reduction: int, num_layers: int, every: int):
         self.dtype, self.reduction, self.num_layers, self.every = dtype, reduction, num_layers, every
-        self.references: dict[int, tuple[torch.Tensor, float]] = {}
+        self.references: dict[int, tuple[torch.Tensor, torch.Tensor | float]] = {}
 
     def due(self, version: int) -> bool:
-        """Whether `version` is scored (`sync.canary_every`; 0: never)."""
-        return self.every > 0 and version % self.every == 0
+        return due(version, self.every)
 
-    def record(self, version: int, logprobs: torch.Tensor, logit_scale: float) -> None:
-        """The learner's [T-1] probe log-probs of `version` and its logits' RMS."""
-        self.references[version] = (logprobs.detach().float().cpu(), float(logit_scale))
+    def record(self, version: int, logprobs: torch.Tensor, logit_scale: torch.Tensor | float) -> None:
+        """The learner's [T-1] probe log-probs of `version` and its logits' RMS, where they were computed
+        (a GPU's: read back only by `check`, so recording never waits for the forward)."""
+        self.references[version] = (logprobs.detach(), logit_scale)
 
     def check(self, scores: list[ProbeScore]) -> CanaryResult | None:
         """The engines' scores of one version (one per inference rank) against the learner's -> the
@@ -109,6 +116,7 @@ class CanaryCheck:
             raise RuntimeError(f"canary: engines scored versions {sorted({s.version for s in scores})}, the "
                                f"learner holds references for {sorted(self.references)}")
         reference, scale = self.references[version]
+        reference, scale = reference.float().cpu(), float(scale)
         gap = max(float((s.logprobs.float() - reference).abs().mean()) for s in scores)
         for v in [v for v in self.references if v <= version]:
             del self.references[v]

@@ -69,6 +69,7 @@ _RANGES = {
     ("engine", "temperature"): (lambda v: v > 0, _POSITIVE),
     ("engine", "max_num_seqs"): (lambda v: v >= 1, "must be >= 1"),
     ("engine", "gpu_memory_utilization"): (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("engine", "kv_cache_gib"): (lambda v: v >= 0, "must be >= 0 (0: vLLM sizes the KV cache)"),
     ("engine", "max_model_len"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 sizes it from the workload)"),
     ("engine", "max_num_batched_tokens"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 keeps vLLM's default)"),
     ("engine", "max_capture_tokens"): (lambda v: v >= 0, _NON_NEGATIVE),

@@ -58,7 +58,8 @@ class MlflowTracker:
         mlflow.log_dict(to_dict(cfg), "config.yaml")  # the whole config (params cap values at 6000 chars)
 
     def log(self, values: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(values, step=step)
+        # by run id: MLflow's active run is per thread, and the system sampler logs from its own
+        self.mlflow.log_metrics(values, step=step, run_id=self.run.info.run_id)
 
     def close(self) -> None:
         self.mlflow.end_run()
@@ -67,14 +68,15 @@ class MlflowTracker:
 class TrackioTracker:
     def __init__(self, cfg: Config):
         import trackio
-        self.trackio = trackio
         self.run = trackio.init(project=cfg.metrics.project, name=run_name(cfg), config=to_dict(cfg))
 
     def log(self, values: dict[str, float], step: int) -> None:
-        self.trackio.log(values, step=step)
+        # the run's own method: trackio.log finds the run through a context variable set by init,
+        # which the system sampler's thread does not see
+        self.run.log(values, step=step)
 
     def close(self) -> None:
-        self.trackio.finish()
+        self.run.finish()
 
 
 TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker, "trackio": TrackioTracker}

@@ -10,6 +10,9 @@
 #   sync     the sync benchmark at the 7B shape with the engine on the learner's GPU (IPC) and the disk path
 #   gpu1-7b  configs/gpu-1-7b.yaml, 5 steps (7B shape); gpu1-7b-tree: the same with learner.prefix_sharing=tree
 #   gputests the one-GPU tests marked gpu: kernels, objectives, prefix trees, varlen packing, shared GPU
+#   suite    the whole GPU suite as a user runs it (`python3 -m pytest -q -m gpu tests`): suite.log, suite.xml,
+#            its counts and slowest tests in the chain log; suite2 the same again; suiteshuffle the same in a
+#            shuffled order (PYTEST_SHUFFLE_SEED, default 1)
 #   kernel   the loss-kernel benchmark (GRPO and the other objectives at 16,384 x 152,064); KERNEL_TREE=DIR
 #            runs it a second time from another checkout (kernel-tree.json: a before/after pair)
 #   tree     the trainer benchmark on the e2e workload's shapes: flat against tree and group packing
@@ -96,6 +99,12 @@ step() {  # one step of the chain, by name
     gputests) with_memory gputests timeout 900 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
             tests/test_kernel_bulk.py tests/test_kernel_triton.py tests/test_prefix_sharing.py \
             tests/test_packing.py tests/test_shared_gpu.py tests/test_loss_reference.py ;;
+    suite|suite2) with_memory "$1" timeout 1500 python3 -m pytest -q -rfEs --durations=25 -m gpu -p no:cacheprovider \
+            --junitxml="$GS/$1.xml" tests
+          grep -E "(passed|failed|error)" "$GS/$1.log" | tail -1 >> "$GS/chain.log" ;;
+    suiteshuffle) PYTEST_SHUFFLE_SEED=${PYTEST_SHUFFLE_SEED:-1} with_memory suiteshuffle timeout 1500 python3 -m pytest \
+            -q -rfEs --durations=25 -m gpu -p no:cacheprovider --junitxml="$GS/suiteshuffle.xml" tests
+          grep -E "(passed|failed|error)" "$GS/suiteshuffle.log" | tail -1 >> "$GS/chain.log" ;;
     kernel) with_memory kernel timeout 600 python3 scripts/benchmark.py --profile kernel --iters 20 --no-compile \
             --out "$GS/kernel.json"
           if [ -n "${KERNEL_TREE:-}" ]; then

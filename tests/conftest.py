@@ -45,11 +45,12 @@ def fields_left_at_default(record) -> list[str]:
     return left
 
 
-def torchrun(args: list[str], nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`torchrun -m colocate.train ARGS` on this machine; it must succeed."""
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun -m colocate.train ARGS` on this machine (`env` added to this process's); it must succeed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "colocate.train", *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -64,15 +65,30 @@ class FinishedRun:
 LEARNING_STEPS = 80
 
 
+TRACKERS = ("wandb", "mlflow", "trackio")
+
+
+def tracker_env(root: Path) -> dict:
+    """Where each tracker writes offline, under `root` (tests/test_trackers.py reads it back)."""
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_SILENT": "true",
+            "MLFLOW_TRACKING_URI": (root / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true",
+            "TRACKIO_DIR": str(root / "trackio")}
+
+
 @pytest.fixture(scope="session")
 def learning_run(tmp_path_factory) -> FinishedRun:
     """cpu-tiny as configured (lag 1, the canary at every version) for `LEARNING_STEPS` steps with
-    adapter checksums on, under torchrun: one run that every test of a healthy learning run reads
-    (the reward improves: test_train_cpu; the canary never alerts: test_canary)."""
+    adapter checksums on and every installed tracker beside TensorBoard (offline, `tracker_env`),
+    under torchrun: one run that every test of a healthy learning run reads (the reward improves:
+    test_train_cpu; the canary never alerts: test_canary; every tracker holds every step:
+    test_trackers)."""
+    import importlib.util
     tmp = tmp_path_factory.mktemp("learning")
+    loggers = ["tensorboard", *(t for t in TRACKERS if importlib.util.find_spec(t) is not None)]
     proc = torchrun(["--config", "configs/cpu-tiny.yaml", f"--learner.num_steps={LEARNING_STEPS}",
                      f"--metrics.run_dir={tmp / 'run'}", f"--model.cache_dir={tmp / 'cache'}",
-                     "--sync.check_checksum=true"])
+                     "--sync.check_checksum=true", f"--metrics.loggers={','.join(loggers)}"],
+                    env=tracker_env(tmp / "trackers"))
     return FinishedRun(tmp / "run", proc.stdout, proc.stderr)
 
 
@@ -132,8 +148,61 @@ def right_padded_logits(causal_lm, view: CompletionView) -> torch.Tensor:
 
 def pytest_collection_modifyitems(config, items):
     """Every GPU test carries its own `@pytest.mark.timeout`: a hung one is then named and cut at its
-    limit instead of stalling the suite (`-m gpu -rA` says which test did what)."""
+    limit instead of stalling the suite (`-m gpu -rA` says which test did what). With
+    `PYTEST_SHUFFLE_SEED=N` the tests run in an order shuffled by N (no test may depend on another's
+    order: the GPU suite's runs and its check of the card are made for any order)."""
+    seed = os.environ.get("PYTEST_SHUFFLE_SEED")
+    if seed:
+        import random
+        random.Random(int(seed)).shuffle(items)
     untimed = [item.nodeid for item in items
                if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout")]
     if untimed:
         raise pytest.UsageError(f"GPU tests without @pytest.mark.timeout: {', '.join(untimed)}")
+
+
+@pytest.fixture(scope="session")
+def gpu_jobs(request, tmp_path_factory):
+    """The vLLM runs of the selected tests marked `gpu_job(NAME)`, started together at the session's
+    start (tests/gpu_suite.py); a test reads its own with `gpu_jobs.result(NAME)`. None without
+    CUDA or vLLM (those tests skip), or when the GPU has too little free memory for one run."""
+    import importlib.util
+    names = {m.args[0] for item in request.session.items for m in item.iter_markers("gpu_job")}
+    if not names or not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        yield None
+        return
+    from tests.gpu_suite import GpuJobs, job_table, slots
+    free, total = torch.cuda.mem_get_info(0)
+    num_slots = slots(free)
+    if num_slots < 1:
+        yield None
+        return
+    root = tmp_path_factory.mktemp("gpu-runs")
+    table = job_table(root, total)
+    runner = GpuJobs([table[n] for n in sorted(names)], num_slots, root)
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(autouse=True)
+def gpu_left_as_found(request):
+    """Every GPU test leaves the card as it found it: pytest's own process holds no more of CUDA's
+    caching allocator than before the test (after dropping what can be dropped), and no process the
+    test started is still on the GPU. Otherwise the test is named here (a vLLM engine started later
+    would find the memory taken). The first GPU test also starts the suite's vLLM runs (`gpu_jobs`)."""
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    from tests.gpu_suite import gpu_processes, held_bytes
+    request.getfixturevalue("gpu_jobs")
+    before, procs = held_bytes(), gpu_processes()
+    yield
+    after, left = held_bytes(), {p: b for p, b in gpu_processes().items() if p not in procs}
+    problems = []
+    if after > before:
+        problems.append(f"pytest's process holds {(after - before) / 2**20:.0f} MiB more of the GPU than before "
+                        "(tensors the test kept alive)")
+    if left:
+        problems.append(f"left processes on the GPU: {left}")
+    assert not problems, f"{request.node.nodeid}: " + "; ".join(problems)
+

@@ -11,40 +11,22 @@ or vLLM.
     spans and tokens forced by the constraint are out of it).
 
 Each run is a torchrun subprocess (a vLLM engine core is a child process that re-imports the main
-module; pytest's stays out of it); the assertions read the run's summary.json and TensorBoard.
+module; pytest's stays out of it), one of the suite's runs (tests/gpu_suite.py: started together at
+the session's start); the assertions read the run's summary.json and TensorBoard.
 """
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.gpu_suite import gpu_run
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vllm"),
 ]
-
-ONE_GPU = ["--engine.kind=vllm"]
-"""The CPU config's model (tiny, float32) on vLLM, as tests/test_vllm_gpu.py runs cpu-tiny on one GPU."""
-
-
-def train(tmp_path, *overrides, timeout):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_CUMEM_ENABLE": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "colocate.train", "--config", "configs/cpu-calculator-agent.yaml", *ONE_GPU,
-           f"--model.cache_dir={tmp_path / 'cache'}", f"--metrics.run_dir={tmp_path / 'run'}", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    print(tail[-2000:])
-    return json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
 def tb_scalars(logdir):
@@ -58,26 +40,35 @@ def mean(values):
     return sum(values) / len(values)
 
 
-@pytest.mark.timeout(660)
-def test_calculator_agent_learns_with_vllm(tmp_path):
+def summary_of(run) -> dict:
+    assert run.returncode == 0 and not run.stray, run.tail()
+    print(run.tail(2000))
+    return json.loads((run.dir / "run" / "summary.json").read_text())
+
+
+@pytest.mark.gpu_job("agent-learn")
+@pytest.mark.timeout(1800)  # its run's own limit is tests/gpu_suite.py's; this one covers the wait for a slot
+def test_calculator_agent_learns_with_vllm(gpu_jobs):
     # 300 steps, not the CPU config's 200: on vLLM (one H200, 2026-11-26) the 10-step mean stood at
     # 0.88 at step 200 of one run and first reached 0.9 near step 110 of another (profiles/README.md)
-    summary = train(tmp_path, "--learner.num_steps=300", timeout=600)
+    run = gpu_run(gpu_jobs, "agent-learn")
+    summary = summary_of(run)
     print(json.dumps({k: summary[k] for k in ("steps", "reward_start", "reward_end", "wall_time_s")}))
-    assert summary["reached_target"], summary["reward_end"]
-    rollout = tb_scalars(str(tmp_path / "run" / "tb" / "inference"))
+    assert summary["steps"] == 300 and summary["reached_target"], summary["reward_end"]
+    rollout = tb_scalars(str(run.dir / "run" / "tb" / "inference"))
     calls, accuracy = rollout["rollout/tool_call_rate"], rollout["rollout/accuracy"]
     assert mean(calls[-10:]) > mean(calls[:10]) and mean(accuracy[-10:]) >= 0.9
     assert sum(rollout["rollout/tool_errors/timeout"]) == 0
 
 
-@pytest.mark.timeout(480)
-def test_engine_logprobs_of_policy_spans_match_the_learners(tmp_path):
-    steps = 8
-    summary = train(tmp_path, "--learner.updates_per_batch=2", "--learner.max_policy_lag=0",
-                    f"--learner.num_steps={steps}", timeout=420)
+@pytest.mark.gpu_job("agent-parity")
+@pytest.mark.timeout(1800)
+def test_engine_logprobs_of_policy_spans_match_the_learners(gpu_jobs):
+    steps = 8  # tests/gpu_suite.py's run: updates_per_batch 2, max_policy_lag 0
+    run = gpu_run(gpu_jobs, "agent-parity")
+    summary = summary_of(run)
     assert summary["steps"] == steps
-    learner = tb_scalars(str(tmp_path / "run" / "tb" / "learner"))
+    learner = tb_scalars(str(run.dir / "run" / "tb" / "learner"))
     gap, tokens = learner["learner/sampler_logprob_gap"], learner["learner/sampler_gap_tokens"]
     print(json.dumps({"sampler_logprob_gap": gap, "sampler_gap_tokens": tokens}))
     assert len(gap) == steps and min(tokens) > 0  # every step on-policy, with tokens to compare

@@ -86,3 +86,37 @@ def test_a_missing_tracker_package_is_a_config_error(monkeypatch):
         check_loggers(cfg)
     with pytest.raises(ConfigError, match="metrics.loggers: 'neptune' is not one of"):
         load_config(None, {"metrics": {"loggers": "neptune"}})
+
+
+def test_every_tracker_holds_every_step_of_a_run_with_the_canary_on(learning_run):
+    """A real run (tests/conftest.py's `learning_run`: the canary at every version, every installed
+    tracker offline): each tracker's own record holds the learner's reward at every step and the
+    canary's scalars. A scalar logged ahead of its step made W&B drop every later, smaller step."""
+    from tests.conftest import LEARNING_STEPS
+    root = learning_run.run_dir.parent / "trackers"
+    checked = 0
+    if glob.glob(str(root / "wandb" / "offline-run-*")):
+        run, = glob.glob(str(root / "wandb" / "offline-run-*" / "run-*.wandb"))
+        records = open(run, "rb").read()
+        assert records.count(b"learner/reward") >= LEARNING_STEPS and b"sync/canary_gap" in records
+        assert b"less than the current step" not in (learning_run.stdout + learning_run.stderr).encode()
+        checked += 1
+    if (root / "mlruns").exists():
+        import mlflow
+        client = mlflow.tracking.MlflowClient(tracking_uri=(root / "mlruns").as_uri())
+        run, = client.search_runs([client.get_experiment_by_name("colocate").experiment_id])
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, "learner/reward")]
+        assert sorted(steps) == list(range(LEARNING_STEPS))
+        assert client.get_metric_history(run.info.run_id, "sync/canary_learner_ms")
+        checked += 1
+    databases = glob.glob(str(root / "trackio" / "**" / "*.db"), recursive=True)
+    if databases:
+        rows = []
+        for db in databases:
+            with sqlite3.connect(db) as con:
+                for (table,) in con.execute("select name from sqlite_master where type='table'").fetchall():
+                    rows += [str(r) for r in con.execute(f"select * from {table}")]
+        assert len([r for r in rows if "learner/reward" in r]) == LEARNING_STEPS
+        checked += 1
+    if not checked:
+        pytest.skip("no tracker package installed (pip install -e \".[trackers]\")")

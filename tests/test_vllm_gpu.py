@@ -29,6 +29,8 @@ import sys
 import pytest
 import torch
 
+from tests.gpu_suite import gpu_run
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = [
@@ -141,37 +143,34 @@ def test_session_sync_checksum_and_logprob_parity(tmp_path):
     assert f["parity/forced_max_abs_logprob"] < 1e-4  # a token that was the only choice has log-prob 0
 
 
-@pytest.mark.timeout(660)
-def test_running_engine_takes_log_probs_from_our_kernel(tmp_path):
+@pytest.mark.gpu_job("logprob-calls")
+@pytest.mark.timeout(1800)  # its run's own limit is tests/gpu_suite.py's; this one covers the wait for a slot
+def test_running_engine_takes_log_probs_from_our_kernel(gpu_jobs):
     """One GPU: in a running engine (the dataset rollout's side `ours`, tiny shape, one round) every
     sampler log-prob call reaches our kernel and none falls back to vLLM's function: the patch is
     not only installed but matches the calls vLLM's sampler makes."""
-    out = tmp_path / "dsroll.json"
-    run([sys.executable, "scripts/benchmark.py", "--profile", "dataset_rollout", "--shape", "tiny", "--sides", "ours",
-         "--rounds", "1", "--out", str(out)], timeout=600,
-        env_extra={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]})
-    calls = json.loads(out.read_text())["figures"]["detail"]["ours"]["logprob_calls"]
+    run = gpu_run(gpu_jobs, "logprob-calls")
+    assert run.returncode == 0 and not run.stray, run.tail()
+    calls = json.loads((run.dir / "dsroll.json").read_text())["figures"]["detail"]["ours+share"]["logprob_calls"]
     assert calls["ours"] > 0 and calls["vllm"] == 0, calls
 
 
-@pytest.mark.parametrize("update,masks", [("drain", "vllm"), ("inflight", "vllm"), ("drain", "ours")])
-@pytest.mark.timeout(960)
-def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update, masks):
+@pytest.mark.parametrize("update,masks", [pytest.param(u, m, marks=pytest.mark.gpu_job(f"learn-{u}-{m}"))
+                                          for u, m in (("drain", "vllm"), ("inflight", "vllm"), ("drain", "ours"))])
+@pytest.mark.timeout(1800)
+def test_cpu_tiny_learns_with_vllm_on_one_gpu(gpu_jobs, update, masks):
     """The GPU learning test: the embedded default on vLLM, both roles on one GPU, 300 steps, must
     reach env.reward_target (0.9) in both update modes, and with our constraint masks."""
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "colocate.train",
-         "--config", "configs/cpu-tiny.yaml", "--engine.kind=vllm", f"--rollout.update={update}",
-         f"--engine.constraint_masks={masks}",
-         f"--model.cache_dir={tmp_path / 'cache'}", f"--metrics.run_dir={tmp_path / 'run'}"], timeout=900,
-        env_extra={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]})
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run = gpu_run(gpu_jobs, f"learn-{update}-{masks}")
+    assert run.returncode == 0 and not run.stray, run.tail()
+    summary = json.loads((run.dir / "run" / "summary.json").read_text())
     assert summary["steps"] == 300 and summary["reached_target"], {k: summary[k] for k in
                                                                     ("reward_start", "reward_end", "dropped_stale")}
-    rollout = tb_scalars(str(tmp_path / "run" / "tb" / "inference"))
+    rollout = tb_scalars(str(run.dir / "run" / "tb" / "inference"))
     assert "rollout/version_span" in rollout and "rollout/requests_in_flight" in rollout
     if update == "drain":
         assert set(rollout["rollout/requests_in_flight"]) == {0.0}
-    learner = tb_scalars(str(tmp_path / "run" / "tb" / "learner"))  # the collapse watch on the GPU path
+    learner = tb_scalars(str(run.dir / "run" / "tb" / "learner"))  # the collapse watch on the GPU path
     for tag in ("learner/entropy", "learner/grad_norm", "learner/grad_norm_max", "learner/ratio",
                 "learner/ratio_max", "learner/zero_adv_fraction", "learner/lr"):
         assert learner.get(tag), tag
@@ -181,23 +180,15 @@ def test_cpu_tiny_learns_with_vllm_on_one_gpu(tmp_path, update, masks):
     assert summary["mismatch_step"] is None
 
 
-@pytest.mark.timeout(960)
-@pytest.mark.parametrize("lora_mode", ["slot", "merged"])
-def test_canary_catches_an_engine_that_skips_updates(tmp_path, lora_mode):
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("lora_mode", [pytest.param(m, marks=pytest.mark.gpu_job(f"canary-{m}"))
+                                       for m in ("slot", "merged")])
+def test_canary_catches_an_engine_that_skips_updates(gpu_jobs, lora_mode):
     """The vLLM worker takes every version but never writes it (`tests/canary_faults`: the LoRA slot,
     or the merged weights, stay at version 0: skipped updates, a stale merged copy). The canary's
     gap grows with the learner's policy until it passes the bf16 bound: ALERT canary_mismatch, and
     `colocate train` exits 3 long before the run's end."""
-    faults = os.path.join(REPO, "tests", "canary_faults")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_CUMEM_ENABLE": "0", "CANARY_TEST_FAULT": "vllm-skip",
-           "PYTHONPATH": os.pathsep.join([faults, REPO, os.environ.get("PYTHONPATH", "")]),
-           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    proc = subprocess.run([sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml",
-                           "--nproc", "2", "--engine.kind=vllm", f"--engine.lora_mode={lora_mode}",
-                           "--learner.num_steps=200", f"--model.cache_dir={tmp_path / 'cache'}",
-                           f"--metrics.run_dir={tmp_path / 'run'}"], cwd=REPO, env=env, timeout=900,
-                          capture_output=True, text=True)
-    out = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 3 and "ALERT canary_mismatch" in out, out
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run = gpu_run(gpu_jobs, f"canary-{lora_mode}")
+    assert run.returncode == 3 and "ALERT canary_mismatch" in run.output and not run.stray, run.tail()
+    summary = json.loads((run.dir / "run" / "summary.json").read_text())
     assert summary["mismatch_step"] is not None and summary["steps"] < 200, summary["mismatch_step"]

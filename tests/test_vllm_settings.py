@@ -89,3 +89,15 @@ def test_merged_mode_takes_its_weight_copy_out_of_the_engine_share(tiny_cfg, tin
     assert MERGED_HEADROOM_BYTES == gib
     with pytest.raises(ValueError, match="lora_mode=slot"):
         merged_memory_share(0.2, 12 * gib, 80 * gib)
+
+
+def test_a_fixed_kv_cache_reaches_vllm_and_zero_leaves_it_to_vllms_profile(tiny_cfg):
+    """engine.kv_cache_gib: vLLM's kv_cache_memory_bytes (it then skips its memory profile, which
+    counts other processes' allocations as its own); 0 passes nothing, vLLM profiles its share."""
+    import dataclasses
+    from colocate.engine.vllm_settings import llm_arguments
+    from colocate.envs import env_facts
+    facts = env_facts(tiny_cfg)
+    assert "kv_cache_memory_bytes" not in llm_arguments("/m", engine_settings(tiny_cfg, 1, 0, **facts))
+    cfg = dataclasses.replace(tiny_cfg, engine=dataclasses.replace(tiny_cfg.engine, kv_cache_gib=1.5))
+    assert llm_arguments("/m", engine_settings(cfg, 1, 0, **facts))["kv_cache_memory_bytes"] == 3 * 2**29

@@ -27,6 +27,8 @@ class VLLMSettings:
     max_model_len: int = 1024
     """A length (the config's 0, derive it from the workload, is resolved by `engine_settings`)."""
     gpu_memory_utilization: float = _E.gpu_memory_utilization
+    kv_cache_bytes: int = 0
+    """0: vLLM sizes the KV cache from its share (config `engine.kv_cache_gib`)."""
     enforce_eager: bool = _E.enforce_eager
     enable_prefix_caching: bool = _E.enable_prefix_caching
     seed: int = 0
@@ -111,7 +113,8 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
     max_model_len = cfg.engine.max_model_len or -(-(prompt_bound + cfg.engine.max_new_tokens) // 64) * 64
     return VLLMSettings(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                 max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-                gpu_memory_utilization=cfg.engine.gpu_memory_utilization, enforce_eager=cfg.engine.enforce_eager,
+                gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+                kv_cache_bytes=int(cfg.engine.kv_cache_gib * 2**30), enforce_eager=cfg.engine.enforce_eager,
                 enable_prefix_caching=cfg.engine.enable_prefix_caching, seed=seed,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
@@ -185,6 +188,8 @@ def llm_arguments(model_dir: str, s: VLLMSettings) -> dict:
         kw["async_scheduling"] = s.async_scheduling
     if s.max_num_batched_tokens > 0:  # 0: vLLM's default
         kw["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if s.kv_cache_bytes > 0:  # vLLM then skips its memory profile (0: it profiles its share)
+        kw["kv_cache_memory_bytes"] = s.kv_cache_bytes
     if s.profile_dir:  # `start_profile` / `stop_profile` then trace the engine core's worker
         kw["profiler_config"] = profiler_settings(s.profile_dir, s.profile_steps)
     return kw

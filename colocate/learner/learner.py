@@ -180,11 +180,11 @@ class Learner:
         return per_token_logprobs(logits, targets, self.spec.temperature)
 
     @torch.no_grad()
-    def score_probe(self, token_ids: list[int]) -> tuple[torch.Tensor, float]:
+    def score_probe(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sync canary's reference (`colocate.canary`): [T-1] float32 log-probs of the probe under
         the current adapter (temperature 1, no mask, dropout off) from one forward in the learner's own
-        layout and precision, and the RMS of those logits (the bound's scale). Every learner runs it
-        (FSDP's all-gathers)."""
+        layout and precision, and the RMS of those logits (the bound's scale, 0-dim), both left on the
+        learner's device: nothing here waits for the forward. Every learner runs it (FSDP's all-gathers)."""
         n = len(token_ids)
         probe = TrajectoryBatch(tokens=torch.tensor(token_ids, dtype=torch.int32),
                                 seq_lens=torch.tensor([n], dtype=torch.int32),
@@ -195,7 +195,7 @@ class Learner:
             self.model.eval()  # the step's forward sets train() again
         logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
         logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
-        return logp.cpu(), float(logits.pow(2).mean().sqrt())
+        return logp, logits.pow(2).mean().sqrt()
 
     @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:

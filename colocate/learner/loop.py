@@ -108,13 +108,14 @@ class LearnerRank:
                               f"canary probe differ from the learner's by {result.gap:.3g} nats on average (bound "
                               f"{result.bound:.3g}): it samples another policy than the one trained{stopping}", step)
 
-    def record_canary(self) -> None:
+    def record_canary(self, step: int) -> None:
         """The learner's probe log-probs of its current version, when that version is scored (every
-        learner: one forward)."""
+        learner: one forward, queued: `canary_learner_ms` is the learner's own time on it), logged at
+        `step`, the step that made the version (trackers take steps in order: W&B drops older ones)."""
         if self.canary.due(self.learner.version):
             t0 = time.perf_counter()
             self.canary.record(self.learner.version, *self.learner.score_probe(self.probe))
-            self.writer.scalars("sync", {"canary_learner_ms": (time.perf_counter() - t0) * 1e3}, self.learner.version)
+            self.writer.scalars("sync", {"canary_learner_ms": (time.perf_counter() - t0) * 1e3}, step)
 
     def train(self, batch: TrajectoryBatch, step: int, waits: dict) -> dict[str, float]:
         """`Learner.train_step` -> its stats (+ MFU); the train start and end go into `waits`."""
@@ -214,7 +215,6 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     rank.faults.before_step(rank.topo.rank, step)
     batch, stop_elsewhere, waits = rank.receive(step)
     stats = rank.train(batch, step, waits)
-    rank.record_canary()
     collapse = cfg.metrics.stop_on_collapse and rank.monitor.collapsed
     mismatch = cfg.metrics.stop_on_mismatch and rank.mismatch
     stop_requested = rank.agree_to_stop(stop_elsewhere or collapse or mismatch)
@@ -228,6 +228,7 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
         stop_requested or last or (cfg.checkpoint.every > 0 and (step + 1) % cfg.checkpoint.every == 0))
     flags = (RunFlags.CHECKPOINT if checkpointing else RunFlags.NONE) | (RunFlags.STOP if stopping else RunFlags.NONE)
     adapter, gather_s, sync_s = rank.publish(flags)
+    rank.record_canary(step)  # after the send: the engines take the version without waiting for the probe
     if checkpointing:
         # a mismatch: the checkpoints written before this step never trained on that engine's samples
         good_step = step if mismatch else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
@@ -276,7 +277,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
         restore_learner(learner, resume)
         saved = resume["trainer_state"]["history"]  # older checkpoints kept no reward_errors: none counted
         rank.history = {k: list(saved.get(k, [0.0] * len(saved.get("reward", [])))) for k in rank.history}
-    rank.record_canary()  # the version the engines start with
+    rank.record_canary(start)  # the version the engines start with
     monitors = contextlib.ExitStack()  # daemon threads and a profiler window
     role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
                                                 what="trajectory consumed"))

@@ -19,6 +19,7 @@ import time
 
 from torch.profiler import record_function
 
+from colocate import canary
 from colocate.channel import AdapterReceiver
 from colocate.config import Config, eval_enabled, sampling_lag
 from colocate.data import shard_batch
@@ -75,8 +76,8 @@ class InferenceRank:
     def score_canary(self) -> ProbeScore | None:
         """The engine's probe log-probs with the version it holds, once per version (every
         `sync.canary_every`): they travel with the next batch's shards to the learners."""
-        version, every = self.engine.version, self.cfg.sync.canary_every
-        if every <= 0 or version % every or version == self.scored_version:
+        version = self.engine.version
+        if not canary.due(version, self.cfg.sync.canary_every) or version == self.scored_version:
             return None
         self.scored_version = version
         t0 = time.perf_counter()
@@ -110,7 +111,7 @@ class InferenceRank:
         self.take_adapters_through(k - lag)
         if self.stopped:
             return None
-        canary = self.score_canary()
+        probe_score = self.score_canary()
         self.evaluator.between_batches()
         t_version = time.perf_counter()
         # Sends of batch j complete once the learners start step j, which needs version j to have
@@ -127,7 +128,7 @@ class InferenceRank:
         flags = RunFlags.STOP if self.stop.requested else RunFlags.NONE  # reaches the learners in the header
         # the step line's `inf`: not for this process's first batch, whose interval holds the start-up
         busy = self.batches[-1]["collect_s"] / max(time.perf_counter() - t_wait, 1e-9) if len(self.batches) > 1 else None
-        sender.submit(k, list(zip(shard_batch(batch, self.topo.num_learners), self.topo.learner_ranks)), flags, canary,
+        sender.submit(k, list(zip(shard_batch(batch, self.topo.num_learners), self.topo.learner_ranks)), flags, probe_score,
                       busy)
         stats["queue_depth"] = sender.in_flight(k)
         return stats, engine_stats

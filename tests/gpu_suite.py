@@ -1,0 +1,278 @@
+"""How the GPU suite shares one GPU: the vLLM runs its tests read, started together, and the check
+that every GPU test leaves the card as it found it.
+
+**The runs.** Each vLLM test (tests/test_vllm_gpu.py, tests/test_agent_gpu.py) asserts on what one
+subprocess run wrote: a training under torchrun or a benchmark. Run one after another they take
+most of the suite's time, and most of that is each run's own start-up and its host-bound steps
+(tiny models), not the GPU. So the tests name their run (`@pytest.mark.gpu_job("NAME")`), the
+session starts every selected run at its start (`GpuJobs`: at most `slots()` at a time, longest
+first, beside the in-process GPU tests), and each test waits for its own. Each run:
+  * takes a small share of GPU 0 (`engine.gpu_memory_utilization` = `SHARE_GIB` of the card: what
+    vLLM wants free at start, and what merged mode's copy is taken from) with a fixed KV cache
+    (`engine.kv_cache_gib`): vLLM's memory profile would count the other runs' memory as its own;
+  * has its own vLLM compile cache (two runs writing one cache at once is not something vLLM
+    promises to survive);
+  * carries a marker in its environment (`RUN_MARKER`) that every process of it inherits: what is
+    left of it when it ends is killed (no stray engine core keeps memory) and named.
+`COLOCATE_GPU_JOBS=N` caps the runs at a time (1: one after another).
+
+**The card as found.** `held_bytes` is what this (pytest's) process holds in CUDA's caching
+allocator once everything it can drop is dropped; `gpu_processes` the processes on the GPU outside
+the runs. A GPU test that leaves more of either than it found is named (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARE_GIB = 12.0
+"""Each run's share of the card: vLLM checks it is free at start; merged mode's copy of the adapted
+weights and 1 GiB of headroom come out of it (`vllm_settings.merged_memory_share` wants > 0.05
+of the card left)."""
+KV_CACHE_GIB = 1.0
+"""Each run's KV cache: the tiny models' longest batches need a few MiB of it."""
+CPUS_PER_RUN = 4
+"""A run keeps three processes busy (learner rank, inference rank, vLLM engine core) and a few threads."""
+MAX_SLOTS = 4
+RUN_MARKER = "COLOCATE_GPU_SUITE_RUN"
+"""Set in a run's environment (its directory): every process of the run inherits it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    name: str
+    cmd: list
+    timeout_s: int
+    env: dict = dataclasses.field(default_factory=dict)
+    expected_s: int = 60
+    """Roughly how long it runs alone: the longest start first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    name: str
+    returncode: int
+    output: str
+    dir: Path
+    wall_s: float
+    stray: list
+    """Processes of the run still alive when its command ended (killed then)."""
+
+    def tail(self, n: int = 6000) -> str:
+        return self.output[-n:]
+
+
+def share_overrides(total_bytes: int) -> list[str]:
+    """The config overrides that size one run's engine to its share of a card of `total_bytes`."""
+    share = min(0.9, SHARE_GIB * 2**30 / total_bytes)
+    return [f"--engine.gpu_memory_utilization={share:.3f}", f"--engine.kv_cache_gib={KV_CACHE_GIB}"]
+
+
+def torchrun_train(config: str, run: Path, *overrides) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "colocate.train", "--config", config, "--engine.kind=vllm",
+            f"--model.cache_dir={run / 'cache'}", f"--metrics.run_dir={run / 'run'}", *overrides]
+
+
+def job_table(root: Path, total_bytes: int) -> dict:
+    """Every run a GPU test reads, by name (the tests say what each one's run shows)."""
+    share = share_overrides(total_bytes)
+    faults = os.path.join(REPO, "tests", "canary_faults")
+    jobs = [Job("agent-learn", torchrun_train("configs/cpu-calculator-agent.yaml", root / "agent-learn",
+                                              "--learner.num_steps=300", *share), 900, expected_s=420)]
+    for update, masks in (("drain", "vllm"), ("inflight", "vllm"), ("drain", "ours")):
+        name = f"learn-{update}-{masks}"
+        jobs.append(Job(name, torchrun_train("configs/cpu-tiny.yaml", root / name, f"--rollout.update={update}",
+                                             f"--engine.constraint_masks={masks}", *share), 900, expected_s=260))
+    jobs.append(Job("agent-parity", torchrun_train(
+        "configs/cpu-calculator-agent.yaml", root / "agent-parity", "--learner.updates_per_batch=2",
+        "--learner.max_policy_lag=0", "--learner.num_steps=8", *share), 480, expected_s=150))
+    for mode in ("slot", "merged"):
+        name = f"canary-{mode}"
+        cmd = [sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml", "--nproc", "2",
+               "--engine.kind=vllm", f"--engine.lora_mode={mode}", "--learner.num_steps=200",
+               f"--model.cache_dir={root / name / 'cache'}", f"--metrics.run_dir={root / name / 'run'}", *share]
+        jobs.append(Job(name, cmd, 900, expected_s=120, env={
+            "CANARY_TEST_FAULT": "vllm-skip",
+            "PYTHONPATH": os.pathsep.join([faults, REPO, os.environ.get("PYTHONPATH", "")])}))
+    variant = "share:" + ",".join(o.removeprefix("--") for o in share)
+    jobs.append(Job("logprob-calls", [sys.executable, "scripts/benchmark.py", "--profile", "dataset_rollout",
+                                      "--shape", "tiny", "--sides", "ours+share", "--variant", variant,
+                                      "--rounds", "1", "--out", str(root / "logprob-calls" / "dsroll.json")],
+                    600, expected_s=90))
+    return {j.name: j for j in jobs}
+
+
+def slots(free_bytes: int) -> int:
+    """Runs at a time: by free memory (a share each, and one spare), cores, `COLOCATE_GPU_JOBS`."""
+    by_memory = int(free_bytes // (SHARE_GIB * 2**30)) - 1
+    by_cpus = (os.cpu_count() or 1) // CPUS_PER_RUN
+    cap = int(os.environ.get("COLOCATE_GPU_JOBS", MAX_SLOTS))
+    return max(0, min(by_memory, by_cpus, cap, MAX_SLOTS))
+
+
+class GpuJobs:
+    """Runs `jobs` (longest first), at most `num_slots` at a time, on a thread; `result` waits for one."""
+
+    def __init__(self, jobs: list, num_slots: int, root: Path, grace_s: float = 20.0):
+        self.jobs = sorted(jobs, key=lambda j: -j.expected_s)
+        self.grace_s = grace_s  # how long a run's processes may outlive its command
+        self.num_slots, self.root = num_slots, root
+        self.done: dict[str, Finished] = {}
+        self.running: set[str] = set()  # the markers of the runs in flight
+        self.cond = threading.Condition()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run_all, name="gpu-jobs", daemon=True)
+        self.thread.start()
+
+    def _run_all(self) -> None:
+        pending = list(self.jobs)
+        workers = []
+        while pending and not self.closed:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or len(self.running) < self.num_slots)
+                if self.closed:
+                    break
+                job = pending.pop(0)
+                proc = self._start(job)
+                self.running.add(str(self.root / job.name))
+            worker = threading.Thread(target=self._finish, args=(job, proc, time.perf_counter()), daemon=True)
+            worker.start()
+            workers.append(worker)
+        for worker in workers:
+            worker.join()
+
+    def _start(self, job: Job) -> subprocess.Popen:
+        out = self.root / job.name
+        out.mkdir(parents=True, exist_ok=True)
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_CUMEM_ENABLE": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+               "CUDA_VISIBLE_DEVICES": gpu, "VLLM_CACHE_ROOT": str(out / "vllm-cache"), RUN_MARKER: str(out), **job.env}
+        log = open(out / "output.log", "w")
+        proc = subprocess.Popen(job.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return proc
+
+    def _finish(self, job: Job, proc: subprocess.Popen, t0: float) -> None:
+        try:
+            returncode = proc.wait(timeout=job.timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        stray = kill_run(str(self.root / job.name), self.grace_s)
+        output = (self.root / job.name / "output.log").read_text(errors="replace")
+        if returncode is None:
+            output += f"\n[gpu_suite] {job.name}: killed at its {job.timeout_s} s limit"
+        with self.cond:
+            self.running.discard(str(self.root / job.name))
+            self.done[job.name] = Finished(job.name, -9 if returncode is None else returncode, output,
+                                           self.root / job.name, time.perf_counter() - t0, stray)
+            self.cond.notify_all()
+
+    def result(self, name: str) -> Finished:
+        with self.cond:
+            if not any(j.name == name for j in self.jobs):
+                raise KeyError(f"no GPU run named {name!r} was started (is the test marked gpu_job({name!r})?)")
+            self.cond.wait_for(lambda: name in self.done or self.closed)
+            if name not in self.done:
+                raise RuntimeError(f"the GPU runs were stopped before {name} ended")
+            return self.done[name]
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            running = set(self.running)
+            self.cond.notify_all()
+        for marker in running:
+            kill_run(marker)
+
+
+def run_pids(marker: str) -> list[int]:
+    """Live processes whose environment holds `RUN_MARKER=marker`: a run's every process, also those
+    that left its process tree or session (torchrun starts each rank in a session of its own)."""
+    needle = f"{RUN_MARKER}={marker}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_run(marker: str, grace_s: float = 0.0) -> list[int]:
+    """SIGKILL every process of the run `marker` still alive `grace_s` after its command ended (an
+    engine core may take a few seconds to see its client gone) -> their pids (none for a clean end)."""
+    deadline = time.monotonic() + grace_s
+    while (left := run_pids(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def run_of(pid: int) -> str:
+    """The run marker in process `pid`'s environment ("" for none, or a process we cannot read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(RUN_MARKER.encode() + b"="):
+                    return item.split(b"=", 1)[1].decode()
+    except OSError:
+        pass
+    return ""
+
+
+def held_bytes() -> int:
+    """What this process holds in CUDA's caching allocator after dropping what it can: garbage,
+    compiled graphs (they keep their constants), cuBLAS workspaces, cached blocks."""
+    import torch
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def gpu_processes() -> dict:
+    """{pid: bytes} of the processes on the GPUs (NVML) but this one and the suite's runs (each
+    cleaned up by its own end); {} where NVML lists none (some containers hide them)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    found = {}
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+            if p.pid != os.getpid() and not run_of(p.pid):
+                found[p.pid] = p.usedGpuMemory or 0
+    return found
+
+
+def gpu_run(gpu_jobs, name: str) -> Finished:
+    """The finished run `name` (`gpu_jobs`: the session's `GpuJobs`), or a one-line skip when none
+    could start."""
+    import pytest
+    import torch
+    if gpu_jobs is None:
+        free, total = torch.cuda.mem_get_info(0)
+        pytest.skip(f"no vLLM run fits: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on GPU 0 "
+                    f"({SHARE_GIB:.0f} GiB per run and one spare: tests/gpu_suite.py), or COLOCATE_GPU_JOBS=0")
+    return gpu_jobs.result(name)

@@ -1,0 +1,48 @@
+"""The GPU suite's runner (tests/gpu_suite.py), on the CPU: runs start at most N at a time, each
+ends with its output, and what a run leaves behind is killed and named."""
+import sys
+import time
+
+from tests.gpu_suite import GpuJobs, Job, run_pids, share_overrides, slots
+
+
+def py(code: str) -> list:
+    return [sys.executable, "-c", code]
+
+
+def test_runs_share_the_slots_and_each_ends_with_its_output(tmp_path):
+    # each run writes its start and end times; with 2 slots no three overlap
+    jobs = [Job(f"j{i}", py(f"import time; t=time.time(); time.sleep(0.5); print('j{i}', t, time.time())"), 60,
+                expected_s=i) for i in range(4)]
+    runner = GpuJobs(jobs, 2, tmp_path)
+    spans = []
+    for i in range(4):
+        run = runner.result(f"j{i}")
+        assert run.returncode == 0 and run.stray == [] and run.output.startswith(f"j{i}"), run.output
+        spans.append(tuple(map(float, run.output.split()[1:3])))
+    runner.close()
+    for t, _ in spans:  # at any run's start, at most the other slot is busy
+        assert sum(a <= t < b for a, b in spans) <= 2
+
+
+def test_what_a_run_leaves_behind_is_killed_and_named(tmp_path):
+    # the run's command starts a child in a session of its own (as torchrun does with its ranks) and exits
+    leaver = py("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+                "start_new_session=True)")
+    runner = GpuJobs([Job("leaver", leaver, 60), Job("slow", py("import time; time.sleep(600)"), 1)], 2, tmp_path,
+                     grace_s=1.0)
+    left = runner.result("leaver")
+    assert left.returncode == 0 and len(left.stray) == 1 and run_pids(str(tmp_path / "leaver")) == []
+    slow = runner.result("slow")  # past its limit: killed, and said so
+    assert slow.returncode == -9 and "killed at its 1 s limit" in slow.output
+    runner.close()
+
+
+def test_runs_are_sized_from_the_card_and_what_is_free(monkeypatch):
+    gib = 2**30
+    assert share_overrides(139 * gib) == ["--engine.gpu_memory_utilization=0.086", "--engine.kv_cache_gib=1.0"]
+    monkeypatch.setenv("COLOCATE_GPU_JOBS", "8")
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert slots(130 * gib) == 4 and slots(30 * gib) == 1 and slots(20 * gib) == 0
+    monkeypatch.setenv("COLOCATE_GPU_JOBS", "1")
+    assert slots(130 * gib) == 1
