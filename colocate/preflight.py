@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import tempfile
 
 from colocate.config import Config, ConfigError
+from colocate.engine.table import check_engine_kind
 from colocate.jsonfile import read_object
 from colocate.envs import check_env
 
@@ -50,14 +51,6 @@ def check_model_dir(path: str) -> None:
     if not os.path.isfile(file):
         raise ConfigError(f"model.path={path!r} has no config.json (a Hugging Face model directory is expected)")
     read_object(file, ConfigError, name=f"model.path={path!r}: config.json")
-
-
-def check_optional_packages(cfg: Config) -> None:
-    """Packages the config needs beyond the base install: vLLM for engine.kind=vllm."""
-    import importlib.util
-    if cfg.engine.kind == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("engine.kind=vllm but vllm is not installed in this environment (pip install vllm, "
-                          "or set engine.kind=hf / auto)")
 
 
 def meta_model(cfg: Config):
@@ -149,8 +142,8 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_run_dir(cfg.metrics.run_dir)
     check_model_dir(cfg.model.path)
     check_env(cfg)  # the env's own rules and what they point at (its `check` and `preflight` hooks)
-    if card is None:  # `--gpu-memory` plans for another machine: its packages are not this one's
-        check_optional_packages(cfg)
+    # the engine table's entry; `--gpu-memory` plans for another machine, whose packages are not this one's
+    check_engine_kind(cfg.engine.kind, outside_world=card is None)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
     return plan_memory(cfg, model, world, local_world, card, gpus, show_plan)

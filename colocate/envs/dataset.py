@@ -26,14 +26,15 @@ import json
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import ClassVar, Hashable
 
 from colocate.chat import ChatFormat, is_messages
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.config_checks import ConfigError
 from colocate.envs.base import Env, ResumeError
-from colocate.envs.checks import AGENT_KEYS, check_agent, check_agent_tools, check_dataset_keys, is_agent, refuse_agent_keys
+from colocate.envs.checks import (AGENT_KEYS, NON_NEGATIVE, POSITIVE, KeyRules, check_agent, check_agent_tools,
+                                  check_dataset_keys, check_key_rules, is_agent, refuse_agent_keys)
 from colocate.envs.dataset_files import check_dataset, data_fingerprint, load_rows, open_rows, reward_limits
 from colocate.envs.rows import RowScan, expand_files
 from colocate.rewards import RewardSet
@@ -91,6 +92,15 @@ class Group:
 @dataclass(frozen=True, kw_only=True)
 class DatasetSettings:
     """How a `DatasetEnv` plays its rows (`from_config`: a run's keys; tests set what they exercise)."""
+    KEYS: ClassVar[KeyRules] = {
+        "prefetch_prompts": (lambda v: v >= 0, NON_NEGATIVE + " (0 builds prompts when their group starts)"),
+        "reward_workers": (lambda v: v >= 0, NON_NEGATIVE + " (0 computes rewards inline)"),
+        "max_reward_errors": (lambda v: v >= 1, "must be >= 1"),
+        "reward_timeout_s": (lambda v: v > 0, POSITIVE),
+        "reward_max_abs": (lambda v: v > 0, POSITIVE),
+    }
+    """The dataset env's keys with a range: these, and the reward limits (`reward_limits`)."""
+
     group_size: int
     prompt_column: str = "prompt"
     max_new_tokens: int = 8
@@ -108,6 +118,8 @@ class DatasetSettings:
 
 
 class DatasetEnv(Env):
+    KEYS = DatasetSettings.KEYS
+
     def __init__(self, tokenizer, rows, rewards: RewardSet, settings: DatasetSettings, *, seed: int,
                  chat: ChatFormat | None = None, eval_rows=None, choices: list[str] | None = None):
         """`rows`: a `datasets.Dataset`; `seed`: this rank's (each epoch's order); `choices`: the
@@ -155,6 +167,7 @@ class DatasetEnv(Env):
     def check(cls, cfg) -> None:
         """The keys among themselves; with env.tools or env.environment the episodes are an agent's
         (`checks.check_agent`), without them the agent keys would be ignored; env.processes is refused."""
+        check_key_rules(cfg, cls.KEYS)
         check_dataset_keys(cfg.env)
         if is_agent(cfg):
             check_agent(cfg, "env.tools / env.environment")
