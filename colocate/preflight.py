@@ -5,8 +5,8 @@ the run directory can be written, a model directory holds a `config.json` that p
 own rules and what they point at hold (`envs.check_env`: the env class's `check` and `preflight`
 hooks, e.g. the dataset env's files and reward functions, the Diplomacy state cache, an agent's
 tools), and every LoRA target module exists in the model. Each failure is one
-`ConfigError` line naming the key, which `train.py` prints before exiting with code 2; the same
-checks run for `python -m colocate.train --config X --check`.
+`ConfigError` line naming the key, which `launch.configure` prints before exiting with code 2; the
+same checks run for `colocate check` and `python -m colocate.train --config X --check`.
 """
 from __future__ import annotations
 
@@ -120,9 +120,10 @@ def the_card(card: CardSpec | None, gpus: int, local_world: int):
 
 
 def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, card: CardSpec | None,
-                gpus: int, show: bool) -> dict[str, float]:
+                gpus: int, show: bool):
     """`gpu_budget.plan_memory` over the ranks' placement: `auto` resolved, every GPU checked, the
-    plan printed where `show` (a check, or rank 0 of a run) -> each rank's estimate (GiB; {} on CPU)."""
+    plan printed where `show` (a check, or rank 0 of a run) -> the `gpu_budget.MemoryPlan` (each
+    rank's estimate in GiB, {} on CPU; the learners' micro_batch_tokens)."""
     from colocate.gpu_budget import plan_memory as plan, print_plan
     from colocate.topology import place_roles, rank_devices
     world = world or 2
@@ -132,11 +133,13 @@ def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, 
     memory = plan(cfg, model, roles, rank_devices(world, local_world, planned.per_node) if planned else None, planned)
     if show:
         print_plan(memory.lines)
-    return memory.estimates_gib
+    return memory
 
 
 def preflight(cfg: Config, world: int | None = None, local_world: int | None = None,
-              card: CardSpec | None = None, show_plan: bool = False) -> dict[str, float]:
+              card: CardSpec | None = None, show_plan: bool = False):
+    """Every check of the world the config names, then the memory plan (`plan_memory`), which it
+    returns; `cfg` is not changed (the plan holds `auto` resolved)."""
     gpus = gpu_count(cfg)
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
