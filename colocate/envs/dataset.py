@@ -21,7 +21,6 @@ batch once it is scored.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -35,8 +34,9 @@ from colocate.config_checks import ConfigError
 from colocate.envs.base import Env, ResumeError
 from colocate.envs.checks import (AGENT_KEYS, NON_NEGATIVE, POSITIVE, KeyRules, check_agent, check_agent_tools,
                                   check_dataset_keys, check_key_rules, is_agent, refuse_agent_keys)
-from colocate.envs.dataset_files import check_dataset, data_fingerprint, load_rows, open_rows, reward_limits
-from colocate.envs.rows import RowScan, expand_files
+from colocate.envs.dataset_files import (check_dataset, corpus, corpus_key, data_fingerprint, load_rows, open_rows,
+                                         reward_limits)
+from colocate.envs.rows import RowScan
 from colocate.rewards import RewardSet
 
 def decode_texts(tokenizer, id_lists: list[list[int]]) -> list[str]:
@@ -48,37 +48,6 @@ def decode_texts(tokenizer, id_lists: list[list[int]]) -> list[str]:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return [tokenizer.decode(ids) for ids in id_lists]
     return backend.decode_batch(id_lists, skip_special_tokens=False)
-
-
-def prompt_text(prompt) -> str:
-    """A prompt as plain text (the tokenizer corpus; a message list's contents, one per line; a row
-    that is no prompt at all, which the row checks refuse or drop, gives none)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return "\n".join(m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
-    return ""
-
-
-def corpus_key(cfg) -> str:
-    """Names the embedded tokenizer trained on these files (changes when a file does)."""
-    parts = [cfg.env.prompt_column, cfg.env.answer_column]
-    for f in sorted(expand_files(cfg.env.data_files + cfg.env.eval_files)):
-        st = os.stat(f)
-        parts.append(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}")
-    return "dataset-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
-
-
-def corpus(cfg) -> list[str]:
-    """Every prompt and answer of the train and eval files (the embedded tokenizer's training text)."""
-    out = []
-    for files in (cfg.env.data_files, cfg.env.eval_files):
-        if files:
-            rows = load_rows(files, "train", cfg.model.cache_dir)
-            out += [prompt_text(p) for p in rows[cfg.env.prompt_column]]
-            if cfg.env.answer_column in rows.column_names:
-                out += [str(a) for a in rows[cfg.env.answer_column] if a is not None]
-    return out
 
 
 @dataclass
