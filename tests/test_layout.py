@@ -300,6 +300,16 @@ def test_the_module_map_names_every_module():
     assert not missing, f"DEVELOPERS.md's module map lacks {missing}"
 
 
+def test_developers_names_only_files_that_exist():
+    """Every file DEVELOPERS.md names by path (`tests/test_x.py`, `colocate/envs/checks.py`, a path
+    below `colocate/` in the module map) exists: its recipes and test pointers cannot go stale."""
+    text = open(os.path.join(REPO, "DEVELOPERS.md")).read()
+    paths = {t for t in re.findall(r"`([\w./-]+\.(?:py|md|sh|yaml|jsonl|cu))`", text) if "/" in t}
+    missing = [p for p in sorted(paths) if not any(os.path.exists(os.path.join(REPO, *base, p))
+                                                   for base in ((), ("colocate",)))]
+    assert not missing, missing
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(REPO, ".git")), reason="needs a git checkout")
 def test_no_top_level_function_is_unreferenced():
     """Every top-level function of colocate/ and kernels/ is named somewhere besides its definition

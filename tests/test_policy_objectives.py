@@ -41,6 +41,34 @@ OBJECTIVES = {
 }
 
 
+# A value of each objective field away from its default, valid as its loss.* key (DEVELOPERS.md's loss recipe)
+VARIANT_VALUES = {"ratio_level": "sequence", "tis_cap": 1.5, "mis_threshold": 0.2, "clip_ratio_c": 1.5}
+
+
+def test_every_objective_field_is_a_key_the_oracle_and_a_case():
+    """DEVELOPERS.md's loss recipe, checked: every field of `Objective` is a `loss.*` key with its
+    check, reaches the run's `LossSpec` through `loss_spec`, is written out in the float64 oracle,
+    and has a case here and in the kernel's tests."""
+    import dataclasses
+    import os
+
+    from colocate.config import load_config
+    from colocate.config_checks import _CHOICES, _RANGES
+    from colocate.learner.loss import loss_spec
+    from tests.conftest import REPO
+    from tests.test_kernel_triton import OBJECTIVE_CASES
+    oracle_source = open(os.path.join(REPO, "tests", "loss_oracle.py")).read()
+    fields = [f.name for f in dataclasses.fields(Objective)]
+    assert sorted(fields) == sorted(VARIANT_VALUES), "a new objective field: give it a value above"
+    for name in fields:
+        assert ("loss", name) in _RANGES or ("loss", name) in _CHOICES, name
+        cfg = load_config(os.path.join(REPO, "configs", "cpu-tiny.yaml"), {"loss": {name: VARIANT_VALUES[name]}})
+        assert getattr(loss_spec(cfg).objective, name) == VARIANT_VALUES[name], name
+        assert f"objective.{name}" in oracle_source, name
+        assert any(name in kw for kw, _ in OBJECTIVES.values()), name
+        assert any(name in case[3] for case in OBJECTIVE_CASES), name
+
+
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_reference_objectives_match_float64(name, beta):
