@@ -1,4 +1,4 @@
-"""colocate: a single-node torch.distributed GRPO trainer (vLLM inference ranks + FSDP2 learner ranks)."""
+"""colocate: a torch.distributed GRPO trainer on one or several nodes (vLLM inference ranks + FSDP2 learner ranks)."""
 from setuptools import find_packages, setup
 
 setup(

@@ -1,8 +1,9 @@
 """Config checks: each key on its own (`check_values`: one table of choices and ranges), then the
 rules across keys (`validate`). Every failure is a `ConfigError` with one line naming the keys
 involved; `config.load_config` runs `validate` after merging, before anything is built. An env's own
-rules (its keys among themselves, keys it would ignore, env.processes) are its `check` hook, which
-`preflight` runs (`envs.check_env`).
+rules (env.name, its keys' ranges, its keys among themselves, keys it would ignore, env.processes)
+are its `check` hook, which `preflight` runs (`envs.check_env`); engine.kind is the engine table's
+(`engine/table.py`).
 
 This module imports nothing of colocate but `config_schema`.
 """
@@ -13,8 +14,8 @@ import difflib
 import math
 import re
 
-from colocate.config_schema import (ATTENTIONS, BAD_ROWS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES, ENGINE_KINDS,
-                                    ENV_NAMES, EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
+from colocate.config_schema import (ATTENTIONS, BAD_ROWS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES,
+                                    EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
                                     NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
                                     UPDATE_MODES, Config, RolloutConfig)
 
@@ -27,12 +28,10 @@ _CHOICES = {
     ("model", "shape"): MODEL_SHAPES,
     ("model", "dtype"): DTYPES,
     ("model", "chat_template"): CHAT_TEMPLATES,
-    ("engine", "kind"): ENGINE_KINDS,
     ("engine", "lora_mode"): LORA_MODES,
     ("engine", "logprob_kernel"): LOGPROB_KERNELS,
     ("engine", "constraint_masks"): CONSTRAINT_MASKS,
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
-    ("env", "name"): ENV_NAMES,
     ("env", "bad_rows"): BAD_ROWS,
     ("env", "tool_parser"): TOOL_PARSERS,
     ("loss", "norm"): NORM_MODES,
@@ -73,22 +72,6 @@ _RANGES = {
     ("engine", "max_model_len"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 sizes it from the workload)"),
     ("engine", "max_num_batched_tokens"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 keeps vLLM's default)"),
     ("engine", "max_capture_tokens"): (lambda v: v >= 0, _NON_NEGATIVE),
-    ("env", "max_operand"): (lambda v: v >= 1, "must be >= 1 (operands are drawn from 0..max_operand)"),
-    ("env", "horizon_years"): (lambda v: v >= 1, "must be >= 1"),
-    ("env", "stall_years"): (lambda v: v >= 1, "must be >= 1"),
-    ("env", "prefetch_prompts"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 builds prompts when their group starts)"),
-    ("env", "reward_workers"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 computes rewards inline)"),
-    ("env", "processes"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 runs the env on the loop that feeds the engine)"),
-    ("env", "max_reward_errors"): (lambda v: v >= 1, "must be >= 1"),
-    ("env", "overlong_buffer"): (lambda v: v >= 0, _NON_NEGATIVE + " (0 = no length penalty)"),
-    ("env", "max_turns"): (lambda v: v >= 1, "must be >= 1 (policy turns per episode)"),
-    ("env", "max_tool_calls"): (lambda v: v >= 0, _NON_NEGATIVE),
-    ("env", "tool_timeout_s"): (lambda v: v > 0, _POSITIVE),
-    ("env", "tool_max_output_chars"): (lambda v: v >= 1, "must be >= 1"),
-    ("env", "tool_workers"): (lambda v: v >= 1, "must be >= 1"),
-    ("env", "tool_budget_s"): (lambda v: v > 0, _POSITIVE + " (an episode's tool time in all)"),
-    ("env", "reward_timeout_s"): (lambda v: v > 0, _POSITIVE),
-    ("env", "reward_max_abs"): (lambda v: v > 0, _POSITIVE),
     ("rollout", "groups_per_step"): (lambda v: v >= 1, "must be >= 1"),
     ("rollout", "oversample_groups"): (lambda v: v >= 0, _NON_NEGATIVE),
     ("learner", "lr"): (lambda v: v > 0, _POSITIVE),
@@ -142,8 +125,6 @@ def check_values(cfg: Config) -> None:
     """Each key on its own: a choice from its tuple, a finite float, a value in its range."""
     for (section, key), allowed in _CHOICES.items():
         value = getattr(getattr(cfg, section), key)
-        if (section, key) == ("env", "name") and is_object_path(value):
-            continue  # a custom env class: `preflight` imports it
         if value not in allowed:
             near = nearest_key(str(value), [a for a in allowed if a]) if any(allowed) else ""
             raise ConfigError(f"{section}.{key}={value!r} is not one of {', '.join(map(repr, allowed))}"

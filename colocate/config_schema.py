@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 
 MODEL_SHAPES = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")  # keys of colocate.models.SHAPES
 DTYPES = ("float32", "bfloat16")
-ENGINE_KINDS = ("auto", "hf", "vllm")
 LORA_MODES = ("slot", "merged")
 LOGPROB_KERNELS = ("ours", "vllm")
 CONSTRAINT_MASKS = ("ours", "vllm")
 CUDAGRAPH_MODES = ("", "FULL_AND_PIECEWISE", "FULL", "PIECEWISE")
-ENV_NAMES = ("arithmetic", "diplomacy", "dataset")  # or a custom env class by path, "my_pkg.my_env:MyEnv"
 CHAT_TEMPLATES = ("auto", "none")
 BUILTIN_REWARDS = ("gsm8k", "boxed", "exact")  # keys of colocate.rewards.BUILTINS
 BAD_ROWS = ("error", "skip")
@@ -72,7 +70,8 @@ class LoraConfig:
 @dataclass
 class EngineConfig:
     kind: str = "auto"
-    """auto (vllm on CUDA when installed, else hf), hf or vllm."""
+    """auto (vllm on CUDA when installed, else hf), hf or vllm: the kinds of the engine table
+    (`colocate/engine/table.py`), which checks the value."""
     max_new_tokens: int = 8
     """Most tokens sampled per completion."""
     temperature: float = 1.0

@@ -133,6 +133,8 @@ class GpuPlan:
     ranks: tuple[int, ...]
     roles: tuple[str, ...]
     parts: tuple[dict, ...]
+    micro_batch_tokens: int
+    """The learners' packing budget the plan is for (`auto` resolved)."""
 
     def used(self) -> int:
         return sum(rank_estimate(p) for p in self.parts)
@@ -172,14 +174,13 @@ def learner_rooms(cfg: Config, shape: ModelShape, roles: list[str], devices: lis
 
 
 def resolve_micro_batch_tokens(cfg: Config, shape: ModelShape | None, roles: list[str],
-                               devices: list[tuple[int, int]] | None, total: int | None) -> str | None:
-    """`learner.micro_batch_tokens: auto` -> an integer, set in `cfg`: the largest budget every
-    learner's GPU holds; returns the line saying what it chose."""
+                               devices: list[tuple[int, int]] | None, total: int | None) -> tuple[int, str | None]:
+    """`learner.micro_batch_tokens` as an integer (`auto`: the largest budget every learner's GPU
+    holds) and the line saying what `auto` chose (None when it was set); `cfg` is left as it is."""
     if cfg.learner.micro_batch_tokens != "auto":
-        return None
+        return cfg.learner.micro_batch_tokens, None
     if total is None or shape is None or devices is None:
-        cfg.learner.micro_batch_tokens = AUTO_WITHOUT_GPU
-        return f"learner.micro_batch_tokens auto -> {AUTO_WITHOUT_GPU} (no GPU to plan for)"
+        return AUTO_WITHOUT_GPU, f"learner.micro_batch_tokens auto -> {AUTO_WITHOUT_GPU} (no GPU to plan for)"
     num_learners = roles.count("learner")
     tokens = min(fit_tokens(cfg, shape, num_learners, room) for room in learner_rooms(cfg, shape, roles, devices, total))
     if tokens < AUTO_STEP:
@@ -188,21 +189,20 @@ def resolve_micro_batch_tokens(cfg: Config, shape: ModelShape | None, roles: lis
                           f"before activations, beside what shares its {total / GIB:.1f} GiB card ({AUTO_MARGIN:.0%} "
                           "kept free); add learners (topology.num_learners), set learner.activation_checkpointing=true "
                           "or lower engine.gpu_memory_utilization")
-    cfg.learner.micro_batch_tokens = tokens
     est = rank_estimate(learner_parts(cfg, shape, num_learners, tokens))
-    return (f"learner.micro_batch_tokens auto -> {tokens} (learner ~{est / GIB:.1f} GiB of {total / GIB:.1f} GiB, "
-            f"{AUTO_MARGIN:.0%} of the card kept free)")
+    return tokens, (f"learner.micro_batch_tokens auto -> {tokens} (learner ~{est / GIB:.1f} GiB of "
+                    f"{total / GIB:.1f} GiB, {AUTO_MARGIN:.0%} of the card kept free)")
 
 
 def plan_gpus(cfg: Config, shape: ModelShape, roles: list[str], devices: list[tuple[int, int]],
-              total: int) -> list[GpuPlan]:
-    """Every GPU's ranks and their estimates (micro_batch_tokens already an integer)."""
+              total: int, tokens: int) -> list[GpuPlan]:
+    """Every GPU's ranks and their estimates, the learners at `tokens` (micro_batch_tokens resolved)."""
     num_learners = roles.count("learner")
     plans = []
     for gpu, ranks in ranks_by_gpu(devices).items():
         parts = tuple(engine_parts(cfg, shape, total) if roles[r] == "inference" else
-                      learner_parts(cfg, shape, num_learners, cfg.learner.micro_batch_tokens) for r in ranks)
-        plans.append(GpuPlan(gpu, tuple(ranks), tuple(roles[r] for r in ranks), parts))
+                      learner_parts(cfg, shape, num_learners, tokens) for r in ranks)
+        plans.append(GpuPlan(gpu, tuple(ranks), tuple(roles[r] for r in ranks), parts, tokens))
     return plans
 
 
@@ -235,8 +235,7 @@ def engine_remedy(cfg: Config, weights: int, total: int) -> str:
 def remedy(cfg: Config, plan: GpuPlan) -> str:
     if "learner" not in plan.roles:
         return "lower engine.gpu_memory_utilization"
-    tokens = cfg.learner.micro_batch_tokens
-    fixes = [f"lower learner.micro_batch_tokens ({tokens}) or set it to auto"]
+    fixes = [f"lower learner.micro_batch_tokens ({plan.micro_batch_tokens}) or set it to auto"]
     if not cfg.learner.activation_checkpointing:
         fixes.append("set learner.activation_checkpointing=true")
     if "inference" in plan.roles:
@@ -249,7 +248,7 @@ def describe(cfg: Config, plan: GpuPlan) -> str:
     for role, parts in zip(plan.roles, plan.parts):
         body = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
         if role == "learner":
-            words.append(f"a learner at {cfg.learner.micro_batch_tokens} tokens ({body})")
+            words.append(f"a learner at {plan.micro_batch_tokens} tokens ({body})")
         else:
             words.append(f"an engine at engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} ({body})")
     return " and ".join(words)
@@ -283,25 +282,27 @@ class Card:
 @dataclass(frozen=True)
 class MemoryPlan:
     """What the plan says: the lines printed at start, and each rank's estimate in GiB (by global
-    rank as a string; empty without a card), which the run keeps beside the measured peaks."""
+    rank as a string; empty without a card), which the run keeps beside the measured peaks, and the
+    learners' packing budget (`learner.micro_batch_tokens`, `auto` resolved: the run takes it from here)."""
     lines: list[str]
     estimates_gib: dict[str, float]
+    micro_batch_tokens: int
 
 
 def plan_memory(cfg: Config, model, roles: list[str], devices: list[tuple[int, int]] | None,
                 card: Card | None) -> MemoryPlan:
-    """Resolve `micro_batch_tokens: auto`, then plan and check every GPU.
+    """Resolve `micro_batch_tokens: auto` (into the plan, not `cfg`), then plan and check every GPU.
     `devices` None or `card` None: CPU ranks (only `auto` is resolved)."""
     if card is None or devices is None:
-        line = resolve_micro_batch_tokens(cfg, None, roles, None, None)
-        return MemoryPlan([f"colocate: {line}"] if line else [], {})
+        tokens, line = resolve_micro_batch_tokens(cfg, None, roles, None, None)
+        return MemoryPlan([f"colocate: {line}"] if line else [], {}, tokens)
     shape = ModelShape.of(cfg, model)
-    line = resolve_micro_batch_tokens(cfg, shape, roles, devices, card.total)
-    plans = plan_gpus(cfg, shape, roles, devices, card.total)
+    tokens, line = resolve_micro_batch_tokens(cfg, shape, roles, devices, card.total)
+    plans = plan_gpus(cfg, shape, roles, devices, card.total, tokens)
     check_plan(cfg, plans, card.total)
     estimates = {str(r): round(rank_estimate(p) / GIB, 2) for plan in plans for r, p in zip(plan.ranks, plan.parts)}
     return MemoryPlan(([f"colocate: {line}"] if line else []) + plan_lines(cfg, plans, card.total, card.name),
-                      estimates)
+                      estimates, tokens)
 
 
 def print_plan(lines: list[str]) -> None:

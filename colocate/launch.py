@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from colocate import run_dir
 from colocate.config import Config, ConfigError, load_config, parse_overrides
@@ -111,8 +111,11 @@ def check_config(argv: list[str], world: int | None = None,
     flags = split_check_flags(argv)
     argv, check_only, world = flags.rest, flags.check_only, world or flags.world
     cfg, resume_flag = parse_config(argv, world)
-    estimates = preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), flags.card,
-                          show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
+    memory = preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), flags.card,
+                       show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
+    # the run trains at the plan's budget (`learner.micro_batch_tokens: auto` resolved there)
+    cfg.learner = replace(cfg.learner, micro_batch_tokens=memory.micro_batch_tokens)
+    estimates = memory.estimates_gib
     check_loggers(cfg)
     # `--check` refuses what a run would refuse (the same `--resume` / `--overwrite`), and deletes nothing
     one_process = not check_only and int(os.environ.get("RANK", "0")) == 0

@@ -5,8 +5,8 @@ the run directory can be written, a model directory holds a `config.json` that p
 own rules and what they point at hold (`envs.check_env`: the env class's `check` and `preflight`
 hooks, e.g. the dataset env's files and reward functions, the Diplomacy state cache, an agent's
 tools), and every LoRA target module exists in the model. Each failure is one
-`ConfigError` line naming the key, which `train.py` prints before exiting with code 2; the same
-checks run for `python -m colocate.train --config X --check`.
+`ConfigError` line naming the key, which `launch.configure` prints before exiting with code 2; the
+same checks run for `colocate check` and `python -m colocate.train --config X --check`.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import tempfile
 
 from colocate.config import Config, ConfigError
+from colocate.engine.table import check_engine_kind
 from colocate.jsonfile import read_object
 from colocate.envs import check_env
 
@@ -50,14 +51,6 @@ def check_model_dir(path: str) -> None:
     if not os.path.isfile(file):
         raise ConfigError(f"model.path={path!r} has no config.json (a Hugging Face model directory is expected)")
     read_object(file, ConfigError, name=f"model.path={path!r}: config.json")
-
-
-def check_optional_packages(cfg: Config) -> None:
-    """Packages the config needs beyond the base install: vLLM for engine.kind=vllm."""
-    import importlib.util
-    if cfg.engine.kind == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("engine.kind=vllm but vllm is not installed in this environment (pip install vllm, "
-                          "or set engine.kind=hf / auto)")
 
 
 def meta_model(cfg: Config):
@@ -127,9 +120,10 @@ def the_card(card: CardSpec | None, gpus: int, local_world: int):
 
 
 def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, card: CardSpec | None,
-                gpus: int, show: bool) -> dict[str, float]:
+                gpus: int, show: bool):
     """`gpu_budget.plan_memory` over the ranks' placement: `auto` resolved, every GPU checked, the
-    plan printed where `show` (a check, or rank 0 of a run) -> each rank's estimate (GiB; {} on CPU)."""
+    plan printed where `show` (a check, or rank 0 of a run) -> the `gpu_budget.MemoryPlan` (each
+    rank's estimate in GiB, {} on CPU; the learners' micro_batch_tokens)."""
     from colocate.gpu_budget import plan_memory as plan, print_plan
     from colocate.topology import place_roles, rank_devices
     world = world or 2
@@ -139,18 +133,20 @@ def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, 
     memory = plan(cfg, model, roles, rank_devices(world, local_world, planned.per_node) if planned else None, planned)
     if show:
         print_plan(memory.lines)
-    return memory.estimates_gib
+    return memory
 
 
 def preflight(cfg: Config, world: int | None = None, local_world: int | None = None,
-              card: CardSpec | None = None, show_plan: bool = False) -> dict[str, float]:
+              card: CardSpec | None = None, show_plan: bool = False):
+    """Every check of the world the config names, then the memory plan (`plan_memory`), which it
+    returns; `cfg` is not changed (the plan holds `auto` resolved)."""
     gpus = gpu_count(cfg)
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
     check_model_dir(cfg.model.path)
     check_env(cfg)  # the env's own rules and what they point at (its `check` and `preflight` hooks)
-    if card is None:  # `--gpu-memory` plans for another machine: its packages are not this one's
-        check_optional_packages(cfg)
+    # the engine table's entry; `--gpu-memory` plans for another machine, whose packages are not this one's
+    check_engine_kind(cfg.engine.kind, outside_world=card is None)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
     return plan_memory(cfg, model, world, local_world, card, gpus, show_plan)

@@ -2,8 +2,8 @@
 
 The composition root: config (checked before launch: `launch.py`) -> topology -> tokenizer + model ->
 engine + env + adapter receiver, or learner + adapter sender -> the role loop of this rank
-(`rollout/loop.py`, `learner/loop.py`). The adapter channel (`channel.py`) is chosen here, from the
-engine kind.
+(`rollout/loop.py`, `learner/loop.py`). The engine and both ends of the adapter channel come from
+the engine table's entry for engine.kind (`engine/table.py`).
 
 Step protocol (deterministic, so no rank ever waits on a message that will not come):
   * inference rank, batch k = 0..S-1: receive adapters until its version >= k - sampling lag (below),
@@ -31,10 +31,10 @@ import torch.distributed as dist
 import yaml
 
 from colocate.canary import probe_ids
-from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, IpcReceiver, IpcSender,
-                              NoSender)
+from colocate.channel import AdapterReceiver
 from colocate.config import Config, save_config, to_dict
 from colocate.engine.base import Engine
+from colocate.engine.table import EngineParts, engine_entry, make_sender
 from colocate.envs import env_corpus, env_facts, make_env
 from colocate.launch import configure, rank_role
 from colocate.learner.learner import Learner
@@ -44,7 +44,6 @@ from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_q
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
 from colocate.topology import Topology, build_topology, split_cpu_threads
-from colocate.wire import LoraSpec
 
 
 COLLAPSE_EXIT = 3
@@ -52,47 +51,10 @@ COLLAPSE_EXIT = 3
 learner ranks; `colocate train`)."""
 
 
-def engine_kind(cfg: Config, topo: Topology) -> str:
-    """hf or vllm; every rank resolves it alike (learner rank 0 must know how adapters travel)."""
-    kind = cfg.engine.kind
-    if kind == "auto":
-        import importlib.util
-        kind = "vllm" if topo.device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
-    return kind
-
-
 def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, AdapterReceiver]:
-    """The inference rank's engine and the receiving end of the adapter channel that fits it."""
-    if engine_kind(cfg, topo) == "vllm":
-        from colocate.engine import vllm_channel
-        from colocate.engine.vllm import VLLMEngine
-        facts = env_facts(cfg)  # the env's prompt-length bound and requests per group size the engine
-        if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
-            engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
-            return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
-        endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
-        engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
-        return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
-    from colocate.engine.hf import HFEngine
-    engine = HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
-    spec = LoraSpec.of(engine.lora_state())
-    if topo.shared_gpu:
-        return engine, IpcReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, rank=topo.rank,
-                                   device=topo.device)
-    return engine, BroadcastReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, device=topo.device)
-
-
-def make_sender(cfg: Config, topo: Topology, spec: LoraSpec) -> AdapterSender:
-    """The sending end of the adapter channel: learner rank 0 sends, the other learners do not."""
-    if topo.rank != topo.sync_src:
-        return NoSender()
-    if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
-        return IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
-                         slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
-    if engine_kind(cfg, topo) == "vllm":  # waits until every engine's worker has joined
-        from colocate.engine import vllm_channel
-        return vllm_channel.open_sender(cfg, topo, spec)
-    return BroadcastSender(spec, src=topo.sync_src, group=topo.sync_group, with_checksum=cfg.sync.check_checksum)
+    """The inference rank's engine and the receiving end of the adapter channel that fits it (the
+    engine table's entry for engine.kind); the env's facts size the engine, which never sees the env."""
+    return engine_entry(cfg, topo).build(cfg, topo, EngineParts(model, tokenizer, env_facts(cfg)))
 
 
 def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
@@ -109,8 +71,8 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     key, corpus_fn = env_corpus(cfg)
     tokenizer = load_tokenizer(cfg.model, corpus_fn, key)
     # Learners get the policy on the meta device: the Learner shards it, then materializes its shards.
-    # A vLLM engine loads its own weights (a model directory), so its rank keeps the meta one too.
-    on_device = topo.role == "inference" and engine_kind(cfg, topo) == "hf"
+    # An engine that loads its own weights (vLLM: a model directory) leaves its rank the meta one too.
+    on_device = topo.role == "inference" and not engine_entry(cfg, topo).loads_own_weights
     model = build_policy(cfg, tokenizer, topo.device if on_device else "meta")
     probe = probe_ids(tokenizer)  # the sync canary's sequence, the same on every rank
     # The long-lived heap (torch, transformers, the model) never becomes garbage: keep full GC

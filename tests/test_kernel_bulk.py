@@ -91,7 +91,7 @@ def test_bulk_real_vocab_matches_float64(num_rows, inplace, bulk):
     vocab, beta, temperature = 152064, 0.04, 0.9
     b = cuda_batch(num_rows, vocab, beta, temperature, seed=num_rows + 1)
     kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
-    ref_loss, scale, ref_grad = float64_chunked(b, 1024, **kw)
+    ref_loss, scale, ref_grad = float64_chunked(b, 1024, LossSpec(**kw))
     x = b["logits"].clone().requires_grad_()
     loss, _ = grpo_loss_triton(x, LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"]),
                                LossSpec(**kw), inplace_backward=inplace, config={"backend": "bulk", "bulk": bulk})

@@ -10,8 +10,8 @@ Two tiers:
   * GPU (skipped without CUDA): the same cases compiled, then real shapes (V=152064 bf16), more
     than 2**31 logits, and `grpo_loss(impl="triton")` against `impl="torch"` per norm mode and
     per policy objective.
-The policy objectives (GSPO, decoupled, TIS, MIS: `OBJECTIVE_CASES`) are checked against the
-float64 formula of `tests/objective_formula.py` in both tiers, and `token_logprobs` (the
+Every case is checked against the float64 oracle of `tests/loss_oracle.py` (GRPO and the policy
+objectives: GSPO, decoupled, TIS, MIS, `OBJECTIVE_CASES`) in both tiers, and `token_logprobs` (the
 forward-only pass) against float64 log-probs.
 
 Errors are relative: ||ours - ref|| / ||ref|| for d(logits); for the loss,
@@ -37,32 +37,14 @@ HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 
-# ----------------------------------------------------------------------------- float64 formula
+# ----------------------------------------------------------------------------- float64 oracle
 
-def float64_grpo(logits, targets, weights, behaviour, advantages, ref, *, temperature, eps_low, eps_high, beta):
-    """Loss, d(logits), loss scale and stats in float64, written from the GRPO definition.
-
-    logits: [N, V] (any dtype; upcast). Returns float64 tensors on logits' device.
-    """
-    x = logits.detach().double().requires_grad_()
-    logp = torch.log_softmax(x / temperature, dim=-1).gather(1, targets.long()[:, None]).squeeze(1)
-    ratio = torch.exp(logp - behaviour.double())
-    adv = advantages.double()
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
-    kl = torch.zeros_like(per_token)
-    if ref is not None and beta > 0:
-        delta = ref.double() - logp
-        kl = torch.exp(delta) - delta - 1
-        per_token = per_token + beta * kl
-    w = weights.double()
-    loss = (w * per_token).sum()
-    loss.backward()
-    active = w > 0
-    n = active.sum().clamp(min=1)
-    clipped = ((adv > 0) & (ratio > 1 + eps_high)) | ((adv < 0) & (ratio < 1 - eps_low))
-    stats = {"clip_fraction": (clipped & active).sum() / n, "kl": (kl * active).sum() / n,
-             "ratio": (ratio * active).sum() / n, "num_tokens": active.sum().double()}
-    return loss.detach(), x.grad, (w * per_token).abs().sum().detach(), {k: v.detach() for k, v in stats.items()}
+def oracle(b, spec, seq_ids=None, old=None):
+    """`tests/loss_oracle.py` on a batch of `make_batch` / `objective_inputs` -> its `Float64Loss`."""
+    from colocate.kernels import LossRows
+    from tests.loss_oracle import loss_float64
+    rows = LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"], seq_ids, old)
+    return loss_float64(b["logits"], rows, spec)
 
 
 def rel(a, b, chunk=1024):
@@ -146,8 +128,8 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     b = make_batch(num_rows, vocab, DTYPES[dt], temperature=temperature, beta=beta, seed=seed, device=device,
                    neg_inf=neg_inf, outlier=outlier)
     kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
-    ref_loss, ref_grad, scale, ref_stats = float64_grpo(b["logits"], b["targets"], b["weights"], b["behaviour"],
-                                                        b["advantages"], b["ref"], **kw)
+    expected = oracle(b, LossSpec(**kw))
+    ref_loss, ref_grad, scale, ref_stats = expected.loss, expected.grad, expected.scale, expected.stats
     x = b["logits"].clone().requires_grad_()
     rows = LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"])
     loss, stats = grpo_loss_triton(x, rows, LossSpec(**kw), inplace_backward=inplace, config=extra or None)
@@ -172,7 +154,7 @@ def kernel_case(dt, inplace, beta, temperature, extra, *, device, num_rows=37, v
     }
 
 
-# Objectives beyond GRPO (tests/objective_formula.py): (name, dtype, inplace, objective, with start-of-batch
+# Objectives beyond GRPO (tests/loss_oracle.py): (name, dtype, inplace, objective, with start-of-batch
 # log-probs, launch overrides). Sequence ratios and TIS/MIS against the current policy run the two-pass
 # path (forward-only LOGP, then d(logits) from a per-row coefficient); with start-of-batch log-probs
 # and a token ratio the one fused pass runs on folded inputs.
@@ -206,18 +188,18 @@ def objective_case(dt, inplace, objective, with_old, extra, *, device, num_rows=
     from colocate.kernels import LossRows, LossSpec, Objective
     from colocate.kernels.deferred import deferred_loss
     from colocate.kernels.triton_grpo import grpo_loss_triton
-    from tests.objective_formula import objective_float64, objective_inputs
+    from tests.loss_oracle import objective_inputs
 
     b = {k: v.to(device) for k, v in objective_inputs(num_rows, vocab, DTYPES[dt], seed=seed, temperature=0.7).items()}
     old = b["old"] if with_old else None
     kw = dict(temperature=0.7, eps_low=0.03 if objective.get("ratio_level") else 0.2,
               eps_high=0.04 if objective.get("ratio_level") else 0.28, beta=0.04)
-    ref_loss, ref_grad = objective_float64(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
-                                           b["ref"], b["seq_ids"], old, **kw, **objective)
+    spec = LossSpec(Objective(**objective), **kw)
+    expected = oracle(b, spec, b["seq_ids"], old)
+    ref_loss, ref_grad = expected.loss, expected.grad
     x = b["logits"].clone().requires_grad_()
     scale = torch.full((num_rows,), float("nan"), device=device)  # every row must be written
     rows = LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"], b["seq_ids"], old)
-    spec = LossSpec(Objective(**objective), **kw)
     config = {"backend": "triton", **extra}
 
     def loss_fn(logits, **more):
@@ -383,15 +365,15 @@ def test_cuda_objectives_small_shapes(case):
                                                  deferred=name.endswith("-deferred")))
 
 
-def float64_chunked(b, chunk, **kw):
-    """float64_grpo over row chunks (a float64 [N, V] of the real shape would need ~40 GB with autograd)."""
+def float64_chunked(b, chunk, spec):
+    """The oracle over row chunks (a float64 [N, V] of the real shape would need ~40 GB with autograd)."""
     loss, scale, grads = 0.0, 0.0, []
     for s in range(0, b["logits"].shape[0], chunk):
-        sl = slice(s, s + chunk)
-        l, gr, sc, _ = float64_grpo(b["logits"][sl], b["targets"][sl], b["weights"][sl], b["behaviour"][sl],
-                                    b["advantages"][sl], None if b["ref"] is None else b["ref"][sl], **kw)
-        loss, scale = loss + l, scale + sc
-        grads.append(gr.to(b["logits"].dtype))  # compared in the logits dtype to bound memory
+        part = {k: None if b[k] is None else b[k][s:s + chunk]
+                for k in ("logits", "targets", "weights", "behaviour", "advantages", "ref")}
+        expected = oracle(part, spec)
+        loss, scale = loss + expected.loss, scale + expected.scale
+        grads.append(expected.grad.to(b["logits"].dtype))  # compared in the logits dtype to bound memory
     return loss, scale, torch.cat(grads)
 
 
@@ -429,7 +411,7 @@ def test_cuda_real_vocab(num_rows, inplace, config, dtype):
     b["logits"] = b["logits"].to(DTYPES[dtype])
     tol = 1e-2 if dtype == "bf16" else 1e-5
     kw = dict(temperature=temperature, eps_low=0.2, eps_high=0.28, beta=beta)
-    ref_loss, scale, ref_grad = float64_chunked(b, 1024 if dtype == "bf16" else 256, **kw)
+    ref_loss, scale, ref_grad = float64_chunked(b, 1024 if dtype == "bf16" else 256, LossSpec(**kw))
     x = b["logits"].clone().requires_grad_()
     loss, _ = grpo_loss_triton(x, LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"]),
                                LossSpec(**kw), inplace_backward=inplace, config=config)

@@ -50,9 +50,9 @@ def import_graph() -> dict[str, set[str]]:
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
+            elif isinstance(node, ast.ImportFrom):  # `from pkg import sub` names the submodule, not pkg's body
                 base = resolve(module, path, node)
-                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             for t in targets:
                 while t and t not in files:  # `from colocate.x import name` -> colocate.x
                     t = t.rpartition(".")[0]
@@ -69,8 +69,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph[node]):
-            if nxt.startswith(node + "."):  # a package importing its own submodule is not a circle
-                continue
             if state.get(nxt) == 1:
                 return stack[stack.index(nxt):] + [nxt]
             if state.get(nxt) is None and (found := visit(nxt)):
@@ -92,6 +90,25 @@ def test_import_graph_has_no_circle():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert find_cycle({"p": {"p.x"}, "p.x": {"p.y"}, "p.y": {"p"}}) == ["p", "p.x", "p.y", "p"]
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows from a module to a package that holds it: a package's `__init__` sits above its
+    modules (it is the package's front door, e.g. `envs.BUILTIN`, `make_env`), so a module inside
+    imports its siblings directly, never the package back (`from pkg import sub` names `sub`)."""
+    return sorted(f"{m} -> {i}" for m, imports in graph.items() for i in imports if m.startswith(i + "."))
+
+
+def test_no_module_imports_the_package_above_it():
+    """Inside a package the imports run one way too: no circle among siblings (the test above,
+    packages included) and no arrow back up to the package itself."""
+    assert upward_arrows(import_graph()) == []
+
+
+def test_upward_arrows_finds_one():
+    graph = {"p": {"p.a"}, "p.a": {"p.b"}, "p.b": {"p"}, "q.c": {"p.a"}}
+    assert upward_arrows(graph) == ["p.b -> p"]
 
 
 def test_rollout_and_learner_never_import_each_other():
@@ -161,9 +178,7 @@ def test_no_file_outside_envs_branches_on_an_env_name():
     """Env facts live in `colocate/envs/` (each env's `check`, `preflight`, `check_resume` hooks and
     `envs.BUILTIN`): no other module compares `env.name` with a literal or names a built-in env
     in a comparison."""
-    from colocate.config_schema import ENV_NAMES
     from colocate.envs import BUILTIN
-    assert tuple(BUILTIN) == ENV_NAMES
     hits = []
     for path in python_files("colocate", "kernels"):
         rel = os.path.relpath(path, REPO)
@@ -283,6 +298,16 @@ def test_the_module_map_names_every_module():
         if not named:
             missing.append(rel)
     assert not missing, f"DEVELOPERS.md's module map lacks {missing}"
+
+
+def test_developers_names_only_files_that_exist():
+    """Every file DEVELOPERS.md names by path (`tests/test_x.py`, `colocate/envs/checks.py`, a path
+    below `colocate/` in the module map) exists: its recipes and test pointers cannot go stale."""
+    text = open(os.path.join(REPO, "DEVELOPERS.md")).read()
+    paths = {t for t in re.findall(r"`([\w./-]+\.(?:py|md|sh|yaml|jsonl|cu))`", text) if "/" in t}
+    missing = [p for p in sorted(paths) if not any(os.path.exists(os.path.join(REPO, *base, p))
+                                                   for base in ((), ("colocate",)))]
+    assert not missing, missing
 
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(REPO, ".git")), reason="needs a git checkout")

@@ -1,45 +1,12 @@
-"""The PyTorch reference loss against a float64 formula written out here, for every norm mode."""
+"""The PyTorch reference loss against the float64 oracle (`tests/loss_oracle.py`), for every norm mode."""
 import math
 import zlib
 
 import pytest
 import torch
 
-from colocate.kernels import LossBatch, LossSpec, grpo_loss
-
-
-def formula_float64(logits, targets, mask, old, adv, ref, seq_ids, *, T, eps_low, eps_high, beta, norm, max_len):
-    """Loop-level GRPO loss in float64: no shared code with colocate.kernels."""
-    logits = logits.double()
-    n = logits.shape[0]
-    per_seq: dict[int, list[int]] = {}
-    for t in range(n):
-        if mask[t]:
-            per_seq.setdefault(int(seq_ids[t]), []).append(t)
-    num_seqs = int(seq_ids.max()) + 1
-    total_tokens = sum(len(v) for v in per_seq.values())
-    loss = 0.0 * logits.sum()
-    for t in range(n):
-        if not mask[t]:
-            continue
-        row = logits[t] / T
-        logp = row[targets[t]] - torch.logsumexp(row, 0)
-        ratio = torch.exp(logp - float(old[t]))
-        a = float(adv[t])
-        clipped = min(max(ratio.item(), 1 - eps_low), 1 + eps_high)
-        # min(ratio*A, clip(ratio)*A): the clipped branch is constant in logp where it is strictly lower
-        term = -(ratio * a) if ratio.item() * a <= clipped * a else -(clipped * a) + 0 * ratio
-        if beta > 0:
-            d = float(ref[t]) - logp
-            term = term + beta * (torch.exp(d) - d - 1)
-        if norm == "grpo":
-            w = 1.0 / (num_seqs * len(per_seq[int(seq_ids[t])]))
-        elif norm == "dapo":
-            w = 1.0 / total_tokens
-        else:
-            w = 1.0 / (num_seqs * max_len)
-        loss = loss + w * term
-    return loss
+from colocate.kernels import LossBatch, LossRows, LossSpec, grpo_loss
+from tests.loss_oracle import loss_float64, norm_weights
 
 
 @pytest.mark.parametrize("norm", ["grpo", "dapo", "dr_grpo"])
@@ -58,19 +25,16 @@ def test_reference_matches_float64_formula(norm, beta):
     old = true_logp + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)  # ratios on both sides of the clip
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     ref = true_logp + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
-    kw = dict(T=0.7, eps_low=0.2, eps_high=0.28, beta=beta, norm=norm, max_len=12)
-
-    x64 = logits.clone().requires_grad_(True)
-    expected = formula_float64(x64, targets, mask, old, adv, ref, seq_ids, **kw)
-    expected.backward()
+    spec = LossSpec(temperature=0.7, eps_low=0.2, eps_high=0.28, beta=beta, norm=norm, max_len=12, impl="torch")
+    # the sampled log-probs are `old`: one update per batch, the ratio against the sampler
+    expected = loss_float64(logits, LossRows(targets, norm_weights(mask, seq_ids, spec), old, adv, ref, seq_ids),
+                            spec)
 
     x = logits.float().clone().requires_grad_(True)
-    loss, stats = grpo_loss(x, LossBatch(targets, mask, old.float(), adv.float(), ref.float(), seq_ids=seq_ids),
-                            LossSpec(temperature=0.7, eps_low=0.2, eps_high=0.28, beta=beta, norm=norm, max_len=12,
-                                     impl="torch"))
+    loss, stats = grpo_loss(x, LossBatch(targets, mask, old.float(), adv.float(), ref.float(), seq_ids=seq_ids), spec)
     loss.backward()
-    assert math.isclose(loss.item(), expected.item(), rel_tol=1e-5, abs_tol=1e-7)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-7)
+    assert math.isclose(loss.item(), expected.loss.item(), rel_tol=1e-5, abs_tol=1e-7)
+    torch.testing.assert_close(x.grad.double(), expected.grad, rtol=1e-4, atol=1e-7)
     assert x.grad[~mask].abs().max() == 0  # masked tokens get no gradient
     assert 0.0 <= float(stats["clip_fraction"]) <= 1.0 and float(stats["num_tokens"]) == float(mask.sum())
 

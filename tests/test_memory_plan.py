@@ -50,31 +50,33 @@ def test_gpu_memory_takes_sizes_and_card_names():
         parse_gpu_memory("lots")
 
 
-def plan(name: str, world: int, card: str, **learner) -> tuple[object, list[str]]:
+def plan(name: str, world: int, card: str, **learner) -> tuple[object, object]:
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), {"learner": learner} if learner else {},
                       world_size=world)
     from colocate.topology import place_roles
     roles = place_roles(cfg, world, world)
     return cfg, plan_memory(cfg, meta_model(cfg), roles, rank_devices(world, world, world),
-                            Card(parse_gpu_memory(card), world, card)).lines
+                            Card(parse_gpu_memory(card), world, card))
 
 
 def test_auto_takes_the_largest_budget_that_leaves_the_margin(seven_b):
-    cfg, lines = plan("gpu-4", 4, "h100")
-    tokens = cfg.learner.micro_batch_tokens
+    cfg, memory = plan("gpu-4", 4, "h100")
+    tokens = memory.micro_batch_tokens
+    assert cfg.learner.micro_batch_tokens == "auto"  # the planner returns what it chose, the config is left alone
     assert isinstance(tokens, int) and tokens % AUTO_STEP == 0
-    assert any(f"auto -> {tokens}" in line for line in lines)
+    assert any(f"auto -> {tokens}" in line for line in memory.lines)
     room = 0.9 * CARDS["h100"]
     assert rank_estimate(learner_parts(cfg, seven_b, 2, tokens)) <= room < \
         rank_estimate(learner_parts(cfg, seven_b, 2, tokens + AUTO_STEP))
-    bigger, _ = plan("gpu-4", 4, "h200")
-    assert bigger.learner.micro_batch_tokens > tokens  # the H200's 141 GB hold a larger budget
+    _, bigger = plan("gpu-4", 4, "h200")
+    assert bigger.micro_batch_tokens > tokens  # the H200's 141 GB hold a larger budget
 
 
 def test_auto_without_a_card_is_the_fixed_default():
     cfg = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"), world_size=4)
-    lines = plan_memory(cfg, meta_model(cfg), ["inference"] * 2 + ["learner"] * 2, None, None).lines
-    assert cfg.learner.micro_batch_tokens == AUTO_WITHOUT_GPU and "no GPU" in lines[0]
+    memory = plan_memory(cfg, meta_model(cfg), ["inference"] * 2 + ["learner"] * 2, None, None)
+    assert memory.micro_batch_tokens == AUTO_WITHOUT_GPU and "no GPU" in memory.lines[0]
+    assert cfg.learner.micro_batch_tokens == "auto"
 
 
 def test_the_settings_that_ran_out_of_memory_on_h100s_are_refused_there():
@@ -180,7 +182,8 @@ def test_rank_0_keeps_the_plans_estimates_in_the_run_dir(monkeypatch, tmp_path, 
     run writes them once it holds the run directory (no second model build); other ranks and
     `--check` write nothing."""
     from colocate import launch
-    monkeypatch.setattr(launch, "preflight", lambda *a, **k: {"0": 70.1, "1": 64.2})
+    from colocate.gpu_budget import MemoryPlan
+    monkeypatch.setattr(launch, "preflight", lambda *a, **k: MemoryPlan([], {"0": 70.1, "1": 64.2}, 4096))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), f"--metrics.run_dir={tmp_path / 'run'}"]

@@ -1,7 +1,7 @@
 """Policy objectives beyond GRPO: GSPO, the decoupled clip of several updates per batch, truncated
 and masked importance sampling.
 
-  * the reference (`impl="torch"`) against the float64 formula of `tests/objective_formula.py`,
+  * the reference (`impl="torch"`) against the float64 oracle of `tests/loss_oracle.py`,
     loss and d(logits), every objective (the fused kernel's parity runs under the Triton
     interpreter in `test_kernel_triton.py`);
   * GSPO against a two-sequence example worked out here by hand;
@@ -16,8 +16,15 @@ import math
 import pytest
 import torch
 
-from colocate.kernels import LossBatch, LossSpec, Objective, grpo_loss
-from tests.objective_formula import objective_float64, objective_inputs
+from colocate.kernels import LossBatch, LossRows, LossSpec, Objective, grpo_loss
+from tests.loss_oracle import loss_float64, objective_inputs
+
+
+def oracle(logits, b, old, spec):
+    """The float64 oracle over `objective_inputs`' rows -> (loss, d(logits))."""
+    rows = LossRows(b["targets"], b["weights"], b["behaviour"], b["advantages"], b["ref"], b["seq_ids"], old)
+    out = loss_float64(logits, rows, spec)
+    return out.loss, out.grad
 
 OBJECTIVES = {
     "gspo": (dict(ratio_level="sequence"), False),
@@ -34,6 +41,34 @@ OBJECTIVES = {
 }
 
 
+# A value of each objective field away from its default, valid as its loss.* key (DEVELOPERS.md's loss recipe)
+VARIANT_VALUES = {"ratio_level": "sequence", "tis_cap": 1.5, "mis_threshold": 0.2, "clip_ratio_c": 1.5}
+
+
+def test_every_objective_field_is_a_key_the_oracle_and_a_case():
+    """DEVELOPERS.md's loss recipe, checked: every field of `Objective` is a `loss.*` key with its
+    check, reaches the run's `LossSpec` through `loss_spec`, is written out in the float64 oracle,
+    and has a case here and in the kernel's tests."""
+    import dataclasses
+    import os
+
+    from colocate.config import load_config
+    from colocate.config_checks import _CHOICES, _RANGES
+    from colocate.learner.loss import loss_spec
+    from tests.conftest import REPO
+    from tests.test_kernel_triton import OBJECTIVE_CASES
+    oracle_source = open(os.path.join(REPO, "tests", "loss_oracle.py")).read()
+    fields = [f.name for f in dataclasses.fields(Objective)]
+    assert sorted(fields) == sorted(VARIANT_VALUES), "a new objective field: give it a value above"
+    for name in fields:
+        assert ("loss", name) in _RANGES or ("loss", name) in _CHOICES, name
+        cfg = load_config(os.path.join(REPO, "configs", "cpu-tiny.yaml"), {"loss": {name: VARIANT_VALUES[name]}})
+        assert getattr(loss_spec(cfg).objective, name) == VARIANT_VALUES[name], name
+        assert f"objective.{name}" in oracle_source, name
+        assert any(name in kw for kw, _ in OBJECTIVES.values()), name
+        assert any(name in case[3] for case in OBJECTIVE_CASES), name
+
+
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_reference_objectives_match_float64(name, beta):
@@ -41,13 +76,12 @@ def test_reference_objectives_match_float64(name, beta):
     b = objective_inputs(31, 23, torch.float32, seed=len(name) + int(beta * 100), temperature=0.8)
     eps = (3e-2, 4e-2) if kw.get("ratio_level") == "sequence" else (0.2, 0.28)
     old = b["old"] if with_old else None
-    ref_loss, ref_grad = objective_float64(b["logits"], b["targets"], b["weights"], b["behaviour"], b["advantages"],
-                                           b["ref"], b["seq_ids"], old, temperature=0.8, eps_low=eps[0],
-                                           eps_high=eps[1], beta=beta, **kw)
+    spec = LossSpec(Objective(**kw), "dapo", eps[0], eps[1], beta, 0.8, impl="torch")
+    ref_loss, ref_grad = oracle(b["logits"], b, old, spec)
     x = b["logits"].clone().requires_grad_()
     batch = LossBatch(b["targets"], b["weights"] > 0, b["behaviour"], b["advantages"], b["ref"], seq_ids=b["seq_ids"],
                       old_logprobs=old)
-    loss, stats = grpo_loss(x, batch, LossSpec(Objective(**kw), "dapo", eps[0], eps[1], beta, 0.8, impl="torch"))
+    loss, stats = grpo_loss(x, batch, spec)
     loss.backward()
     assert abs(loss.item() - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))
     assert float((x.grad.double() - ref_grad).norm()) <= 1e-5 * max(float(ref_grad.norm()), 1e-3)
@@ -68,15 +102,13 @@ def test_deferred_row_scale_gives_the_hidden_gradient(name):
     weight, h0 = torch.randn(23, 5, generator=g), torch.randn(31, 5, generator=g)
     eps = (3e-2, 4e-2) if kw.get("ratio_level") == "sequence" else (0.2, 0.28)
     old = b["old"] if with_old else None
-    common = dict(temperature=0.8, eps_low=eps[0], eps_high=eps[1], beta=0.04)
-    ref_loss, ref_grad = objective_float64(h0 @ weight.T, b["targets"], b["weights"], b["behaviour"], b["advantages"],
-                                           b["ref"], b["seq_ids"], old, **common, **kw)
+    spec = LossSpec(Objective(**kw), "dapo", temperature=0.8, eps_low=eps[0], eps_high=eps[1], beta=0.04, impl="torch")
+    ref_loss, ref_grad = oracle(h0 @ weight.T, b, old, spec)
     h = h0.clone().requires_grad_()
     scale = torch.full((31,), float("nan"))
     batch = LossBatch(b["targets"], b["weights"] > 0, b["behaviour"], b["advantages"], b["ref"], seq_ids=b["seq_ids"],
                       old_logprobs=old)
-    loss, _ = grpo_loss(scale_grad_rows(h, scale) @ weight.T, batch,
-                        LossSpec(Objective(**kw), "dapo", impl="torch", **common), row_scale=scale)
+    loss, _ = grpo_loss(scale_grad_rows(h, scale) @ weight.T, batch, spec, row_scale=scale)
     loss.backward()
     want = ref_grad @ weight.double()
     assert abs(loss.item() - float(ref_loss)) <= 1e-5 * max(1.0, abs(float(ref_loss)))

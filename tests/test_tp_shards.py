@@ -1,4 +1,5 @@
-"""The adapter split over a tensor-parallel vLLM engine (`colocate/engine/tp_shards.py`), on CPU.
+"""The adapter split over a tensor-parallel vLLM engine (`tests/tp_shards.py`, kept out of the
+package until a key runs it), on CPU.
 
 Each TP rank here is an emulated vLLM worker: its base weights are cut as vLLM's loaders cut them
 (`QKVParallelLinear` / `MergedColumnParallelLinear` / `RowParallelLinear`, written out below from
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colocate.engine.tp_shards import Heads, KvSplit, TpShard, kv_split
+from tests.tp_shards import Heads, KvSplit, TpShard, kv_split
 from colocate.engine.vllm_worker import AdapterSlot, MergedAdapter, lora_module_name, merge_plan, slot_plan, slot_views
 from colocate.wire import LoraSpec, adapter_header, checksum, flatten_lora, parse_adapter_header, unflatten_lora
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -159,7 +160,24 @@ def slot_views(lora_module, slice_index: int, slot: int, is_a: bool, shape: tupl
     return view
 
 
-class AdapterSlot:
+class AdapterTarget(Protocol):
+    """Where a worker writes each received adapter: a slot of vLLM's LoRA buffers (`AdapterSlot`)
+    or the base weights it is merged into (`MergedAdapter`). The worker fills `flat` (NCCL or
+    CUDA IPC), then calls `apply`; `matches` is the sync check of what the engine holds."""
+
+    flat: torch.Tensor
+    """The receive buffer: the learner's flat adapter, in its dtype (`LoraSpec`)."""
+
+    def apply(self) -> None:
+        """Write `flat` into the engine's weights."""
+        ...
+
+    def matches(self) -> bool:
+        """The engine holds exactly what `apply` wrote."""
+        ...
+
+
+class AdapterSlot(AdapterTarget):
     """Receive buffer -> staged (engine dtype, B scaled) -> the slot's views, all on one device."""
 
     def __init__(self, spec: LoraSpec, destinations: list[torch.Tensor], is_a: list[bool], scaling: float,
@@ -225,11 +243,10 @@ def merge_plan(names: list[str] | tuple[str, ...], shapes: list[tuple[int, ...]]
     return plan
 
 
-class MergedAdapter:
+class MergedAdapter(AdapterTarget):
     """Receive buffer -> W[rows] = W0[rows] + scaling * B @ A in the engine's base weights.
 
-    Same interface as `AdapterSlot` (`flat`, `apply`, `matches`); `weights` maps a module name to
-    its weight tensor [out, in] (vLLM's, on the device)."""
+    `weights` maps a module name to its weight tensor [out, in] (vLLM's, on the device)."""
 
     def __init__(self, spec: LoraSpec, plan: list[MergeTarget], weights: dict[str, torch.Tensor], scaling: float,
                  shard=None):
@@ -249,6 +266,7 @@ class MergedAdapter:
 
     @torch.inference_mode()
     def apply(self) -> None:
+        """Write `flat` merged into W0 into the live weights."""
         self.staged.copy_(self.flat)                                  # to the engine dtype (bf16)
         for out, w0, b, a in self.ops:
             torch.addmm(w0, b, a, alpha=self.scaling, out=out)       # fp32 accumulate, one final rounding

@@ -8,9 +8,9 @@ from __future__ import annotations
 import hashlib
 import importlib
 
-from colocate.config_checks import ConfigError
+from colocate.config_checks import ConfigError, is_object_path, nearest_key
 from colocate.envs.base import Env
-from colocate.envs.checks import is_agent, refuse_agent_keys
+from colocate.envs.checks import ENV_KEYS, check_key_rules, is_agent
 from colocate.envs.processes import check_processes, check_resume_processes
 
 BUILTIN = {
@@ -18,7 +18,7 @@ BUILTIN = {
     "diplomacy": "colocate.envs.diplomacy:DiplomacyEnv",
     "dataset": "colocate.envs.dataset:DatasetEnv",
 }
-"""env.name -> the built-in class it names (`config_schema.ENV_NAMES` lists the same names)."""
+"""env.name -> the built-in class it names; env.name is one of these or a class by path (`checked_class`)."""
 
 
 def env_class(name: str) -> type[Env]:
@@ -75,6 +75,7 @@ def check_env(cfg, *, outside_world: bool = True) -> None:
     against the rollout mode, then (`outside_world`) its `preflight(cfg)`. A built-in and a user's
     class are checked the same way; `preflight.preflight` and `eval` run this before any model."""
     cls = checked_class(cfg)
+    check_key_rules(cfg, ENV_KEYS)
     cls.check(cfg)
     check_processes(cfg)
     if outside_world:
@@ -82,23 +83,24 @@ def check_env(cfg, *, outside_world: bool = True) -> None:
 
 
 def checked_class(cfg) -> type[Env]:
-    """`env_class(env.name)`, its failures as `ConfigError`; a user's class also fits `Env` by
-    signature, takes `env.options`, and refuses agent keys unless it is an `AgentEnv`."""
+    """`env_class(env.name)`, its failures as `ConfigError`; env.name is a built-in's or a path, and
+    a user's class also fits `Env` by signature and takes `env.options`."""
     from colocate.objects import ObjectPathError
+    name = cfg.env.name
+    if name not in BUILTIN and not is_object_path(str(name)):
+        raise ConfigError(f"env.name={name!r} is not one of {', '.join(map(repr, BUILTIN))}; did you mean "
+                          f"{nearest_key(str(name), list(BUILTIN))!r}? (or a class by path: 'my_pkg.my_env:MyEnv')")
     try:
         cls = env_class(cfg.env.name)
     except ObjectPathError as e:
         raise ConfigError(f"env.name: {e}") from None
     if cfg.env.name in BUILTIN:
         return cls
-    from colocate.envs.agent import AgentEnv
     from colocate.envs.protocol import EnvProtocolError, check_env_class
     try:
         check_env_class(cls, cfg.env.options)
     except EnvProtocolError as e:
         raise ConfigError(f"env.name={cfg.env.name!r}: {e}") from None
-    if not issubclass(cls, AgentEnv):
-        refuse_agent_keys(cfg, f"env.name={cfg.env.name!r} is not an AgentEnv")
     return cls
 
 

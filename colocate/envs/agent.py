@@ -27,13 +27,13 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import ClassVar, Hashable
 
 from colocate.chat import MARKER, ChatFormat, is_messages
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
-from colocate.envs.checks import check_agent, check_agent_tools
+from colocate.envs.checks import AGENT_RULES, KeyRules, check_agent, check_agent_tools
 from colocate.rewards import REWARD_ERROR_KINDS, RewardSet
 from colocate.tools import (PARSERS, TOOL_ERROR_KINDS, PendingCall, ToolResult, ToolRunner, ToolRunnerSettings,
                             environment_tools, tool_name, tool_schema, wait_any)
@@ -45,6 +45,8 @@ FINISH_REASONS = ("stop", "max_turns", "max_tool_calls", "truncated")
 @dataclass
 class AgentSettings:
     """One episode's limits, sampling and prompt column (`agent_settings`: from env.* and engine.*)."""
+    KEYS: ClassVar[KeyRules] = AGENT_RULES
+    """The agent keys with a range (its own and its tool runner's; `checks.check_agent` holds them)."""
     max_turns: int = 4
     max_tool_calls: int = 8
     max_new_tokens: int = 64
@@ -128,6 +130,8 @@ class Episode:
 
 
 class AgentEnv(Env):
+    KEYS = AgentSettings.KEYS
+
     def __init__(self, tokenizer, rows, rewards: RewardSet, settings: AgentSettings, *, group_size: int,
                  tools=(), environment=None, chat: ChatFormat | None = None):
         """`rows`: `next_row()` -> a dict of columns (and `state_dict` / `load_state_dict` for resume);

@@ -19,7 +19,6 @@ from colocate.chat import ChatFormat
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env
-from colocate.envs.checks import refuse_agent_keys
 
 
 def corpus(max_operand: int) -> list[str]:
@@ -45,9 +44,7 @@ def parse_answer(text: str) -> int | None:
 
 
 class ArithmeticEnv(Env):
-    @classmethod
-    def check(cls, cfg) -> None:
-        refuse_agent_keys(cfg, "env.name=arithmetic plays no tool episodes")
+    KEYS = {"max_operand": (lambda v: v >= 1, "must be >= 1 (operands are drawn from 0..max_operand)")}
 
     @classmethod
     def corpus_key(cls, cfg) -> str:

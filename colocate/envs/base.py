@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Hashable
 
 from colocate.data import Completion, Request, Sample
+from colocate.envs.checks import KeyRules, check_key_rules, no_tool_episodes, refuse_agent_keys
 
 
 class ResumeError(ValueError):
@@ -29,6 +30,11 @@ class ResumeError(ValueError):
 class Env:
     group_size: int = 1
     """G: continuations per group."""
+
+    KEYS: KeyRules = {}
+    """The env.* keys this env reads that have a range -> (the rule a valid value keeps, its
+    wording), e.g. its settings record's (`DatasetSettings.KEYS`); the default `check` holds them.
+    Keys of other envs are ignored (a preset may inherit them through `base:`)."""
 
     @classmethod
     def from_config(cls, cfg, tokenizer, seed: int) -> "Env":
@@ -65,13 +71,17 @@ class Env:
     def check(cls, cfg) -> None:
         """The run's config against this env's rules (keys among themselves, keys it would ignore):
         raise `colocate.config.ConfigError` with one line naming the keys. Runs before anything is
-        built, after the config's own checks (`envs.check_env`). Default: nothing to check."""
+        built, after the config's own checks (`envs.check_env`). Default: its `KEYS` in range, and
+        the agent keys refused (an env that is no `AgentEnv` plays no tool episodes, so it would
+        ignore them); an override calls `super().check(cfg)` to keep both."""
+        check_key_rules(cfg, cls.KEYS)
+        refuse_agent_keys(cfg, no_tool_episodes(cfg))
 
     @classmethod
     def preflight(cls, cfg) -> None:
         """What the config points at in the outside world (data files, a state cache, tools that
         import): raise `ConfigError` with one line naming the key. Runs after `check`, before any
-        model is built (`envs.preflight_env`). Default: nothing to check."""
+        model is built (`envs.check_env`). Default: nothing to check."""
 
     @classmethod
     def check_resume(cls, saved: list[dict], cfg) -> None:

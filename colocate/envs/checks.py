@@ -1,18 +1,55 @@
-"""The built-in envs' own checks, which their `check` and `preflight` hooks (`base.Env`) call: the
-agent keys an env would ignore, an agent episode's length limit, the dataset env's keys among
-themselves, and what its files and an agent's tools hold. Each failure is one `ConfigError` line
-naming the key; `envs.check_env` / `envs.preflight_env` run them before any model is built.
+"""The built-in envs' own checks, which their `check` and `preflight` hooks (`base.Env`) call: each
+env's keys in their ranges (`check_key_rules` over an env's `KEYS`), the agent keys an env would
+ignore, an agent episode's length limit, the dataset env's keys among themselves, and what its
+files and an agent's tools hold. Each failure is one `ConfigError` line naming the key;
+`envs.check_env` runs the hooks before any model is built.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from colocate.config_checks import ConfigError, is_object_path
 from colocate.config_schema import BUILTIN_REWARDS, EnvConfig
 
-AGENT_KEYS = ("tools", "environment", "tool_parser", "max_turns", "max_tool_calls", "tool_timeout_s",
-              "tool_max_output_chars", "tool_workers", "tool_budget_s")
+KeyRules = dict[str, tuple[Callable[[object], bool], str]]
+"""An env's keys -> (the rule a valid value keeps, its wording): what its `check` holds them to."""
+
+POSITIVE, NON_NEGATIVE = "must be > 0", "must be >= 0"
+
+ENV_KEYS: KeyRules = {
+    "processes": (lambda v: v >= 0, NON_NEGATIVE + " (0 runs the env on the loop that feeds the engine)"),
+    "overlong_buffer": (lambda v: v >= 0, NON_NEGATIVE + " (0 = no length penalty)"),
+}
+"""Keys every env reads (the rollout worker and `EnvProcesses` apply them): `envs.check_env` checks
+them for any class."""
+
+AGENT_RULES: KeyRules = {
+    "max_turns": (lambda v: v >= 1, "must be >= 1 (policy turns per episode)"),
+    "max_tool_calls": (lambda v: v >= 0, NON_NEGATIVE),
+    "tool_timeout_s": (lambda v: v > 0, POSITIVE),
+    "tool_max_output_chars": (lambda v: v >= 1, "must be >= 1"),
+    "tool_workers": (lambda v: v >= 1, "must be >= 1"),
+    "tool_budget_s": (lambda v: v > 0, POSITIVE + " (an episode's tool time in all)"),
+}
+"""The agent episodes' keys with a range (`agent.AgentSettings.KEYS`; `check_agent` holds them)."""
+
+AGENT_KEYS = ("tools", "environment", "tool_parser", *AGENT_RULES)
 """env keys only agent episodes read (`envs/agent.py`)."""
+
+
+def check_key_rules(cfg, rules: KeyRules) -> None:
+    """Each key of `rules` (env.<key>) keeps its rule."""
+    for key, (ok, rule) in rules.items():
+        value = getattr(cfg.env, key)
+        if not ok(value):
+            raise ConfigError(f"env.{key}={value!r} {rule}")
+
+
+def no_tool_episodes(cfg) -> str:
+    """Why an env that is no `AgentEnv` refuses the agent keys (the default `Env.check`)."""
+    name = cfg.env.name
+    return f"env.name={name!r} is not an AgentEnv" if is_object_path(name) else f"env.name={name} plays no tool episodes"
 
 
 def is_agent(cfg) -> bool:
@@ -39,8 +76,9 @@ def check_agent_paths(cfg) -> None:
 
 
 def check_agent(cfg, what: str) -> None:
-    """An agent env's keys (`what` names the env): tools and environment by path, an episode's token
-    limit (engine.max_model_len) that holds a prompt and a whole turn."""
+    """An agent env's keys (`what` names the env): each in its range, tools and environment by path,
+    an episode's token limit (engine.max_model_len) that holds a prompt and a whole turn."""
+    check_key_rules(cfg, AGENT_RULES)
     check_agent_paths(cfg)
     check_agent_lengths(cfg, what)
 

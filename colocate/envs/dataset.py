@@ -21,21 +21,22 @@ batch once it is scored.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import ClassVar, Hashable
 
 from colocate.chat import ChatFormat, is_messages
 from colocate.constraint import Constraint
 from colocate.data import Completion, Request, Sample
 from colocate.config_checks import ConfigError
 from colocate.envs.base import Env, ResumeError
-from colocate.envs.checks import AGENT_KEYS, check_agent, check_agent_tools, check_dataset_keys, is_agent, refuse_agent_keys
-from colocate.envs.dataset_files import check_dataset, data_fingerprint, load_rows, open_rows, reward_limits
-from colocate.envs.rows import RowScan, expand_files
+from colocate.envs.checks import (AGENT_KEYS, NON_NEGATIVE, POSITIVE, KeyRules, check_agent, check_agent_tools,
+                                  check_dataset_keys, check_key_rules, is_agent, refuse_agent_keys)
+from colocate.envs.dataset_files import (check_dataset, corpus, corpus_key, data_fingerprint, load_rows, open_rows,
+                                         reward_limits)
+from colocate.envs.rows import RowScan
 from colocate.rewards import RewardSet
 
 def decode_texts(tokenizer, id_lists: list[list[int]]) -> list[str]:
@@ -49,37 +50,6 @@ def decode_texts(tokenizer, id_lists: list[list[int]]) -> list[str]:
     return backend.decode_batch(id_lists, skip_special_tokens=False)
 
 
-def prompt_text(prompt) -> str:
-    """A prompt as plain text (the tokenizer corpus; a message list's contents, one per line; a row
-    that is no prompt at all, which the row checks refuse or drop, gives none)."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return "\n".join(m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
-    return ""
-
-
-def corpus_key(cfg) -> str:
-    """Names the embedded tokenizer trained on these files (changes when a file does)."""
-    parts = [cfg.env.prompt_column, cfg.env.answer_column]
-    for f in sorted(expand_files(cfg.env.data_files + cfg.env.eval_files)):
-        st = os.stat(f)
-        parts.append(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}")
-    return "dataset-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
-
-
-def corpus(cfg) -> list[str]:
-    """Every prompt and answer of the train and eval files (the embedded tokenizer's training text)."""
-    out = []
-    for files in (cfg.env.data_files, cfg.env.eval_files):
-        if files:
-            rows = load_rows(files, "train", cfg.model.cache_dir)
-            out += [prompt_text(p) for p in rows[cfg.env.prompt_column]]
-            if cfg.env.answer_column in rows.column_names:
-                out += [str(a) for a in rows[cfg.env.answer_column] if a is not None]
-    return out
-
-
 @dataclass
 class Group:
     prompt: object                      # the row's prompt: text or messages (what reward functions get)
@@ -91,6 +61,15 @@ class Group:
 @dataclass(frozen=True, kw_only=True)
 class DatasetSettings:
     """How a `DatasetEnv` plays its rows (`from_config`: a run's keys; tests set what they exercise)."""
+    KEYS: ClassVar[KeyRules] = {
+        "prefetch_prompts": (lambda v: v >= 0, NON_NEGATIVE + " (0 builds prompts when their group starts)"),
+        "reward_workers": (lambda v: v >= 0, NON_NEGATIVE + " (0 computes rewards inline)"),
+        "max_reward_errors": (lambda v: v >= 1, "must be >= 1"),
+        "reward_timeout_s": (lambda v: v > 0, POSITIVE),
+        "reward_max_abs": (lambda v: v > 0, POSITIVE),
+    }
+    """The dataset env's keys with a range: these, and the reward limits (`reward_limits`)."""
+
     group_size: int
     prompt_column: str = "prompt"
     max_new_tokens: int = 8
@@ -108,6 +87,8 @@ class DatasetSettings:
 
 
 class DatasetEnv(Env):
+    KEYS = DatasetSettings.KEYS
+
     def __init__(self, tokenizer, rows, rewards: RewardSet, settings: DatasetSettings, *, seed: int,
                  chat: ChatFormat | None = None, eval_rows=None, choices: list[str] | None = None):
         """`rows`: a `datasets.Dataset`; `seed`: this rank's (each epoch's order); `choices`: the
@@ -155,6 +136,7 @@ class DatasetEnv(Env):
     def check(cls, cfg) -> None:
         """The keys among themselves; with env.tools or env.environment the episodes are an agent's
         (`checks.check_agent`), without them the agent keys would be ignored; env.processes is refused."""
+        check_key_rules(cfg, cls.KEYS)
         check_dataset_keys(cfg.env)
         if is_agent(cfg):
             check_agent(cfg, "env.tools / env.environment")

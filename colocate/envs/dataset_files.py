@@ -1,5 +1,6 @@
 """The dataset env's files: loading them with `datasets`, checking every row when they open
-(`rows.py`), their fingerprint for resume, and the checks `DatasetEnv.preflight` runs before any
+(`rows.py`), their fingerprint for resume, the embedded tokenizer's corpus from them (`corpus`,
+`corpus_key`), and the checks `DatasetEnv.preflight` runs before any
 model is built (the files exist and load, the split has rows, the columns are there and of the right
 kind, every reward function imports). Each preflight failure is one `ConfigError` line naming the key.
 """
@@ -204,6 +205,37 @@ def check_reward_call(cfg, name: str, fn, row: dict) -> None:
         raise ConfigError(f"env.reward: {problem}")
 
 
+def prompt_text(prompt) -> str:
+    """A prompt as plain text (the tokenizer corpus; a message list's contents, one per line; a row
+    that is no prompt at all, which the row checks refuse or drop, gives none)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(m["content"] for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return ""
+
+
+def corpus_key(cfg) -> str:
+    """Names the embedded tokenizer trained on these files (changes when a file does)."""
+    parts = [cfg.env.prompt_column, cfg.env.answer_column]
+    for f in sorted(expand_files(cfg.env.data_files + cfg.env.eval_files)):
+        st = os.stat(f)
+        parts.append(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}")
+    return "dataset-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
+
+
+def corpus(cfg) -> list[str]:
+    """Every prompt and answer of the train and eval files (the embedded tokenizer's training text)."""
+    out = []
+    for files in (cfg.env.data_files, cfg.env.eval_files):
+        if files:
+            rows = load_rows(files, "train", cfg.model.cache_dir)
+            out += [prompt_text(p) for p in rows[cfg.env.prompt_column]]
+            if cfg.env.answer_column in rows.column_names:
+                out += [str(a) for a in rows[cfg.env.answer_column] if a is not None]
+    return out
+
+
 def lazy_prompt_ids(cfg):
     """prompt -> token ids as the env will compute them; the tokenizer is loaded on the first call
     (only a prompt that may be too long for the model needs it)."""
@@ -212,10 +244,9 @@ def lazy_prompt_ids(cfg):
     def prompt_ids(prompt) -> list[int]:
         if not chat:
             from colocate.chat import ChatFormat
-            from colocate.envs import env_corpus
             from colocate.models import load_tokenizer
-            key, corpus_fn = env_corpus(cfg)
-            chat.append(ChatFormat(load_tokenizer(cfg.model, corpus_fn, key), cfg.model.chat_template))
+            tokenizer = load_tokenizer(cfg.model, lambda: corpus(cfg), corpus_key(cfg))  # the dataset env's
+            chat.append(ChatFormat(tokenizer, cfg.model.chat_template))
         return chat[0].ids(prompt)
     return prompt_ids
 

@@ -31,13 +31,13 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import ClassVar, Hashable
 
 from colocate.chat import ChatFormat
 from colocate.data import Completion, Request, Sample
 from colocate.config_checks import ConfigError
 from colocate.envs.base import Env, weighted_mean
-from colocate.envs.checks import refuse_agent_keys
+from colocate.envs.checks import KeyRules
 from colocate.envs.diplomacy import game as dg
 from colocate.envs.diplomacy.orders import parse_orders
 from colocate.envs.diplomacy.prompt import (CORPUS_VERSION, PowerOrders, TokenCache, board_lines, corpus, instruction,
@@ -98,6 +98,10 @@ class Group:
 class DiplomacySettings:
     """How a `DiplomacyEnv` plays (the module docstring; `from_config`: a run's env keys). The defaults
     are a short game for tests and benchmarks: one year, room for a whole order list."""
+    KEYS: ClassVar[KeyRules] = {"horizon_years": (lambda v: v >= 1, "must be >= 1"),
+                                "stall_years": (lambda v: v >= 1, "must be >= 1")}
+    """The env.* keys it is built from that have a range (`DiplomacyEnv.check` holds them)."""
+
     group_size: int
     """Continuations forked from one start state (rollout.group_size)."""
     horizon_years: int = 1
@@ -119,6 +123,7 @@ class DiplomacySettings:
 
 
 class DiplomacyEnv(Env):
+    KEYS = DiplomacySettings.KEYS
     @classmethod
     def prompt_bound(cls, cfg) -> int:
         """The longest board and order list of the mid-game states, with room to spare."""
@@ -146,10 +151,6 @@ class DiplomacyEnv(Env):
         self._engine_orders: dict[str, str] = {}
         self._groups: dict[int, Group] = {}
         self._reset_counters()
-
-    @classmethod
-    def check(cls, cfg) -> None:
-        refuse_agent_keys(cfg, "env.name=diplomacy plays no tool episodes")
 
     @classmethod
     def preflight(cls, cfg) -> None:

@@ -1,0 +1,136 @@
+"""The engine table: `engine.kind` -> an `EngineEntry` (torchtitan's `TrainSpec`, `envs.BUILTIN`'s
+counterpart), which says how to build the engine and its adapter receiver on an inference rank,
+how learner rank 0 sends adapters to it, whether it loads its own weights, and whether it can run
+here (`engine.kind: auto` takes the first entry of `AUTO_ORDER` that can). `train.py` and
+`preflight.py` look entries up here and never branch on a kind.
+
+vLLM is imported only inside the vLLM entry's functions (it is not installed on CPU machines).
+Ranks that share a GPU always move adapters by CUDA IPC (`channel.IpcSender`), whichever engine.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, IpcReceiver,
+                              IpcSender, NoSender)
+from colocate.config_checks import ConfigError, nearest_key
+from colocate.engine.base import Engine
+from colocate.wire import LoraSpec
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What an inference rank hands an engine entry's `build`: the rank's model (on the meta device
+    when the entry loads its own weights), its tokenizer, and the env's facts that size an engine
+    (`envs.env_facts`: prompt_bound, requests_per_group)."""
+    model: object
+    tokenizer: object
+    env_facts: dict
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One engine kind: everything the composition root needs to know about it."""
+    build: Callable[..., tuple[Engine, AdapterReceiver]]
+    """(cfg, topo, parts: EngineParts) -> the engine and the receiving end of its adapter channel."""
+    sender: Callable[..., AdapterSender]
+    """(cfg, topo, spec) -> learner rank 0's sender when no engine shares its GPU."""
+    loads_own_weights: bool = False
+    """True: the engine reads the model directory itself, so its rank builds the policy on meta."""
+    available: Callable[..., bool] = lambda topo: True
+    """(topo) -> whether `engine.kind: auto` may pick it on this rank's device."""
+    installed: Callable[[], bool] = lambda: True
+    """Whether the packages it needs are importable (`preflight` checks an explicit kind)."""
+    install_hint: str = ""
+    """What to do when it is not installed (the preflight line's end)."""
+
+
+def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
+    """The reference engine on the rank's device, in the rank's process: adapters arrive by
+    broadcast (or CUDA IPC when it shares learner rank 0's GPU)."""
+    from colocate.engine.hf import HFEngine
+    engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
+    spec = LoraSpec.of(engine.lora_state())
+    if topo.shared_gpu:
+        return engine, IpcReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, rank=topo.rank,
+                                   device=topo.device)
+    return engine, BroadcastReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, device=topo.device)
+
+
+def broadcast_sender(cfg, topo, spec: LoraSpec) -> AdapterSender:
+    """An adapter broadcast on the sync group (engines whose weights live in the rank's process)."""
+    return BroadcastSender(spec, src=topo.sync_src, group=topo.sync_group, with_checksum=cfg.sync.check_checksum)
+
+
+def build_vllm(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
+    """A vLLM engine; its workers receive adapters on their own NCCL group (or by CUDA IPC)."""
+    from colocate.engine import vllm_channel
+    from colocate.engine.vllm import VLLMEngine
+    if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
+        engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, **parts.env_facts)
+        return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
+    endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
+    engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, **parts.env_facts)
+    return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
+
+
+def vllm_sender(cfg, topo, spec: LoraSpec) -> AdapterSender:
+    """Waits until every engine's worker has joined the NCCL group."""
+    from colocate.engine import vllm_channel
+    return vllm_channel.open_sender(cfg, topo, spec)
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "hf": EngineEntry(build=build_hf, sender=broadcast_sender),
+    "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
+                        available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
+                        installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto"),
+}
+"""engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
+
+AUTO_ORDER = ("vllm", "hf")
+"""`engine.kind: auto` takes the first of these that is `available`; the last always is."""
+
+
+def engine_kinds() -> tuple[str, ...]:
+    """What engine.kind may be."""
+    return ("auto", *ENGINES)
+
+
+def resolve_kind(kind: str, topo) -> str:
+    """engine.kind with auto resolved; every rank resolves it alike (learner rank 0 must know how
+    adapters travel)."""
+    if kind != "auto":
+        return kind
+    return next(k for k in AUTO_ORDER if k in ENGINES and ENGINES[k].available(topo))
+
+
+def engine_entry(cfg, topo) -> EngineEntry:
+    """The entry of the run's engine on this rank."""
+    return ENGINES[resolve_kind(cfg.engine.kind, topo)]
+
+
+def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
+    """engine.kind names an entry (or auto), and (`outside_world`) what the entry needs is installed."""
+    if kind not in engine_kinds():
+        raise ConfigError(f"engine.kind={kind!r} is not one of {', '.join(map(repr, engine_kinds()))}; "
+                          f"did you mean {nearest_key(str(kind), list(engine_kinds()))!r}?")
+    if outside_world and kind != "auto" and not ENGINES[kind].installed():
+        raise ConfigError(f"engine.kind={kind} but {kind} is not installed in this environment "
+                          f"({ENGINES[kind].install_hint})")
+
+
+def make_sender(cfg, topo, spec: LoraSpec) -> AdapterSender:
+    """The sending end of the adapter channel: learner rank 0 sends, the other learners do not."""
+    if topo.rank != topo.sync_src:
+        return NoSender()
+    if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
+        return IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
+                         slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
+    return engine_entry(cfg, topo).sender(cfg, topo, spec)
