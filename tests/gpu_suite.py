@@ -221,6 +221,9 @@ def kill_run(marker: str, grace_s: float = 0.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + 10.0  # SIGKILL lands asynchronously; the memory is free once they are gone
+    while run_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return left
 
 

@@ -88,7 +88,7 @@ def test_a_missing_tracker_package_is_a_config_error(monkeypatch):
         load_config(None, {"metrics": {"loggers": "neptune"}})
 
 
-def test_every_tracker_holds_every_step_of_a_run_with_the_canary_on(learning_run):
+def test_every_tracker_holds_every_step_of_a_run_with_the_canary_on(learning_run, monkeypatch):
     """A real run (tests/conftest.py's `learning_run`: the canary at every version, every installed
     tracker offline): each tracker's own record holds the learner's reward at every step and the
     canary's scalars. A scalar logged ahead of its step made W&B drop every later, smaller step."""
@@ -103,6 +103,7 @@ def test_every_tracker_holds_every_step_of_a_run_with_the_canary_on(learning_run
         checked += 1
     if (root / "mlruns").exists():
         import mlflow
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads the file store only on request
         client = mlflow.tracking.MlflowClient(tracking_uri=(root / "mlruns").as_uri())
         run, = client.search_runs([client.get_experiment_by_name("colocate").experiment_id])
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "learner/reward")]
