@@ -174,9 +174,11 @@ def test_cpu_tiny_learns_with_vllm_on_one_gpu(gpu_jobs, update, masks):
     for tag in ("learner/entropy", "learner/grad_norm", "learner/grad_norm_max", "learner/ratio",
                 "learner/ratio_max", "learner/zero_adv_fraction", "learner/lr"):
         assert learner.get(tag), tag
-    # the sync canary at every version the engine sampled with, always under its bf16 bound
+    # the sync canary at every version the engine sampled with, always under its bf16 bound: one check
+    # per batch at most (300), and at lag 1 the batches are sampled with at least 299 versions (0..298;
+    # version 299 too when it reaches the engine before the last batch starts, as in-flight updates let it)
     gaps, bounds = learner["sync/canary_gap"], learner["sync/canary_bound"]
-    assert len(gaps) == 299 and all(g <= b for g, b in zip(gaps, bounds)), (max(gaps), min(bounds))
+    assert 299 <= len(gaps) <= 300 and all(g <= b for g, b in zip(gaps, bounds)), (len(gaps), max(gaps), min(bounds))
     assert summary["mismatch_step"] is None
 
 
