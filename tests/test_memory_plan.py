@@ -6,8 +6,8 @@ import os
 import pytest
 
 from colocate.config import ConfigError, load_config
-from colocate.gpu_budget import (AUTO_STEP, AUTO_WITHOUT_GPU, CARDS, GIB, Card, ModelShape, learner_parts, parse_gpu_memory,
-                                 plan_memory, rank_estimate)
+from colocate.gpu_budget import (AUTO_STEP, AUTO_WITHOUT_GPU, CARDS, GIB, Card, MemoryPlan, ModelShape, learner_parts,
+                                 parse_gpu_memory, plan_memory, rank_estimate)
 from colocate.preflight import meta_model
 from colocate.topology import rank_devices
 from tests.conftest import REPO
@@ -180,7 +180,7 @@ def test_rank_0_keeps_the_plans_estimates_in_the_run_dir(monkeypatch, tmp_path, 
     run writes them once it holds the run directory (no second model build); other ranks and
     `--check` write nothing."""
     from colocate import launch
-    monkeypatch.setattr(launch, "preflight", lambda *a, **k: {"0": 70.1, "1": 64.2})
+    monkeypatch.setattr(launch, "preflight", lambda *a, **k: MemoryPlan([], {"0": 70.1, "1": 64.2}))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), f"--metrics.run_dir={tmp_path / 'run'}"]
