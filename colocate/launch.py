@@ -85,13 +85,15 @@ def check_resume_overwrite(cfg: Config, resume_flag: bool, overwrite: bool) -> N
                           f"{how} continues a run; pass one of them")
 
 
-def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
-    """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto."""
+def load_resume(cfg: Config, resume_flag: bool, show: bool = True) -> dict | None:
+    """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto.
+    `show`: print the newer checkpoints skipped (rank 0 of a run, or a check: not `colocate train`'s
+    own check before it starts the ranks, which would print them a second time)."""
     from colocate.checkpoint import check_same_task, load_checkpoint, resolve_resume
     trust = cfg.checkpoint.trust_unverified
     path, skipped = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
                                    cfg.metrics.run_dir, trust)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if show and int(os.environ.get("RANK", "0")) == 0:
         for line in skipped:
             print(f"colocate: resume: {line}", file=sys.stderr, flush=True)
     if path is None:
@@ -165,7 +167,7 @@ def check_launch(argv: list[str], world: int | None = None,
     given); raises ConfigError or CheckpointError. What every rank, `--check` and `colocate train`
     refuse before any process group forms."""
     cfg, resume_flag, check_only = check_config(argv, world, local_world)
-    return cfg, load_resume(cfg, resume_flag), check_only
+    return cfg, load_resume(cfg, resume_flag, show=check_only or "TORCHELASTIC_RUN_ID" in os.environ), check_only
 
 
 OTHER_RANKS_WAIT_S = 60.0  # how long a refusing rank other than 0 waits for the launcher to stop it

@@ -86,7 +86,8 @@ def test_bad_results_score_zero_are_counted_and_logged_once(user_rewards, name, 
 def test_too_many_bad_results_in_a_row_stop_the_run(user_rewards):
     rewards = RewardSet(["my_rewards:raises"], [], limits=RewardLimits(max_errors=5))
     rewards.score(["p"] * 4, ["a"] * 4, {"answer": ["a"] * 4})  # 4 in a row: under the limit
-    with pytest.raises(RewardError, match="max_reward_errors=5"):
+    with pytest.raises(RewardError, match=r"max_reward_errors=5\); the last raised ValueError: judge offline "
+                                          r"\(rollout/reward_errors/raised\)$"):  # each word once
         rewards.score(["p"] * 4, ["a"] * 4, {"answer": ["a"] * 4})
 
 
