@@ -81,7 +81,12 @@ transport traceback.
 LATER_SECTION = """
 ## Refusals the catalogue cannot replay
 
-Their words depend on the machine, or they come after the config (a resume, an evaluation):
+Their words depend on the machine, they belong to `colocate check` alone, or they come after the
+config (a resume, an evaluation):
+
+- `colocate check --gpu-memory 80` (a size without its unit: GB and GiB differ by 7 %), exit 2:
+  `colocate: config error: --gpu-memory='80': expected a size with its unit, 80GiB (2^30 bytes) or
+  80GB (10^9 bytes), 81559MiB, or a card: h100, h200, a100-80, a100-40, l40s, b200`.
 
 - ranks on CPUs whose weights alone exceed the host's memory (`gpu_budget.check_host_memory`; e.g.
   `configs/gpu-4.yaml --engine.kind=hf` on a 24 GiB machine), exit 2: `colocate: config error: 4 CPU

@@ -65,7 +65,6 @@ CONFIG_CASES = [
     ("max_model_len negative", None, ["--engine.max_model_len=-5"], "engine.max_model_len"),
     ("max_model_len beyond the model's positions", None, ["--engine.max_model_len=100000"],
      "engine.max_model_len=100000 exceeds the 2048 positions of model.shape=tiny"),
-    ("gpu memory without a unit", None, ["--check", "--gpu-memory=80"], "expected a size with its unit"),
     ("lora mode", None, ["--engine.lora_mode=fused"], "engine.lora_mode"),
     ("cudagraph mode", None, ["--engine.cudagraph_mode=SOMETIMES"], "engine.cudagraph_mode"),
     ("max_capture_tokens negative", None, ["--engine.max_capture_tokens=-1"], "engine.max_capture_tokens"),
