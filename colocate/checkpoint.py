@@ -116,6 +116,11 @@ def verify_checkpoint(path: str, trust_unverified: bool = False) -> None:
     """Raise `CheckpointError` naming the first file that is missing, resized or changed. A checkpoint
     without a manifest (older than manifests) passes only with `trust_unverified`, with a warning."""
     if not os.path.exists(os.path.join(path, MANIFEST)):
+        missing = [name for name in REQUIRED if not os.path.isfile(os.path.join(path, name))]
+        if missing:  # no manifest and no checkpoint either (an old checkpoint has its files)
+            what = "an empty directory" if not os.listdir(path) else f"no {MANIFEST} either"
+            raise CheckpointError(f"{os.path.join(path, missing[0])}: missing from checkpoint ({what}: not a "
+                                  "checkpoint, or a save that never finished)")
         if not trust_unverified:
             raise CheckpointError(f"{os.path.join(path, MANIFEST)}: missing (a checkpoint written before manifests "
                                   "existed cannot be verified); to resume from it anyway, add "
@@ -372,9 +377,13 @@ def check_base(saved: dict | None, live: dict, path: str) -> None:
         return
     where = os.path.join(path, MANIFEST)
     if saved.get("shapes") != live["shapes"]:
+        embedded = str(saved.get("source", "")).startswith("embedded ") and live["source"].startswith("embedded ")
+        fix = ("the embedded model's vocabulary is the tokenizer trained on its env's text: evaluate with the training "
+               "run's config and env (--run RUN)" if embedded else
+               "set model.path / model.shape to the training run's (--run RUN takes its config)")
         raise CheckpointError(f"{where}: trained on another base model ({saved.get('source')}, "
                               f"{saved.get('parameters', 0):,} parameters) than this config's ({live['source']}, "
-                              f"{live['parameters']:,}): set model.path / model.shape to the training run's")
+                              f"{live['parameters']:,}): {fix}")
     if saved.get("fingerprint") != live["fingerprint"]:
         raise CheckpointError(f"{where}: trained on a base model of this shape with other weights ({saved.get('source')}; "
                               f"this config: {live['source']}): another model.seed, or other files at model.path")

@@ -120,23 +120,14 @@ def torchrun_value(flags: list[str], *names: str) -> str | None:
     return None
 
 
-def default_nproc(cfg: Config) -> int:
-    """inference + learner ranks when the config fixes both, else the GPU count (at least 2)."""
-    t = cfg.topology
-    if t.num_inference and t.num_learners:
-        return t.num_inference + t.num_learners
-    import torch
-    return max(2, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-
-
 def train_command(argv: list[str]) -> list[str]:
     """Check everything in this process -> the torchrun command line (raises ConfigError)."""
-    from colocate.launch import check_launch
+    from colocate.launch import check_launch, default_world
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:
         raise ConfigError("--config FILE is required")
-    nproc = nproc or default_nproc(load_config(path, overrides))
+    nproc = nproc or default_world(load_config(path, overrides))
     nnodes = torchrun_value(torchrun, "--nnodes") or "1"
     world = nproc * int(nnodes) if nnodes.isdigit() else None  # an elastic range: torchrun decides
     check_launch(ours, world=world, local_world=nproc)

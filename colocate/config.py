@@ -20,7 +20,9 @@ Deliberately absent: environment-variable magic, `exec`, registries. What a run 
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import stat
 import types
 import typing
 from typing import Any
@@ -65,8 +67,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 return parsed
             raise ConfigError(f"{where}: expected float, got str {value!r}") from None
     if isinstance(value, str) and annotation is not str and origin is not list:
-        # Overrides arrive as strings: parse them as YAML scalars ("3" -> 3, "true" -> True).
-        value = yaml.safe_load(value)
+        # Overrides arrive as strings: parse them as YAML scalars ("3" -> 3, "true" -> True), or a
+        # flow mapping (env.options), its aliases bounded as in a file
+        try:
+            value = _load_yaml(io.StringIO(value), where)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: not valid YAML: {' '.join(str(e).split())}") from None
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin is list:
@@ -147,19 +153,77 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+MAX_YAML_VALUES = 100_000
+"""Most values a config file may hold once its aliases are expanded: a shipped preset holds a few
+hundred, and an alias bomb (each anchor naming the one before it several times) holds billions,
+which copying the config (`dataclasses.asdict`, the YAML echo) would expand."""
+
+FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+              (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_config_file(path: str, named_by: str | None) -> None:
+    """`path` is a regular file: else one line saying what it is (missing, a directory, a device)."""
+    whose = f" (the base of {named_by})" if named_by else ""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        raise ConfigError(f"config file not found: {path}{whose}") from None
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in FILE_KINDS if test(mode)), "not a regular file")
+        raise ConfigError(f"{path}{whose} is {kind}, not a regular file (a YAML config file is expected)")
+
+
+def expanded_values(node, counted: dict, path: str) -> int:
+    """Values under a composed YAML node with every alias expanded (each node counted once per use);
+    ConfigError beyond MAX_YAML_VALUES or for an alias inside itself."""
+    if id(node) in counted:
+        if counted[id(node)] is None:
+            raise ConfigError(f"{path}: a YAML alias refers to a node that contains it (a config has no cycles)")
+        return counted[id(node)]
+    counted[id(node)] = None  # in progress
+    children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else \
+        node.value if isinstance(node, yaml.SequenceNode) else []
+    total = 1
+    for child in children:
+        total += expanded_values(child, counted, path)
+        if total > MAX_YAML_VALUES:
+            raise ConfigError(f"{path}: its YAML aliases expand to more than {MAX_YAML_VALUES:,} values (an alias "
+                              "bomb?); a config holds a few hundred")
+    counted[id(node)] = total
+    return total
+
+
+def _load_yaml(f, path: str):
+    """The document of an open YAML file, its aliases' expansion bounded (`expanded_values`)."""
+    loader = _UniqueKeyLoader(f)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        expanded_values(node, {}, path)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: str, named_by: str | None) -> dict:
     """One YAML file's top-level mapping (its `base:` key included); a key given twice is an error."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}" + (f" (the base of {named_by})" if named_by else ""))
+    check_config_file(path, named_by)
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader subclass
+            data = _load_yaml(f, path)
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file (a YAML config is expected)") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        raise ConfigError(f"{path}: is empty (or only comments): a config holds at least one section; `{{}}` "
+                          "means all the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return data

@@ -28,6 +28,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -50,17 +51,30 @@ CARDS = {"h100": 81559 * MIB, "h200": 143771 * MIB, "a100-80": 81920 * MIB, "a10
 """Named cards for `--gpu-memory`: what NVML reports as the card's total (H100 80GB HBM3: 81,559 MiB)."""
 
 
-def parse_gpu_memory(text: str) -> int:
-    """`80GiB`, `80GB`, `81559MiB`, `h100` -> bytes (ConfigError naming the flag otherwise)."""
+UNITS = {"gib": (GIB, "GiB being 2^30 bytes"), "mib": (MIB, "MiB being 2^20 bytes"), "tib": (1 << 40, "TiB being 2^40 bytes"),
+         "gb": (10**9, "GB being 10^9 bytes"), "mb": (10**6, "MB being 10^6 bytes"), "tb": (10**12, "TB being 10^12 bytes")}
+"""`--gpu-memory` units: binary (GiB, what NVML and PyTorch report) or decimal (GB, what a card's
+name says: an "80GB" H100 holds 79.6 GiB)."""
+
+
+def gpu_memory_unit(text: str) -> tuple[int, str]:
+    """`--gpu-memory TEXT` -> (bytes, how it was read: `80GB = 74.5 GiB, GB being 10^9 bytes`), exactly;
+    ConfigError naming the flag otherwise (a number without its unit is refused: GB and GiB differ by 7 %)."""
     key = text.strip().lower()
     if key in CARDS:
-        return CARDS[key]
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|g)?", key)
-    if not match:
-        raise ConfigError(f"--gpu-memory={text!r}: expected a size such as 80GiB, 80GB or 81559MiB, or a card: "
-                          f"{', '.join(CARDS)}")
-    unit = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": MIB, "mb": 10**6, None: GIB}[match.group(2)]
-    return int(float(match.group(1)) * unit)
+        return CARDS[key], f"{text} = {CARDS[key] / GIB:.1f} GiB, {CARDS[key] // MIB:,} MiB"
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", key)
+    if not match or match.group(2) not in UNITS:
+        raise ConfigError(f"--gpu-memory={text!r}: expected a size with its unit, 80GiB (2^30 bytes) or 80GB (10^9 "
+                          f"bytes), 81559MiB, or a card: {', '.join(CARDS)}")
+    unit, words = UNITS[match.group(2)]
+    total = int(Fraction(match.group(1)) * unit)
+    return total, f"{text} = {total / GIB:.1f} GiB, {words}"
+
+
+def parse_gpu_memory(text: str) -> int:
+    """`80GiB`, `80GB`, `81559MiB`, `h100` -> bytes (`gpu_memory_unit`)."""
+    return gpu_memory_unit(text)[0]
 
 
 @dataclass(frozen=True)
@@ -246,7 +260,9 @@ def remedy(cfg: Config, plan: GpuPlan) -> str:
 def describe(cfg: Config, plan: GpuPlan) -> str:
     words = []
     for role, parts in zip(plan.roles, plan.parts):
-        body = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+        body = ", ".join(f"{k} {v / GIB:.1f}" + (f" = 2 x {v / 2 / GIB:.1f}, W0 and its merged copy (engine.lora_mode="
+                                                 "merged)" if k == "of which weights" and cfg.engine.lora_mode == "merged"
+                                                 else "") for k, v in parts.items())
         if role == "learner":
             words.append(f"a learner at {plan.micro_batch_tokens} tokens ({body})")
         else:
@@ -260,8 +276,7 @@ def plan_lines(cfg: Config, plans: list[GpuPlan], total: int, card: str) -> list
     for plan in plans:
         text = describe(cfg, plan) + f": ~{plan.used() / GIB:.1f} GiB, {(total - plan.used()) / GIB:.1f} to spare"
         seen.setdefault(text, []).extend(plan.ranks)
-    return [f"colocate: memory plan ({card}, {total / GIB:.1f} GiB a GPU): ranks {', '.join(map(str, ranks))}: {text}"
-            for text, ranks in seen.items()]
+    return [f"colocate: memory plan ({card}): ranks {', '.join(map(str, ranks))}: {text}" for text, ranks in seen.items()]
 
 
 def gpu_total_bytes(index: int = 0) -> int | None:
@@ -301,8 +316,60 @@ def plan_memory(cfg: Config, model, roles: list[str], devices: list[tuple[int, i
     plans = plan_gpus(cfg, shape, roles, devices, card.total, tokens)
     check_plan(cfg, plans, card.total)
     estimates = {str(r): round(rank_estimate(p) / GIB, 2) for plan in plans for r, p in zip(plan.ranks, plan.parts)}
-    return MemoryPlan(([f"colocate: {line}"] if line else []) + plan_lines(cfg, plans, card.total, card.name),
-                      estimates, tokens)
+    lines = ([f"colocate: {line}"] if line else []) + plan_lines(cfg, plans, card.total, card.name)
+    return MemoryPlan(lines + kv_cache_lines(cfg, shape, plans), estimates, tokens)
+
+
+def kv_cache_lines(cfg: Config, shape: ModelShape, plans: list[GpuPlan]) -> list[str]:
+    """What vLLM's pool leaves for its KV cache once the weights are in (its activations and CUDA
+    graphs come out of the same room), in tokens and in sequences of the engine's real max_model_len."""
+    from colocate.engine.vllm_settings import engine_max_model_len
+    from colocate.envs import env_facts
+    engines = [parts for plan in plans for role, parts in zip(plan.roles, plan.parts) if role == "inference"]
+    if not engines:
+        return []
+    per_token = 2 * shape.num_layers * shape.kv * shape.dtype_bytes  # a key and a value per layer
+    length = engine_max_model_len(cfg, env_facts(cfg)["prompt_bound"])
+    if cfg.engine.kv_cache_gib > 0:  # fixed: vLLM does not size it from its share
+        room = int(cfg.engine.kv_cache_gib * GIB)
+        size = f"is {room / GIB:.1f} GiB (engine.kv_cache_gib)"
+    else:
+        room = engines[0]["vLLM"] - engines[0]["of which weights"]
+        size = (f"gets at most {room / GIB:.1f} GiB (vLLM's share less its weights; its activations and CUDA graphs "
+                "come out of it too)")
+    tokens = room // per_token
+    return [f"colocate: memory plan: each engine's KV cache {size}: ~{tokens:,} tokens at "
+            f"{per_token // 1024} KiB a token, {tokens // length:,} sequences of max_model_len={length}"]
+
+
+def host_memory_bytes() -> int | None:
+    """This host's physical memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def model_name(cfg: Config) -> str:
+    """The key that names the run's model, as a message shows it."""
+    return f"model.path={cfg.model.path!r}" if cfg.model.path else f"model.shape={cfg.model.shape}"
+
+
+def check_host_memory(cfg: Config, model, roles: list[str], local_world: int, total: int) -> None:
+    """Ranks on CPUs hold their weights in the host's memory: an engine (engine.kind=hf) the whole
+    model, a learner its FSDP2 shard, the weights it gathers and the adapter with AdamW. Their sum
+    over the busiest node, before any activation, beyond the host's `total` bytes is refused: the
+    out-of-memory killer would end a rank mid-start (a lower bound, so never a false refusal)."""
+    shape = ModelShape.of(cfg, model)
+    engine = shape.num_params * shape.dtype_bytes
+    learner = rank_estimate(learner_parts(cfg, shape, roles.count("learner"), 0)) - CONTEXT_BYTES
+    nodes = [roles[i:i + local_world] for i in range(0, len(roles), local_world)]
+    need, node = max((r.count("inference") * engine + r.count("learner") * learner, r) for r in nodes)
+    if need > total:
+        raise ConfigError(f"{len(node)} CPU processes would hold at least {need / GIB:.1f} GiB of weights "
+                          f"({node.count('inference')} engines x {engine / GIB:.1f} GiB, {node.count('learner')} "
+                          f"learners x {learner / GIB:.1f} GiB of {model_name(cfg)}), more than this host's {total / GIB:.1f} GiB: the out-of-memory killer "
+                          "would end them; run on GPUs or with a smaller model")
 
 
 def print_plan(lines: list[str]) -> None:

@@ -17,7 +17,7 @@ from colocate.topology import place_roles
 from colocate.trackers import check_loggers
 
 
-def parse_config(argv: list[str], world: int) -> tuple[Config, bool]:
+def parse_config(argv: list[str], world: int | None) -> tuple[Config, bool]:
     path, overrides, resume = parse_overrides(argv)
     return load_config(path, overrides, world_size=world), resume
 
@@ -28,8 +28,9 @@ class CheckFlags:
     rest: list[str]
     """The other arguments (the config and its overrides)."""
     check_only: bool
-    world: int
-    """Under torchrun torchrun's world size; a check before launch assumes N processes (default 2)."""
+    world: int | None
+    """Under torchrun torchrun's world size; a check before launch `--world-size N`, else None: the
+    processes `colocate train` would start (`default_world`)."""
     card: CardSpec | None
     """A card to plan for instead of this machine's (`gpu_budget.parse_gpu_memory`); checks only."""
 
@@ -62,16 +63,37 @@ def split_check_flags(argv: list[str]) -> CheckFlags:
     card = CardSpec(memory, per_node) if memory is not None else None
     if "WORLD_SIZE" in os.environ:
         return CheckFlags(rest, check_only, int(os.environ["WORLD_SIZE"]), card)
-    return CheckFlags(rest, check_only, world or (2 if check_only else 1), card)
+    return CheckFlags(rest, check_only, world or (None if check_only else 1), card)
 
 
-def load_resume(cfg: Config, resume_flag: bool) -> dict | None:
-    """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto."""
+def default_world(cfg: Config) -> int:
+    """The processes `colocate train` starts on one node without `--nproc` (and `colocate check`
+    checks without `--world-size`): inference + learner ranks when the config fixes both, else this
+    machine's GPU count (at least 2)."""
+    t = cfg.topology
+    if t.num_inference and t.num_learners:
+        return t.num_inference + t.num_learners
+    import torch
+    return max(2, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def check_resume_overwrite(cfg: Config, resume_flag: bool, overwrite: bool) -> None:
+    """`--overwrite` deletes the run that `--resume` (or checkpoint.resume) would continue from."""
+    if overwrite and (resume_flag or cfg.checkpoint.resume):
+        how = "--resume" if resume_flag else f"checkpoint.resume={cfg.checkpoint.resume!r}"
+        raise ConfigError(f"--overwrite and {how} contradict: --overwrite starts {cfg.metrics.run_dir} afresh, "
+                          f"{how} continues a run; pass one of them")
+
+
+def load_resume(cfg: Config, resume_flag: bool, show: bool = True) -> dict | None:
+    """The checkpoint to continue from (validated), or None. `--resume` means checkpoint.resume=auto.
+    `show`: print the newer checkpoints skipped (rank 0 of a run, or a check: not `colocate train`'s
+    own check before it starts the ranks, which would print them a second time)."""
     from colocate.checkpoint import check_same_task, load_checkpoint, resolve_resume
     trust = cfg.checkpoint.trust_unverified
     path, skipped = resolve_resume("auto" if resume_flag and not cfg.checkpoint.resume else cfg.checkpoint.resume,
                                    cfg.metrics.run_dir, trust)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if show and int(os.environ.get("RANK", "0")) == 0:
         for line in skipped:
             print(f"colocate: resume: {line}", file=sys.stderr, flush=True)
     if path is None:
@@ -110,20 +132,35 @@ def check_config(argv: list[str], world: int | None = None,
     argv, overwrite = run_dir.split_overwrite(argv)
     flags = split_check_flags(argv)
     argv, check_only, world = flags.rest, flags.check_only, world or flags.world
+    if world is None:  # a check without --world-size: the world `colocate train` would start
+        world = default_world(parse_config(argv, None)[0])
     cfg, resume_flag = parse_config(argv, world)
-    memory = preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), flags.card,
-                       show_plan=check_only or "TORCHELASTIC_RUN_ID" in os.environ)
+    check_resume_overwrite(cfg, resume_flag, overwrite)
+    plan = preflight(cfg, world, local_world or int(os.environ.get("LOCAL_WORLD_SIZE", world)), flags.card,
+                     show_plan=not check_only and "TORCHELASTIC_RUN_ID" in os.environ)
     # the run trains at the plan's budget (`learner.micro_batch_tokens: auto` resolved there)
-    cfg.learner = replace(cfg.learner, micro_batch_tokens=memory.micro_batch_tokens)
-    estimates = memory.estimates_gib
+    cfg.learner = replace(cfg.learner, micro_batch_tokens=plan.micro_batch_tokens)
     check_loggers(cfg)
     # `--check` refuses what a run would refuse (the same `--resume` / `--overwrite`), and deletes nothing
     one_process = not check_only and int(os.environ.get("RANK", "0")) == 0
     run_dir.claim(cfg, resume=resume_flag or bool(cfg.checkpoint.resume), overwrite=overwrite, remove=one_process)
-    if one_process and estimates and "WORLD_SIZE" in os.environ:  # rank 0 of a GPU run
+    if one_process and plan.estimates_gib and "WORLD_SIZE" in os.environ:  # rank 0 of a GPU run
         # each rank's estimated peak, which the learners' summary sets beside the measured ones
-        write_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"), estimates)
+        write_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"), plan.estimates_gib)
+    if check_only:
+        echo_check(cfg, plan.lines)
     return cfg, resume_flag, check_only
+
+
+def echo_check(cfg: Config, plan_lines: list[str]) -> None:
+    """What `--check` shows: the resolved config (stdout), then the memory plan (stderr), last, so
+    that a long config does not scroll it away."""
+    import yaml
+
+    from colocate.config import to_dict
+    from colocate.gpu_budget import print_plan
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="", flush=True)
+    print_plan(plan_lines)
 
 
 def check_launch(argv: list[str], world: int | None = None,
@@ -132,7 +169,7 @@ def check_launch(argv: list[str], world: int | None = None,
     given); raises ConfigError or CheckpointError. What every rank, `--check` and `colocate train`
     refuse before any process group forms."""
     cfg, resume_flag, check_only = check_config(argv, world, local_world)
-    return cfg, load_resume(cfg, resume_flag), check_only
+    return cfg, load_resume(cfg, resume_flag, show=check_only or "TORCHELASTIC_RUN_ID" in os.environ), check_only
 
 
 OTHER_RANKS_WAIT_S = 60.0  # how long a refusing rank other than 0 waits for the launcher to stop it

@@ -77,6 +77,17 @@ def check_lora_targets(cfg: Config, model) -> None:
             raise ConfigError(f"lora.target_modules: {target!r} is no module of the model{hint}")
 
 
+def check_model_len(cfg: Config, model) -> None:
+    """engine.max_model_len within the model's positions (`max_position_embeddings` of model.path's
+    config.json or of model.shape): a longer context would run past its position embeddings."""
+    from colocate.gpu_budget import model_name
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions and cfg.engine.max_model_len > positions:
+        raise ConfigError(f"engine.max_model_len={cfg.engine.max_model_len} exceeds the {positions} positions of "
+                          f"{model_name(cfg)} (max_position_embeddings); set it to at most {positions}, or 0 to size it "
+                          "from the workload")
+
+
 def check_placement(cfg: Config, world: int | None, local_world: int | None, gpus: int) -> None:
     """topology.placement against the world torchrun gives (WORLD_SIZE, LOCAL_WORLD_SIZE), and which
     ranks share one of the `gpus` GPUs (`topology.check_shared_gpus`)."""
@@ -111,25 +122,28 @@ class CardSpec:
 def the_card(card: CardSpec | None, gpus: int, local_world: int):
     """The GPUs to plan memory for: `card` (a check for another machine), else this machine's (NVML),
     else None (CPU ranks)."""
-    from colocate.gpu_budget import Card, gpu_total_bytes, parse_gpu_memory
+    from colocate.gpu_budget import GIB, Card, gpu_memory_unit, gpu_total_bytes
     if card is not None:
         per_node = card.gpus_per_node or local_world
-        return Card(parse_gpu_memory(card.memory), per_node, f"{card.memory}, {per_node} per node")
+        total, read = gpu_memory_unit(card.memory)
+        return Card(total, per_node, f"{per_node} GPUs per node of {read}")
     total = gpu_total_bytes() if gpus else None
-    return Card(total, gpus, "this machine's GPUs") if total else None
+    return Card(total, gpus, f"this machine's GPUs, {total / GIB:.1f} GiB each") if total else None
 
 
 def plan_memory(cfg: Config, model, world: int | None, local_world: int | None, card: CardSpec | None,
                 gpus: int, show: bool):
     """`gpu_budget.plan_memory` over the ranks' placement: `auto` resolved, every GPU checked, the
-    plan printed where `show` (a check, or rank 0 of a run) -> the `gpu_budget.MemoryPlan` (each
-    rank's estimate in GiB, {} on CPU; the learners' micro_batch_tokens)."""
-    from colocate.gpu_budget import plan_memory as plan, print_plan
+    plan printed where `show` (rank 0 of a run) -> the `gpu_budget.MemoryPlan` (each rank's estimate
+    in GiB, {} on CPU; the learners' micro_batch_tokens)."""
+    from colocate.gpu_budget import check_host_memory, host_memory_bytes, plan_memory as plan, print_plan
     from colocate.topology import place_roles, rank_devices
     world = world or 2
     local_world = local_world or world
     roles = place_roles(cfg, world, local_world)
     planned = the_card(card, gpus, local_world)
+    if card is None and not gpus and host_memory_bytes():  # ranks on CPUs: their weights in this host's memory
+        check_host_memory(cfg, model, roles, local_world, host_memory_bytes())
     memory = plan(cfg, model, roles, rank_devices(world, local_world, planned.per_node) if planned else None, planned)
     if show:
         print_plan(memory.lines)
@@ -149,4 +163,5 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_engine_kind(cfg.engine.kind, outside_world=card is None)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
+    check_model_len(cfg, model)
     return plan_memory(cfg, model, world, local_world, card, gpus, show_plan)

@@ -225,7 +225,7 @@ def evaluate(fn, n: int, max_abs: float, kwargs: dict) -> Scores:
     """`fn(**kwargs)` and its result checked, in the call's worker; never raises."""
     outcome = run_boxed(fn, kwargs=kwargs)
     if outcome.kind != "value":
-        what = " (a BaseException: caught, the run goes on)" if outcome.kind == "base_exception" else ""
+        what = " (a BaseException, caught in the reward's box)" if outcome.kind == "base_exception" else ""
         return Scores([None] * n, [outcome.kind] * n, f"raised {outcome.describe()}{what}", error=outcome.error)
     checked = run_boxed(check_scores, (outcome.value, n, max_abs))
     if checked.kind != "value":
@@ -314,7 +314,8 @@ class RewardSet:
                 self.in_a_row[name] += 1
                 if self.in_a_row[name] > self.max_errors:
                     raise RewardError(f"reward {name} gave no usable value for {self.in_a_row[name]} samples in a "
-                                      f"row (env.max_reward_errors={self.max_errors}); last: {fault}: {scores.detail}") from scores.error
+                                      f"row (env.max_reward_errors={self.max_errors}); the last {scores.detail} "
+                                      f"(rollout/reward_errors/{fault})") from scores.error
 
     def _log_once(self, name: str, kind: str, what: str, prompt, completion) -> None:
         with self._lock:

@@ -28,11 +28,10 @@ import socket
 import sys
 
 import torch.distributed as dist
-import yaml
 
 from colocate.canary import probe_ids
 from colocate.channel import AdapterReceiver
-from colocate.config import Config, save_config, to_dict
+from colocate.config import Config, save_config
 from colocate.engine.base import Engine
 from colocate.engine.table import EngineParts, engine_entry, make_sender
 from colocate.envs import env_corpus, env_facts, make_env
@@ -101,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     """One rank (or `--check`) -> its exit code: 0, or COLLAPSE_EXIT when a collapse or a canary
     mismatch stopped the run; bad input exits 2 and a failure FAILED_EXIT from inside."""
     cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
-    if check_only:  # `--check`: the resolved config, exit 0
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    if check_only:  # `--check`: `launch.check_config` printed the resolved config and its plan
         return 0
     split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it

@@ -78,6 +78,33 @@ transport traceback.
 """
 
 
+LATER_SECTION = """
+## Refusals the catalogue cannot replay
+
+Their words depend on the machine, they belong to `colocate check` alone, or they come after the
+config (a resume, an evaluation):
+
+- `colocate check --gpu-memory 80` (a size without its unit: GB and GiB differ by 7 %), exit 2:
+  `colocate: config error: --gpu-memory='80': expected a size with its unit, 80GiB (2^30 bytes) or
+  80GB (10^9 bytes), 81559MiB, or a card: h100, h200, a100-80, a100-40, l40s, b200`.
+
+- ranks on CPUs whose weights alone exceed the host's memory (`gpu_budget.check_host_memory`; e.g.
+  `configs/gpu-4.yaml --engine.kind=hf` on a 24 GiB machine), exit 2: `colocate: config error: 4 CPU
+  processes would hold at least 50.1 GiB of weights (2 engines x 14.2 GiB, 2 learners x 10.9 GiB of
+  model.shape=qwen2.5-7b), more than this host's 23.5 GiB: the out-of-memory killer would end them; run on
+  GPUs or with a smaller model`. Refused, not warned: the figure is a lower bound (no activations),
+  and the out-of-memory killer would end a rank without a word.
+- `--resume` past a newest `checkpoints/step-*` that holds nothing: `colocate: resume: skipped
+  RUN/checkpoints/step-N: RUN/checkpoints/step-N/adapter_model.safetensors: missing from checkpoint (an
+  empty directory: not a checkpoint, or a save that never finished)`, printed once.
+- `colocate eval` of a tiny-model adapter against another tiny-model config: `colocate: checkpoint
+  error: DIR/manifest.json: trained on another base model (...): the embedded model's vocabulary is
+  the tokenizer trained on its env's text: evaluate with the training run's config and env (--run RUN)`.
+- a reward function that keeps failing at run time: `RewardError: reward NAME gave no usable value for
+  N samples in a row (env.max_reward_errors=M); the last raised ValueError: ... (rollout/reward_errors/raised)`.
+"""
+
+
 def main() -> None:
     os.environ.update(WORLD_SIZE="2", RANK="0")
     rows, user_rows = table(CONFIG_CASES), table(USER_CASES)
@@ -90,7 +117,7 @@ def main() -> None:
         "Under torchrun every rank exits with 2 and rank 0 prints the line once; torchrun itself then\n"
         "exits with 1 (`python -m colocate.train --config FILE --check` returns the 2 before launch).\n\n"
         "| case | input | exit | message |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
-        + USER_SECTION + "\n".join(user_rows) + "\n")
+        + USER_SECTION + "\n".join(user_rows) + "\n" + LATER_SECTION)
     print(f"wrote {out} ({len(rows) + len(user_rows)} cases)")
 
 

@@ -19,6 +19,11 @@ TINY = os.path.join(REPO, "configs", "cpu-tiny.yaml")
 CONFIG_CASES = [
     # the file itself
     ("missing file", "<missing>", [], "config file not found"),
+    ("config is a directory", "<dir>", [], "is a directory, not a regular file"),
+    ("base is a device", "base: /dev/zero\nlearner:\n  lr: 0.001\n", [], "is a character device, not a regular file"),
+    ("empty config", "", [], "is empty (or only comments)"),
+    ("alias bomb in env.options", "env:\n  options:\n" + "".join(
+        f"    k{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else 'x'] * 9)}]\n" for i in range(9)), [], "expand to more than"),
     ("corrupt YAML", "model: [unclosed\n", [], "YAML"),
     ("binary file", b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", [], "not a UTF-8 text file"),
     ("YAML list at the top", "- a\n- b\n", [], "mapping"),
@@ -58,6 +63,8 @@ CONFIG_CASES = [
     ("gpu memory 0", None, ["--engine.gpu_memory_utilization=0"], "engine.gpu_memory_utilization"),
     ("max_num_seqs 0", None, ["--engine.max_num_seqs=0"], "engine.max_num_seqs"),
     ("max_model_len negative", None, ["--engine.max_model_len=-5"], "engine.max_model_len"),
+    ("max_model_len beyond the model's positions", None, ["--engine.max_model_len=100000"],
+     "engine.max_model_len=100000 exceeds the 2048 positions of model.shape=tiny"),
     ("lora mode", None, ["--engine.lora_mode=fused"], "engine.lora_mode"),
     ("cudagraph mode", None, ["--engine.cudagraph_mode=SOMETIMES"], "engine.cudagraph_mode"),
     ("max_capture_tokens negative", None, ["--engine.max_capture_tokens=-1"], "engine.max_capture_tokens"),
@@ -193,6 +200,7 @@ CONFIG_CASES = [
     ("checkpoint keep negative", None, ["--checkpoint.keep=-1"], "checkpoint.keep"),
     ("resume dir missing", None, ["--checkpoint.resume=/nonexistent/step-000001"], "does not exist"),
     ("resume without a checkpoint", None, ["--checkpoint.resume=auto"], "no checkpoint found in"),
+    ("resume and overwrite together", None, ["--resume", "--overwrite"], "--overwrite and --resume contradict"),
 ]
 AGENT = ["--env.name=dataset", "--env.data_files=<data>", "--engine.max_model_len=512"]
 USER_CASES = [  # user data and user code (tests/test_user_inputs.py has the run-time cases)
@@ -211,6 +219,8 @@ USER_CASES = [  # user data and user code (tests/test_user_inputs.py has the run
      "line 3, column 'answer': the answer is missing or null"),
     ("dataset row prompt too long", None, ["--env.name=dataset", "--env.data_files=<rows:long>"],
      "line 3, column 'prompt': the prompt has"),
+    ("dataset row over 1 MiB", None, ["--env.name=dataset", "--env.data_files=<rows:huge>"],
+     "line 3, column 'prompt': the prompt is over 1 MiB"),
     ("dataset row in a split", None, ["--env.name=dataset", "--env.data_files=<rows:null>", "--env.split=train[1:]"],
      "line 3, column 'prompt'"),
     ("dataset directory without data files", None, ["--env.name=dataset", "--env.data_files=<emptydir>"],
@@ -340,6 +350,8 @@ def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
         del sys.modules[name]
     if text == "<missing>":
         path = str(tmp_path / "missing.yaml")
+    elif text == "<dir>":
+        path = str(tmp_path)
     elif text is None:
         path = TINY
     else:
@@ -359,6 +371,10 @@ def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
             "<badprompt>": str(tmp_path / "badprompt.jsonl"), "<badjson>": str(tmp_path / "badjson.jsonl"),"<emptydir>": str(tmp_path / "emptydir"), "<badmodel>": str(tmp_path / "badmodel"),
             "<garbage>": str(tmp_path / "garbage.jsonl"), "<file>": str(tmp_path / "afile"),
             **write_fixture_rows(tmp_path)}
+    if any("<rows:huge>" in o for o in overrides):  # a single-line prompt over rows.MAX_PROMPT_BYTES, one word
+        huge = '{"prompt": "' + "x" * ((1 << 20) + 1) + '", "answer": "3"}'
+        (tmp_path / "rows-huge.jsonl").write_text(f'{{"prompt": "add 1 and 2", "answer": "3"}}\n\n{huge}\n')
+        fill["<rows:huge>"] = str(tmp_path / "rows-huge.jsonl")
     out = []
     for o in overrides:
         for k, v in fill.items():

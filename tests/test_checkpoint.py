@@ -297,3 +297,29 @@ def test_kill_9_of_the_launcher_leaves_no_rank_alive(tmp_path):
     for p in alive:  # do not leave them behind whatever the assertion says
         p.kill()
     assert not alive, [p.cmdline()[-3:] for p in alive]
+
+
+def test_an_empty_newest_checkpoint_dir_is_called_empty_not_old(tmp_path, tiny_policy):
+    """A `step-*` directory holding nothing (a save that never finished, a stray mkdir) is skipped as
+    such, not as a checkpoint "written before manifests existed"."""
+    from colocate.checkpoint import REQUIRED, resolve_resume
+    root = tmp_path / "checkpoints"
+    _save(str(root), 1, tiny_policy, keep=3)
+    (root / "step-000002").mkdir()
+    path, skipped = resolve_resume("auto", str(tmp_path))
+    assert path == str(root / "step-000001") and len(skipped) == 1
+    assert f"step-000002/{REQUIRED[0]}: missing from checkpoint (an empty directory: not a checkpoint" in skipped[0]
+    assert "manifests existed" not in skipped[0]
+
+
+def test_an_adapter_of_another_embedded_model_hints_at_the_runs_config_not_model_path():
+    """Two tiny-model configs differ in their tokenizer's vocabulary (each trained on its env's text):
+    model.path is no fix there; the training run's config is."""
+    from colocate.checkpoint import check_base
+    saved = {"source": "embedded tiny model, seed 0", "parameters": 100, "shapes": "a", "fingerprint": "f"}
+    live = {"source": "embedded tiny model, seed 0", "parameters": 90, "shapes": "b", "fingerprint": "f"}
+    with pytest.raises(CheckpointError, match=r"vocabulary is the tokenizer trained on its env's text: evaluate with "
+                                              r"the training run's config and env \(--run RUN\)$"):
+        check_base(saved, live, "adapter")
+    with pytest.raises(CheckpointError, match=r"set model.path / model.shape to the training run's"):
+        check_base({**saved, "source": "/models/qwen"}, live, "adapter")

@@ -198,3 +198,55 @@ def test_readme_commands_script_runs_the_readmes_commands_in_order():
     assert not missing, missing
     positions = [script.index(c) for c in commands]
     assert positions == sorted(positions)
+
+
+def test_check_without_world_size_derives_the_world_as_train_does(monkeypatch, tmp_path):
+    """gpu-4.yaml fixes 2 + 2 ranks: `colocate train` starts 4 processes, so `colocate check` plans 4,
+    not a default of 2 that the topology cannot fit."""
+    from colocate.launch import check_config, default_world, split_check_flags
+    no_torchrun_env(monkeypatch)
+    gpu4 = os.path.join(REPO, "configs", "gpu-4.yaml")
+    assert split_check_flags(["--check", "--config", gpu4]).world is None
+    assert default_world(load_config(gpu4)) == 4  # what `colocate train` starts without --nproc
+    cfg, _, _ = check_config(["--check", "--config", gpu4, "--gpu-memory", "h100", f"--metrics.run_dir={tmp_path}"])
+    assert (cfg.topology.num_inference, cfg.topology.num_learners) == (2, 2)
+
+
+def test_resume_and_overwrite_together_are_refused_in_one_line(monkeypatch, tmp_path):
+    from colocate.launch import check_config
+    no_torchrun_env(monkeypatch)
+    args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"^--overwrite and --resume contradict: --overwrite starts .* afresh"):
+        check_config([*args, "--resume", "--overwrite"], world=2)
+    with pytest.raises(ConfigError, match=r"^--overwrite and checkpoint.resume='auto' contradict"):
+        check_config([*args, "--checkpoint.resume=auto", "--overwrite", "--check"], world=2)
+
+
+def test_skipped_checkpoints_are_named_once_per_launch(monkeypatch, tmp_path, capsys):
+    """`colocate train` checks the resume before it starts the ranks and rank 0 checks it again: only
+    rank 0 (and `colocate check`) names the checkpoints it skipped."""
+    from colocate import launch
+    no_torchrun_env(monkeypatch)
+    monkeypatch.setattr("colocate.checkpoint.resolve_resume", lambda *a: (None, ["skipped step-000009: damaged"]))
+    cfg = launch.load_config(TINY)
+    launch.load_resume(cfg, True, show=False)  # colocate train's own check
+    assert capsys.readouterr().err == ""
+    launch.load_resume(cfg, True, show=True)  # rank 0 under torchrun
+    assert capsys.readouterr().err.count("colocate: resume: skipped step-000009") == 1
+
+
+def test_check_prints_the_plan_after_the_config(monkeypatch, tmp_path):
+    """The plan is the last thing a check prints: a long config echo does not scroll it away."""
+    import io
+    import sys
+    no_torchrun_env(monkeypatch)
+    monkeypatch.chdir(REPO)
+    terminal = io.StringIO()  # stdout and stderr, as one terminal shows them
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["check", "--config", "configs/gpu-4.yaml", "--gpu-memory", "h100",
+                     f"--metrics.run_dir={tmp_path / 'run'}"]) == 0
+    lines = terminal.getvalue().strip().splitlines()
+    first_plan_line = next(i for i, line in enumerate(lines) if line.startswith("colocate: memory plan"))
+    assert lines.index("learner:") < first_plan_line
+    assert all(line.startswith("colocate: memory plan") for line in lines[first_plan_line:])

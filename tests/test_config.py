@@ -164,3 +164,47 @@ def test_base_errors_name_the_file(tmp_path):
         load_config(write(tmp_path / "run2.yaml", "base: missing.yaml\n"))
     with pytest.raises(ConfigError, match=r"base: expected a file name"):
         load_config(write(tmp_path / "run3.yaml", "base: [a.yaml]\n"))
+
+
+@pytest.mark.parametrize("where,expected", [
+    ("/dev/zero", "/dev/zero (the base of {file}) is a character device, not a regular file"),
+    ("{tmp}", "{tmp} (the base of {file}) is a directory, not a regular file"),
+])
+def test_a_base_that_is_no_regular_file_says_what_it_is(tmp_path, where, expected):
+    file = tmp_path / "run.yaml"
+    file.write_text(f"base: {where.format(tmp=tmp_path)}\nlearner:\n  lr: 0.001\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(file))
+    assert str(info.value) == expected.format(tmp=tmp_path, file=file) + " (a YAML config file is expected)"
+
+
+def test_a_config_that_is_a_device_or_empty_says_so(tmp_path):
+    with pytest.raises(ConfigError, match=r"^/dev/urandom is a character device, not a regular file"):
+        load_config("/dev/urandom")
+    empty = tmp_path / "config.yaml"  # an emptied run config.yaml: said, not read as the defaults
+    empty.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: is empty \(or only comments\)"):
+        load_config(str(empty))
+    empty.write_text("{}\n")
+    assert load_config(str(empty)) == load_config(None)  # all the defaults, said so
+
+
+def test_an_alias_bomb_is_refused_at_once_wherever_it_is(tmp_path):
+    """Nine anchors, each naming the one before nine times: 9^9 values once expanded. Inside
+    env.options (a free mapping) as at the top level, on the command line too; a cycle as well."""
+    bomb = "".join(f"k{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else 'x'] * 9)}]\n" for i in range(9))
+    inside = tmp_path / "inside.yaml"
+    inside.write_text("env:\n  options:\n" + "".join("    " + line + "\n" for line in bomb.splitlines()))
+    for path in (inside, tmp_path / "top.yaml"):
+        if path.name == "top.yaml":
+            path.write_text(bomb)
+        with pytest.raises(ConfigError, match=r"its YAML aliases expand to more than 100,000 values"):
+            load_config(str(path))
+    flow = "{" + ", ".join(f"k{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else 'x'] * 9)}]" for i in range(9)) + "}"
+    with pytest.raises(ConfigError, match=r"^env.options: its YAML aliases expand"):
+        load_config(None, {"env": {"options": flow}})
+    (tmp_path / "cycle.yaml").write_text("env:\n  options:\n    a: &a [*a]\n")
+    with pytest.raises(ConfigError, match="refers to a node that contains it"):
+        load_config(str(tmp_path / "cycle.yaml"))
+    (tmp_path / "fine.yaml").write_text("env:\n  options: &o {x: 1}\neval:\n  max_samples: 3\n")
+    assert load_config(str(tmp_path / "fine.yaml")).env.options == {"x": 1}  # ordinary anchors still work

@@ -204,7 +204,7 @@ def test_a_reward_that_always_hangs_stops_naming_it(tiny_tokenizer, tmp_path):
                    limits={"timeout_s": 0.2})
     try:
         with pytest.raises(RewardError, match=r"^reward tests.agent_fixtures:reward_hangs gave no usable value for 7 "
-                                              r"samples in a row \(env.max_reward_errors=6\); last: timeout"):
+                                              r"samples in a row \(env.max_reward_errors=6\); the last gave no answer"):
             collect(env, ScriptedEngine(tiny_tokenizer, true_sum), 2)
     finally:
         agent_fixtures.RELEASE.set()  # the abandoned calls return
@@ -282,3 +282,31 @@ def test_dataset_settings_come_from_their_config_keys():
     assert settings == DatasetSettings(group_size=3, prompt_column="question", max_new_tokens=100, temperature=0.7,
                                        reward_workers=2, prefetch_prompts=5)
     assert fields_left_at_default(settings) == []
+
+
+def test_a_prompt_over_the_byte_cap_is_unusable_and_never_reaches_the_tokenizer():
+    """A megabyte-long single word stalled the embedded tokenizer's training for minutes before any row
+    check ran: the row check refuses it by its size alone, and the tokenizer's corpus leaves it out
+    (and cuts long runs of other texts)."""
+    from colocate.envs.dataset_files import CORPUS_RUN, corpus_texts
+    from colocate.envs.rows import MAX_PROMPT_BYTES, RowRules, row_fault, scan_rows
+
+    class Rows:  # the `datasets.Dataset` calls scan_rows makes
+        def __init__(self, prompts):
+            self.prompts = prompts
+
+        def select_columns(self, columns):
+            return self
+
+        def iter(self, batch_size):
+            yield {"prompt": self.prompts}
+
+    huge, fits = "x" * (MAX_PROMPT_BYTES + 1), "é" * (MAX_PROMPT_BYTES // 2)  # 2 bytes a character: exactly the cap
+    assert row_fault(huge, None, False) == "too_large" and row_fault(fits, None, False) is None
+
+    def no_tokenizer(prompt):
+        raise AssertionError("tokenized")
+    scan = scan_rows(Rows(["add 1 and 2", huge]), RowRules("prompt", "answer", False, 2044, no_tokenizer))
+    assert scan.bad == [(1, "too_large")]
+    long_word = "y" * (CORPUS_RUN * 3)
+    assert corpus_texts(["add 1 and 2", huge, f"a {long_word} b"]) == ["add 1 and 2", f"a {'y' * CORPUS_RUN} b"]

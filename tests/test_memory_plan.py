@@ -6,8 +6,8 @@ import os
 import pytest
 
 from colocate.config import ConfigError, load_config
-from colocate.gpu_budget import (AUTO_STEP, AUTO_WITHOUT_GPU, CARDS, GIB, Card, ModelShape, learner_parts, parse_gpu_memory,
-                                 plan_memory, rank_estimate)
+from colocate.gpu_budget import (AUTO_STEP, AUTO_WITHOUT_GPU, CARDS, GIB, Card, MemoryPlan, ModelShape, learner_parts,
+                                 parse_gpu_memory, plan_memory, rank_estimate)
 from colocate.preflight import meta_model
 from colocate.topology import rank_devices
 from tests.conftest import REPO
@@ -45,9 +45,57 @@ def test_the_learner_estimate_is_within_15_percent_of_the_measured_peak(seven_b,
 def test_gpu_memory_takes_sizes_and_card_names():
     assert parse_gpu_memory("80GiB") == 80 * GIB
     assert parse_gpu_memory("80GB") == 80 * 10**9
+    assert parse_gpu_memory("79.6GB") == 79_600_000_000  # exactly: no float rounding
     assert parse_gpu_memory("81559MiB") == CARDS["h100"] == parse_gpu_memory("H100")
     with pytest.raises(ConfigError, match="--gpu-memory='lots'"):
         parse_gpu_memory("lots")
+    for unitless in ("80", "80g"):  # GB or GiB? 7 % apart: the unit is required
+        with pytest.raises(ConfigError, match=r"expected a size with its unit, 80GiB \(2\^30 bytes\) or 80GB"):
+            parse_gpu_memory(unitless)
+
+
+def test_the_plan_says_which_unit_it_read_the_merged_copy_and_the_kv_cache_room(capsys, monkeypatch):
+    """80GB is 80e9 bytes (74.5 GiB), and the plan says so; merged mode's weights are two copies; the
+    KV cache gets vLLM's share less the weights, in tokens and sequences of the engine's length."""
+    monkeypatch.chdir(REPO)
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB")
+    assert code == 0, err
+    assert "memory plan (4 GPUs per node of 80GB = 74.5 GiB, GB being 10^9 bytes)" in err
+    total = 80 * 10**9
+    pool, weights = int(0.75 * total), 2 * 7_615_616_512 * 2  # gpu_memory_utilization, 7B bf16 twice
+    assert f"of which weights {weights / GIB:.1f} = 2 x {weights / 2 / GIB:.1f}, W0 and its merged copy" in err
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
+    length = -(-(1536 + 160) // 64) * 64  # Diplomacy's prompt bound and max_new_tokens, rounded up to 64
+    tokens = (pool - weights) // per_token
+    assert (f"KV cache gets at most {(pool - weights) / GIB:.1f} GiB" in err and f"~{tokens:,} tokens at 56 KiB a token, "
+            f"{tokens // length:,} sequences of max_model_len={length}" in err), err
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB", "--engine.max_model_len=4096")
+    assert f"{tokens // 4096:,} sequences of max_model_len=4096" in err  # the length the engine will have
+
+
+def test_max_model_len_beyond_the_models_positions_is_refused(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "h100", "--engine.max_model_len=131072")
+    assert code == 2 and err.strip().splitlines() == [
+        "colocate: config error: engine.max_model_len=131072 exceeds the 32768 positions of model.shape=qwen2.5-7b "
+        "(max_position_embeddings); set it to at most 32768, or 0 to size it from the workload"]
+
+
+def test_cpu_ranks_whose_weights_exceed_the_hosts_memory_are_refused(monkeypatch):
+    """gpu-4.yaml with engine.kind=hf on CPUs: two engines of the whole 7B model and two learners
+    of half of it each, beyond a 24 GiB host, are refused before any process starts."""
+    from colocate import gpu_budget
+    cfg = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"), {"engine": {"kind": "hf"}}, world_size=4)
+    model, roles = meta_model(cfg), ["inference"] * 2 + ["learner"] * 2
+    shape = ModelShape.of(cfg, model)
+    engine = shape.num_params * 2
+    learner = rank_estimate(learner_parts(cfg, shape, 2, 0)) - gpu_budget.CONTEXT_BYTES
+    with pytest.raises(ConfigError, match=rf"^4 CPU processes would hold at least {(2 * engine + 2 * learner) / GIB:.1f}"
+                                          rf" GiB of weights \(2 engines x {engine / GIB:.1f} GiB, 2 learners x "
+                                          rf"{learner / GIB:.1f} GiB of model.shape=qwen2.5-7b\), more than this "
+                                          r"host's 24.0 GiB"):
+        gpu_budget.check_host_memory(cfg, model, roles, 4, 24 * GIB)
+    gpu_budget.check_host_memory(cfg, model, roles, 4, 2 * engine + 2 * learner)  # what fits is not refused
 
 
 def plan(name: str, world: int, card: str, **learner) -> tuple[object, object]:
@@ -113,7 +161,7 @@ def test_the_shipped_presets_pass_the_check_for_h100s(capsys, monkeypatch, name,
     monkeypatch.chdir(REPO)
     code, err = check(capsys, "--config", f"configs/{name}.yaml", "--world-size", str(world), "--gpu-memory", "80GiB")
     assert code == 0, err
-    assert f"colocate: memory plan (80GiB, {world} per node, 80.0 GiB a GPU)" in err
+    assert f"colocate: memory plan ({world} GPUs per node of 80GiB = 80.0 GiB, GiB being 2^30 bytes)" in err
     assert "micro_batch_tokens auto ->" in err
 
 
@@ -123,7 +171,7 @@ def test_auto_sizes_a_learner_beside_what_shares_its_gpu(capsys):
     code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--world-size", "4", "--gpu-memory", "h200",
                       "--gpus-per-node", "2", "--topology.num_inference=1", "--topology.num_learners=3")
     assert code == 0, err
-    assert "2 per node" in err and "ranks 0, 2: an engine" in err
+    assert "2 GPUs per node" in err and "ranks 0, 2: an engine" in err
 
 
 def test_planning_flags_belong_to_check_and_bad_values_are_one_line(capsys):
@@ -182,7 +230,6 @@ def test_rank_0_keeps_the_plans_estimates_in_the_run_dir(monkeypatch, tmp_path, 
     run writes them once it holds the run directory (no second model build); other ranks and
     `--check` write nothing."""
     from colocate import launch
-    from colocate.gpu_budget import MemoryPlan
     monkeypatch.setattr(launch, "preflight", lambda *a, **k: MemoryPlan([], {"0": 70.1, "1": 64.2}, 4096))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)

@@ -86,7 +86,8 @@ def test_bad_results_score_zero_are_counted_and_logged_once(user_rewards, name, 
 def test_too_many_bad_results_in_a_row_stop_the_run(user_rewards):
     rewards = RewardSet(["my_rewards:raises"], [], limits=RewardLimits(max_errors=5))
     rewards.score(["p"] * 4, ["a"] * 4, {"answer": ["a"] * 4})  # 4 in a row: under the limit
-    with pytest.raises(RewardError, match="max_reward_errors=5"):
+    with pytest.raises(RewardError, match=r"max_reward_errors=5\); the last raised ValueError: judge offline "
+                                          r"\(rollout/reward_errors/raised\)$"):  # each word once
         rewards.score(["p"] * 4, ["a"] * 4, {"answer": ["a"] * 4})
 
 
@@ -102,3 +103,14 @@ def test_unknown_or_uncallable_paths_are_refused(user_rewards):
     for path in ("my_rewards:missing", "no_such_module_xyz:f", "my_rewards:not_callable"):
         with pytest.raises(ObjectPathError):
             RewardSet([path], [])
+
+
+def test_a_reward_that_exits_is_refused_before_launch_without_promising_the_run_goes_on():
+    """Before launch a BaseException on the first row is a refusal: no "the run goes on" in it."""
+    from colocate.rewards import RewardRow, check_reward
+
+    def exits(prompts, completions, **columns):
+        raise SystemExit(3)
+    problem = check_reward("my_rewards:exits", exits, RewardRow("add 1 and 2", "3", {}), RewardLimits())
+    assert "raised SystemExit: 3 (a BaseException, caught in the reward's box)" in problem, problem
+    assert "goes on" not in problem

@@ -71,8 +71,8 @@ def test_memory_split_refuses_what_cannot_fit():
                  "learner": {"micro_batch_tokens": 8192, "activation_checkpointing": True}}
     cfg = load_config(None, overrides)
     assert 14 * GIB < ModelShape.of(cfg, meta_model(cfg)).num_params * 2 < 16 * GIB  # 7.6B parameters in bf16
-    (line,) = one_gpu_plan(cfg, 80 * GIB)
-    assert "to spare" in line and "ranks 0, 1" in line
+    line, kv_cache = one_gpu_plan(cfg, 80 * GIB)
+    assert "to spare" in line and "ranks 0, 1" in line and "KV cache gets at most" in kv_cache
     with pytest.raises(ConfigError, match=r"GPU 0 \(ranks 0, 1\) cannot hold"):
         one_gpu_plan(load_config(None, {**overrides, "engine": {"gpu_memory_utilization": 0.9}}), 80 * GIB)
     with pytest.raises(ConfigError, match="less than its weights"):

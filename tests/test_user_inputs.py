@@ -309,7 +309,7 @@ def test_a_run_whose_reward_always_hangs_stops_in_one_line_naming_it(tmp_path):
     failures = [line for line in proc.stderr.splitlines() if "colocate: failed: " in line]
     assert len(failures) == 1 and failures[0].startswith(
         "colocate: failed: rank 0 (inference): RewardError: reward tests.agent_fixtures:reward_hangs gave no usable "
-        "value for 21 samples in a row (env.max_reward_errors=20); last: timeout: gave no answer within "
+        "value for 21 samples in a row (env.max_reward_errors=20); the last gave no answer within "
         "env.reward_timeout_s=1s"), proc.stderr[-3000:]
 
 

@@ -105,13 +105,18 @@ def requests_per_round(cfg, num_inference: int, requests_per_group: int) -> int:
     return max(1, most_groups) * requests_per_group
 
 
+def engine_max_model_len(cfg, prompt_bound: int) -> int:
+    """The engine's context: engine.max_model_len, or (0) the env's prompt bound and a completion,
+    rounded up to 64 tokens. The memory plan sizes the KV cache with it too."""
+    return cfg.engine.max_model_len or -(-(prompt_bound + cfg.engine.max_new_tokens) // 64) * 64
+
+
 def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                     requests_per_group: int) -> VLLMSettings:
     """A `VLLMEngine`'s settings sized from config and workload; the workload's facts come from the
     env (`colocate.envs.env_facts`)."""
     max_num_seqs = max(1, min(cfg.engine.max_num_seqs, requests_per_round(cfg, num_inference, requests_per_group)))
-    max_model_len = cfg.engine.max_model_len or -(-(prompt_bound + cfg.engine.max_new_tokens) // 64) * 64
-    return VLLMSettings(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+    return VLLMSettings(max_num_seqs=max_num_seqs, max_model_len=engine_max_model_len(cfg, prompt_bound),
                 max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
                 gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
                 kv_cache_bytes=int(cfg.engine.kv_cache_gib * 2**30), enforce_eager=cfg.engine.enforce_eager,

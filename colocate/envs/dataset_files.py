@@ -12,7 +12,8 @@ import re
 import sys
 
 from colocate.config_checks import ConfigError
-from colocate.envs.rows import WHAT, RowRules, RowScan, expand_files, first_bad_json, locate, scan_rows
+from colocate.envs.rows import (WHAT, RowRules, RowScan, expand_files, first_bad_json, locate, scan_rows,
+                                too_large)
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 """File extension -> `datasets` builder."""
@@ -224,15 +225,27 @@ def corpus_key(cfg) -> str:
     return "dataset-" + hashlib.sha1("|".join(parts).encode()).hexdigest()[:12]
 
 
+CORPUS_RUN = 1024
+"""The embedded tokenizer learns from runs of non-space characters cut to this length: its training
+time grows faster than linearly with the longest (a megabyte-long run stalled it for minutes)."""
+
+
+def corpus_texts(texts) -> list[str]:
+    """The texts a tokenizer trains on: those within `MAX_PROMPT_BYTES` (a longer prompt is refused
+    or dropped by the row checks), their runs of non-space characters cut to `CORPUS_RUN`."""
+    long_run = re.compile(r"\S{%d,}" % (CORPUS_RUN + 1))
+    return [long_run.sub(lambda m: m.group(0)[:CORPUS_RUN], t) for t in texts if not too_large(t)]
+
+
 def corpus(cfg) -> list[str]:
     """Every prompt and answer of the train and eval files (the embedded tokenizer's training text)."""
     out = []
     for files in (cfg.env.data_files, cfg.env.eval_files):
         if files:
             rows = load_rows(files, "train", cfg.model.cache_dir)
-            out += [prompt_text(p) for p in rows[cfg.env.prompt_column]]
+            out += corpus_texts(prompt_text(p) for p in rows[cfg.env.prompt_column])
             if cfg.env.answer_column in rows.column_names:
-                out += [str(a) for a in rows[cfg.env.answer_column] if a is not None]
+                out += corpus_texts(str(a) for a in rows[cfg.env.answer_column] if a is not None)
     return out
 
 

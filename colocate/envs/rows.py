@@ -1,7 +1,8 @@
 """Row checks of the dataset env's files: every row is looked at once, streamed, when the files are opened.
 
 A row is unusable when its prompt is missing or null, neither text nor a list of chat messages,
-empty or only whitespace, longer in tokens than the model's context less `engine.max_new_tokens`,
+empty or only whitespace, over `MAX_PROMPT_BYTES` (before any tokenizer sees it), longer in tokens
+than the model's context less `engine.max_new_tokens`,
 or when its answer is null and the rewards need one. `env.bad_rows` says what happens then:
 `error` (default) refuses the files at start-up with one line naming the file, its own line
 number and the column; `skip` drops the rows and counts them by reason (`data/dropped/<reason>`).
@@ -17,14 +18,19 @@ import json
 import os
 from dataclasses import dataclass, field
 
-REASONS = ("missing_prompt", "not_text", "empty_prompt", "missing_answer", "too_long")
+MAX_PROMPT_BYTES = 1 << 20
+"""A prompt over this many bytes (~250,000 tokens of text, beyond the context of the models here) is
+refused (or dropped) without tokenizing it: the embedded tokenizer's training would stall on it."""
+
+REASONS = ("missing_prompt", "not_text", "empty_prompt", "missing_answer", "too_long", "too_large")
 """Why a row is unusable (`data/dropped/<reason>`)."""
 
 WHAT = {"missing_prompt": "is missing or null",
         "not_text": "is neither text nor a list of {role, content} chat messages",
         "empty_prompt": "is empty or only whitespace",
         "missing_answer": "is missing or null (the rewards compare against it)",
-        "too_long": "is longer than the model's context allows"}
+        "too_long": "is longer than the model's context allows",
+        "too_large": f"is over {MAX_PROMPT_BYTES >> 20} MiB (rows.MAX_PROMPT_BYTES), more than any model's context here"}
 
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 BATCH = 1024
@@ -44,6 +50,11 @@ def expand_files(files: list[str]) -> list[str]:
     return out
 
 
+def too_large(text: str) -> bool:
+    """Over `MAX_PROMPT_BYTES` in UTF-8 (a character is at most 4 bytes: shorter text is not encoded)."""
+    return len(text) > MAX_PROMPT_BYTES // 4 and len(text.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES
+
+
 def row_fault(prompt, answer, needs_answer: bool) -> str | None:
     """The reason a row cannot be used (no tokenizer needed), or None."""
     if prompt is None:
@@ -57,6 +68,8 @@ def row_fault(prompt, answer, needs_answer: bool) -> str | None:
         return "not_text"
     if not text.strip():
         return "empty_prompt"
+    if too_large(text):
+        return "too_large"
     if needs_answer and answer is None:
         return "missing_answer"
     return None
