@@ -67,27 +67,41 @@ def test_colocate_check_refuses_a_run_dir_train_would_refuse(tmp_path, capsys, m
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)
     args = ["--config", TINY, f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}"]
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["check", *args])
+    assert cli.main(["check", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and "holds an earlier run (adapter)" in err[0]
+    assert len(err) == 1 and "holds an earlier run (adapter)" in err[0]
     assert cli.main(["check", *args, "--overwrite"]) == 0 and (run / "adapter").exists()
 
 
 def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, tmp_path):
+    """The ranks get the config the launcher checked (a file and its SHA-256), not its arguments to
+    check again; the file is gone once torchrun returns."""
+    import hashlib
+
+    import yaml
     no_torchrun_env(monkeypatch)
     calls = []
-    monkeypatch.setattr(cli, "run_torchrun", lambda args: calls.append(args) or 0)
+
+    def fake_torchrun(args):
+        resolved = args[-2].partition("=")[2]
+        with open(resolved, "rb") as f:
+            calls.append((args, resolved, f.read()))
+        return 0
+    monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"]
     assert cli.main(["train", *args]) == 0
-    cmd, = calls
-    assert cmd[:3] == ["--nproc-per-node=2", "--standalone", "-m"]
-    assert cmd[3:] == ["colocate.train", *args] and os.environ["OMP_NUM_THREADS"].isdigit()
+    (cmd, resolved, data), = calls
+    assert cmd[:3] == ["--nproc-per-node=2", "--standalone", "-m"] and os.environ["OMP_NUM_THREADS"].isdigit()
+    assert cmd[3:] == ["colocate.train", f"--resolved-config={resolved}",
+                       f"--config-sha256={hashlib.sha256(data).hexdigest()}"]
+    cfg = yaml.safe_load(data)
+    assert cfg["learner"]["lr"] == 3e-3 and cfg["metrics"]["run_dir"] == str(tmp_path / "run")
+    assert not os.path.exists(resolved)
     # several nodes: torchrun's flags pass through, the check covers nproc x nnodes ranks
     calls.clear()
     assert cli.main(["train", "--nproc", "3", "--nnodes=2", "--node-rank", "1", "--rdzv-endpoint=h:29400", *args]) == 0
-    cmd = calls[0]
+    cmd = calls[0][0]
     assert "--standalone" not in cmd and cmd[:5] == ["--nproc-per-node=3", "--nnodes=2", "--node-rank", "1",
                                                      "--rdzv-endpoint=h:29400"]
 
