@@ -2,6 +2,8 @@
 imported; the user's code it calls while checking (in a forked child, `colocate/child.py`) cannot
 end, break or move it; the config is checked once per launch, and a rank loads the launcher's
 resolved config only when its SHA-256 matches."""
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -189,3 +191,80 @@ def test_a_launch_runs_the_config_checks_once(tmp_path):
                               text=True, timeout=600, env={**env, "COLOCATE_TEST_CHECKS": str(log)})
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert len(log.read_text().splitlines()) == 1, (name, log.read_text())
+
+
+# -- the catalogue's launcher rows (docs/errors.md, `scripts/bad_inputs.py`) -------------------------
+LAUNCH_CASES = [
+    ("reward ends its process", "a reward calling os._exit(0)", "train",
+     "import os\n\n\ndef score(*args, **kwargs):\n    os._exit(0)\n",
+     "colocate: failed: the checks before launch ended without a result (their process exited with code 0)"),
+    ("reward module exits at import", "sys.exit(3) in a reward module", "train", "import sys\n\nsys.exit(3)\n",
+     "colocate: failed: the checks before launch raised SystemExit: 3; at <module> ("),
+    ("resolved config changed", "a rank's --resolved-config file edited", "rank", "edited",
+     "`colocate train` checked (the file changed after the checks)"),
+    ("resolved config missing", "a rank's --resolved-config file removed", "rank", "missing", "cannot be read"),
+    ("resolved config and more", "--resolved-config with other arguments", "rank", "extra", "come together and alone"),
+]
+"""(id, input shown, where: the launcher's checks or a rank, what: a reward module's source or how the
+rank's resolved config is spoiled, text the one line must contain)."""
+
+
+def launcher_case(source: str, tmp: str) -> int:
+    """`colocate train` (torchrun replaced) on cpu-dataset-tiny with the reward module `source`."""
+    with open(os.path.join(tmp, "user_launch_case.py"), "w") as f:
+        f.write(source)
+    sys.modules.pop("user_launch_case", None)
+    sys.path.insert(0, tmp)
+    saved = cli.run_torchrun, {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
+    cli.run_torchrun = lambda args: 0
+    data = [os.path.join(REPO, "examples", "data", f"addition-{s}.jsonl") for s in ("train", "eval")]
+    try:
+        return cli.main(["train", "--config", DATASET, "--env.reward=user_launch_case:score", f"--env.data_files={data[0]}",
+                         f"--env.eval_files={data[1]}", f"--metrics.run_dir={tmp}/run", f"--model.cache_dir={tmp}/cache"])
+    finally:
+        cli.run_torchrun = saved[0]
+        os.environ.update(saved[1])
+        sys.path.remove(tmp)
+
+
+def rank_case(what: str, tmp: str) -> int:
+    """A rank (WORLD_SIZE=2, RANK=0 set by the caller) given a resolved config spoiled as `what` says."""
+    cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                                  f"--metrics.run_dir={tmp}/run"], 2)
+    args = launch.write_resolved(launch.config_text(cfg))
+    path = args[0].partition("=")[2]
+    if what == "edited":
+        with open(path, "a") as f:
+            f.write("# edited\n")
+    os.remove(path) if what == "missing" else None
+    try:
+        launch.configure([*args, "--learner.lr=1"] if what == "extra" else args)
+    except SystemExit as e:
+        return e.code
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return 0
+
+
+def run_launch_case(where: str, what: str, tmp: str) -> tuple[int, str]:
+    """(exit code, stderr) of one launcher case in the directory `tmp`."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = launcher_case(what, tmp) if where == "train" else rank_case(what, tmp)
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("case_id,shown,where,what,expected", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
+def test_each_launcher_case_is_one_line(case_id, shown, where, what, expected, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, err = run_launch_case(where, what, str(tmp_path))
+    lines = err.strip().splitlines()
+    assert code == (1 if where == "train" else 2) and len(lines) == 1 and expected in lines[0], (code, err)
+
+
+def test_the_catalogue_lists_every_launcher_case():
+    from tests.test_bad_input import catalogue
+    rows = catalogue()
+    assert [c[0] for c in LAUNCH_CASES if c[0] not in rows] == [], "run `python scripts/bad_inputs.py`"
