@@ -202,9 +202,11 @@ def check_config(argv: list[str], world: int | None = None,
     return c.cfg, c.resume, c.flags.check_only
 
 
-def resume_checked(c: Checked) -> dict | None:
-    """The checkpoint to resume (validated), its path pinned in the config as checkpoint.resume:
-    the ranks load that one, and the run's config.yaml says which it was."""
+def checked(c: Checked) -> dict | None:
+    """Every check past parsing (`check_parsed`), then the checkpoint to resume, validated, its path
+    pinned in the config as checkpoint.resume (the ranks load that one, and the run's config.yaml
+    says which it was) -> its state, or None."""
+    check_parsed(c)
     resume = load_resume(c.cfg, c.resume)
     c.cfg.checkpoint.resume = resume["path"] if resume else ""
     return resume
@@ -216,8 +218,13 @@ def check_launch(argv: list[str], world: int | None = None,
     given); raises ConfigError or CheckpointError. What a rank checking for itself and `--check`
     refuse before any process group forms."""
     c = parse_request(argv, world, local_world)
-    check_parsed(c)
-    return c.cfg, resume_checked(c), c.flags.check_only
+    return c.cfg, checked(c), c.flags.check_only
+
+
+def resolved_text(c: Checked) -> str:
+    """The checking child's work: every check -> the resolved config's text."""
+    checked(c)
+    return config_text(c.cfg)
 
 
 def refusal(error: BaseException) -> tuple[int, str]:
@@ -250,19 +257,12 @@ def check_in_child(argv: list[str], world: int | None = None, local_world: int |
     code cannot end, break or move this process) -> (exit code, the resolved config's text). On a
     code other than 0 the line has been printed. Raises ConfigError (parsing)."""
     c = parse_request(argv, world, local_world)
-    ended = run_in_child(lambda: config_text(check_launch_parsed(c)), refusal)
+    ended = run_in_child(lambda: resolved_text(c), refusal)
     if ended.own_end:  # the config, or the refusal's line printed there
         return ended.code, ended.result or ""
     code, line = ended_early(ended.code)
     print(line, file=sys.stderr, flush=True)
     return code, ""
-
-
-def check_launch_parsed(c: Checked) -> Config:
-    """In the checking child: every check past parsing -> the resolved config."""
-    check_parsed(c)
-    resume_checked(c)
-    return c.cfg
 
 
 RESOLVED_FLAGS = ("--resolved-config", "--config-sha256")
