@@ -128,7 +128,8 @@ def default_nproc(cfg: Config) -> int:
     if t.num_inference and t.num_learners:
         return t.num_inference + t.num_learners
     import torch
-    return max(2, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    # device_count asks NVML and leaves CUDA uninitialized: the checks run in a fork of this process
+    return max(2, torch.cuda.device_count())
 
 
 def train_command(argv: list[str]) -> tuple[int, list[str]]:
