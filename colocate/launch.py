@@ -257,6 +257,9 @@ def check_in_child(argv: list[str], world: int | None = None, local_world: int |
     code cannot end, break or move this process) -> (exit code, the resolved config's text). On a
     code other than 0 the line has been printed. Raises ConfigError (parsing)."""
     c = parse_request(argv, world, local_world)
+    # The checks' heaviest imports (the meta model's) are made here, before the fork: the launcher
+    # pays them once either way, and a second check in this process (a test's) starts warm.
+    import transformers.modeling_utils  # noqa: F401
     ended = run_in_child(lambda: resolved_text(c), refusal)
     if ended.own_end:  # the config, or the refusal's line printed there
         return ended.code, ended.result or ""

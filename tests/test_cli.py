@@ -107,6 +107,9 @@ def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, 
 
 
 def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monkeypatch, tmp_path, capsys):
+    import datasets  # noqa: F401 - imported here, the checks forked for each case start warm
+    import colocate.envs.agent  # noqa: F401
+    import colocate.envs.dataset  # noqa: F401
     from tests.test_bad_input import CASES, materialize
     no_torchrun_env(monkeypatch)
     monkeypatch.setattr(cli, "run_torchrun", lambda *a: pytest.fail("torchrun started on a bad config"))
