@@ -42,8 +42,16 @@ class _PipeText(io.TextIOBase):
     def __init__(self, fd: int, kind: bytes, lock: threading.Lock):
         self._fd, self._kind, self._lock = fd, kind, lock
 
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
     def writable(self) -> bool:
         return True
+
+    def fileno(self) -> int:
+        """The launcher's own stdout or stderr, for what writes below Python (faulthandler)."""
+        return 1 if self._kind == OUT else 2
 
     def write(self, text: str) -> int:
         with self._lock:  # reward checks print from their worker threads too
