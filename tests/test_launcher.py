@@ -41,6 +41,28 @@ def test_a_config_error_is_refused_before_torch_is_imported(tmp_path, command):
         assert not heavy, heavy[:5]
 
 
+def test_a_forked_child_relays_its_output_and_says_how_it_ended(capsys):
+    """`child.run_in_child`: the work's prints reach this process's streams in order, its result
+    comes back; a raise is the refusal's line and code; an end the work did not choose (os._exit, a
+    signal) comes back without a result and without an own end."""
+    import signal
+
+    from colocate.child import run_in_child
+
+    def work():
+        print("out 1")
+        print("err 1", file=sys.stderr)
+        return "the result"
+    ended = run_in_child(work, lambda e: (7, f"refused: {e}"))
+    assert (ended.code, ended.result, ended.own_end) == (0, "the result", True)
+    assert capsys.readouterr() == ("out 1\n", "err 1\n")
+    ended = run_in_child(lambda: 1 / 0, lambda e: (7, f"refused: {type(e).__name__}"))
+    assert (ended.code, ended.result, ended.own_end) == (7, None, True)
+    assert capsys.readouterr().err == "refused: ZeroDivisionError\n"
+    assert run_in_child(lambda: os._exit(0), lambda e: (7, "")) == type(ended)(0, None, False)
+    assert run_in_child(lambda: os.kill(os.getpid(), signal.SIGKILL), lambda e: (7, "")).code == -signal.SIGKILL
+
+
 def user_module(tmp_path, monkeypatch, name: str, body: str) -> str:
     """A reward module of the user's in `tmp_path` (on sys.path) -> the reward's path."""
     score = "" if "def score" in body else "\n\ndef score(prompts, completions, **columns):\n    return [0.0] * len(completions)\n"
