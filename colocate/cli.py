@@ -6,12 +6,14 @@
     colocate export --run DIR [--merge] --out DIR
     colocate <command> --help [SECTION]
 
-`train` checks everything `--check` checks (`launch.check_config`, with the world size it is about
-to ask for) in this process, then runs torchrun in it (`python -m torch.distributed.run
---nproc-per-node N -m colocate.train ...`): a bad config is one line and exit code 2, and no
-torchrun starts; a failed job exits with the failed rank's code, without torchrun's summary. Flags
-that are not ours or config keys (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun
-as given. `torchrun -m colocate.train` works as before.
+`train` checks everything `check` checks (`launch.check_in_child`, with the world size it is about
+to ask for: parsed here before torch is imported, the rest in a forked child, since it calls the
+user's code), then runs torchrun in this process (`python -m torch.distributed.run --nproc-per-node
+N -m colocate.train --resolved-config=FILE --config-sha256=HEX`: the ranks load the config checked
+here instead of checking again): a bad config is one line and exit code 2, and no torchrun starts;
+a failed job exits with the failed rank's code, without torchrun's summary. Flags that are not ours
+or config keys (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun as given.
+`torchrun -m colocate.train --config FILE` works as before (it checks on one rank per node).
 
 This module is the top of the import graph: nothing imports it.
 """
@@ -120,22 +122,25 @@ def torchrun_value(flags: list[str], *names: str) -> str | None:
     return None
 
 
-def train_command(argv: list[str]) -> list[str]:
-    """Check everything in this process -> the torchrun command line (raises ConfigError)."""
-    from colocate.launch import check_launch, default_world
+def train_command(argv: list[str]) -> tuple[int, list[str]]:
+    """Check everything (`launch.check_in_child`) -> (exit code, the torchrun command line): a code
+    other than 0 has printed its line, and no torchrun starts. Raises ConfigError (parsing)."""
+    from colocate.launch import check_in_child, default_world, write_resolved
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:
         raise ConfigError("--config FILE is required")
-    nproc = nproc or default_world(load_config(path, overrides))
+    nproc = nproc or default_world(load_config(path, overrides))  # a bad key is refused here, before torch
     nnodes = torchrun_value(torchrun, "--nnodes") or "1"
     world = nproc * int(nnodes) if nnodes.isdigit() else None  # an elastic range: torchrun decides
-    check_launch(ours, world=world, local_world=nproc)
+    code, text = check_in_child(ours, world=world, local_world=nproc)
+    if code:
+        return code, []
     single = nnodes == "1" and not torchrun_value(torchrun, "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                                                     "--master_addr")
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
-            "-m", "colocate.train", *ours]
+    return 0, [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
+               "-m", "colocate.train", *write_resolved(text)]
 
 
 def launch_env(nproc: int) -> dict[str, str]:
@@ -147,16 +152,16 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
-    from colocate.checkpoint import CheckpointError
-    try:
-        cmd = train_command(argv)
-    except CheckpointError as e:  # a checkpoint to resume that does not verify: as every rank would say it
-        print(f"colocate: checkpoint error: {e}", file=sys.stderr, flush=True)
-        return 2
+    code, cmd = train_command(argv)
+    if code:
+        return code
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     os.environ.update(launch_env(nproc))
-    return run_torchrun(cmd[3:])
+    try:
+        return run_torchrun(cmd[3:])
+    finally:
+        os.remove(cmd[-2].partition("=")[2])  # the resolved config (`launch.write_resolved`): the ranks have read it
 
 
 def run_torchrun(args: list[str]) -> int:
@@ -184,9 +189,11 @@ def run_torchrun(args: list[str]) -> int:
 
 
 def check(argv: list[str]) -> int:
-    from colocate.train import main
-    main(["--check", *argv])
-    return 0
+    """The checks of `train` (in a child, `launch.check_in_child`), then the resolved config."""
+    from colocate.launch import check_in_child
+    code, text = check_in_child(["--check", *argv])
+    print(text, end="")
+    return code
 
 
 def evaluate(argv: list[str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from colocate.launch import configure  # noqa: E402
 from tests.test_bad_input import CONFIG_CASES, USER_CASES, materialize  # noqa: E402
+from tests.test_launcher import LAUNCH_CASES, run_launch_case  # noqa: E402
 
 
 def message(text, overrides: list[str]) -> tuple[int, str]:
@@ -57,9 +59,10 @@ model's context less `engine.max_new_tokens`, and a null answer where the reward
 `env.bad_rows: error` (default) the first such row is the error, named by file, the file's own
 line number and column; under `skip` they are dropped and counted (`data/dropped/<reason>` in
 TensorBoard, one line on stderr at start-up). A directory in `env.data_files` stands for the data
-files under it. Reward modules and env classes are imported and checked in the launching process
-(an env class against the `Env` protocol by signature, `env.options` against its constructor; a
-reward function called on the first row as the env will call it: signature, raise, result shape).
+files under it. Reward modules and env classes are imported and checked before launch, in a child
+of the launching process (an env class against the `Env` protocol by signature, `env.options`
+against its constructor; a reward function called on the first row as the env will call it:
+signature, raise, result shape).
 At run time, a reward function or env method returning the wrong shape is logged once with what it
 returned and what was expected, counted (`rollout/reward_errors`, `rollout/env_errors`; reward
 errors also on the step line and in the summary), and `env.max_reward_errors` of them in a row
@@ -105,9 +108,37 @@ config (a resume, an evaluation):
 """
 
 
+LAUNCH_SECTION = """
+## The launcher and the ranks it starts
+
+`colocate train` and `colocate check` parse the config in their own process, before torch is
+imported, and run every other check in a forked child: the checks import and call the user's code
+(reward modules, env classes, tools), which must not end, break or move the launcher. A check that
+ends without its result, or raises something that is not bad input, is one `colocate: failed:` line
+and exit code 1 (128 + N for a signal N), and no torchrun starts. `colocate train` then starts the
+ranks with `--resolved-config=FILE --config-sha256=HEX` (the config it checked, every path absolute,
+the checkpoint to resume pinned): a rank loads that file instead of checking again, and refuses it
+when its SHA-256 differs.
+
+| case | input | exit | message |
+| --- | --- | --- | --- |
+"""
+
+
+def launch_table() -> list[str]:
+    rows = []
+    for case_id, shown, where, what, _ in LAUNCH_CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            code, err = run_launch_case(where, what, tmp)
+        line = err.strip().replace(tmp, "<tmp>").replace(str(REPO) + "/", "")
+        line = re.sub(r"colocate-config-\w+\.yaml", "colocate-config-XXXX.yaml", re.sub(r"[0-9a-f]{64}|[0-9a-f]{16}\.\.\.", "...", line))
+        rows.append(f"| {case_id} | {shown} | {code} | {line.replace('|', '/')} |")
+    return rows
+
+
 def main() -> None:
     os.environ.update(WORLD_SIZE="2", RANK="0")
-    rows, user_rows = table(CONFIG_CASES), table(USER_CASES)
+    rows, user_rows, launch_rows = table(CONFIG_CASES), table(USER_CASES), launch_table()
     out = REPO / "docs" / "errors.md"
     out.write_text(
         "# Bad input and its message\n\n"
@@ -117,8 +148,9 @@ def main() -> None:
         "Under torchrun every rank exits with 2 and rank 0 prints the line once; torchrun itself then\n"
         "exits with 1 (`python -m colocate.train --config FILE --check` returns the 2 before launch).\n\n"
         "| case | input | exit | message |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
-        + USER_SECTION + "\n".join(user_rows) + "\n" + LATER_SECTION)
-    print(f"wrote {out} ({len(rows) + len(user_rows)} cases)")
+        + USER_SECTION + "\n".join(user_rows) + "\n" + LAUNCH_SECTION + "\n".join(launch_rows) + "\n"
+        + LATER_SECTION)
+    print(f"wrote {out} ({len(rows) + len(user_rows) + len(launch_rows)} cases)")
 
 
 if __name__ == "__main__":

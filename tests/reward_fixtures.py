@@ -18,3 +18,13 @@ def breaks_after_its_first_call(prompts, completions, **columns):
     if CALLS[0] > 1:
         raise ConnectionError("reward service unreachable")
     return [0.0] * len(completions)
+
+
+def counts_its_checks(prompts, completions, answer, **columns):
+    """`exact`; the pre-launch check's call (the row's answer, then "I do not know.": one per check)
+    also appends a line to the file $COLOCATE_TEST_CHECKS names, so a test counts the checks."""
+    import os
+    if len(completions) == 2 and completions[1] == "I do not know.":
+        with open(os.environ["COLOCATE_TEST_CHECKS"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]

@@ -67,32 +67,49 @@ def test_colocate_check_refuses_a_run_dir_train_would_refuse(tmp_path, capsys, m
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)
     args = ["--config", TINY, f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}"]
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["check", *args])
+    assert cli.main(["check", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1 and "holds an earlier run (adapter)" in err[0]
+    assert len(err) == 1 and "holds an earlier run (adapter)" in err[0]
     assert cli.main(["check", *args, "--overwrite"]) == 0 and (run / "adapter").exists()
 
 
 def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, tmp_path):
+    """The ranks get the config the launcher checked (a file and its SHA-256), not its arguments to
+    check again; the file is gone once torchrun returns."""
+    import hashlib
+
+    import yaml
     no_torchrun_env(monkeypatch)
     calls = []
-    monkeypatch.setattr(cli, "run_torchrun", lambda args: calls.append(args) or 0)
+
+    def fake_torchrun(args):
+        resolved = args[-2].partition("=")[2]
+        with open(resolved, "rb") as f:
+            calls.append((args, resolved, f.read()))
+        return 0
+    monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"]
     assert cli.main(["train", *args]) == 0
-    cmd, = calls
-    assert cmd[:3] == ["--nproc-per-node=2", "--standalone", "-m"]
-    assert cmd[3:] == ["colocate.train", *args] and os.environ["OMP_NUM_THREADS"].isdigit()
+    (cmd, resolved, data), = calls
+    assert cmd[:3] == ["--nproc-per-node=2", "--standalone", "-m"] and os.environ["OMP_NUM_THREADS"].isdigit()
+    assert cmd[3:] == ["colocate.train", f"--resolved-config={resolved}",
+                       f"--config-sha256={hashlib.sha256(data).hexdigest()}"]
+    cfg = yaml.safe_load(data)
+    assert cfg["learner"]["lr"] == 3e-3 and cfg["metrics"]["run_dir"] == str(tmp_path / "run")
+    assert not os.path.exists(resolved)
     # several nodes: torchrun's flags pass through, the check covers nproc x nnodes ranks
     calls.clear()
     assert cli.main(["train", "--nproc", "3", "--nnodes=2", "--node-rank", "1", "--rdzv-endpoint=h:29400", *args]) == 0
-    cmd = calls[0]
+    cmd = calls[0][0]
     assert "--standalone" not in cmd and cmd[:5] == ["--nproc-per-node=3", "--nnodes=2", "--node-rank", "1",
                                                      "--rdzv-endpoint=h:29400"]
 
 
 def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monkeypatch, tmp_path, capsys):
+    import datasets  # noqa: F401 - imported here, the checks forked for each case start warm
+    import colocate.envs.agent  # noqa: F401
+    import colocate.envs.dataset  # noqa: F401
     from tests.test_bad_input import CASES, materialize
     no_torchrun_env(monkeypatch)
     monkeypatch.setattr(cli, "run_torchrun", lambda *a: pytest.fail("torchrun started on a bad config"))
@@ -223,16 +240,16 @@ def test_resume_and_overwrite_together_are_refused_in_one_line(monkeypatch, tmp_
 
 
 def test_skipped_checkpoints_are_named_once_per_launch(monkeypatch, tmp_path, capsys):
-    """`colocate train` checks the resume before it starts the ranks and rank 0 checks it again: only
-    rank 0 (and `colocate check`) names the checkpoints it skipped."""
+    """One process checks a launch and names the checkpoints it skipped; the ranks load the one it
+    pinned (`load_resumed`) and say nothing more."""
     from colocate import launch
     no_torchrun_env(monkeypatch)
     monkeypatch.setattr("colocate.checkpoint.resolve_resume", lambda *a: (None, ["skipped step-000009: damaged"]))
     cfg = launch.load_config(TINY)
-    launch.load_resume(cfg, True, show=False)  # colocate train's own check
-    assert capsys.readouterr().err == ""
-    launch.load_resume(cfg, True, show=True)  # rank 0 under torchrun
+    assert launch.load_resume(cfg, True) is None  # the launcher's check
     assert capsys.readouterr().err.count("colocate: resume: skipped step-000009") == 1
+    assert launch.load_resumed(cfg) is None  # a rank: nothing pinned, nothing to load or say
+    assert capsys.readouterr().err == ""
 
 
 def test_check_prints_the_plan_after_the_config(monkeypatch, tmp_path):

@@ -229,8 +229,8 @@ def test_rank_0_keeps_the_plans_estimates_in_the_run_dir(monkeypatch, tmp_path, 
     """The estimates preflight made are what summary.json sets beside the measured peaks: rank 0 of a
     run writes them once it holds the run directory (no second model build); other ranks and
     `--check` write nothing."""
-    from colocate import launch
-    monkeypatch.setattr(launch, "preflight", lambda *a, **k: MemoryPlan([], {"0": 70.1, "1": 64.2}, 4096))
+    from colocate import launch, preflight
+    monkeypatch.setattr(preflight, "preflight", lambda *a, **k: MemoryPlan([], {"0": 70.1, "1": 64.2}, 4096))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
     argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), f"--metrics.run_dir={tmp_path / 'run'}"]

@@ -1,0 +1,292 @@
+"""The launcher (`colocate train` / `colocate check`): a config error is refused before torch is
+imported; the user's code it calls while checking (in a forked child, `colocate/child.py`) cannot
+end, break or move it; the config is checked once per launch, and a rank loads the launcher's
+resolved config only when its SHA-256 matches."""
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from colocate import cli, launch
+from tests.conftest import REPO
+
+DATASET = os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml")
+
+
+def no_torchrun_env(monkeypatch):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_a_config_error_is_refused_before_torch_is_imported(tmp_path, command):
+    """Issue 63 item 7: a mistyped key (or file) waited 8-24 s for torch to import."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"base: {os.path.join(REPO, 'configs', 'cpu-tiny.yaml')}\nmodel:\n  shap: tiny\n")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for args in (["--config", str(bad)], ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--learner.lrr=1"],
+                 ["--config", str(tmp_path / "missing.yaml")]):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "colocate.cli", command, *args], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+        imported = [line.rpartition("|")[2].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+        said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+        assert proc.returncode == 2 and len(said) == 1 and said[0].startswith("colocate: config error: "), proc.stderr[-2000:]
+        assert "colocate.config" in imported  # the listing is real
+        heavy = [m for m in imported if m.split(".")[0] in ("torch", "transformers", "peft", "datasets")]
+        assert not heavy, heavy[:5]
+
+
+def test_a_forked_child_relays_its_output_and_says_how_it_ended(capsys):
+    """`child.run_in_child`: the work's prints reach this process's streams in order, its result
+    comes back; a raise is the refusal's line and code; an end the work did not choose (os._exit, a
+    signal) comes back without a result and without an own end."""
+    import signal
+
+    from colocate.child import run_in_child
+
+    def work():
+        print("out 1")
+        print("err 1", file=sys.stderr)
+        return "the result"
+    ended = run_in_child(work, lambda e: (7, f"refused: {e}"))
+    assert (ended.code, ended.result, ended.own_end) == (0, "the result", True)
+    assert capsys.readouterr() == ("out 1\n", "err 1\n")
+    ended = run_in_child(lambda: 1 / 0, lambda e: (7, f"refused: {type(e).__name__}"))
+    assert (ended.code, ended.result, ended.own_end) == (7, None, True)
+    assert capsys.readouterr().err == "refused: ZeroDivisionError\n"
+    assert run_in_child(lambda: os._exit(0), lambda e: (7, "")) == type(ended)(0, None, False)
+    assert run_in_child(lambda: os.kill(os.getpid(), signal.SIGKILL), lambda e: (7, "")).code == -signal.SIGKILL
+
+
+def user_module(tmp_path, monkeypatch, name: str, body: str) -> str:
+    """A reward module of the user's in `tmp_path` (on sys.path) -> the reward's path."""
+    score = "" if "def score" in body else "\n\ndef score(prompts, completions, **columns):\n    return [0.0] * len(completions)\n"
+    (tmp_path / f"{name}.py").write_text(body + score)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name}:score"
+
+
+def train(monkeypatch, tmp_path, *args: str) -> tuple[int, list]:
+    """`colocate train ARGS` in this process, torchrun replaced -> (exit code, torchrun's arguments
+    with the resolved config's text)."""
+    no_torchrun_env(monkeypatch)
+    started = []
+
+    def fake_torchrun(argv):
+        with open(argv[-2].partition("=")[2]) as f:
+            started.append((argv, f.read()))
+        return 0
+    monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
+    code = cli.main(["train", *args, f"--model.cache_dir={tmp_path / 'cache'}"])
+    return code, started
+
+
+def test_a_reward_that_ends_its_process_does_not_end_the_launcher(tmp_path, monkeypatch, capsys):
+    """Issue 63 item 2: `os._exit(0)` in a reward made `colocate train` exit 0 with no word."""
+    monkeypatch.chdir(REPO)
+    reward = user_module(tmp_path, monkeypatch, "user_exits", "import os\n\n\ndef score(*args, **kwargs):\n"
+                         "    os._exit(0)\n")
+    code, started = train(monkeypatch, tmp_path, "--config", DATASET, f"--env.reward={reward}",
+                          f"--metrics.run_dir={tmp_path / 'run'}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and started == [] and len(err) == 1, err
+    assert err[0].startswith("colocate: failed: the checks before launch ended without a result (their process "
+                             "exited with code 0): user code they call"), err
+
+
+def test_a_reward_module_that_patches_json_leaves_the_launcher_whole(tmp_path, monkeypatch, capsys):
+    """Issue 63 item 2: a reward module patching `json` at import broke the launcher (torchrun)."""
+    monkeypatch.chdir(REPO)
+    dumps, loads = json.dumps, json.loads
+    reward = user_module(tmp_path, monkeypatch, "user_patches_json",
+                         "import json\n\njson.dumps = json.loads = lambda *a, **k: 'garbage'")
+    code, started = train(monkeypatch, tmp_path, "--config", DATASET, f"--env.reward={reward}",
+                          f"--metrics.run_dir={tmp_path / 'run'}")
+    assert code == 0 and len(started) == 1, capsys.readouterr().err
+    assert json.dumps is dumps and json.loads is loads and "user_patches_json" not in sys.modules
+    assert f"- {reward}" in started[0][1]  # the resolved config the ranks get
+
+
+def test_a_reward_module_that_changes_directory_moves_nothing(tmp_path, monkeypatch, capsys):
+    """Issue 63 item 2: a reward module calling `os.chdir` at import made the relative `--config` "not
+    found"; every path is absolute before any user code runs, and the launcher stays where it was."""
+    (tmp_path / "data.jsonl").write_text('{"prompt": "add 1 and 2 ; answer :", "answer": "3"}\n')
+    (tmp_path / "run.yaml").write_text(f"base: {DATASET}\nenv:\n  data_files: [data.jsonl]\n  eval_files: []\n")
+    reward = user_module(tmp_path, monkeypatch, "user_moves", "import os\n\nos.chdir('/')")
+    monkeypatch.chdir(tmp_path)
+    code, started = train(monkeypatch, tmp_path, "--config", "run.yaml", f"--env.reward={reward}",
+                          "--metrics.run_dir=runs/here", "--eval.at_end=false")
+    assert code == 0 and len(started) == 1, capsys.readouterr().err
+    assert os.getcwd() == str(tmp_path)
+    import yaml
+    resolved = yaml.safe_load(started[0][1])
+    assert resolved["env"]["data_files"] == [str(tmp_path / "data.jsonl")]
+    assert resolved["metrics"]["run_dir"] == str(tmp_path / "runs" / "here")
+    assert resolved["model"]["cache_dir"] == str(tmp_path / "cache")
+
+
+def resolved_rank_args(tmp_path, monkeypatch) -> list[str]:
+    """A rank's arguments from `colocate train` (rank 0 of 2, as torchrun starts it)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                                  f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"], 2)
+    return launch.write_resolved(launch.config_text(cfg))
+
+
+def test_a_rank_loads_the_checked_config_and_refuses_one_that_changed(tmp_path, monkeypatch, capsys):
+    """Issue 60, one check: the rank takes the launcher's config as it is (no check runs again), and
+    refuses it in one line when the file is not the one whose SHA-256 it was given."""
+    import colocate.preflight
+    monkeypatch.setattr(colocate.preflight, "preflight", lambda *a, **k: pytest.fail("a rank checked again"))
+    args = resolved_rank_args(tmp_path, monkeypatch)
+    cfg, resume, check_only = launch.configure(args)
+    assert cfg.learner.lr == 3e-3 and cfg.metrics.run_dir == str(tmp_path / "run") and resume is None
+    assert not check_only and not (tmp_path / "run").exists()
+    path = args[0].partition("=")[2]
+    with open(path, "a") as f:
+        f.write("# edited\n")
+    with pytest.raises(SystemExit) as exit_info:
+        launch.configure(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"colocate: config error: --resolved-config={path}: its SHA-256 is ") and \
+        "`colocate train` checked (the file changed after the checks)" in err[0], err
+    os.remove(path)
+
+
+class FakeStore:
+    """torchrun's store as `launch.checked_once` uses it."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.values[key]
+
+
+def test_under_plain_torchrun_local_rank_0_checks_and_the_others_take_its_config(tmp_path, monkeypatch):
+    """`torchrun -m colocate.train --config ...` (the tests, the README): local rank 0 checks, the
+    node's other ranks load what it resolved from torchrun's store and check nothing."""
+    import colocate.preflight
+    store, checks = FakeStore(), []
+    monkeypatch.setattr(launch, "node_store", lambda: store)
+    real = colocate.preflight.preflight
+    monkeypatch.setattr(colocate.preflight, "preflight", lambda *a, **k: checks.append(1) or real(*a, **k))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), f"--metrics.run_dir={tmp_path / 'run'}",
+            f"--model.cache_dir={tmp_path / 'cache'}", "--learner.lr=3e-3"]
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        cfg, resume, _ = launch.configure(argv)
+        assert cfg.learner.lr == 3e-3 and resume is None and cfg.model.cache_dir == str(tmp_path / "cache")
+    assert checks == [1]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit):  # a refusal leaves the others a word to exit on
+        launch.configure([*argv, "--engine.temperature=.nan"])
+    assert store.values["colocate/checked-config/node0"] == launch.REFUSED.encode()
+
+
+@pytest.mark.slow
+def test_a_launch_runs_the_config_checks_once(tmp_path):
+    """Issue 60: `colocate train` checks once (its child), the ranks not again; plain torchrun checks
+    once too (local rank 0). Counted by the reward's pre-launch probe call. Two one-step launches of
+    cpu-dataset-tiny (~25 s each on 2 cores)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    common = ["--config", "configs/cpu-dataset-tiny.yaml", "--env.reward=tests.reward_fixtures:counts_its_checks",
+              "--learner.num_steps=1", "--eval.at_end=false", f"--model.cache_dir={tmp_path / 'cache'}"]
+    for name, cmd in (("colocate", [sys.executable, "-m", "colocate.cli", "train", "--nproc", "2"]),
+                      ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                    "--nproc-per-node=2", "-m", "colocate.train"])):
+        log = tmp_path / f"{name}.checks"
+        proc = subprocess.run([*cmd, *common, f"--metrics.run_dir={tmp_path / name}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=600, env={**env, "COLOCATE_TEST_CHECKS": str(log)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert len(log.read_text().splitlines()) == 1, (name, log.read_text())
+
+
+# -- the catalogue's launcher rows (docs/errors.md, `scripts/bad_inputs.py`) -------------------------
+LAUNCH_CASES = [
+    ("reward ends its process", "a reward calling os._exit(0)", "train",
+     "import os\n\n\ndef score(*args, **kwargs):\n    os._exit(0)\n",
+     "colocate: failed: the checks before launch ended without a result (their process exited with code 0)"),
+    ("reward module exits at import", "sys.exit(3) in a reward module", "train", "import sys\n\nsys.exit(3)\n",
+     "colocate: failed: the checks before launch raised SystemExit: 3; at <module> ("),
+    ("resolved config changed", "a rank's --resolved-config file edited", "rank", "edited",
+     "`colocate train` checked (the file changed after the checks)"),
+    ("resolved config missing", "a rank's --resolved-config file removed", "rank", "missing", "cannot be read"),
+    ("resolved config and more", "--resolved-config with other arguments", "rank", "extra", "come together and alone"),
+]
+"""(id, input shown, where: the launcher's checks or a rank, what: a reward module's source or how the
+rank's resolved config is spoiled, text the one line must contain)."""
+
+
+def launcher_case(source: str, tmp: str) -> int:
+    """`colocate train` (torchrun replaced) on cpu-dataset-tiny with the reward module `source`."""
+    with open(os.path.join(tmp, "user_launch_case.py"), "w") as f:
+        f.write(source)
+    sys.modules.pop("user_launch_case", None)
+    sys.path.insert(0, tmp)
+    saved = cli.run_torchrun, {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
+    cli.run_torchrun = lambda args: 0
+    data = [os.path.join(REPO, "examples", "data", f"addition-{s}.jsonl") for s in ("train", "eval")]
+    try:
+        return cli.main(["train", "--config", DATASET, "--env.reward=user_launch_case:score", f"--env.data_files={data[0]}",
+                         f"--env.eval_files={data[1]}", f"--metrics.run_dir={tmp}/run", f"--model.cache_dir={tmp}/cache"])
+    finally:
+        cli.run_torchrun = saved[0]
+        os.environ.update(saved[1])
+        sys.path.remove(tmp)
+
+
+def rank_case(what: str, tmp: str) -> int:
+    """A rank (WORLD_SIZE=2, RANK=0 set by the caller) given a resolved config spoiled as `what` says."""
+    cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                                  f"--metrics.run_dir={tmp}/run"], 2)
+    args = launch.write_resolved(launch.config_text(cfg))
+    path = args[0].partition("=")[2]
+    if what == "edited":
+        with open(path, "a") as f:
+            f.write("# edited\n")
+    os.remove(path) if what == "missing" else None
+    try:
+        launch.configure([*args, "--learner.lr=1"] if what == "extra" else args)
+    except SystemExit as e:
+        return e.code
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return 0
+
+
+def run_launch_case(where: str, what: str, tmp: str) -> tuple[int, str]:
+    """(exit code, stderr) of one launcher case in the directory `tmp`."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = launcher_case(what, tmp) if where == "train" else rank_case(what, tmp)
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("case_id,shown,where,what,expected", LAUNCH_CASES, ids=[c[0] for c in LAUNCH_CASES])
+def test_each_launcher_case_is_one_line(case_id, shown, where, what, expected, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, err = run_launch_case(where, what, str(tmp_path))
+    lines = err.strip().splitlines()
+    assert code == (1 if where == "train" else 2) and len(lines) == 1 and expected in lines[0], (code, err)
+
+
+def test_the_catalogue_lists_every_launcher_case():
+    from tests.test_bad_input import catalogue
+    rows = catalogue()
+    assert [c[0] for c in LAUNCH_CASES if c[0] not in rows] == [], "run `python scripts/bad_inputs.py`"
