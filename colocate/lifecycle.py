@@ -1,13 +1,18 @@
-"""Run lifecycle: graceful stop on SIGTERM/SIGINT, death with the launcher, and explicit fault
-injection for tests.
+"""Run lifecycle: graceful stop on SIGTERM/SIGINT/SIGHUP, death with the launcher, and explicit
+fault injection for tests.
 
-A first SIGTERM or SIGINT only sets `StopSignal.requested`; the role loops carry the request to
-every rank inside messages they exchange anyway (the trajectory header, the adapter header), so
-all ranks stop after the same step, the learner writes a checkpoint, and the job exits cleanly.
-A second signal exits at once (the default action), so a wedged rank can still be killed.
+A first SIGTERM, SIGINT or SIGHUP (a scheduler, Ctrl-C, a closed terminal: torchrun passes each on
+to the ranks) only sets `StopSignal.requested`; the role loops carry the request to every rank
+inside messages they exchange anyway (the trajectory header, the adapter header), so all ranks
+stop after the same step, the learner writes a checkpoint (when checkpoints are on), the adapter
+and the summary, and the job exits cleanly. A second signal exits at once (the default action), so
+a wedged rank can still be killed. Before `StopSignal` is installed (a rank's imports and checks)
+a stop signal ends the rank at once and quietly (`quiet_start`): nothing is written yet, and
+`colocate train` says the one line.
 
 `COLOCATE_FAULT` injects failures for the failure tests; it is read once and does nothing unless
-set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `kill_in_checkpoint:step=S` (the
+set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `exit:rank=R:step=S:code=C` (rank
+R leaves with `os._exit(C)` at step S, as user code may), `kill_in_checkpoint:step=S` (the
 checkpoint writer SIGKILLs itself halfway through writing step S), `nan:from=S` (the learners'
 advantages are NaN from step S on, so the loss is non-finite), `flip:from=S` (the learners'
 advantages change sign from step S on: the policy unlearns, a reward collapse on demand).
@@ -22,13 +27,17 @@ import threading
 import time
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a run gracefully (torchrun's agent forwards these to the ranks)."""
+
+
 class StopSignal:
     def __init__(self):
         self.requested = False
         self.signum: int | None = None
 
     def install(self) -> "StopSignal":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self
 
@@ -38,6 +47,17 @@ class StopSignal:
             signal.raise_signal(signum)
             return
         self.requested, self.signum = True, signum
+
+
+def quiet_start() -> None:
+    """A rank's first act: until `StopSignal` takes over, a stop signal ends it with 128 + N and no
+    `KeyboardInterrupt` traceback from the middle of an import (one per rank, interleaved)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _end_quietly)
+
+
+def _end_quietly(signum, frame) -> None:
+    exit_quietly(128 + signum)
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
@@ -120,6 +140,21 @@ def report_failure(error: BaseException, rank: int, role: str, run_dir: str) -> 
     return f"colocate: failed: rank {rank} ({role}): {type(error).__name__}: {message}{at}; {where}"
 
 
+def tell_launcher(kind: str, message: str) -> None:
+    """This rank's torchrun error file (`TORCHELASTIC_ERROR_FILE`, read when the rank has exited):
+    `kind` "failed" (the rank printed its line) or "peer" (it only saw another rank go), which
+    `colocate train` reads to tell the rank that ended the job from those that followed it. A rank
+    that leaves none (killed, an `os._exit`) said nothing: `colocate train` says the line."""
+    from colocate.jsonfile import write_atomic
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        write_atomic(path, {"message": message, "timestamp": int(time.time()), "colocate": kind})
+    except OSError:  # the launcher's directory is gone: it is not listening either
+        pass
+
+
 def exit_quietly(code: int = 1) -> None:
     """Leave now without unwinding (a process group's teardown could wait on the dead peer)."""
     sys.stdout.flush()
@@ -181,7 +216,8 @@ NO_FAULTS = Faults()
 
 
 class InjectedFaults(Faults):
-    """COLOCATE_FAULT: `raise:rank=R:step=S` (a rank raises before step S), `kill_in_checkpoint:step=S`
+    """COLOCATE_FAULT: `raise:rank=R:step=S` (a rank raises before step S), `exit:rank=R:step=S:code=C`
+    (a rank leaves with `os._exit(C)` before step S, no word said), `kill_in_checkpoint:step=S`
     (SIGKILL in the middle of step S's checkpoint write), `nan:from=S` (NaN advantages from step S on:
     the non-finite-loss path), `flip:from=S` (negated advantages from step S on: a reward collapse)."""
 
@@ -191,8 +227,12 @@ class InjectedFaults(Faults):
         self.fields = {key: int(value) for key, _, value in (f.partition("=") for f in fields)}
 
     def before_step(self, rank: int, step: int) -> None:
-        if self.kind == "raise" and self.fields.get("rank") == rank and self.fields.get("step") == step:
+        if self.fields.get("rank") != rank or self.fields.get("step") != step:
+            return
+        if self.kind == "raise":
             raise RuntimeError(f"injected fault (COLOCATE_FAULT) at step {step}")
+        if self.kind == "exit":
+            os._exit(self.fields.get("code", 1))
 
     def on_batch(self, step: int, batch) -> None:
         if self.kind == "nan" and step >= self.fields.get("from", 0):
