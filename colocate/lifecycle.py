@@ -140,7 +140,11 @@ def report_failure(error: BaseException, rank: int, role: str, run_dir: str) -> 
     return f"colocate: failed: rank {rank} ({role}): {type(error).__name__}: {message}{at}; {where}"
 
 
-def tell_launcher(kind: str, message: str) -> None:
+LAUNCHER_NOTES = {"failed": "this rank failed and printed why", "peer": "this rank lost a peer: another rank ended first"}
+"""What a rank's torchrun error file says (torchrun's own summary shows it, under a bare torchrun)."""
+
+
+def tell_launcher(kind: str) -> None:
     """This rank's torchrun error file (`TORCHELASTIC_ERROR_FILE`, read when the rank has exited):
     `kind` "failed" (the rank printed its line) or "peer" (it only saw another rank go), which
     `colocate train` reads to tell the rank that ended the job from those that followed it. A rank
@@ -150,7 +154,7 @@ def tell_launcher(kind: str, message: str) -> None:
     if not path:
         return
     try:
-        write_atomic(path, {"message": message, "timestamp": int(time.time()), "colocate": kind})
+        write_atomic(path, {"message": LAUNCHER_NOTES[kind], "timestamp": int(time.time()), "colocate": kind})
     except OSError:  # the launcher's directory is gone: it is not listening either
         pass
 

@@ -163,11 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         # `colocate train` names it (killed, gone without a word), told apart by each rank's torchrun
         # error file. No interpreter shutdown: nothing else reaches the terminal (third-party leak reports).
         if is_peer_failure(e):
-            tell_launcher("peer", str(e))
+            tell_launcher("peer")
         else:
-            line = report_failure(e, int(os.environ.get("RANK", "0")), rank_role(cfg), cfg.metrics.run_dir)
-            print(line, file=sys.stderr, flush=True)
-            tell_launcher("failed", line)
+            rank = int(os.environ.get("RANK", "0"))
+            print(report_failure(e, rank, rank_role(cfg), cfg.metrics.run_dir), file=sys.stderr, flush=True)
+            tell_launcher("failed")
         exit_quietly(FAILED_EXIT)
     return COLLAPSE_EXIT if collapse_step is not None else 0
 

@@ -267,7 +267,7 @@ def failure(tmp_path, monkeypatch, name: str, exitcode: int, said: str | None):
     path = tmp_path / f"{name}-{uuid.uuid4().hex}.json"  # a new file for every call
     if said is not None:
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-        tell_launcher(said, "a line")
+        tell_launcher(said)
     return ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file=str(path))
 
 
