@@ -9,7 +9,9 @@
 `train` checks everything `--check` checks (`launch.check_config`, with the world size it is about
 to ask for) in this process, then runs torchrun in it (`python -m torch.distributed.run
 --nproc-per-node N -m colocate.train ...`): a bad config is one line and exit code 2, and no
-torchrun starts; a failed job exits with the failed rank's code, without torchrun's summary. Flags
+torchrun starts; a failed job exits with the failed rank's code, without torchrun's summary (a rank
+killed by a signal or gone without an error is named in one line here, with the last checkpoint).
+While the job runs, `train` holds its run directory (`run_dir.hold`). Flags
 that are not ours or config keys (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun
 as given. `torchrun -m colocate.train` works as before.
 
@@ -218,8 +220,7 @@ def run_torchrun(args: list[str], job: Job) -> int:
             print(line, file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:  # SIGTERM / Ctrl-C / a closed terminal: torchrun passed it on to the ranks
-        print(f"colocate: stopped by {signal_name(int(e.sigval))}; {last_checkpoint(job)}", file=sys.stderr,
-              flush=True)
+        print(stopped_line(job, int(e.sigval)), file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     return 0
 
@@ -230,6 +231,16 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def stopped_line(job: Job, signum: int) -> str:
+    """After the ranks stopped on a signal to this process (their own lines say what they wrote)."""
+    return f"colocate: stopped by {signal_name(signum)}; {last_checkpoint(job)}"
+
+
+def interrupted_line(command: str) -> str:
+    """Ctrl-C before torchrun took the signals over."""
+    return f"colocate: {command} interrupted by SIGINT" + ("; no rank had started" if command == "train" else "")
 
 
 def last_checkpoint(job: Job) -> str:
@@ -328,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"colocate: config error: {e}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before torchrun took the signals over (then it stops the ranks)
-        started = "; no rank had started" if command == "train" else ""
-        print(f"colocate: {command} interrupted by SIGINT{started}", file=sys.stderr, flush=True)
+        print(interrupted_line(command), file=sys.stderr, flush=True)
         return 128 + 2
 
 

@@ -129,3 +129,15 @@ def test_a_rank_that_leaves_with_os_exit_is_named(tmp_path):
     assert "] step 3/300 " in out and "] step 4/300 " not in out, out[-3000:]
     assert err == ("colocate: failed: rank 1 (learner) exited with code 7 and no error (an os._exit or a library's "
                    "exit in its code); last checkpoint: none (checkpoint.enabled is false)\n"), err
+
+
+def test_docs_list_the_lines_a_run_ends_with():
+    """docs/errors.md's "How a run ends" rows are what `scripts/bad_inputs.py` makes of the code's lines now."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bad_inputs", os.path.join(REPO, "scripts", "bad_inputs.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with open(os.path.join(REPO, "docs", "errors.md")) as f:
+        doc = f.read()
+    rows = script.end_rows()
+    assert len(rows) == 7 and all(row in doc for row in rows), "docs/errors.md is stale: run `python scripts/bad_inputs.py`"
