@@ -205,6 +205,9 @@ def run_torchrun(args: list[str], job: Job) -> int:
     `os._exit`) and for a stop this process prints it (`ended_line`). torchrun's log lines and its
     failure summary stay out of the terminal (`LOGLEVEL=INFO` brings its log back)."""
     import logging
+    import signal
+
+    from colocate.lifecycle import leave_terminal
     os.environ.setdefault("LOGLEVEL", "CRITICAL")  # torch.distributed.elastic's loggers read it when made
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -220,6 +223,8 @@ def run_torchrun(args: list[str], job: Job) -> int:
             print(line, file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:  # SIGTERM / Ctrl-C / a closed terminal: torchrun passed it on to the ranks
+        if e.sigval == signal.SIGHUP:
+            leave_terminal()
         print(stopped_line(job, int(e.sigval)), file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     return 0

@@ -47,6 +47,60 @@ class StopSignal:
             signal.raise_signal(signum)
             return
         self.requested, self.signum = True, signum
+        if signum == signal.SIGHUP:
+            leave_terminal()
+
+
+class TerminalGuard:
+    """A rank's sys.stdout / sys.stderr on a terminal. The terminal can close while the rank runs
+    (its window, an ssh session): the kernel fails every write with EIO at once, and the SIGHUP the
+    launcher passes on comes after. A write that fails so sends both streams to /dev/null
+    (`leave_terminal`) instead of ending the rank before its stop checkpoint."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, call, *args):
+        import errno
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            leave_terminal()
+            return call(*args)  # the text still buffered goes to /dev/null now
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def guard_terminal() -> None:
+    """Wrap sys.stdout and sys.stderr in `TerminalGuard` when they are a terminal."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and stream.isatty():
+            setattr(sys, name, TerminalGuard(stream))
+
+
+def leave_terminal() -> None:
+    """After SIGHUP (the terminal closed): stdout and stderr, when they are a terminal, go to
+    /dev/null. A hung-up terminal fails every write with EIO, which would end a stopping rank
+    before its checkpoint, and the launcher before its exit code."""
+    import stat
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            if stat.S_ISCHR(os.fstat(fd).st_mode):  # a terminal (or /dev/null already)
+                os.dup2(devnull, fd)
+        except OSError:  # closed: nothing to write to either way
+            pass
+    os.close(devnull)
 
 
 def quiet_start() -> None:

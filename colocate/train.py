@@ -23,8 +23,9 @@ Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main m
 from __future__ import annotations
 
 if __name__ == "__main__":  # a rank: a stop signal during the imports below ends it without a traceback
-    from colocate.lifecycle import quiet_start
+    from colocate.lifecycle import guard_terminal, quiet_start
     quiet_start()
+    guard_terminal()  # and its terminal closing mid-run does not end it
 
 import gc
 import os

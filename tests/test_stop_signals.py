@@ -2,6 +2,7 @@
 terminal) stop every rank after the same step with what checkpoints allow (a checkpoint when they
 are on, else only the adapter; the summary either way), and the lines say what was written. A
 signal during start-up is one line, without a traceback from the middle of an import."""
+import json
 import os
 import re
 import signal
@@ -16,13 +17,13 @@ from tests.conftest import REPO
 TINY = ["--config", "configs/cpu-tiny.yaml", "--learner.num_steps=300", "--metrics.nvml_interval_s=0"]
 
 
-def start_train(args: list[str], tmp_path, env: dict | None = None) -> subprocess.Popen:
+def start_train(args: list[str], tmp_path, env: dict | None = None, terminal: int | None = None) -> subprocess.Popen:
     """`colocate train` on cpu-tiny in its own session (as a terminal's foreground job), stdout and
-    stderr apart; `args` name the run directory."""
+    stderr apart, or both on `terminal` (a pty's fd); `args` name the run directory."""
     cmd = [sys.executable, "-m", "colocate.cli", "train", *TINY, f"--model.cache_dir={tmp_path / 'cache'}", *args]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    out = subprocess.PIPE if terminal is None else terminal
+    return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, text=True, env=env, start_new_session=True)
 
 
 def read_until(proc: subprocess.Popen, pattern: str) -> str:
@@ -41,26 +42,41 @@ def finish(proc: subprocess.Popen, seen: str = "") -> tuple[int, str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,checkpoints", [(signal.SIGINT, False), (signal.SIGHUP, True)], ids=["sigint", "sighup"])
-def test_a_signal_stops_the_run_and_the_lines_say_what_was_written(tmp_path, sig, checkpoints):
+def test_ctrl_c_with_checkpoints_off_claims_none_and_keeps_the_adapter(tmp_path):
     run = tmp_path / "run"
-    proc = start_train([f"--metrics.run_dir={run}", f"--checkpoint.enabled={str(checkpoints).lower()}"], tmp_path)
+    proc = start_train([f"--metrics.run_dir={run}"], tmp_path)  # cpu-tiny: checkpoints off
     seen = read_until(proc, r"\] step 6/300 ")
-    os.killpg(proc.pid, sig)  # what the terminal does: Ctrl-C, or its window closed
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
     code, out, err = finish(proc, seen)
-    assert code == 128 + sig, (code, out[-3000:], err)
+    assert code == 130, (code, out[-3000:], err)
     stop = [line for line in out.splitlines() if "stop requested" in line]
-    assert len(stop) == 1 and f"stop requested ({sig.name}): " in stop[0], out[-3000:]
-    step = int(re.search(r"at step (\d+)|of step (\d+)", stop[0]).group(1 if checkpoints else 2))
-    assert (run / "adapter").is_dir() and (run / "summary.json").is_file()
-    if checkpoints:
-        assert (run / "checkpoints" / f"step-{step:06d}").is_dir(), os.listdir(run / "checkpoints")
-        assert err == f"colocate: stopped by {sig.name}; last checkpoint: {run / 'checkpoints' / f'step-{step:06d}'}\n"
-    else:  # no checkpoint is claimed, and none written
-        assert "checkpoint at step" not in out and not (run / "checkpoints").exists(), out[-3000:]
-        assert f"no checkpoint (checkpoint.enabled is false), the adapter of step {step} is in {run / 'adapter'}" \
-            in stop[0]
-        assert err == f"colocate: stopped by {sig.name}; last checkpoint: none (checkpoint.enabled is false)\n"
+    assert len(stop) == 1, out[-3000:]
+    step = int(re.search(r"of step (\d+) ", stop[0]).group(1))
+    assert stop[0].endswith(f"stop requested (SIGINT): no checkpoint (checkpoint.enabled is false), the adapter of "
+                            f"step {step} is in {run / 'adapter'}; exiting"), stop
+    assert "checkpoint at step" not in out and not (run / "checkpoints").exists(), out[-3000:]
+    assert (run / "adapter").is_dir() and json.loads((run / "summary.json").read_text())["steps"] == step
+    assert err == "colocate: stopped by SIGINT; last checkpoint: none (checkpoint.enabled is false)\n"
+
+
+@pytest.mark.slow
+def test_a_closed_terminal_stops_the_run_like_ctrl_c(tmp_path):
+    """The job's terminal goes away (every write to it fails from then on) and SIGHUP follows: the
+    ranks stop after the same step with a checkpoint, the adapter and the summary, exit 129."""
+    import pty
+    run = tmp_path / "run"
+    terminal, job_side = pty.openpty()
+    proc = start_train([f"--metrics.run_dir={run}", "--checkpoint.enabled=true"], tmp_path, terminal=job_side)
+    os.close(job_side)
+    shown = b""
+    while b"] step 6/300 " not in shown:
+        shown += os.read(terminal, 65536)  # an OSError here: the job ended before step 6
+    os.close(terminal)  # the window closes
+    os.killpg(proc.pid, signal.SIGHUP)
+    assert proc.wait(timeout=180) == 129
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] >= 6 and (run / "checkpoints" / f"step-{summary['steps']:06d}").is_dir()
+    assert (run / "adapter").is_dir()
 
 
 def catches_sighup(pid: int) -> bool:
