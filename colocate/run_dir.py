@@ -55,6 +55,7 @@ _held: list = []
 
 
 def in_use(run_dir: str, holder: dict) -> ConfigError:
+    """The refusal naming the live run by its record (empty: it is still writing it)."""
     started = holder.get("started", "?")
     who = (f"pid {holder.get('pid', '?')} ({holder.get('by', 'a run')}) on {holder.get('host', '?')}, started {started}"
            if holder else "a run that is starting")
