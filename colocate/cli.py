@@ -11,9 +11,11 @@ to ask for: parsed here before torch is imported, the rest in a forked child, si
 user's code), then runs torchrun in this process (`python -m torch.distributed.run --nproc-per-node
 N -m colocate.train --resolved-config=FILE --config-sha256=HEX`: the ranks load the config checked
 here instead of checking again): a bad config is one line and exit code 2, and no torchrun starts;
-a failed job exits with the failed rank's code, without torchrun's summary. Flags that are not ours
-or config keys (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun as given.
-`torchrun -m colocate.train --config FILE` works as before (it checks on one rank per node).
+a failed job exits with the failed rank's code, without torchrun's summary (a rank killed by a
+signal or gone without an error is named in one line here, with the last checkpoint). While the job
+runs, `train` holds its run directory (`run_dir.hold`). Flags that are not ours or config keys
+(`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun as given. `torchrun -m
+colocate.train --config FILE` works as before (it checks on one rank per node).
 
 This module is the top of the import graph: nothing imports it.
 """
@@ -122,10 +124,21 @@ def torchrun_value(flags: list[str], *names: str) -> str | None:
     return None
 
 
-def train_command(argv: list[str]) -> tuple[int, list[str]]:
-    """Check everything (`launch.check_in_child`) -> (exit code, the torchrun command line): a code
-    other than 0 has printed its line, and no torchrun starts. Raises ConfigError (parsing)."""
-    from colocate.launch import check_in_child, default_world, write_resolved
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What `colocate train` knows of the job it launches, to report how it ended."""
+    run_dir: str
+    roles: tuple[str, ...]
+    """Each global rank's role (empty: an elastic world size, which torchrun decides)."""
+    checkpoints: bool
+    """checkpoint.enabled"""
+    single_node: bool
+
+
+def train_command(argv: list[str]) -> tuple[int, list[str], Job | None]:
+    """Check everything (`launch.check_in_child`) -> (exit code, the torchrun command line, the job):
+    a code other than 0 has printed its line, and no torchrun starts. Raises ConfigError (parsing)."""
+    from colocate.launch import check_in_child, config_from_text, default_world, write_resolved
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:
@@ -135,42 +148,61 @@ def train_command(argv: list[str]) -> tuple[int, list[str]]:
     world = nproc * int(nnodes) if nnodes.isdigit() else None  # an elastic range: torchrun decides
     code, text = check_in_child(ours, world=world, local_world=nproc)
     if code:
-        return code, []
+        return code, [], None
+    from colocate.topology import place_roles  # torch: only once the config is known good
+    cfg = config_from_text(text, "the checked config", world or nproc)
     single = nnodes == "1" and not torchrun_value(torchrun, "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                                                     "--master_addr")
+    job = Job(cfg.metrics.run_dir, tuple(place_roles(cfg, world, nproc)) if world else (), cfg.checkpoint.enabled,
+              single)
     return 0, [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
-               "-m", "colocate.train", *write_resolved(text)]
+               "-m", "colocate.train", *write_resolved(text)], job
 
 
 def launch_env(nproc: int) -> dict[str, str]:
     """The ranks' environment: OMP_NUM_THREADS set (torchrun prints a banner when it is not; each
-    rank splits its cores again, `topology.split_cpu_threads`), Python warnings as given."""
+    rank splits its cores again, `topology.split_cpu_threads`), Python warnings as given. Under
+    `nohup` (SIGHUP ignored) torchrun does not stop the job on SIGHUP either: it handles the signals
+    `TORCHELASTIC_SIGNALS_TO_HANDLE` names, SIGHUP among them by default."""
+    import signal
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGQUIT")
     return env
 
 
 def train(argv: list[str]) -> int:
-    code, cmd = train_command(argv)
+    from colocate import run_dir
+    code, cmd, job = train_command(argv)
     if code:
         return code
+    # the launcher holds the run directory for the job's life (several nodes: global rank 0 does)
+    lock = run_dir.hold(job.run_dir, by="colocate train") if job.single_node else None
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     os.environ.update(launch_env(nproc))
     try:
-        return run_torchrun(cmd[3:])
+        return run_torchrun(cmd[3:], job)
     finally:
         os.remove(cmd[-2].partition("=")[2])  # the resolved config (`launch.write_resolved`): the ranks have read it
+        if lock is not None:
+            lock.close()
 
 
-def run_torchrun(args: list[str]) -> int:
+def run_torchrun(args: list[str], job: Job) -> int:
     """torchrun (its arguments after `-m torch.distributed.run`) in this process -> the job's exit
-    code: 0, else the first failed rank's own (2 bad input, 3 metrics.stop_on_collapse or
-    stop_on_mismatch, 1 a rank failed; 128 + N for a rank killed by signal N), where torchrun itself would say 1. The rank
-    that failed has printed its one line; torchrun's log lines and its failure summary stay out of
-    the terminal (`LOGLEVEL=INFO` brings its log back)."""
+    code: 0, else the failed rank's own (2 bad input, 3 metrics.stop_on_collapse or
+    stop_on_mismatch, 1 a rank failed; 128 + N for a rank killed by signal N), where torchrun
+    itself would say 1; 128 + N when this process got signal N (the ranks stopped). A rank that
+    failed on an error has printed its one line; for one that ended without a word (killed, an
+    `os._exit`) and for a stop this process prints it (`ended_line`). torchrun's log lines and its
+    failure summary stay out of the terminal (`LOGLEVEL=INFO` brings its log back)."""
     import logging
+    import signal
+
+    from colocate.lifecycle import leave_terminal
     os.environ.setdefault("LOGLEVEL", "CRITICAL")  # torch.distributed.elastic's loggers read it when made
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -181,11 +213,72 @@ def run_torchrun(args: list[str]) -> int:
     try:
         run(parse_args(args))
     except ChildFailedError as e:
-        code = e.get_first_failure()[1].exitcode
-        return code if code > 0 else 128 - code
-    except SignalException as e:  # SIGTERM / Ctrl-C: torchrun passed it on to the ranks
+        rank, failure, line = failed_rank(e.failures, job)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except SignalException as e:  # SIGTERM / Ctrl-C / a closed terminal: torchrun passed it on to the ranks
+        if e.sigval == signal.SIGHUP:
+            leave_terminal()
+        print(stopped_line(job, int(e.sigval)), file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     return 0
+
+
+def signal_name(signum: int) -> str:
+    import signal
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def stopped_line(job: Job, signum: int) -> str:
+    """After the ranks stopped on a signal to this process (their own lines say what they wrote)."""
+    return f"colocate: stopped by {signal_name(signum)}; {last_checkpoint(job)}"
+
+
+def interrupted_line(command: str) -> str:
+    """Ctrl-C before torchrun took the signals over."""
+    return f"colocate: {command} interrupted by SIGINT" + ("; no rank had started" if command == "train" else "")
+
+
+def last_checkpoint(job: Job) -> str:
+    from colocate.checkpoint import checkpoint_root, latest_checkpoint
+    path = latest_checkpoint(checkpoint_root(job.run_dir))
+    return f"last checkpoint: {path or 'none' + ('' if job.checkpoints else ' (checkpoint.enabled is false)')}"
+
+
+SAID = (2, 3)
+"""Exit codes whose rank printed its own line (bad input; metrics.stop_on_collapse / stop_on_mismatch)."""
+
+
+def failed_rank(failures: dict, job: Job) -> tuple[int, object, str | None]:
+    """torchrun's failed ranks (global rank -> ProcessFailure) -> (the rank that ended the job, its
+    failure, the line to print or None when it printed its own). The ranks' error files
+    (`lifecycle.tell_launcher`) tell one that failed on an error and said so from one that only saw
+    another go; the first of the others to fail (torchrun stopped the rest after it) ended the job."""
+    said = {rank: f.error_file_data.get("colocate") for rank, f in failures.items()}
+    first = [r for r in failures if said[r] != "peer"]
+    if not first:  # every local rank lost a peer: the one that ended went quietly, or on another node
+        rank = next(iter(failures))
+        return rank, failures[rank], ended_line(job, rank, "lost its connection to another rank, which ended without "
+                                                           "an error here (another node's output may name it)")
+    rank = min(first, key=lambda r: failures[r].timestamp)  # capture order breaks ties: min keeps the first
+    failure = failures[rank]
+    if said[rank] or failure.exitcode in SAID:
+        return rank, failure, None
+    if failure.exitcode < 0:
+        name = signal_name(-failure.exitcode)
+        how = f"was killed by {name}" + (" (often the out-of-memory killer)" if name == "SIGKILL" else "")
+    else:
+        how = f"exited with code {failure.exitcode} and no error (an os._exit or a library's exit in its code)"
+    return rank, failure, ended_line(job, rank, how)
+
+
+def ended_line(job: Job, rank: int, how: str) -> str:
+    role = f" ({job.roles[rank]})" if rank < len(job.roles) else ""
+    return f"colocate: failed: rank {rank}{role} {how}; {last_checkpoint(job)}"
 
 
 def check(argv: list[str]) -> int:
@@ -247,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"colocate: config error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before torchrun took the signals over (then it stops the ranks)
+        print(interrupted_line(command), file=sys.stderr, flush=True)
+        return 128 + 2
 
 
 def entry() -> None:

@@ -1,13 +1,18 @@
-"""Run lifecycle: graceful stop on SIGTERM/SIGINT, death with the launcher, and explicit fault
-injection for tests.
+"""Run lifecycle: graceful stop on SIGTERM/SIGINT/SIGHUP, death with the launcher, and explicit
+fault injection for tests.
 
-A first SIGTERM or SIGINT only sets `StopSignal.requested`; the role loops carry the request to
-every rank inside messages they exchange anyway (the trajectory header, the adapter header), so
-all ranks stop after the same step, the learner writes a checkpoint, and the job exits cleanly.
-A second signal exits at once (the default action), so a wedged rank can still be killed.
+A first SIGTERM, SIGINT or SIGHUP (a scheduler, Ctrl-C, a closed terminal: torchrun passes each on
+to the ranks) only sets `StopSignal.requested`; the role loops carry the request to every rank
+inside messages they exchange anyway (the trajectory header, the adapter header), so all ranks
+stop after the same step, the learner writes a checkpoint (when checkpoints are on), the adapter
+and the summary, and the job exits cleanly. A second signal exits at once (the default action), so
+a wedged rank can still be killed. Before `StopSignal` is installed (a rank's imports and checks)
+a stop signal ends the rank at once and quietly (`quiet_start`): nothing is written yet, and
+`colocate train` says the one line.
 
 `COLOCATE_FAULT` injects failures for the failure tests; it is read once and does nothing unless
-set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `kill_in_checkpoint:step=S` (the
+set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `exit:rank=R:step=S:code=C` (rank
+R leaves with `os._exit(C)` at step S, as user code may), `kill_in_checkpoint:step=S` (the
 checkpoint writer SIGKILLs itself halfway through writing step S), `nan:from=S` (the learners'
 advantages are NaN from step S on, so the loss is non-finite), `flip:from=S` (the learners'
 advantages change sign from step S on: the policy unlearns, a reward collapse on demand).
@@ -22,13 +27,17 @@ import threading
 import time
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a run gracefully (torchrun's agent forwards these to the ranks)."""
+
+
 class StopSignal:
     def __init__(self):
         self.requested = False
         self.signum: int | None = None
 
     def install(self) -> "StopSignal":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self
 
@@ -38,6 +47,71 @@ class StopSignal:
             signal.raise_signal(signum)
             return
         self.requested, self.signum = True, signum
+        if signum == signal.SIGHUP:
+            leave_terminal()
+
+
+class TerminalGuard:
+    """A rank's sys.stdout / sys.stderr on a terminal. The terminal can close while the rank runs
+    (its window, an ssh session): the kernel fails every write with EIO at once, and the SIGHUP the
+    launcher passes on comes after. A write that fails so sends both streams to /dev/null
+    (`leave_terminal`) instead of ending the rank before its stop checkpoint."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _guarded(self, call, *args):
+        import errno
+        try:
+            return call(*args)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            leave_terminal()
+            return call(*args)  # the text still buffered goes to /dev/null now
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def guard_terminal() -> None:
+    """Wrap sys.stdout and sys.stderr in `TerminalGuard` when they are a terminal."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and stream.isatty():
+            setattr(sys, name, TerminalGuard(stream))
+
+
+def leave_terminal() -> None:
+    """After SIGHUP (the terminal closed): stdout and stderr, when they are a terminal, go to
+    /dev/null. A hung-up terminal fails every write with EIO, which would end a stopping rank
+    before its checkpoint, and the launcher before its exit code."""
+    import stat
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            if stat.S_ISCHR(os.fstat(fd).st_mode):  # a terminal (or /dev/null already)
+                os.dup2(devnull, fd)
+        except OSError:  # closed: nothing to write to either way
+            pass
+    os.close(devnull)
+
+
+def quiet_start() -> None:
+    """A rank's first act: until `StopSignal` takes over, a stop signal ends it with 128 + N and no
+    `KeyboardInterrupt` traceback from the middle of an import (one per rank, interleaved)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _end_quietly)
+
+
+def _end_quietly(signum, frame) -> None:
+    exit_quietly(128 + signum)
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
@@ -120,6 +194,25 @@ def report_failure(error: BaseException, rank: int, role: str, run_dir: str) -> 
     return f"colocate: failed: rank {rank} ({role}): {type(error).__name__}: {message}{at}; {where}"
 
 
+LAUNCHER_NOTES = {"failed": "this rank failed and printed why", "peer": "this rank lost a peer: another rank ended first"}
+"""What a rank's torchrun error file says (torchrun's own summary shows it, under a bare torchrun)."""
+
+
+def tell_launcher(kind: str) -> None:
+    """This rank's torchrun error file (`TORCHELASTIC_ERROR_FILE`, read when the rank has exited):
+    `kind` "failed" (the rank printed its line) or "peer" (it only saw another rank go), which
+    `colocate train` reads to tell the rank that ended the job from those that followed it. A rank
+    that leaves none (killed, an `os._exit`) said nothing: `colocate train` says the line."""
+    from colocate.jsonfile import write_atomic
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        write_atomic(path, {"message": LAUNCHER_NOTES[kind], "timestamp": int(time.time()), "colocate": kind})
+    except OSError:  # the launcher's directory is gone: it is not listening either
+        pass
+
+
 def exit_quietly(code: int = 1) -> None:
     """Leave now without unwinding (a process group's teardown could wait on the dead peer)."""
     sys.stdout.flush()
@@ -181,7 +274,8 @@ NO_FAULTS = Faults()
 
 
 class InjectedFaults(Faults):
-    """COLOCATE_FAULT: `raise:rank=R:step=S` (a rank raises before step S), `kill_in_checkpoint:step=S`
+    """COLOCATE_FAULT: `raise:rank=R:step=S` (a rank raises before step S), `exit:rank=R:step=S:code=C`
+    (a rank leaves with `os._exit(C)` before step S, no word said), `kill_in_checkpoint:step=S`
     (SIGKILL in the middle of step S's checkpoint write), `nan:from=S` (NaN advantages from step S on:
     the non-finite-loss path), `flip:from=S` (negated advantages from step S on: a reward collapse)."""
 
@@ -191,8 +285,12 @@ class InjectedFaults(Faults):
         self.fields = {key: int(value) for key, _, value in (f.partition("=") for f in fields)}
 
     def before_step(self, rank: int, step: int) -> None:
-        if self.kind == "raise" and self.fields.get("rank") == rank and self.fields.get("step") == step:
+        if self.fields.get("rank") != rank or self.fields.get("step") != step:
+            return
+        if self.kind == "raise":
             raise RuntimeError(f"injected fault (COLOCATE_FAULT) at step {step}")
+        if self.kind == "exit":
+            os._exit(self.fields.get("code", 1))
 
     def on_batch(self, step: int, batch) -> None:
         if self.kind == "nan" and step >= self.fields.get("from", 0):

@@ -89,6 +89,9 @@ class MonitorThread(threading.Thread):
     def __init__(self, name: str):
         super().__init__(name=name, daemon=True)
         self.error: BaseException | None = None
+        # Not `_stop`: `threading.Thread` calls its own `_stop()` on join and in a fork's child (a
+        # reward using multiprocessing with fork), which an attribute of that name would shadow.
+        self.halted = threading.Event()
 
     def run(self) -> None:
         try:
@@ -98,6 +101,9 @@ class MonitorThread(threading.Thread):
 
     def loop(self) -> None:
         raise NotImplementedError
+
+    def stop(self) -> None:
+        self.halted.set()
 
 
 def nvml_memory(index: int) -> tuple[int, int] | None:
@@ -137,7 +143,6 @@ class SystemSampler(MonitorThread):
     def __init__(self, writer: MetricsWriter, interval_s: float, gpu_index: int | None):
         super().__init__("colocate-system-sampler")
         self.writer, self.interval_s, self.gpu_index = writer, interval_s, gpu_index
-        self._stop = threading.Event()
         self._t0 = time.time()
         self.samples = 0
         self.gpu_util: list[list[float]] = []
@@ -159,7 +164,7 @@ class SystemSampler(MonitorThread):
         proc.cpu_percent(None)
         psutil.cpu_percent(None)
         handle = self._nvml_handle()
-        while not self._stop.wait(self.interval_s):
+        while not self.halted.wait(self.interval_s):
             values = {"cpu_percent_process": proc.cpu_percent(None), "cpu_percent_host": psutil.cpu_percent(None),
                       "rss_gib": proc.memory_info().rss / 2**30}
             if handle is not None:
@@ -173,9 +178,6 @@ class SystemSampler(MonitorThread):
             self.writer.scalars("system", values, int(time.time() - self._t0))
             self.samples += 1
 
-    def stop(self) -> None:
-        self._stop.set()
-
 
 class StallWatchdog(MonitorThread):
     """Alerts (once per stall) when `beat()` has not been called for `timeout_s` seconds."""
@@ -184,7 +186,6 @@ class StallWatchdog(MonitorThread):
         super().__init__("colocate-stall-watchdog")
         self.writer, self.timeout_s, self.what = writer, timeout_s, what
         self._last = time.monotonic()
-        self._stop = threading.Event()
         self._alerted = False
         self.step = 0
 
@@ -192,14 +193,11 @@ class StallWatchdog(MonitorThread):
         self._last, self._alerted, self.step = time.monotonic(), False, step
 
     def loop(self) -> None:
-        while not self._stop.wait(min(self.timeout_s / 4, 5.0)):
+        while not self.halted.wait(min(self.timeout_s / 4, 5.0)):
             idle = time.monotonic() - self._last
             if idle > self.timeout_s and not self._alerted:
                 self._alerted = True
                 self.writer.alert("stalled", f"no {self.what} for {idle:.0f}s (step {self.step})", self.step)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 @dataclass

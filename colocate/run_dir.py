@@ -14,11 +14,21 @@ one. The policy (README, "Runs keep their work"):
 
 Checked by `launch.check_config` (every rank, `colocate train` before it starts torchrun); under
 torchrun only global rank 0 deletes.
+
+Two runs never share a directory: a live run holds an exclusive `flock` on `<run_dir>/.colocate-lock`
+(`colocate train` on one node for its whole life, else the job's global rank 0), which records who
+holds it. Another run, a `colocate check` or an `--overwrite` into that directory is refused in one
+line naming the holder (pid, host, start time). The kernel drops the lock when its process ends,
+however it ends (kill -9, the out-of-memory killer): a dead run never leaves it stuck.
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
+import socket
+import time
 
 from colocate.config import Config, ConfigError
 
@@ -37,9 +47,82 @@ def earlier_run(run_dir: str) -> list[str]:
     return [e for e in RUN_ENTRIES if os.path.exists(os.path.join(run_dir, e))]
 
 
+LOCK = ".colocate-lock"
+"""The file whose `flock` a live run holds; it stays when the run ends (unlocked) and is no run entry."""
+
+_held: list = []
+"""Rank 0's open lock file: kept open for the process's life (nothing in the rank would hold it)."""
+
+
+def in_use(run_dir: str, holder: dict) -> ConfigError:
+    """The refusal naming the live run by its record (empty: it is still writing it)."""
+    started = holder.get("started", "?")
+    who = (f"pid {holder.get('pid', '?')} ({holder.get('by', 'a run')}) on {holder.get('host', '?')}, started {started}"
+           if holder else "a run that is starting")
+    return ConfigError(f"metrics.run_dir={run_dir!r} is in use by {who}: wait for it to end or stop it, or "
+                       f"--metrics.run_dir=NEW")
+
+
+def read_holder(f) -> dict:
+    """The holder's record (empty while the holder is writing it)."""
+    f.seek(0)
+    try:
+        record = json.loads(f.read() or "{}")
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def refuse_if_held(run_dir: str) -> None:
+    """ConfigError when a live run holds `run_dir`; takes nothing (`colocate check`, the launcher's check)."""
+    try:
+        f = open(os.path.join(run_dir, LOCK))
+    except OSError:  # no lock file (a new directory), or none readable: no live run recorded one
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise in_use(run_dir, read_holder(f)) from None
+        except OSError:  # a filesystem without locks (some network mounts): the earlier-run check remains
+            return
+
+
+def hold(run_dir: str, by: str):
+    """Lock `run_dir` -> the open lock file (the lock lasts until it is closed), or None when this
+    rank's launcher (its parent, `colocate train`) holds it or the filesystem has no locks;
+    ConfigError naming the live run that holds it."""
+    os.makedirs(run_dir, exist_ok=True)
+    f = open(os.path.join(run_dir, LOCK), "a+")  # not written atomically: the lock is on this very inode
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = read_holder(f)
+        f.close()
+        if holder.get("pid") == os.getppid() and holder.get("host") == socket.gethostname():
+            return None
+        raise in_use(run_dir, holder) from None
+    except OSError:  # a filesystem without locks: the earlier-run check remains
+        f.close()
+        return None
+    f.truncate(0)
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "by": by,
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    f.flush()
+    return f
+
+
 def claim(cfg: Config, *, resume: bool, overwrite: bool, remove: bool) -> None:
-    """Refuse a run directory holding an earlier run unless resuming or overwriting; with
-    `overwrite` and `remove` (one process of the job) delete the earlier run's entries."""
+    """Refuse a run directory a live run holds (global rank 0 under torchrun takes the lock, its
+    launcher and `colocate check` look), then one holding an earlier run unless resuming or
+    overwriting; with `overwrite` and `remove` (one process of the job) delete the earlier run's
+    entries."""
+    if remove and "TORCHELASTIC_RUN_ID" in os.environ:
+        lock = hold(cfg.metrics.run_dir, by="rank 0 of a torchrun job")
+        if lock is not None:
+            _held.append(lock)
+    elif int(os.environ.get("RANK", "0")) == 0:
+        refuse_if_held(cfg.metrics.run_dir)
     found = earlier_run(cfg.metrics.run_dir)
     if not found or resume:
         return

@@ -22,6 +22,11 @@ Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main m
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # a rank: a stop signal during the imports below ends it without a traceback
+    from colocate.lifecycle import guard_terminal, quiet_start
+    quiet_start()
+    guard_terminal()  # and its terminal closing mid-run does not end it
+
 import gc
 import os
 import socket
@@ -39,7 +44,7 @@ from colocate.launch import configure, rank_role
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
 from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, faults_from_env, is_peer_failure,
-                                leave, quiet_thread_peer_failures, report_failure)
+                                leave, quiet_thread_peer_failures, report_failure, tell_launcher)
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
 from colocate.topology import Topology, build_topology, split_cpu_threads
@@ -115,11 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         # One line that names the rank, the cause and where it was raised (the user's function when
         # it was theirs), the traceback in a file; torchrun then stops the other ranks (their
         # collectives time out after topology.timeout_s at the latest). A rank whose transport only
-        # reports that another rank died exits quietly: that rank has printed the cause. No
-        # interpreter shutdown: nothing else reaches the terminal (third-party leak reports).
-        if not is_peer_failure(e):
+        # reports that another rank died exits quietly: that rank has printed the cause, or
+        # `colocate train` names it (killed, gone without a word), told apart by each rank's torchrun
+        # error file. No interpreter shutdown: nothing else reaches the terminal (third-party leak reports).
+        if is_peer_failure(e):
+            tell_launcher("peer")
+        else:
             rank = int(os.environ.get("RANK", "0"))
             print(report_failure(e, rank, rank_role(cfg), cfg.metrics.run_dir), file=sys.stderr, flush=True)
+            tell_launcher("failed")
         exit_quietly(FAILED_EXIT)
     return COLLAPSE_EXIT if collapse_step is not None else 0
 

@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import re
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -136,6 +137,69 @@ def launch_table() -> list[str]:
     return rows
 
 
+END_SECTION = """
+## How a run ends
+
+`colocate train` prints a line itself for what no rank could say: a live run holding the run
+directory (a `flock` on `RUN_DIR/.colocate-lock`, held by `colocate train`, or by global rank 0 of a
+job on several nodes; the kernel drops it when the run ends however it ends), a rank killed by a
+signal or gone on its own without an error (the job exits with 128 + N or that rank's code), and a
+stop on a signal (SIGINT, SIGTERM, SIGHUP: the ranks stop after the same step; the learner's line
+says what was kept). A rank that fails on an error prints its own line (above); the ranks that
+only lost it print nothing. A signal during a rank's start-up ends it quietly (one line, below).
+
+| case | exit | message |
+| --- | --- | --- |
+"""
+
+
+def end_rows() -> list[str]:
+    """The lines of `END_SECTION`, from the functions that print them."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from colocate import cli, run_dir
+    from colocate.config import ConfigError, load_config
+    from colocate.learner.loop import stop_line
+    from colocate.lifecycle import tell_launcher
+    with tempfile.TemporaryDirectory() as tmp:
+        job = cli.Job(f"{tmp}/run", ("inference", "learner"), checkpoints=True, single_node=True)
+        os.makedirs(f"{tmp}/run/checkpoints/step-000040")
+
+        def failure(exitcode: int, said: str | None) -> ProcessFailure:
+            path = f"{tmp}/error-{exitcode}-{said}.json"
+            if said:
+                os.environ["TORCHELASTIC_ERROR_FILE"] = path
+                tell_launcher(said)
+                del os.environ["TORCHELASTIC_ERROR_FILE"]
+            return ProcessFailure(local_rank=0, pid=0, exitcode=exitcode, error_file=path)
+        lock = run_dir.hold(f"{tmp}/run", by="colocate train")
+        try:
+            run_dir.refuse_if_held(f"{tmp}/run")
+            raise SystemExit("a held run directory was not refused")
+        except ConfigError as e:
+            held = re.sub(r"started \S+ \S+:", "started DATE TIME:", f"colocate: config error: {e}")
+        lock.close()
+        held = held.replace(f"pid {os.getpid()} ", "pid PID ")
+        cfg = load_config(str(REPO / "configs" / "cpu-tiny.yaml"), {"metrics": {"run_dir": f"{tmp}/run"}})
+        rows = [("a live run holds `metrics.run_dir` (`colocate train`, `--overwrite`, `--resume`, `colocate check`)",
+                 "2", held),
+                ("a rank killed by a signal (kill -9, the out-of-memory killer, a crash)", "128 + N",
+                 cli.failed_rank({0: failure(-9, None), 1: failure(1, "peer")}, job)[2]),
+                ("a rank leaving without an error (`os._exit(C)` in user code or a library)", "C",
+                 cli.failed_rank({1: failure(7, None), 0: failure(1, "peer")}, job)[2]),
+                ("every rank of this node only lost a peer (the one that ended is on another node, or left with 0)",
+                 "1", cli.failed_rank({0: failure(1, "peer"), 1: failure(1, "peer")}, job)[2]),
+                ("SIGINT / SIGTERM / SIGHUP to `colocate train` once the ranks run", "128 + N",
+                 cli.stopped_line(job, signal.SIGINT)),
+                ("the learner's line at that stop, with checkpoints off", "",
+                 stop_line(cfg, [], signal.SIGINT, 12, checkpointed=False)),
+                ("Ctrl-C while `colocate train` checks, before any rank starts", "130", cli.interrupted_line("train"))]
+    return [f"| {case} | {code} | {line.replace(tmp, '<tmp>').replace(socket.gethostname(), 'HOST')} |"
+            for case, code, line in rows]
+
+
 def main() -> None:
     os.environ.update(WORLD_SIZE="2", RANK="0")
     rows, user_rows, launch_rows = table(CONFIG_CASES), table(USER_CASES), launch_table()
@@ -149,7 +213,7 @@ def main() -> None:
         "exits with 1 (`python -m colocate.train --config FILE --check` returns the 2 before launch).\n\n"
         "| case | input | exit | message |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
         + USER_SECTION + "\n".join(user_rows) + "\n" + LAUNCH_SECTION + "\n".join(launch_rows) + "\n"
-        + LATER_SECTION)
+        + END_SECTION + "\n".join(end_rows()) + "\n" + LATER_SECTION)
     print(f"wrote {out} ({len(rows) + len(user_rows) + len(launch_rows)} cases)")
 
 

@@ -82,7 +82,7 @@ def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, 
     no_torchrun_env(monkeypatch)
     calls = []
 
-    def fake_torchrun(args):
+    def fake_torchrun(args, job):
         resolved = args[-2].partition("=")[2]
         with open(resolved, "rb") as f:
             calls.append((args, resolved, f.read()))
@@ -267,3 +267,96 @@ def test_check_prints_the_plan_after_the_config(monkeypatch, tmp_path):
     first_plan_line = next(i for i, line in enumerate(lines) if line.startswith("colocate: memory plan"))
     assert lines.index("learner:") < first_plan_line
     assert all(line.startswith("colocate: memory plan") for line in lines[first_plan_line:])
+HOLDER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from colocate import run_dir
+lock = run_dir.hold({path!r}, by="colocate train")
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_live_run_holds_its_directory_and_a_killed_one_leaves_it_free(monkeypatch, tmp_path):
+    """While a run holds its directory, another run, `--overwrite` and `colocate check` are refused
+    in one line naming it (pid, host, start), and nothing is deleted; its rank 0 goes ahead (its
+    launcher is the holder), another job's rank 0 does not. Killed with -9, it leaves the directory
+    free: the kernel dropped its lock."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from colocate import run_dir
+    from colocate.launch import check_config
+    from tests.conftest import REPO
+    no_torchrun_env(monkeypatch)
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=REPO, path=str(run))], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = ["--config", TINY, f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}"]
+        in_use = (rf"metrics.run_dir='{run}' is in use by pid {holder.pid} \(colocate train\) on "
+                  rf"{socket.gethostname()}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: wait for it to end or stop it, "
+                  r"or --metrics.run_dir=NEW")
+        for extra in ([], ["--overwrite"], ["--resume"], ["--check"]):
+            with pytest.raises(ConfigError, match=in_use):
+                check_config([*args, *extra], world=2)
+        assert (run / "tb").is_dir()
+        cfg = load_config(TINY, {"metrics": {"run_dir": str(run)}})
+        monkeypatch.setattr(run_dir, "_held", [])
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+        monkeypatch.setenv("RANK", "0")
+        with pytest.raises(ConfigError, match=in_use):  # rank 0 of another job
+            run_dir.claim(cfg, resume=False, overwrite=True, remove=True)
+        monkeypatch.setattr(os, "getppid", lambda: holder.pid)  # rank 0 of the holder's own job
+        run_dir.claim(cfg, resume=False, overwrite=True, remove=True)
+        assert run_dir._held == [] and not (run / "tb").exists()  # its --overwrite deleted the entries
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    monkeypatch.undo()
+    no_torchrun_env(monkeypatch)
+    check_config(args, world=2)  # free again
+    lock = run_dir.hold(str(run), by="colocate train")
+    assert lock is not None
+    lock.close()
+
+
+def failure(tmp_path, monkeypatch, name: str, exitcode: int, said: str | None):
+    """A torchrun ProcessFailure for a rank that left `said` in its error file (None: no file)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from colocate.lifecycle import tell_launcher
+    import uuid
+    path = tmp_path / f"{name}-{uuid.uuid4().hex}.json"  # a new file for every call
+    if said is not None:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+        tell_launcher(said)
+    return ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file=str(path))
+
+
+def test_the_rank_that_ended_the_job_is_named_when_it_said_nothing(tmp_path, monkeypatch):
+    """`cli.failed_rank`: the first failed rank that did not only lose a peer ended the job; a line
+    for it unless it printed its own (an error, exit 2 or 3); ranks that followed never count."""
+    from colocate.cli import Job, failed_rank
+    job = Job("/r", ("inference", "learner"), checkpoints=False, single_node=True)
+
+    def case(**ranks):
+        return failed_rank({int(k[1:]): failure(tmp_path, monkeypatch, k, *v) for k, v in ranks.items()}, job)
+
+    tail = "; last checkpoint: none (checkpoint.enabled is false)"
+    rank, f, line = case(r1=(1, "peer"), r0=(-9, None))
+    assert (rank, f.exitcode) == (0, -9)
+    assert line == "colocate: failed: rank 0 (inference) was killed by SIGKILL (often the out-of-memory killer)" + tail
+    rank, f, line = case(r0=(1, "peer"), r1=(-11, None))
+    assert (rank, line) == (1, "colocate: failed: rank 1 (learner) was killed by SIGSEGV" + tail)
+    rank, f, line = case(r1=(7, None), r0=(1, "peer"))
+    assert (rank, line) == (1, "colocate: failed: rank 1 (learner) exited with code 7 and no error (an os._exit or "
+                               "a library's exit in its code)" + tail)
+    assert case(r0=(1, "failed"), r1=(1, "peer"))[::2] == (0, None)  # it printed its line
+    assert case(r0=(2, None), r1=(-9, None))[::2] == (0, None)  # a refusal; torchrun killed the other after it
+    rank, f, line = case(r0=(1, "peer"), r1=(1, "peer"))
+    assert rank == 0 and "rank 0 (inference) lost its connection to another rank" in line

@@ -596,7 +596,10 @@ def test_a_streamed_poll_is_told_to_wake_on_the_env_s_news(dip_tokenizer):
 
 def test_a_tool_using_agent_plays_whole_episodes_in_copies():
     """The calculator agent (tools on threads in each copy): every episode calls the tool, gets its
-    result back in a copy, answers, and its group comes back once; metrics merge over the copies."""
+    result back in a copy, answers, and its group comes back once; metrics merge over the copies.
+    A copy scores a group when it ends, which may fall in the collect before the one whose batch
+    takes it (an extra group started for oversampling): the episodes counted per collect vary with
+    timing, their sum over the collects covers every group delivered; the per-episode means do not."""
     import os
     from colocate.config import load_config
     from colocate.envs import env_corpus, env_type
@@ -609,11 +612,16 @@ def test_a_tool_using_agent_plays_whole_episodes_in_copies():
     env = EnvProcesses(env_type(cfg), cfg, tok, seed=0, num=2)
     try:
         worker = RolloutWorker(env, ScriptedEngine(tok, script), RolloutSettings(groups_per_batch=3, oversample=1))
+        scored = []
         for _ in range(2):
             batch, stats, _ = worker.collect()
             assert batch.num_sequences == 3 * cfg.rollout.group_size and stats["env_errors"] == 0
-            assert stats["episodes"] >= 3 * cfg.rollout.group_size and stats["tool_calls"] == stats["episodes"]
-            assert stats["finish/stop"] == 1.0 and stats["turns_per_episode"] == 2.0, stats
+            scored.append(stats["episodes"])
+            if stats["episodes"]:  # every episode scored called the tool once, had its result, answered
+                assert stats["tool_call_rate"] == 1.0 and stats["tool_calls_per_episode"] == 1.0, stats
+                assert stats["finish/stop"] == 1.0 and stats["turns_per_episode"] == 2.0, stats
             assert stats["tool_error_rate"] == 0.0
+        # whole groups, from both copies' counts: at least the two batches' groups
+        assert sum(scored) >= 2 * 3 * cfg.rollout.group_size and sum(scored) % cfg.rollout.group_size == 0, scored
     finally:
         env.close()

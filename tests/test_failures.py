@@ -80,3 +80,64 @@ def test_reward_errors_travel_with_their_sequences_to_every_learner():
     clean = build_batch(samples[:1], [0.0])  # no errors: no field, and concat fills False
     assert clean.reward_errors is None
     assert TrajectoryBatch.concat([clean, shards[1]]).reward_errors.tolist() == [False, True, False]
+
+
+def rank_process(job_pid: int, rank: int):
+    """The process of global rank `rank` of the `colocate train` whose pid is `job_pid`."""
+    import psutil
+    for p in psutil.Process(job_pid).children(recursive=True):
+        if "colocate.train" in p.cmdline() and p.environ().get("RANK") == str(rank):
+            return p
+    pytest.fail(f"no rank {rank} under pid {job_pid}")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_is_named_and_its_run_dir_is_held_until_then(tmp_path):
+    """kill -9 of the inference rank (what the out-of-memory killer does): `colocate train` names
+    the rank, the signal and the last checkpoint in one line and exits 128 + 9. While the job
+    lives, a second `colocate train` into its directory (even with --overwrite) is refused in one
+    line naming it, and deletes nothing."""
+    from tests.test_stop_signals import finish, read_until, start_train
+    run = tmp_path / "run"
+    args = [f"--metrics.run_dir={run}", "--checkpoint.enabled=true", "--checkpoint.every=2"]
+    proc = start_train(args, tmp_path)
+    seen = read_until(proc, r"\] step 5/300 ")
+    second = subprocess.run([sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml",
+                             f"--model.cache_dir={tmp_path / 'cache'}", *args, "--overwrite"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    import socket
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second
+    assert (f"colocate: config error: metrics.run_dir={str(run)!r} is in use by pid {proc.pid} (colocate train) on "
+            f"{socket.gethostname()}, started ") in second.stderr, second.stderr
+    assert (run / "config.yaml").is_file() and (run / "tb").is_dir()  # nothing deleted (written once, at the start)
+    rank_process(proc.pid, 0).kill()
+    code, out, err = finish(proc, seen)
+    newest = sorted(os.listdir(run / "checkpoints"))[-1]
+    assert code == 128 + 9, (code, out[-3000:], err)
+    assert err == (f"colocate: failed: rank 0 (inference) was killed by SIGKILL (often the out-of-memory killer); "
+                   f"last checkpoint: {run / 'checkpoints' / newest}\n"), err
+
+
+@pytest.mark.slow
+def test_a_rank_that_leaves_with_os_exit_is_named(tmp_path):
+    """A rank's own `os._exit(7)` mid-run (user code can): one line naming it, exit 7."""
+    from tests.test_stop_signals import finish, start_train
+    proc = start_train([f"--metrics.run_dir={tmp_path / 'run'}"], tmp_path,
+                       env={"COLOCATE_FAULT": "exit:rank=1:step=3:code=7"})
+    code, out, err = finish(proc)
+    assert code == 7, (code, out[-3000:], err)
+    assert "] step 3/300 " in out and "] step 4/300 " not in out, out[-3000:]
+    assert err == ("colocate: failed: rank 1 (learner) exited with code 7 and no error (an os._exit or a library's "
+                   "exit in its code); last checkpoint: none (checkpoint.enabled is false)\n"), err
+
+
+def test_docs_list_the_lines_a_run_ends_with():
+    """docs/errors.md's "How a run ends" rows are what `scripts/bad_inputs.py` makes of the code's lines now."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bad_inputs", os.path.join(REPO, "scripts", "bad_inputs.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with open(os.path.join(REPO, "docs", "errors.md")) as f:
+        doc = f.read()
+    rows = script.end_rows()
+    assert len(rows) == 7 and all(row in doc for row in rows), "docs/errors.md is stale: run `python scripts/bad_inputs.py`"

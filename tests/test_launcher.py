@@ -77,7 +77,7 @@ def train(monkeypatch, tmp_path, *args: str) -> tuple[int, list]:
     no_torchrun_env(monkeypatch)
     started = []
 
-    def fake_torchrun(argv):
+    def fake_torchrun(argv, job):
         with open(argv[-2].partition("=")[2]) as f:
             started.append((argv, f.read()))
         return 0
@@ -238,7 +238,7 @@ def launcher_case(source: str, tmp: str) -> int:
     sys.modules.pop("user_launch_case", None)
     sys.path.insert(0, tmp)
     saved = cli.run_torchrun, {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
-    cli.run_torchrun = lambda args: 0
+    cli.run_torchrun = lambda args, job: 0
     data = [os.path.join(REPO, "examples", "data", f"addition-{s}.jsonl") for s in ("train", "eval")]
     try:
         return cli.main(["train", "--config", DATASET, "--env.reward=user_launch_case:score", f"--env.data_files={data[0]}",

@@ -449,3 +449,35 @@ def test_soak_variants_parse_and_duplicate_names_are_refused():
     args = parser.parse_args(["--variant", "a:learner.lr=1", "--variant", "a:learner.lr=2"])
     with pytest.raises(SystemExit, match="variant names must be unique"):
         run(args)
+
+
+FORK_PROBE = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from colocate.metrics import MetricsWriter, StallWatchdog, SystemSampler
+writer = MetricsWriter("unused", "learner", enabled=False)
+threads = [SystemSampler(writer, 0.01, None), StallWatchdog(writer, 60.0, "x")]
+for t in threads:
+    t.start()
+pid = os.fork()  # as a reward function using multiprocessing with fork does inside a rank
+if pid == 0:
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+for t in threads:
+    t.stop()
+    t.join(5)
+print("child", os.waitstatus_to_exitcode(status), "alive", [t.is_alive() for t in threads], flush=True)
+"""
+
+
+def test_a_fork_beside_the_monitor_threads_is_silent():
+    """The child of a fork stops every inherited thread by calling its `Thread._stop`: a monitor
+    thread must not shadow it (a `TypeError` traceback per fork), and stop() still stops it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    proc = subprocess.run([sys.executable, "-c", FORK_PROBE.format(repo=REPO)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "child 0 alive [False, False]\n", proc
+    assert proc.stderr == "", proc.stderr

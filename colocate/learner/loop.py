@@ -209,18 +209,34 @@ def busy_text(waits: dict) -> str:
     return "" if busy is None else f" inf {busy:.0%} busy"
 
 
+def stop_reasons(cfg: Config, rank: LearnerRank) -> list[str]:
+    """The stop policies this step's flags trigger, the one the lines name first: "mismatch" (the
+    canary, metrics.stop_on_mismatch), "collapse" (the reward, metrics.stop_on_collapse)."""
+    flags = {"mismatch": rank.mismatch, "collapse": rank.monitor.collapsed}
+    return [name for name, raised in flags.items() if raised and getattr(cfg.metrics, f"stop_on_{name}")]
+
+
+def stop_line(cfg: Config, reasons: list[str], signum: int | None, step: int, checkpointed: bool) -> str:
+    """What a stop after `step` kept: its checkpoint, or (checkpoints off) only the run's adapter."""
+    import signal
+    why = f"metrics.stop_on_{reasons[0]}" if reasons else signal.Signals(signum).name if signum else "signal"
+    kept = (f"checkpoint at step {step}" if checkpointed else
+            f"no checkpoint (checkpoint.enabled is false), the adapter of step {step} is in "
+            f"{os.path.join(cfg.metrics.run_dir, 'adapter')}")
+    return f"stop requested ({why}): {kept}; exiting"
+
+
 def learner_step(rank: LearnerRank, step: int) -> bool:
     """One step of the protocol (module docstring) -> whether the run stops after it."""
     cfg = rank.cfg
     rank.faults.before_step(rank.topo.rank, step)
     batch, stop_elsewhere, waits = rank.receive(step)
     stats = rank.train(batch, step, waits)
-    collapse = cfg.metrics.stop_on_collapse and rank.monitor.collapsed
-    mismatch = cfg.metrics.stop_on_mismatch and rank.mismatch
-    stop_requested = rank.agree_to_stop(stop_elsewhere or collapse or mismatch)
-    if collapse:
+    reasons = stop_reasons(cfg, rank)
+    stop_requested = rank.agree_to_stop(stop_elsewhere or bool(reasons))
+    if "collapse" in reasons:
         rank.collapsed_at = step + 1
-    if mismatch:
+    if "mismatch" in reasons:
         rank.mismatch_at = step + 1
     last = step == cfg.learner.num_steps - 1
     stopping = stop_requested and not last
@@ -231,11 +247,11 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     rank.record_canary(step)  # after the send: the engines take the version without waiting for the probe
     if checkpointing:
         # a mismatch: the checkpoints written before this step never trained on that engine's samples
-        good_step = step if mismatch else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
+        good_step = step if "mismatch" in reasons else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
         write_checkpoint(cfg, rank.topo, rank.learner, adapter, rank.history, step + 1, rank.faults,
                          protect_step=good_step)
-        if (collapse or mismatch) and rank.topo.rank == rank.topo.sync_src:
-            note_last_good(cfg, rank.writer, good_step, step + 1, "mismatch" if mismatch else "collapse")
+        if reasons and rank.topo.rank == rank.topo.sync_src:
+            note_last_good(cfg, rank.writer, good_step, step + 1, reasons[0])
     if (last or stopping) and rank.topo.role_rank == 0:  # the run's model, checkpoints on or off
         from colocate.checkpoint import peft_config_dict, save_adapter
         save_adapter(os.path.join(cfg.metrics.run_dir, "adapter"), adapter, peft_config_dict(rank.learner.model),
@@ -243,8 +259,7 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     rank.log(step, stats, waits, gather_s, sync_s)
     if stopping:
         rank.drain(step)
-        why = "metrics.stop_on_mismatch" if mismatch else "metrics.stop_on_collapse" if collapse else "signal"
-        rank.writer.print(f"stop requested ({why}): checkpoint at step {step + 1}, exiting")
+        rank.writer.print(stop_line(cfg, reasons, rank.stop.signum, step + 1, checkpointing))
     return stopping
 
 
