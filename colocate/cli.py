@@ -156,7 +156,10 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
+    import psutil
     from colocate.checkpoint import CheckpointError
+    from colocate.startup import LAUNCH_ENV
+    launched_at = repr(psutil.Process().create_time())  # the command's start: the ranks' timeline counts from it
     try:
         cmd = train_command(argv)
     except CheckpointError as e:  # a checkpoint to resume that does not verify: as every rank would say it
@@ -165,7 +168,11 @@ def train(argv: list[str]) -> int:
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     os.environ.update(launch_env(nproc))
-    return run_torchrun(cmd[3:])
+    os.environ[LAUNCH_ENV] = launched_at  # for these ranks only: a later launch from this process has its own
+    try:
+        return run_torchrun(cmd[3:])
+    finally:
+        del os.environ[LAUNCH_ENV]
 
 
 def run_torchrun(args: list[str]) -> int:

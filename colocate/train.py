@@ -43,6 +43,7 @@ from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_q
                                 leave, quiet_thread_peer_failures, report_failure)
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
+from colocate.startup import begin, cache_line, compile_cache_env, mark
 from colocate.topology import Topology, build_topology, split_cpu_threads
 from colocate.wire import LoraSpec
 
@@ -67,14 +68,17 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, 
         from colocate.engine import vllm_channel
         from colocate.engine.vllm import VLLMEngine
         facts = env_facts(cfg)  # the env's prompt-length bound and requests per group size the engine
-        if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
+        if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up (and the learner warm)
             engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
+            mark("engine_constructed")
             return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
         endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
         engine = VLLMEngine.from_config(cfg, topo, tokenizer, **facts)
+        mark("engine_constructed")
         return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
     from colocate.engine.hf import HFEngine
     engine = HFEngine(model, tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
+    mark("engine_constructed")
     spec = LoraSpec.of(engine.lora_state())
     if topo.shared_gpu:
         return engine, IpcReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, rank=topo.rank,
@@ -82,27 +86,40 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, 
     return engine, BroadcastReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, device=topo.device)
 
 
-def make_sender(cfg: Config, topo: Topology, spec: LoraSpec) -> AdapterSender:
-    """The sending end of the adapter channel: learner rank 0 sends, the other learners do not."""
+def make_sender(cfg: Config, topo: Topology, learner: Learner) -> AdapterSender:
+    """The sending end of the adapter channel: learner rank 0 sends, the other learners do not.
+    The learner warms up first (`warm_up_learner`), while the engines start: before the sender
+    waits for them, but after learner rank 0 published the endpoint the engines wait for."""
+    spec = learner.lora_spec  # global shapes; no collective
+    if engine_kind(cfg, topo) == "vllm" and not topo.shared_gpu and topo.rank == topo.sync_src:
+        from colocate.engine import vllm_channel  # waits until every engine's worker has joined
+        return vllm_channel.open_sender(cfg, topo, spec, before_join=lambda: warm_up_learner(cfg, learner))
+    warm_up_learner(cfg, learner)
     if topo.rank != topo.sync_src:
         return NoSender()
     if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
         return IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
                          slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
-    if engine_kind(cfg, topo) == "vllm":  # waits until every engine's worker has joined
-        from colocate.engine import vllm_channel
-        return vllm_channel.open_sender(cfg, topo, spec)
     return BroadcastSender(spec, src=topo.sync_src, group=topo.sync_group, with_checksum=cfg.sync.check_checksum)
 
 
-def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
+def warm_up_learner(cfg: Config, learner: Learner) -> None:
+    """`Learner.warm_up` when `learner.prewarm` is on (every learner: collectives), then the mark."""
+    if cfg.learner.prewarm:
+        learner.warm_up()
+        mark("learner_warm")
+
+
+def run_rank(cfg: Config, resume: dict | None, stop: StopSignal, caches: dict[str, str]) -> int | None:
     """Topology, tokenizer, model, then this rank's role loop -> (learners) the step whose collapse
     stopped the run (metrics.stop_on_collapse), or None."""
     topo = build_topology(cfg)
+    mark("ranks_up")
     if topo.role_rank == 0:  # where each role runs, once per role (several nodes: which node)
         print(f"colocate: {topo.role} rank 0 is global rank {topo.rank} on node {os.environ.get('GROUP_RANK', '0')} "
               f"({socket.gethostname()})", flush=True)
     if topo.rank == 0:
+        print(cache_line(cfg.model.compile_cache_dir, caches), flush=True)
         save_config(cfg, os.path.join(cfg.metrics.run_dir, "config.yaml"))
         if resume is not None:
             print(f"colocate: resuming from {resume['path']} (step {resume['trainer_state']['step']})", flush=True)
@@ -119,15 +136,18 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     gc.freeze()
     collapse_step = None
     if topo.role == "inference":
+        mark("model_ready")
         engine, receiver = make_engine(cfg, topo, model, tokenizer)
         env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank, processes=cfg.env.processes)
+        mark("engine_warm")
         try:
             run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop, probe=probe)
         finally:
             env.close()  # its worker processes (env.processes), also when the role failed
     else:
         learner = Learner(cfg, topo, model, tokenizer)
-        sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
+        mark("model_ready")
+        sender = make_sender(cfg, topo, learner)
         collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop, probe=probe,
                                     faults=faults_from_env())
     dist.destroy_process_group()
@@ -138,17 +158,20 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """One rank (or `--check`) -> its exit code: 0, or COLLAPSE_EXIT when a collapse or a canary
     mismatch stopped the run; bad input exits 2 and a failure FAILED_EXIT from inside."""
+    timeline = begin()
     cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
     if check_only:  # `--check`: the resolved config, exit 0
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
+    timeline.mark("checks_done")
+    caches = compile_cache_env(cfg.model.compile_cache_dir)  # before vLLM, inductor or Triton compile anything
     split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it
         die_with_parent()
     stop = StopSignal().install()
     quiet_thread_peer_failures()
     try:
-        collapse_step = run_rank(cfg, resume, stop)
+        collapse_step = run_rank(cfg, resume, stop, caches)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:
