@@ -13,8 +13,9 @@ the last rank to reach it), puts the same record into `summary.json` and prints
 for its ranks); a rank started by plain torchrun counts from the earliest process start of the job.
 
 Caches: `compile_cache_env` puts vLLM's compile cache, inductor's and Triton's under one directory
-(`model.compile_cache_dir`), set in each rank's environment before those libraries are imported, so
-a second launch finds what the first one compiled. A variable the user set already is kept.
+(`model.compile_cache_dir`), set in each rank's environment before any of them compiles (vLLM is
+imported later, in the engine), so a second launch finds what the first one compiled. A variable
+the user set already is kept.
 """
 from __future__ import annotations
 
@@ -154,14 +155,28 @@ def receive_marks(topo, ranks: list[int]) -> dict[int, Timeline]:
 
 # ---------------------------------------------------------------------------------- caches
 
+def torch_default(name: str, value: str) -> bool:
+    """Whether `value` is what torch itself put in the variable: importing torch._dynamo writes
+    inductor's default cache directory into TORCHINDUCTOR_CACHE_DIR, before any config is read."""
+    if name != "TORCHINDUCTOR_CACHE_DIR":
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return False
+    return value == default_cache_dir()
+
+
 def compile_cache_env(cache_dir: str, environ=os.environ) -> dict[str, str]:
     """Point vLLM's, inductor's and Triton's caches under `cache_dir` (`~` expanded), in `environ`,
-    unless one is set there already -> the three variables as they now are. "" leaves every
-    library's own default."""
+    unless the user set one already -> the three variables as they now are. "" leaves every
+    library's own default. Inductor and Triton read theirs when they compile, vLLM's engine process
+    when it starts; only dynamo's own package cache took its path at import."""
     if cache_dir:
         root = os.path.abspath(os.path.expanduser(cache_dir))
         for name, folder in CACHE_VARIABLES:
-            environ.setdefault(name, os.path.join(root, folder))
+            if not environ.get(name) or torch_default(name, environ[name]):
+                environ[name] = os.path.join(root, folder)
     return {name: environ.get(name, "") for name, _ in CACHE_VARIABLES}
 
 
