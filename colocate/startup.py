@@ -123,13 +123,13 @@ def phases(per_rank: dict[str, dict]) -> dict[str, float]:
     learner rank 0 where a learner's mark is meant (the line's rank)."""
     rows = list(per_rank.values())
     inference = [r for r in rows if r["role"] == "inference"]
-    learner0 = [next(r for r in rows if r["role"] == "learner")]
-    ready = "learner_warm" if "learner_warm" in learner0[0] else "model_ready"
+    learner0 = [next(r for r in rows if r["role"] == "learner")]  # the lowest global rank of its role
+    warm = "learner_warm" in learner0[0]
     return {"first_step": learner0[0].get("first_step_end", math.nan),
             "checks": max(r.get("checks_done", math.nan) for r in rows),
             "engine": _longest(inference, "engine_constructed", "model_ready"),
-            "learner_warmup": _longest(learner0, "learner_warm", "model_ready") if ready == "learner_warm" else 0.0,
-            "first_batch_wait": _longest(learner0, "first_batch", ready),
+            "learner_warmup": _longest(learner0, "learner_warm", "model_ready") if warm else 0.0,
+            "first_batch_wait": _longest(learner0, "first_batch", "learner_warm" if warm else "model_ready"),
             "step_1": _longest(learner0, "first_step_end", "first_batch")}
 
 
