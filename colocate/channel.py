@@ -130,6 +130,7 @@ class IpcSender(AdapterSender):
         self.spec, self.src, self.group, self.with_checksum = spec, src, group, with_checksum
         self.ring = torch.zeros(slots, spec.numel, dtype=spec.dtype, device=device)
         broadcast_json(share_cuda_buffer(self.ring), src=src, group=group, rank=src)
+        dist.barrier(group=group)  # returns once every engine has mapped the ring (and so has started)
 
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
         t0 = time.perf_counter()
@@ -147,8 +148,11 @@ class IpcSender(AdapterSender):
 
 
 def receive_ipc_ring(*, src: int, group, rank: int) -> dict:
-    """Inference ranks, at start-up: learner rank 0's ring description (`IpcSender.__init__`)."""
-    return broadcast_json(None, src=src, group=group, rank=rank)
+    """Inference ranks, once their engine is up: learner rank 0's ring description
+    (`IpcSender.__init__`), then the barrier that tells learner rank 0 the engines have started."""
+    ring = broadcast_json(None, src=src, group=group, rank=rank)
+    dist.barrier(group=group)
+    return ring
 
 
 class IpcReceiver(AdapterReceiver):

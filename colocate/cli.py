@@ -174,7 +174,11 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
+    import psutil
+
     from colocate import run_dir
+    from colocate.startup import LAUNCH_ENV
+    launched_at = repr(psutil.Process().create_time())  # the command's start: the ranks' timeline counts from it
     code, cmd, job = train_command(argv)
     if code:
         return code
@@ -183,9 +187,11 @@ def train(argv: list[str]) -> int:
     nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
     sys.stdout.flush()
     os.environ.update(launch_env(nproc))
+    os.environ[LAUNCH_ENV] = launched_at  # for these ranks only: a later launch from this process has its own
     try:
         return run_torchrun(cmd[3:], job)
     finally:
+        del os.environ[LAUNCH_ENV]
         os.remove(cmd[-2].partition("=")[2])  # the resolved config (`launch.write_resolved`): the ranks have read it
         if lock is not None:
             lock.close()

@@ -43,6 +43,10 @@ class ModelConfig:
     """Parameter dtype of the base model: float32 or bfloat16."""
     cache_dir: str = ".cache/colocate"
     """Where the embedded tokenizer and tiny model are built once and reused."""
+    compile_cache_dir: str = "~/.cache/colocate"
+    """Where compiled code is kept across runs: vLLM's compile cache (VLLM_CACHE_ROOT), inductor's
+    (TORCHINDUCTOR_CACHE_DIR) and Triton's (TRITON_CACHE_DIR) in its vllm/, inductor/ and triton/,
+    unless those variables are set already; the start line says where. "": the libraries' defaults."""
     seed: int = 0
     """Seed of the random base weights (all ranks build the same model from it)."""
     chat_template: str = "auto"
@@ -294,6 +298,11 @@ class LearnerConfig:
     """Recompute decoder-block activations in backward."""
     compile: bool = False
     """torch.compile each decoder block (dynamic shapes); the first step pays the compilation."""
+    prewarm: bool = True
+    """Before the first batch arrives, while the engines start, run one synthetic update of
+    `micro_batch_tokens` tokens through the step (compile, FSDP's all-gathers, attention, the loss
+    kernel, the optimizer), then put the adapter, the optimizer state and the RNG back exactly: the
+    first real step then costs about a steady one. Not the learning-rate warm-up (`warmup_steps`)."""
     reshard_after_forward: bool = True
     """FSDP2: free each decoder block's gathered weights after its forward (FSDP2's default). false
     keeps them until backward: half the all-gathers, for one unsharded copy of the blocks per

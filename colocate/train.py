@@ -35,10 +35,10 @@ import sys
 import torch.distributed as dist
 
 from colocate.canary import probe_ids
-from colocate.channel import AdapterReceiver
+from colocate.channel import AdapterReceiver, AdapterSender
 from colocate.config import Config, save_config
 from colocate.engine.base import Engine
-from colocate.engine.table import EngineParts, engine_entry, make_sender
+from colocate.engine.table import EngineParts, engine_entry, make_sender as table_sender
 from colocate.envs import env_corpus, env_facts, make_env
 from colocate.launch import configure, rank_role
 from colocate.learner.learner import Learner
@@ -47,6 +47,7 @@ from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_q
                                 leave, quiet_thread_peer_failures, report_failure, tell_launcher)
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
+from colocate.startup import begin, cache_line, compile_cache_env, mark
 from colocate.topology import Topology, build_topology, split_cpu_threads
 
 
@@ -58,17 +59,35 @@ learner ranks; `colocate train`)."""
 def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, AdapterReceiver]:
     """The inference rank's engine and the receiving end of the adapter channel that fits it (the
     engine table's entry for engine.kind); the env's facts size the engine, which never sees the env."""
-    return engine_entry(cfg, topo).build(cfg, topo, EngineParts(model, tokenizer, env_facts(cfg)))
+    built = engine_entry(cfg, topo).build(cfg, topo, EngineParts(model, tokenizer, env_facts(cfg)))
+    mark("engine_constructed")
+    return built
 
 
-def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
+def make_sender(cfg: Config, topo: Topology, learner: Learner) -> AdapterSender:
+    """The sending end of the adapter channel (the engine table's `make_sender`). The learner warms up
+    first (`warm_up_learner`), while the engines start: before the sender waits for them, but after
+    learner rank 0 published whatever the engines wait for."""
+    return table_sender(cfg, topo, learner.lora_spec, before_join=lambda: warm_up_learner(cfg, learner))
+
+
+def warm_up_learner(cfg: Config, learner: Learner) -> None:
+    """`Learner.warm_up` when `learner.prewarm` is on (every learner: collectives), then the mark."""
+    if cfg.learner.prewarm:
+        learner.warm_up()
+        mark("learner_warm")
+
+
+def run_rank(cfg: Config, resume: dict | None, stop: StopSignal, caches: dict[str, str]) -> int | None:
     """Topology, tokenizer, model, then this rank's role loop -> (learners) the step whose collapse
     stopped the run (metrics.stop_on_collapse), or None."""
     topo = build_topology(cfg)
+    mark("ranks_up")
     if topo.role_rank == 0:  # where each role runs, once per role (several nodes: which node)
         print(f"colocate: {topo.role} rank 0 is global rank {topo.rank} on node {os.environ.get('GROUP_RANK', '0')} "
               f"({socket.gethostname()})", flush=True)
     if topo.rank == 0:
+        print(cache_line(cfg.model.compile_cache_dir, caches), flush=True)
         save_config(cfg, os.path.join(cfg.metrics.run_dir, "config.yaml"))
         if resume is not None:
             print(f"colocate: resuming from {resume['path']} (step {resume['trainer_state']['step']})", flush=True)
@@ -85,15 +104,18 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
     gc.freeze()
     collapse_step = None
     if topo.role == "inference":
+        mark("model_ready")
         engine, receiver = make_engine(cfg, topo, model, tokenizer)
         env = make_env(cfg, tokenizer, seed=cfg.rollout.seed * 1000 + topo.rank, processes=cfg.env.processes)
+        mark("engine_warm")
         try:
             run_inference(cfg, topo, engine, env, receiver, resume=resume, stop=stop, probe=probe)
         finally:
             env.close()  # its worker processes (env.processes), also when the role failed
     else:
         learner = Learner(cfg, topo, model, tokenizer)
-        sender = make_sender(cfg, topo, learner.lora_spec)  # global shapes; no collective
+        mark("model_ready")
+        sender = make_sender(cfg, topo, learner)
         collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop, probe=probe,
                                     faults=faults_from_env())
     dist.destroy_process_group()
@@ -104,16 +126,19 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """One rank (or `--check`) -> its exit code: 0, or COLLAPSE_EXIT when a collapse or a canary
     mismatch stopped the run; bad input exits 2 and a failure FAILED_EXIT from inside."""
+    timeline = begin()
     cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
     if check_only:  # `--check`: `launch.check_config` printed the resolved config and its plan
         return 0
+    timeline.mark("checks_done")
+    caches = compile_cache_env(cfg.model.compile_cache_dir)  # before vLLM, inductor or Triton compile anything
     split_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: die with it
         die_with_parent()
     stop = StopSignal().install()
     quiet_thread_peer_failures()
     try:
-        collapse_step = run_rank(cfg, resume, stop)
+        collapse_step = run_rank(cfg, resume, stop, caches)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:

@@ -36,7 +36,8 @@ class EngineEntry:
     build: Callable[..., tuple[Engine, AdapterReceiver]]
     """(cfg, topo, parts: EngineParts) -> the engine and the receiving end of its adapter channel."""
     sender: Callable[..., AdapterSender]
-    """(cfg, topo, spec) -> learner rank 0's sender when no engine shares its GPU."""
+    """(cfg, topo, spec, before_join) -> learner rank 0's sender when no engine shares its GPU;
+    `before_join()` runs once whatever the engines wait for is published, before waiting for them."""
     loads_own_weights: bool = False
     """True: the engine reads the model directory itself, so its rank builds the policy on meta."""
     available: Callable[..., bool] = lambda topo: True
@@ -59,8 +60,9 @@ def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     return engine, BroadcastReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, device=topo.device)
 
 
-def broadcast_sender(cfg, topo, spec: LoraSpec) -> AdapterSender:
+def broadcast_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None]) -> AdapterSender:
     """An adapter broadcast on the sync group (engines whose weights live in the rank's process)."""
+    before_join()
     return BroadcastSender(spec, src=topo.sync_src, group=topo.sync_group, with_checksum=cfg.sync.check_checksum)
 
 
@@ -76,10 +78,11 @@ def build_vllm(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
 
 
-def vllm_sender(cfg, topo, spec: LoraSpec) -> AdapterSender:
-    """Waits until every engine's worker has joined the NCCL group."""
+def vllm_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None]) -> AdapterSender:
+    """Publishes the group's endpoint, runs `before_join`, then waits until every engine's worker
+    has joined the NCCL group."""
     from colocate.engine import vllm_channel
-    return vllm_channel.open_sender(cfg, topo, spec)
+    return vllm_channel.open_sender(cfg, topo, spec, before_join=before_join)
 
 
 def vllm_installed() -> bool:
@@ -126,11 +129,17 @@ def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
                           f"({ENGINES[kind].install_hint})")
 
 
-def make_sender(cfg, topo, spec: LoraSpec) -> AdapterSender:
-    """The sending end of the adapter channel: learner rank 0 sends, the other learners do not."""
+def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lambda: None) -> AdapterSender:
+    """The sending end of the adapter channel: learner rank 0 sends, the other learners do not.
+    `before_join()` (the learner's warm-up) runs on every learner while the engines start, but on a
+    GPU shared with them only once they have started: what it allocates would otherwise count as an
+    engine's own memory in vLLM's start-up profile."""
     if topo.rank != topo.sync_src:
+        before_join()
         return NoSender()
     if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
-        return IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
-                         slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
-    return engine_entry(cfg, topo).sender(cfg, topo, spec)
+        sender = IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
+                           slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
+        before_join()  # the engines have mapped the ring: they are up
+        return sender
+    return engine_entry(cfg, topo).sender(cfg, topo, spec, before_join)

@@ -126,11 +126,13 @@ class VLLMReceiver(AdapterReceiver):
         return AdapterUpdate(got.version, RunFlags(got.flags), metrics)
 
 
-def open_sender(cfg, topo, spec: LoraSpec) -> NcclSender:
-    """Learner rank 0 (`train.py`): publish the port, then wait until every engine's worker joined."""
+def open_sender(cfg, topo, spec: LoraSpec, before_join=lambda: None) -> NcclSender:
+    """Learner rank 0 (`train.py`): publish the port, run `before_join` (the learner's warm-up, while
+    the engines start), then wait until every engine's worker joined."""
     host = node_address()
     sock, port = listen_socket(host)
     exchange_endpoint(topo, (host, port))
+    before_join()
     group = StatelessGroup(host, port, 0, 1 + topo.num_inference, topo.device, listen=sock,
                            timeout_s=join_timeout_s(cfg))
     return NcclSender(group, spec, with_checksum=cfg.sync.check_checksum)

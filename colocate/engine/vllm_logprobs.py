@@ -8,7 +8,8 @@ reads it once, spread over the whole GPU. `install` (run in vLLM's worker proces
 sampler's reference to that function for one that takes the requests asking exactly that and
 hands every other call (top-k log-probs, custom token ids) to vLLM's own. The returned tensors have
 vLLM's shapes and dtypes; vLLM's function is the reference of the parity test
-(`tests/test_sampled_logprob.py`).
+(`tests/test_sampled_logprob.py`). `warm_up` compiles the kernel at engine start, not in the
+first rollouts.
 """
 from __future__ import annotations
 
@@ -73,3 +74,20 @@ def install(runner_module: str) -> str:
     if not hasattr(current, "colocate_original"):
         sampler.compute_topk_logprobs = sampled_only(current)
     return "ours"
+
+
+def warm_up(vocab_size: int, device) -> bool:
+    """Run the kernel once on float32 and bfloat16 logits of the model's width, so Triton compiles it
+    now, at engine start, instead of inside the first rollouts -> whether it ran. A failure is one
+    line: the kernel then compiles at its first call, as before."""
+    import torch
+    from colocate.kernels.sampled_logprob import sampled_logprob
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            sampled_logprob(torch.zeros(2, vocab_size, dtype=dtype, device=device),
+                            torch.zeros(2, dtype=torch.int64, device=device))
+    except Exception as exc:  # noqa: BLE001 - the kernel still compiles when first called
+        print(f"colocate: engine.logprob_kernel warm-up failed ({type(exc).__name__}: {exc}); the kernel "
+              "compiles in the first rollouts instead", flush=True)
+        return False
+    return True

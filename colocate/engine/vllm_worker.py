@@ -317,9 +317,12 @@ class ColocateWorkerExtension:
                 "modules": len({t.module for t in plan}), "base_copy_gib": need / 2**30}
 
     def colocate_use_logprob_kernel(self) -> str:
-        """Our sampled-token log-prob kernel in this worker's sampler (`vllm_logprobs.py`)."""
-        from colocate.engine.vllm_logprobs import install
-        return install(type(self.model_runner).__module__)
+        """Our sampled-token log-prob kernel in this worker's sampler (`vllm_logprobs.py`), compiled now."""
+        from colocate.engine.vllm_logprobs import install, warm_up
+        used = install(type(self.model_runner).__module__)
+        if used == "ours":
+            warm_up(self.model_runner.model_config.get_vocab_size(), self.model_runner.device)
+        return used
 
     def colocate_logprob_calls(self) -> dict:
         """{"ours": n, "vllm": m}: the sampler's log-prob calls each function served in this worker."""

@@ -29,10 +29,11 @@ from colocate.channel import AdapterSender
 from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
 from colocate.jsonfile import write_atomic
-from colocate.learner.summary import RunFigures, learner_memory, write_summary
+from colocate.learner.summary import RunFigures, SteadyState, learner_memory, write_summary
 from colocate.lifecycle import NO_FAULTS, Faults, StopSignal
 from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role_monitors
 from colocate.models import canonical_name
+from colocate.startup import Timeline, first_step_line, mark, merge, process_timeline, receive_marks, send_marks
 from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
 
@@ -79,6 +80,10 @@ class LearnerRank:
         self.mismatch_at: int | None = None  # the step whose canary mismatch stopped the run
         self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
         self.timeline: list[TimelineRow] = []
+        self.first_step = start
+        self.startup_marks: dict[int, Timeline] = {}  # (learner rank 0) every other rank's start-up marks
+        self.startup: dict = {}  # (learner rank 0) startup.json's record, once the first step ended
+        self.steady_from: tuple[float, float] | None = None  # (time, busy_s) at the end of the first step
         self.block_params = sum(p.numel() for n, p in learner.model.named_parameters()
                                 if ".layers." in n and "lora_" not in n)
 
@@ -89,11 +94,36 @@ class LearnerRank:
         received = [recv_batch(src, self.topo.transport_group) for src in self.topo.inference_ranks]
         # the last adapter's sends to the engines count as waiting, not training
         send_wait_s = self.sender.wait_sent()
+        if step == self.first_step:
+            self.first_shards()
         busy = [s.busy for s in received if s.busy is not None]
         waits = {"t0": t0, "u0": u0, "wait_s": time.perf_counter() - t0, "send_wait_s": send_wait_s,
                  "inference_busy": sum(busy) / len(busy) if busy else None}
         self.check_canary([s.canary for s in received if s.canary is not None], step)
         return TrajectoryBatch.concat([s.batch for s in received]), any(s.flags & RunFlags.STOP for s in received), waits
+
+    def first_shards(self) -> None:
+        """The first shards arrived: the mark, and (learner rank 0) the inference ranks' start-up
+        marks, which they sent right after those shards (before this rank's first adapter send,
+        which waits on them)."""
+        mark("first_batch")
+        if self.topo.rank == self.topo.sync_src:
+            self.startup_marks.update(receive_marks(self.topo, self.topo.inference_ranks))
+
+    def end_first_step(self) -> None:
+        """The start-up's end: every learner's marks reach learner rank 0, which writes
+        `startup.json` and prints where the seconds went (`colocate.startup`)."""
+        mark("first_step_end")
+        self.steady_from = (time.perf_counter(), self.busy_s)
+        if self.topo.rank != self.topo.sync_src:
+            send_marks(self.topo)
+            return
+        self.startup_marks.update(receive_marks(self.topo, self.topo.learner_ranks[1:]))
+        timelines = {r: (self.topo.roles[r], t) for r, t in self.startup_marks.items()}
+        timelines[self.topo.rank] = ("learner", process_timeline())
+        self.startup = merge(timelines)
+        write_atomic(os.path.join(self.cfg.metrics.run_dir, "startup.json"), self.startup)
+        self.writer.print(first_step_line(self.startup))
 
     def check_canary(self, scores: list, step: int) -> None:
         """The engines' probe log-probs against the learner's of the same version (`colocate.canary`)."""
@@ -301,6 +331,8 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
     t_start = time.perf_counter()
     for step in range(start, cfg.learner.num_steps):
         stopping = learner_step(rank, step)
+        if step == start:
+            rank.end_first_step()
         role.watchdog.beat(step)
         role.check()
         if stopping:
@@ -315,8 +347,9 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
         # inference rank's busy share and memory peaks
         evaluation = recv_json(topo.inference_ranks[0], topo.transport_group) if eval_enabled(cfg) else {}
         reports = [recv_json(r, topo.transport_group) for r in topo.inference_ranks]
+        steady = SteadyState.since(rank.steady_from, rank.busy_s, len(rank.history["reward"]) - start)
         write_summary(cfg, topo, rank, RunFigures(time.perf_counter() - t_start, start, gpu_util, memory,
-                                                  evaluation, reports))
+                                                  evaluation, reports, steady))
         rank.writer.close()
     return rank.collapsed_at or rank.mismatch_at
 

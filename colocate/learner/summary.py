@@ -1,9 +1,10 @@
 """The end of a learner run: every learner's memory peaks, and learner rank 0's `summary.json`
-(rewards, busy shares, memory measured beside the plan's estimates, the timeline) with its
-closing lines (the summary, where the run's files are)."""
+(rewards, busy shares of the steady state, memory measured beside the plan's estimates, the
+timeline, the start-up apart) with its closing lines (the summary, where the run's files are)."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,22 @@ from colocate.topology import Topology
 
 
 @dataclass(frozen=True)
+class SteadyState:
+    """The run after its first step (the start-up is `startup.json`'s): the busy shares' window."""
+    wall_s: float = 0.0   # end of the first step -> now
+    busy_s: float = 0.0   # learner rank 0's time in `train_step` in it
+    steps: int = 0        # steps in it
+
+    @classmethod
+    def since(cls, first_step_end: tuple[float, float] | None, busy_s: float, steps_run: int) -> "SteadyState":
+        """From `LearnerRank.steady_from` ((perf_counter, busy_s) at the end of the first step)."""
+        if first_step_end is None or steps_run < 2:
+            return cls()
+        t, busy_then = first_step_end
+        return cls(time.perf_counter() - t, busy_s - busy_then, steps_run - 1)
+
+
+@dataclass(frozen=True)
 class RunFigures:
     """What learner rank 0 gathered at the end of the loop, beside its own history."""
     wall_s: float
@@ -23,6 +40,7 @@ class RunFigures:
     learner_memory: dict  # learner_memory(): {global rank: peaks}
     evaluation: dict      # inference rank 0's held-out evaluations ({} without eval)
     reports: list         # each inference rank's {"rank", "busy_fraction", "memory"}
+    steady: SteadyState = SteadyState()  # no steps after the first: the busy shares cover the whole run
 
 
 def learner_memory(topo: Topology) -> dict[str, dict]:
@@ -72,11 +90,14 @@ def reward_windows(rewards: list[float]) -> tuple[float, float]:
 def run_figures(cfg: Config, rank, figures: RunFigures) -> dict:
     """summary.json's fields beyond the rewards: busy shares, memory (measured and planned), the
     timeline, the stops. `rank` is the loop's `LearnerRank`."""
-    wall, reports = max(figures.wall_s, 1e-9), figures.reports
+    wall, reports, steady = max(figures.wall_s, 1e-9), figures.reports, figures.steady
     return {
         **eval_summary(figures.evaluation),
-        "learner_busy_fraction": rank.busy_s / wall,
+        # the steady state's (from step 2), as the step lines say; the start-up is `startup`
+        "learner_busy_fraction": steady.busy_s / steady.wall_s if steady.steps else rank.busy_s / wall,
         "inference_busy_fraction": sum(r["busy_fraction"] for r in reports) / len(reports),
+        "busy_from_step": figures.start_step + 2 if steady.steps else figures.start_step + 1,
+        "startup": rank.startup,
         "memory_peak_gib": {**{str(r["rank"]): r["memory"] for r in reports}, **figures.learner_memory},
         "memory_plan_gib": read_object(os.path.join(cfg.metrics.run_dir, "memory_plan.json"), missing_ok=True),
         "dropped_stale": rank.dropped,

@@ -30,6 +30,7 @@ from colocate.jsonfile import write_atomic
 from colocate.metrics import EngineProfileWindow, MetricsWriter, Profilers, make_profiler, memory_peaks, role_monitors
 from colocate.rollout.evaluation import Evaluator
 from colocate.rollout.worker import RolloutSettings, RolloutWorker
+from colocate.startup import mark, send_marks
 from colocate.topology import Topology, gpu_index
 from colocate.wire import ProbeScore, RunFlags, TrajectorySender, send_json
 
@@ -61,11 +62,15 @@ class InferenceRank:
         # checkpoint of version v arrives after batches v .. v + L - 1 were played, and a resume at
         # step v plays them again (they were sent, not trained). Kept until version k arrives.
         self.states_before: dict[int, dict] = {}
+        self.first_version = start + 1  # the adapter of the learners' first step: the steady state starts there
+        self.steady_from: float | None = None  # unix time it arrived
 
     def take_adapters_through(self, version: int) -> None:
         """Receive adapter updates until the engine samples with `version` (or a stop arrives)."""
         while self.engine.version < version and not self.stopped:
             update = self.receiver.receive()
+            if update.version == self.first_version:
+                self.steady_from = time.time()
             self.writer.scalars("sync", update.metrics, update.version)
             # the state before batch `version`: played already with lag >= 1, else the present one
             state = self.states_before.pop(update.version, None)
@@ -134,6 +139,16 @@ class InferenceRank:
         return stats, engine_stats
 
 
+def steady_busy(batches: list[dict], since: float | None, until: float) -> float | None:
+    """The share of [since, until] (unix s) spent collecting (`batches`' collect intervals, clipped
+    to it): the steady state's busy share, from the learners' first adapter on; None without one,
+    or when no batch was collected after it (a run of one step)."""
+    if since is None or until <= since or not any(b["collect_end"] > since for b in batches):
+        return None
+    inside = sum(max(0.0, min(b["collect_end"], until) - max(b["collect_start"], since)) for b in batches)
+    return inside / (until - since)
+
+
 def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
     """Batches start..S-1 of one inference rank, then the last versions -> seconds spent collecting."""
     cfg = rank.cfg
@@ -144,6 +159,9 @@ def rollout_loop(rank: InferenceRank, start: int, role, profiler) -> float:
         played = rank.play_batch(k, sender, lag)
         if played is None:
             break
+        if k == start:  # queued: the learners' rank 0 takes this rank's start-up marks after its shards
+            mark("first_batch")
+            send_marks(rank.topo)
         stats, engine_stats = played
         stats["idle_fraction"] = 1.0 - rank.batches[-1]["collect_s"] / max(time.perf_counter() - t_batch, 1e-9)
         t_batch = time.perf_counter()
@@ -179,7 +197,9 @@ def run_inference(cfg: Config, topo: Topology, engine: Engine, env: Env, receive
         finally:
             profiler.stop()
         wall = time.perf_counter() - t_start
-        report = {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s, "busy_fraction": busy_s / max(wall, 1e-9),
+        steady = steady_busy(rank.batches, rank.steady_from, time.time())
+        report = {"rank": topo.rank, "wall_s": wall, "busy_s": busy_s,
+                  "busy_fraction": busy_s / max(wall, 1e-9) if steady is None else steady,
                   "memory": memory_peaks(topo.device)}
         send_json(report, topo.sync_src, topo.transport_group)  # learner rank 0 puts it into summary.json
         write_atomic(os.path.join(cfg.metrics.run_dir, f"inference-rank{topo.rank}.json"),

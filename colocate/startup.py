@@ -1,0 +1,189 @@
+"""A run's start-up: its timeline (where the seconds before the end of step 1 went) and the compile
+caches that make the next start faster.
+
+Timeline: every rank keeps one `Timeline` per process (`process_timeline`), marked by the
+composition root and the role loops with unix times (`MARKS`, in the order a rank passes them).
+Learner rank 0 collects every other rank's as one JSON control message (`wire.send_json`): an
+inference rank sends its marks right after it queued its first batch, a learner at the end of its
+first step; learner rank 0 receives the inference ranks' right after their first shards (before
+it trains: its adapter send would wait on them) and the learners' at the end of its first step.
+It then writes `<run_dir>/startup.json` (`merge`: seconds since the launch per rank, and per mark
+the last rank to reach it), puts the same record into `summary.json` and prints
+`first_step_line`. The launch is the `colocate train` command's start (`LAUNCH_ENV`, which it sets
+for its ranks); a rank started by plain torchrun counts from the earliest process start of the job.
+
+Caches: `compile_cache_env` puts vLLM's compile cache, inductor's and Triton's under one directory
+(`model.compile_cache_dir`), set in each rank's environment before any of them compiles (vLLM is
+imported later, in the engine), so a second launch finds what the first one compiled. A variable
+the user set already is kept.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+LAUNCH_ENV = "COLOCATE_LAUNCH_TIME"
+"""Unix time the `colocate train` command started, for its ranks (cli.py sets it)."""
+
+MARKS = ("rank_start", "checks_done", "ranks_up", "model_ready", "engine_constructed", "engine_warm",
+         "learner_warm", "first_batch", "first_step_end")
+"""What a rank marks, in the order it passes them (each role marks a subsequence):
+rank_start          the rank's process started (after the launcher's checks and torchrun's start)
+checks_done         the rank's config checks passed (`launch.configure`)
+ranks_up            the process groups are formed (`build_topology`)
+model_ready         tokenizer and model built; a learner's sharded and materialized (`Learner`)
+engine_constructed  (inference) the engine is built, with the engine's own warm-up (vLLM: compile,
+                    KV cache, CUDA graphs) and our kernels' (engine/vllm_*.py)
+engine_warm         (inference) the adapter channel (which waits for learner rank 0) and the env
+                    are up too: the first rollout starts
+learner_warm        (learner) the synthetic warm-up update is done (`learner.prewarm`)
+first_batch         (inference) its first batch is queued; (learner) its first shards arrived
+first_step_end      (learner) the end of its first step (step 1, or the first after a resume)"""
+
+CACHE_VARIABLES = (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))
+"""The libraries' cache variables and their folder under `model.compile_cache_dir`."""
+
+
+def launch_time(environ=os.environ) -> float:
+    """The launch's unix time: `colocate train`'s start, else this process's start (plain torchrun)."""
+    if environ.get(LAUNCH_ENV):
+        return float(environ[LAUNCH_ENV])
+    import psutil
+    return psutil.Process().create_time()
+
+
+@dataclass
+class Timeline:
+    """One rank's start-up marks, unix seconds; `origin` is the launch as this rank knows it."""
+    origin: float
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """Record `name` now (or `at`); a mark keeps its first time."""
+        if name not in MARKS:
+            raise ValueError(f"unknown start-up mark {name!r}; marks: {', '.join(MARKS)}")
+        self.marks.setdefault(name, time.time() if at is None else at)
+
+    def to_json(self) -> dict:
+        return {"origin": self.origin, "marks": dict(self.marks)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Timeline":
+        return cls(float(data["origin"]), {k: float(v) for k, v in data["marks"].items()})
+
+
+_PROCESS: Timeline | None = None
+
+
+def begin(environ=os.environ) -> Timeline:
+    """A fresh timeline for this process (a rank's `main`), marked `rank_start` at its process start."""
+    global _PROCESS
+    _PROCESS = Timeline(launch_time(environ))
+    import psutil
+    _PROCESS.mark("rank_start", psutil.Process().create_time())
+    return _PROCESS
+
+
+def process_timeline() -> Timeline:
+    """This process's timeline: one per rank, like the process start it counts from."""
+    return _PROCESS if _PROCESS is not None else begin()
+
+
+def mark(name: str) -> None:
+    process_timeline().mark(name)
+
+
+# ---------------------------------------------------------------------------------- the record
+
+def merge(ranks: dict[int, tuple[str, Timeline]]) -> dict:
+    """{global rank: (role, timeline)} -> startup.json's record: the origin (the earliest launch any
+    rank knows), each rank's marks in seconds since it, each mark's latest rank (the one the run
+    waited for), and the phases of `first_step_line`."""
+    origin = min(t.origin for _, t in ranks.values())
+    per_rank = {str(r): {"role": role, **{m: round(t.marks[m] - origin, 3) for m in MARKS if m in t.marks}}
+                for r, (role, t) in sorted(ranks.items())}
+    latest = {m: max(row[m] for row in per_rank.values() if m in row) for m in MARKS
+              if any(m in row for row in per_rank.values())}
+    return {"launch": "colocate train" if os.environ.get(LAUNCH_ENV) else "first process start",
+            "origin_unix": origin, "marks": latest, "ranks": per_rank, "phases": phases(per_rank)}
+
+
+def _longest(rows: list[dict], end: str, start: str) -> float:
+    """The longest `end - start` over the rows that hold both marks (nan: none does)."""
+    spans = [row[end] - row[start] for row in rows if end in row and start in row]
+    return max(spans) if spans else math.nan
+
+
+def phases(per_rank: dict[str, dict]) -> dict[str, float]:
+    """The step-1 line's parts, in seconds: checks (launch -> the last rank's checks done), engine
+    (the slowest inference rank's model -> engine constructed), learner warm-up (model -> warm), waiting
+    for the first batch (warm, or model without a warm-up -> first shards), step 1's own time; on
+    learner rank 0 where a learner's mark is meant (the line's rank)."""
+    rows = list(per_rank.values())
+    inference = [r for r in rows if r["role"] == "inference"]
+    learner0 = [next(r for r in rows if r["role"] == "learner")]  # the lowest global rank of its role
+    warm = "learner_warm" in learner0[0]
+    return {"first_step": learner0[0].get("first_step_end", math.nan),
+            "checks": max(r.get("checks_done", math.nan) for r in rows),
+            "engine": _longest(inference, "engine_constructed", "model_ready"),
+            "learner_warmup": _longest(learner0, "learner_warm", "model_ready") if warm else 0.0,
+            "first_batch_wait": _longest(learner0, "first_batch", "learner_warm" if warm else "model_ready"),
+            "step_1": _longest(learner0, "first_step_end", "first_batch")}
+
+
+def first_step_line(record: dict) -> str:
+    p = record["phases"]
+    return (f"colocate: first step after {p['first_step']:.1f} s (checks {p['checks']:.1f}, engine {p['engine']:.1f}, "
+            f"learner warm-up {p['learner_warmup']:.1f}, waiting for the first batch {p['first_batch_wait']:.1f})")
+
+
+# ---------------------------------------------------------------------------------- the exchange
+
+def send_marks(topo) -> None:
+    """A rank other than learner rank 0: its timeline to learner rank 0 (one JSON control message)."""
+    from colocate.wire import send_json
+    send_json(process_timeline().to_json(), topo.sync_src, topo.transport_group)
+
+
+def receive_marks(topo, ranks: list[int]) -> dict[int, Timeline]:
+    """Learner rank 0: the timelines `ranks` sent (`send_marks`), in that order."""
+    from colocate.wire import recv_json
+    return {r: Timeline.from_json(recv_json(r, topo.transport_group)) for r in ranks}
+
+
+# ---------------------------------------------------------------------------------- caches
+
+def torch_default(name: str, value: str) -> bool:
+    """Whether `value` is what torch itself put in the variable: importing torch._dynamo writes
+    inductor's default cache directory into TORCHINDUCTOR_CACHE_DIR, before any config is read."""
+    if name != "TORCHINDUCTOR_CACHE_DIR":
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return False
+    return value == default_cache_dir()
+
+
+def compile_cache_env(cache_dir: str, environ=os.environ) -> dict[str, str]:
+    """Point vLLM's, inductor's and Triton's caches under `cache_dir` (`~` expanded), in `environ`,
+    unless the user set one already -> the three variables as they now are. "" leaves every
+    library's own default. Inductor and Triton read theirs when they compile, vLLM's engine process
+    when it starts; only dynamo's own package cache took its path at import."""
+    if cache_dir:
+        root = os.path.abspath(os.path.expanduser(cache_dir))
+        for name, folder in CACHE_VARIABLES:
+            if not environ.get(name) or torch_default(name, environ[name]):
+                environ[name] = os.path.join(root, folder)
+    return {name: environ.get(name, "") for name, _ in CACHE_VARIABLES}
+
+
+def cache_line(cache_dir: str, variables: dict[str, str]) -> str:
+    """The start line naming where the compile caches are."""
+    root = os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else ""
+    if root and all(v == os.path.join(root, folder) for (_, folder), v in zip(CACHE_VARIABLES, variables.values())):
+        return f"colocate: compile caches in {root} (vllm/, inductor/, triton/; model.compile_cache_dir)"
+    shown = ", ".join(f"{k}={v or '(library default)'}" for k, v in variables.items())
+    return f"colocate: compile caches: {shown}"

@@ -1,0 +1,276 @@
+"""The start-up: each rank's timeline, merged on learner rank 0 (any world), the learner's warm-up
+that leaves the run bit for bit as it was, the compile caches' variables, the steady-state busy
+shares and the engine kernel's warm-up call."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from colocate.startup import MARKS, LAUNCH_ENV, Timeline, compile_cache_env, cache_line, first_step_line, merge
+from tests.conftest import REPO, free_port
+
+ROLE_MARKS = {"inference": ("rank_start", "checks_done", "ranks_up", "model_ready", "engine_constructed",
+                            "engine_warm", "first_batch"),
+              "learner": ("rank_start", "checks_done", "ranks_up", "model_ready", "learner_warm", "first_batch",
+                          "first_step_end")}
+
+
+def marked(origin: float, role: str, seconds: list[float]) -> Timeline:
+    t = Timeline(origin)
+    for name, s in zip(ROLE_MARKS[role], seconds):
+        t.mark(name, origin + s)
+    return t
+
+
+def four_ranks() -> dict:
+    """2 inference + 2 learners; learner rank 1 (global 3) knows a later launch than the others."""
+    return {0: ("inference", marked(1000.0, "inference", [1, 5, 6, 8, 30, 31, 40])),
+            1: ("inference", marked(1000.0, "inference", [1, 6, 6.5, 9, 35, 36, 44])),
+            2: ("learner", marked(1000.0, "learner", [1, 5, 6, 12, 20, 45, 47])),
+            3: ("learner", marked(1002.0, "learner", [0, 3, 4, 9, 18, 43, 45]))}
+
+
+def test_merge_counts_from_the_earliest_launch_and_names_the_phases():
+    record = merge(four_ranks())
+    assert record["origin_unix"] == 1000.0
+    assert record["ranks"]["3"]["model_ready"] == 11.0  # 1002 + 9, from the job's launch
+    assert record["marks"]["engine_constructed"] == 35.0 and record["marks"]["first_step_end"] == 47.0
+    p = record["phases"]
+    # checks: the last rank's; engine: the slowest inference rank's model -> engine; the learner's on learner rank 0
+    assert (p["first_step"], p["checks"], p["engine"]) == (47.0, 6.0, 26.0)
+    assert (p["learner_warmup"], p["first_batch_wait"], p["step_1"]) == (8.0, 25.0, 2.0)
+    assert first_step_line(record) == ("colocate: first step after 47.0 s (checks 6.0, engine 26.0, "
+                                       "learner warm-up 8.0, waiting for the first batch 25.0)")
+
+
+def test_without_a_warm_up_the_wait_counts_from_the_model():
+    ranks = {0: ("inference", marked(0.0, "inference", [1, 2, 3, 4, 10, 11, 12])),
+             1: ("learner", Timeline(0.0, {"checks_done": 2.0, "model_ready": 5.0, "first_batch": 12.5,
+                                           "first_step_end": 13.0}))}
+    p = merge(ranks)["phases"]
+    assert (p["learner_warmup"], p["first_batch_wait"]) == (0.0, 7.5)
+
+
+def test_a_mark_keeps_its_first_time_and_unknown_marks_are_refused():
+    t = Timeline(0.0)
+    t.mark("first_batch", 3.0)
+    t.mark("first_batch", 9.0)
+    assert t.marks == {"first_batch": 3.0}
+    assert Timeline.from_json(json.loads(json.dumps(t.to_json()))) == t
+    with pytest.raises(ValueError, match="unknown start-up mark 'engine_ready'"):
+        t.mark("engine_ready")
+
+
+def _exchange_worker(rank: int, port: int, out: str) -> None:
+    """One rank of a 2 inference + 2 learner world: the inference ranks and learner rank 1 send
+    their marks, learner rank 0 receives them in the loops' order (inference ranks after their
+    first shards, learners after the first step) and merges."""
+    from colocate import startup
+    from colocate.topology import Topology
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{LAUNCH_ENV: "1000.0"})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    topo = Topology(rank=rank, world_size=4, local_rank=rank, num_inference=2, num_learners=2,
+                    device=torch.device("cpu"), backend="gloo", transport_group=dist.group.WORLD)
+    role, mine = four_ranks()[rank]
+    timeline = startup.begin()
+    timeline.marks = dict(mine.marks)
+    if rank != topo.sync_src:
+        startup.send_marks(topo)
+    else:
+        got = startup.receive_marks(topo, topo.inference_ranks)
+        got.update(startup.receive_marks(topo, topo.learner_ranks[1:]))
+        got[rank] = timeline
+        with open(out, "w") as f:
+            json.dump(startup.merge({r: (topo.roles[r], t) for r, t in got.items()}), f)
+    dist.destroy_process_group()
+
+
+def test_learner_rank_0_gathers_every_ranks_marks_in_any_world(tmp_path):
+    out = str(tmp_path / "startup.json")
+    mp.start_processes(_exchange_worker, args=(free_port(), out), nprocs=4, join=True, start_method="fork")
+    with open(out) as f:
+        got = json.load(f)
+    want = merge(four_ranks())  # every rank's own origin is the launch it was given; the marks are absolute
+    assert got["ranks"] == want["ranks"] and got["phases"] == want["phases"] and got["marks"] == want["marks"]
+    assert got["launch"] == "colocate train"
+
+
+# -------------------------------------------------------------------------------- the run's record
+
+def test_a_run_writes_its_timeline_in_order_and_reports_busy_shares_from_step_2(learning_run):
+    record = json.loads((learning_run.run_dir / "startup.json").read_text())
+    summary = json.loads((learning_run.run_dir / "summary.json").read_text())
+    assert summary["startup"] == record and summary["busy_from_step"] == 2
+    assert {row["role"] for row in record["ranks"].values()} == {"inference", "learner"}
+    for rank, row in record["ranks"].items():
+        names = [m for m in MARKS if m in row]
+        assert names == list(ROLE_MARKS[row["role"]]), rank  # every mark of its role, learner_warm included
+        seconds = [row[m] for m in names]
+        assert seconds == sorted(seconds) and seconds[0] >= 0, (rank, row)
+    lines = [line for line in learning_run.stdout.splitlines() if "colocate: first step after" in line]
+    assert len(lines) == 1 and lines[0].endswith(first_step_line(record))
+    # the ranks' compile cache variables: under the default directory, but for those this environment sets
+    default = "~/.cache/colocate"
+    assert cache_line(default, compile_cache_env(default, dict(os.environ))) in learning_run.stdout.splitlines()
+
+
+# -------------------------------------------------------------------------------- caches
+
+def test_compile_caches_go_under_one_directory_unless_the_user_set_one(tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    root = str(tmp_path / "c")
+    env = {"TRITON_CACHE_DIR": "/mine/triton", "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}  # torch's own
+    got = compile_cache_env(root, env)
+    assert got == env == {"VLLM_CACHE_ROOT": f"{root}/vllm", "TORCHINDUCTOR_CACHE_DIR": f"{root}/inductor",
+                          "TRITON_CACHE_DIR": "/mine/triton"}
+    assert cache_line(root, got) == ("colocate: compile caches: VLLM_CACHE_ROOT=" + f"{root}/vllm, "
+                                     f"TORCHINDUCTOR_CACHE_DIR={root}/inductor, TRITON_CACHE_DIR=/mine/triton")
+    fresh = compile_cache_env("~/x", {})
+    assert cache_line("~/x", fresh).startswith(f"colocate: compile caches in {os.path.expanduser('~/x')} (vllm/")
+    assert compile_cache_env("", {}) == {"VLLM_CACHE_ROOT": "", "TORCHINDUCTOR_CACHE_DIR": "", "TRITON_CACHE_DIR": ""}
+
+
+# -------------------------------------------------------------------------------- steady state
+
+def test_inference_busy_share_counts_collect_time_inside_the_steady_window():
+    from colocate.rollout.loop import steady_busy
+    batches = [{"collect_start": 0.0, "collect_end": 10.0}, {"collect_start": 12.0, "collect_end": 20.0},
+               {"collect_start": 25.0, "collect_end": 29.0}]
+    # from 15 to 35: 5 s of the second batch and the whole third (4 s) over 20 s
+    assert steady_busy(batches, 15.0, 35.0) == pytest.approx(9.0 / 20.0)
+    assert steady_busy(batches, None, 35.0) is None
+    assert steady_busy(batches, 30.0, 35.0) is None  # nothing collected after the first adapter: one step
+
+
+def test_learner_steady_state_starts_after_the_first_step():
+    import time
+    from colocate.learner.summary import SteadyState
+    t = time.perf_counter() - 10.0
+    steady = SteadyState.since((t, 4.0), busy_s=9.0, steps_run=6)
+    assert steady.busy_s == 5.0 and steady.steps == 5 and 10.0 <= steady.wall_s < 60.0
+    assert SteadyState.since((t, 4.0), busy_s=4.0, steps_run=1) == SteadyState()
+    assert SteadyState.since(None, busy_s=4.0, steps_run=3) == SteadyState()
+
+
+# -------------------------------------------------------------------------------- the learner's warm-up
+
+SHAPES = [(9, 3), (14, 1), (5, 6), (11, 4), (7, 2), (12, 5)]
+
+
+def _learner(cache_dir: str, extra: dict, topo):
+    from colocate.config import load_config
+    from colocate.envs import env_corpus
+    from colocate.learner.learner import Learner
+    from colocate.models import build_policy, load_tokenizer
+    learner_keys = {"lr": 1e-2, "micro_batch_tokens": 32, "fsdp": False, **extra.get("learner", {})}
+    cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"), {
+        "model": {"cache_dir": cache_dir}, "lora": {"rank": 3, "alpha": 6.0, **extra.get("lora", {})},
+        "learner": learner_keys, "loss": {"impl": "torch", **extra.get("loss", {})}})
+    tok = load_tokenizer(cfg.model, *reversed(env_corpus(cfg)))
+    return Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok), len(tok)
+
+
+def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3) -> dict:
+    """`steps` train steps with or without a warm-up first -> adapter, optimizer state, RNG after them."""
+    from tests.test_packing import random_batch
+    learner, vocab = _learner(cache_dir, extra, topo)
+    torch.manual_seed(7)
+    if warm:
+        calls = []
+        step = learner.optimizer.step
+        learner.optimizer.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+        learner.warm_up()
+        learner.optimizer.step = step
+        assert calls == [1] and not learner.optimizer.state and learner.version == 0  # it stepped, then put back
+        assert all(p.grad is None for p in learner.params)
+    for i in range(steps):
+        batch = random_batch(vocab, SHAPES, seed=i)
+        batch.versions[:] = learner.version
+        learner.train_step(batch)
+    return {"adapter": {n: t.clone() for n, t in learner.lora_state().items()},
+            "optimizer": learner.optimizer.state_dict(), "rng": torch.get_rng_state()}
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert list(a["adapter"]) == list(b["adapter"])
+    for name in a["adapter"]:
+        assert torch.equal(a["adapter"][name], b["adapter"][name]), name
+    sa, sb = a["optimizer"], b["optimizer"]
+    assert sa["param_groups"] == sb["param_groups"] and sa["state"].keys() == sb["state"].keys()
+    for key, state in sa["state"].items():
+        assert state.keys() == sb["state"][key].keys()
+        for field, value in state.items():
+            assert torch.equal(value, sb["state"][key][field]), (key, field)
+    assert torch.equal(a["rng"], b["rng"])
+
+
+WARM_UP_VARIANTS = [
+    {"lora": {"dropout": 0.1}},  # dropout draws from the RNG the warm-up must put back
+    {"learner": {"updates_per_batch": 2, "prefix_sharing": "tree"}, "loss": {"beta": 0.04}},
+]
+
+
+@pytest.mark.parametrize("extra", WARM_UP_VARIANTS, ids=["dropout", "two_updates_tree_kl"])
+def test_warm_up_leaves_adapter_optimizer_and_rng_bit_identical(tiny_cfg, tiny_tokenizer, extra):
+    from colocate.topology import Topology
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    cache = tiny_cfg.model.cache_dir
+    assert_identical(_trained(cache, extra, topo, warm=True), _trained(cache, extra, topo, warm=False))
+
+
+def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str) -> None:
+    from colocate.topology import Topology
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # forked after in-process training: the parent's thread pool does not come along
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0]))
+    extra = {"learner": {"fsdp": True}}
+    assert_identical(_trained(cache_dir, extra, topo, warm=True), _trained(cache_dir, extra, topo, warm=False))
+    open(out, "w").write("ok")
+    dist.destroy_process_group()
+
+
+def test_warm_up_under_fsdp_puts_the_sharded_adapter_back_exactly(tmp_path, tiny_cfg, tiny_tokenizer):
+    out = str(tmp_path / "ok")
+    mp.start_processes(_fsdp_worker, args=(free_port(), tiny_cfg.model.cache_dir, out), nprocs=1, join=True,
+                       start_method="fork")
+    assert open(out).read() == "ok"
+
+
+def test_the_synthetic_batch_fills_the_budget_in_groups_that_share_a_prompt():
+    from colocate.learner.learner import synthetic_batch
+    b = synthetic_batch(vocab=50, num_tokens=64, completion_len=8, group_size=4, version=3)
+    assert b.num_sequences == 4 and int(b.seq_lens.sum()) == 64 and b.num_completion_tokens == 32
+    prompts = b.tokens.view(4, 16)[:, :8]
+    assert all(torch.equal(prompts[0], prompts[i]) for i in range(4))  # one group of four
+    assert set(b.advantages.tolist()) == {1.0, -1.0} and b.versions.tolist() == [3] * 4
+    assert torch.equal(b.behaviour_logprobs, torch.full((32,), -math.log(50)))  # a ratio near 1: unclipped
+    assert synthetic_batch(vocab=50, num_tokens=5, completion_len=8, group_size=4, version=0).num_sequences == 1
+
+
+# -------------------------------------------------------------------------------- the engine's kernels
+
+def test_the_logprob_kernel_runs_once_per_logits_dtype_at_engine_start(monkeypatch, capsys):
+    from colocate.engine import vllm_logprobs
+    from colocate.kernels import sampled_logprob as kernel
+    calls = []
+    monkeypatch.setattr(kernel, "sampled_logprob", lambda logits, ids: calls.append(
+        (tuple(logits.shape), logits.dtype, str(logits.device), tuple(ids.shape), ids.dtype)))
+    assert vllm_logprobs.warm_up(151936, "cpu")
+    assert calls == [((2, 151936), torch.float32, "cpu", (2,), torch.int64),
+                     ((2, 151936), torch.bfloat16, "cpu", (2,), torch.int64)]
+
+    def broken(logits, ids):
+        raise RuntimeError("no GPU")
+    monkeypatch.setattr(kernel, "sampled_logprob", broken)
+    assert not vllm_logprobs.warm_up(8, "cpu")
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["colocate: engine.logprob_kernel warm-up failed (RuntimeError: no GPU); the kernel compiles "
+                   "in the first rollouts instead"]
