@@ -155,6 +155,10 @@ def pytest_collection_modifyitems(config, items):
     if seed:
         import random
         random.Random(int(seed)).shuffle(items)
+    # The tests that read the suite's vLLM runs last: the runs start with the first GPU test and go
+    # on in the background while the in-process tests run; a reader first would wait for its run.
+    items[:] = [i for i in items if not i.get_closest_marker("gpu_job")] + \
+        [i for i in items if i.get_closest_marker("gpu_job")]
     untimed = [item.nodeid for item in items
                if item.get_closest_marker("gpu") and not item.get_closest_marker("timeout")]
     if untimed:
@@ -184,6 +188,12 @@ def gpu_jobs(request, tmp_path_factory):
     runner.close()
 
 
+SMALL_SEGMENT = 2 << 20
+"""What a test may leave in CUDA's caching allocator: one segment of its small pool (2 MiB, which
+holds any allocation under 1 MiB), where a module keeps a small buffer for good (the bulk loss
+kernel's row counters). Anything a vLLM run would miss is larger."""
+
+
 @pytest.fixture(autouse=True)
 def gpu_left_as_found(request):
     """Every GPU test leaves the card as it found it: pytest's own process holds no more of CUDA's
@@ -199,7 +209,7 @@ def gpu_left_as_found(request):
     yield
     after, left = held_bytes(), {p: b for p, b in gpu_processes().items() if p not in procs}
     problems = []
-    if after > before:
+    if after > before + SMALL_SEGMENT:
         problems.append(f"pytest's process holds {(after - before) / 2**20:.0f} MiB more of the GPU than before "
                         "(tensors the test kept alive)")
     if left:
