@@ -135,29 +135,60 @@ class Job:
     single_node: bool
 
 
-def train_command(argv: list[str]) -> tuple[int, list[str], Job | None]:
-    """Check everything (`launch.check_in_child`) -> (exit code, the torchrun command line, the job):
-    a code other than 0 has printed its line, and no torchrun starts. Raises ConfigError (parsing)."""
+@dataclasses.dataclass
+class Launch:
+    """What `train_command` made: the exit code of the checks (0: go), the torchrun command line,
+    the job, and what `close` releases (the resolved config's file, the run directory's lock)."""
+    code: int
+    cmd: list = dataclasses.field(default_factory=list)
+    job: Job | None = None
+    lock: object = None
+    resolved: str = ""
+
+    def close(self) -> None:
+        if self.resolved:  # the ranks have read it
+            os.remove(self.resolved)
+        if self.lock is not None:
+            self.lock.close()
+
+
+def train_command(argv: list[str]) -> Launch:
+    """Hold the run directory (one node: this process, for the job's life; several: global rank 0
+    does), check everything (`launch.check_in_child`) -> the `Launch`: a code other than 0 has
+    printed its line, and no torchrun starts. Raises ConfigError (parsing, or a live run holding
+    the directory); the caller closes the `Launch`."""
+    from colocate import run_dir
     from colocate.launch import check_in_child, config_from_text, default_world, write_resolved
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:
         raise ConfigError("--config FILE is required")
-    nproc = nproc or default_world(load_config(path, overrides))  # a bad key is refused here, before torch
+    parsed = load_config(path, overrides)  # a bad key is refused here, before torch
+    nproc = nproc or default_world(parsed)
     nnodes = torchrun_value(torchrun, "--nnodes") or "1"
     world = nproc * int(nnodes) if nnodes.isdigit() else None  # an elastic range: torchrun decides
-    code, text = check_in_child(ours, world=world, local_world=nproc)
-    if code:
-        return code, [], None
-    from colocate.topology import place_roles  # torch: only once the config is known good
-    cfg = config_from_text(text, "the checked config", world or nproc)
     single = nnodes == "1" and not torchrun_value(torchrun, "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                                                     "--master_addr")
-    job = Job(cfg.metrics.run_dir, tuple(place_roles(cfg, world, nproc)) if world else (), cfg.checkpoint.enabled,
-              single)
-    return 0, [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
-               "-m", "colocate.train", *write_resolved(text)], job
+    # before the checks: the checking child's claim (an --overwrite deletes) runs under the lock
+    launch = Launch(0, lock=run_dir.hold(os.path.abspath(parsed.metrics.run_dir), by="colocate train")
+                    if single else None)
+    try:
+        launch.code, text = check_in_child(ours, world=world, local_world=nproc)
+        if launch.code:
+            return launch
+        from colocate.topology import place_roles  # torch: only once the config is known good
+        cfg = config_from_text(text, "the checked config", world or nproc)
+        launch.job = Job(cfg.metrics.run_dir, tuple(place_roles(cfg, world, nproc)) if world else (),
+                         cfg.checkpoint.enabled, single)
+        resolved = write_resolved(text)
+        launch.resolved = resolved[0].partition("=")[2]
+        launch.cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                      *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
+                      "-m", "colocate.train", *resolved]
+    except BaseException:
+        launch.close()
+        raise
+    return launch
 
 
 def launch_env(nproc: int) -> dict[str, str]:
@@ -176,25 +207,22 @@ def launch_env(nproc: int) -> dict[str, str]:
 def train(argv: list[str]) -> int:
     import psutil
 
-    from colocate import run_dir
     from colocate.startup import LAUNCH_ENV
     launched_at = repr(psutil.Process().create_time())  # the command's start: the ranks' timeline counts from it
-    code, cmd, job = train_command(argv)
-    if code:
-        return code
-    # the launcher holds the run directory for the job's life (several nodes: global rank 0 does)
-    lock = run_dir.hold(job.run_dir, by="colocate train") if job.single_node else None
-    nproc = int(cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
-    sys.stdout.flush()
-    os.environ.update(launch_env(nproc))
-    os.environ[LAUNCH_ENV] = launched_at  # for these ranks only: a later launch from this process has its own
+    launch = train_command(argv)
     try:
-        return run_torchrun(cmd[3:], job)
+        if launch.code:
+            return launch.code
+        nproc = int(launch.cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
+        sys.stdout.flush()
+        os.environ.update(launch_env(nproc))
+        os.environ[LAUNCH_ENV] = launched_at  # for these ranks only: a later launch from this process has its own
+        try:
+            return run_torchrun(launch.cmd[3:], launch.job)
+        finally:
+            del os.environ[LAUNCH_ENV]
     finally:
-        del os.environ[LAUNCH_ENV]
-        os.remove(cmd[-2].partition("=")[2])  # the resolved config (`launch.write_resolved`): the ranks have read it
-        if lock is not None:
-            lock.close()
+        launch.close()
 
 
 def run_torchrun(args: list[str], job: Job) -> int:

@@ -409,6 +409,8 @@ def start_config(argv: list[str]) -> tuple[Config, dict | None, bool]:
     if resolved is None:
         return checked_once(argv)
     cfg = load_resolved(*resolved, world=int(os.environ.get("WORLD_SIZE", "1")))
+    if int(os.environ.get("RANK", "0")) == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        run_dir.hold_in_rank(cfg.metrics.run_dir)  # several nodes: no launcher holds it for the job
     return cfg, load_resumed(cfg), False
 
 

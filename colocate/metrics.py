@@ -36,8 +36,11 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tb", role), purge_step=first_step or None)
 
-    def scalars(self, namespace: str, values: dict[str, float], step: int) -> None:
-        for tracker in self.trackers:
+    def scalars(self, namespace: str, values: dict[str, float], step: int, *, trackers: bool = True) -> None:
+        """`values` at `step` into TensorBoard, and into the trackers unless `trackers` is False: a
+        tracker takes steps in order (W&B drops a smaller step than the last), so only the training
+        step may index what reaches them."""
+        for tracker in self.trackers if trackers else ():
             tracker.log({f"{namespace}/{k}": float(v) for k, v in values.items()}, step)
         if self._tb is None:
             return
@@ -137,7 +140,8 @@ def memory_peaks(device: torch.device) -> dict[str, float]:
 
 
 class SystemSampler(MonitorThread):
-    """Samples NVML (GPU util %, SM clock MHz, memory used GiB) and CPU % every `interval_s`."""
+    """Samples NVML (GPU util %, SM clock MHz, memory used GiB) and CPU % every `interval_s`, into
+    TensorBoard at the seconds since its start."""
     MAX_TRACE = 100_000
 
     def __init__(self, writer: MetricsWriter, interval_s: float, gpu_index: int | None):
@@ -175,7 +179,9 @@ class SystemSampler(MonitorThread):
                               gpu_mem_used_gib=pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30)
                 self.gpu_util.append([time.time(), float(util.gpu)])
                 del self.gpu_util[:-self.MAX_TRACE]
-            self.writer.scalars("system", values, int(time.time() - self._t0))
+            # indexed by seconds, so TensorBoard only: on a tracker the seconds would pass the training
+            # steps and W&B would then drop every step's scalars (the trackers sample the system themselves)
+            self.writer.scalars("system", values, int(time.time() - self._t0), trackers=False)
             self.samples += 1
 
 

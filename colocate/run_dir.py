@@ -12,8 +12,8 @@ one. The policy (README, "Runs keep their work"):
     and starts afresh;
   * or name another directory: `--metrics.run_dir=runs/try-2`.
 
-Checked by `launch.check_config` (every rank, `colocate train` before it starts torchrun); under
-torchrun only global rank 0 deletes.
+Checked once per launch (`launch.check_parsed`: `colocate train`'s checking child, or one rank per
+node under plain torchrun); only that one process deletes.
 
 Two runs never share a directory: a live run holds an exclusive `flock` on `<run_dir>/.colocate-lock`
 (`colocate train` on one node for its whole life, else the job's global rank 0), which records who
@@ -73,8 +73,23 @@ def read_holder(f) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+_held_paths: dict = {}
+"""The run directories this process holds -> its pid; a child it forks (the launcher's checks)
+inherits the record, and with it the knowledge that its parent is the holder (whatever user code
+did to json meanwhile)."""
+
+
+def held_by_parent(holder: dict) -> bool:
+    """Whether the lock's holder is this process's parent (`colocate train`, whose checking child
+    and ranks run under its lock)."""
+    return holder.get("pid") == os.getppid() and holder.get("host") == socket.gethostname()
+
+
 def refuse_if_held(run_dir: str) -> None:
-    """ConfigError when a live run holds `run_dir`; takes nothing (`colocate check`, the launcher's check)."""
+    """ConfigError when a live run other than this process's launcher holds `run_dir`; takes
+    nothing (`colocate check`, the launcher's checking child)."""
+    if _held_paths.get(os.path.realpath(run_dir)) == os.getppid():  # this process's launcher holds it
+        return
     try:
         f = open(os.path.join(run_dir, LOCK))
     except OSError:  # no lock file (a new directory), or none readable: no live run recorded one
@@ -83,7 +98,9 @@ def refuse_if_held(run_dir: str) -> None:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise in_use(run_dir, read_holder(f)) from None
+            holder = read_holder(f)
+            if not held_by_parent(holder):
+                raise in_use(run_dir, holder) from None
         except OSError:  # a filesystem without locks (some network mounts): the earlier-run check remains
             return
 
@@ -92,24 +109,36 @@ def hold(run_dir: str, by: str):
     """Lock `run_dir` -> the open lock file (the lock lasts until it is closed), or None when this
     rank's launcher (its parent, `colocate train`) holds it or the filesystem has no locks;
     ConfigError naming the live run that holds it."""
-    os.makedirs(run_dir, exist_ok=True)
-    f = open(os.path.join(run_dir, LOCK), "a+")  # not written atomically: the lock is on this very inode
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        f = open(os.path.join(run_dir, LOCK), "a+")  # not written atomically: the lock is on this very inode
+    except OSError:  # a directory that cannot be made: the checks refuse it in their own line (preflight)
+        return None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = read_holder(f)
         f.close()
-        if holder.get("pid") == os.getppid() and holder.get("host") == socket.gethostname():
+        if held_by_parent(holder):
             return None
         raise in_use(run_dir, holder) from None
     except OSError:  # a filesystem without locks: the earlier-run check remains
         f.close()
         return None
+    _held_paths[os.path.realpath(run_dir)] = os.getpid()
     f.truncate(0)
     f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "by": by,
                         "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
     f.flush()
     return f
+
+
+def hold_in_rank(run_dir: str) -> None:
+    """Global rank 0 of a torchrun job holds `run_dir` for its life, unless its launcher
+    (`colocate train` on one node) does; a job on several nodes is held here."""
+    lock = hold(run_dir, by="rank 0 of a torchrun job")
+    if lock is not None:
+        _held.append(lock)
 
 
 def claim(cfg: Config, *, resume: bool, overwrite: bool, remove: bool) -> None:
@@ -118,9 +147,7 @@ def claim(cfg: Config, *, resume: bool, overwrite: bool, remove: bool) -> None:
     overwriting; with `overwrite` and `remove` (one process of the job) delete the earlier run's
     entries."""
     if remove and "TORCHELASTIC_RUN_ID" in os.environ:
-        lock = hold(cfg.metrics.run_dir, by="rank 0 of a torchrun job")
-        if lock is not None:
-            _held.append(lock)
+        hold_in_rank(cfg.metrics.run_dir)
     elif int(os.environ.get("RANK", "0")) == 0:
         refuse_if_held(cfg.metrics.run_dir)
     found = earlier_run(cfg.metrics.run_dir)

@@ -360,3 +360,26 @@ def test_the_rank_that_ended_the_job_is_named_when_it_said_nothing(tmp_path, mon
     assert case(r0=(2, None), r1=(-9, None))[::2] == (0, None)  # a refusal; torchrun killed the other after it
     rank, f, line = case(r0=(1, "peer"), r1=(1, "peer"))
     assert rank == 0 and "rank 0 (inference) lost its connection to another rank" in line
+
+
+def test_the_launchers_checking_child_works_under_its_lock_and_others_are_refused(tmp_path):
+    """`colocate train` holds the run directory before its checks, so an --overwrite's deletes run
+    under the lock: its forked checking child passes (even with `json` broken by user code), any
+    other process is refused naming the holder."""
+    from colocate import run_dir
+    lock = run_dir.hold(str(tmp_path / "run"), by="colocate train")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the checking child
+            import json
+            json.loads = lambda *a, **k: "garbage"
+            try:
+                run_dir.refuse_if_held(str(tmp_path / "run"))
+                os._exit(0)
+            except ConfigError:
+                os._exit(2)
+        assert os.waitpid(pid, 0)[1] == 0
+        with pytest.raises(ConfigError, match=r"is in use by pid \d+ \(colocate train\)"):
+            run_dir.refuse_if_held(str(tmp_path / "run"))  # this process is not its own launcher's child
+    finally:
+        lock.close()

@@ -121,3 +121,31 @@ def test_every_tracker_holds_every_step_of_a_run_with_the_canary_on(learning_run
         checked += 1
     if not checked:
         pytest.skip("no tracker package installed (pip install -e \".[trackers]\")")
+
+
+def test_the_system_sampler_keeps_its_seconds_out_of_the_trackers(tmp_path):
+    """The system sampler indexes its scalars by seconds: on a run slower than a step a second those
+    pass the training steps, and W&B then drops every later step's scalars. It writes TensorBoard
+    only; the learner's scalars reach the trackers at their steps, in order."""
+    import time
+
+    from colocate.metrics import SystemSampler
+
+    class Tracker:
+        def __init__(self):
+            self.steps = []
+
+        def log(self, values, step):
+            self.steps.append((sorted(values), step))
+
+    writer = MetricsWriter(str(tmp_path), "learner", enabled=True, tensorboard=False)
+    writer.trackers = [tracker := Tracker()]
+    sampler = SystemSampler(writer, 0.01, None)
+    sampler._t0 -= 1000  # as late in a slow run
+    sampler.start()
+    for step in range(3):
+        writer.scalars("learner", {"reward": 0.5}, step)
+        time.sleep(0.05)
+    sampler.halted.set()
+    sampler.join()
+    assert sampler.samples > 0 and tracker.steps == [(["learner/reward"], s) for s in range(3)]

@@ -314,7 +314,9 @@ class Learner:
         state, the gradients, the RNG and the module mode are put back exactly (`Snapshot`), and the
         version is untouched: the run trains bit for bit as without it. Every learner calls it."""
         lc = self.cfg.learner
-        batch = synthetic_batch(self.vocab_size, int(lc.micro_batch_tokens), self.cfg.engine.max_new_tokens,
+        # ids the embedding holds: a saved model's tokenizer may count more tokens than its embedding rows
+        vocab = min(self.vocab_size, self.model.config.vocab_size)
+        batch = synthetic_batch(vocab, int(lc.micro_batch_tokens), self.cfg.engine.max_new_tokens,
                                 self.cfg.rollout.group_size, self.version)
         saved = Snapshot.capture(self)
         try:
