@@ -130,7 +130,7 @@ class IpcSender(AdapterSender):
         self.spec, self.src, self.group, self.with_checksum = spec, src, group, with_checksum
         self.ring = torch.zeros(slots, spec.numel, dtype=spec.dtype, device=device)
         broadcast_json(share_cuda_buffer(self.ring), src=src, group=group, rank=src)
-        dist.barrier(group=group)  # returns once every engine has mapped the ring (and so has started)
+        dist.barrier(group=group)  # returns once every engine has the ring's description (and so has started)
 
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
         t0 = time.perf_counter()

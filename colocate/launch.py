@@ -232,9 +232,9 @@ def echo_check(cfg: Config, plan_lines: list[str]) -> None:
 
 def check_config(argv: list[str], world: int | None = None,
                  local_world: int | None = None) -> tuple[Config, bool, bool]:
-    """Everything checked before launch -> (config, --resume given, --check given); raises
-    ConfigError. `--check`, the launcher's checks (`check_in_child`, with the world it will ask
-    for) and a rank that checks for itself run this one function."""
+    """Every check but the checkpoint to resume (`parse_request`, `check_parsed`) -> (config, --resume
+    given, --check given); raises ConfigError. The launcher's checks and a rank that checks for
+    itself go through `check_launch`, which adds the checkpoint."""
     c = parse_request(argv, world, local_world)
     check_parsed(c)
     return c.cfg, c.resume, c.flags.check_only
@@ -252,9 +252,10 @@ def checked(c: Checked) -> dict | None:
 
 def check_launch(argv: list[str], world: int | None = None,
                  local_world: int | None = None) -> tuple[Config, dict | None, bool]:
-    """`check_config`, then the checkpoint to resume (validated) -> (config, resume state, --check
-    given); raises ConfigError or CheckpointError. What a rank checking for itself and `--check`
-    refuse before any process group forms."""
+    """Every check (`parse_request`, then `checked`: `check_parsed` and the checkpoint to resume,
+    validated) -> (config, resume state, --check given); raises ConfigError or CheckpointError. What
+    the launcher's checking child, a rank checking for itself and `--check` refuse before any
+    process group forms."""
     c = parse_request(argv, world, local_world)
     return c.cfg, checked(c), c.flags.check_only
 
@@ -418,10 +419,12 @@ OTHER_RANKS_WAIT_S = 60.0  # how long a refusing rank other than 0 waits for the
 
 
 def configure(argv: list[str]) -> tuple[Config, dict | None, bool]:
-    """Config, preflight checks and the checkpoint to resume, or one line and exit code 2 (before any
-    process group or model). Under torchrun every rank refuses; rank 0 prints the line and exits, and the
-    launcher stops the others while they wait. A rank still alive after `OTHER_RANKS_WAIT_S` (its input
-    differs, a file only its node sees; or another node's launcher did not stop it) prints its own line."""
+    """A rank's config and the checkpoint to resume (`start_config`: the config `colocate train`
+    checked, or one checked once per node under plain torchrun), or one line and exit code 2 before
+    any process group or model. A refusing rank other than 0 waits first (rank 0 refuses the same
+    input and prints it, and the launcher stops the others); one still alive after
+    `OTHER_RANKS_WAIT_S` (its input differs, a file only its node sees; or another node's launcher
+    did not stop it) prints its own line."""
     from colocate.checkpoint import CheckpointError
     try:
         if "WORLD_SIZE" not in os.environ and "--check" not in argv:

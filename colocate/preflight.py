@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import tempfile
 
 from colocate.config import Config, ConfigError
-from colocate.engine.table import check_engine_kind
 from colocate.jsonfile import read_object
-from colocate.envs import check_env
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -154,6 +152,10 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
               card: CardSpec | None = None, show_plan: bool = False):
     """Every check of the world the config names, then the memory plan (`plan_memory`), which it
     returns; `cfg` is not changed (the plan holds `auto` resolved)."""
+    # torch comes with the envs and the engines: imported here, not with this module (whose CardSpec
+    # the launcher takes before the config is parsed: a bad key is refused before torch is imported)
+    from colocate.engine.table import check_engine_kind
+    from colocate.envs import check_env
     gpus = gpu_count(cfg)
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)

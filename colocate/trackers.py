@@ -4,7 +4,7 @@ Each gets the same scalars as TensorBoard (`MetricsWriter.scalars` forwards them
 `learner/...`, `rollout/...`), the resolved config and the run name (the run directory's base
 name), from learner rank 0 only: one run per job in the tracker. Each is an optional package
 (`pip install -e ".[trackers]"`); a logger named in the config whose package is missing is a
-config error before launch (`check_loggers`, from `preflight`-time code in `launch.check_config`).
+config error before launch (`check_loggers`, from the launch checks: `launch.check_parsed`).
 
 Where they write is theirs to decide, through their own environment variables: `WANDB_MODE=offline`
 (and `WANDB_DIR`) keeps W&B on disk, `MLFLOW_TRACKING_URI` picks MLflow's store (a local file

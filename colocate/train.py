@@ -59,9 +59,7 @@ learner ranks; `colocate train`)."""
 def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, AdapterReceiver]:
     """The inference rank's engine and the receiving end of the adapter channel that fits it (the
     engine table's entry for engine.kind); the env's facts size the engine, which never sees the env."""
-    built = engine_entry(cfg, topo).build(cfg, topo, EngineParts(model, tokenizer, env_facts(cfg)))
-    mark("engine_constructed")
-    return built
+    return engine_entry(cfg, topo).build(cfg, topo, EngineParts(model, tokenizer, env_facts(cfg)))
 
 
 def make_sender(cfg: Config, topo: Topology, learner: Learner) -> AdapterSender:
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     mismatch stopped the run; bad input exits 2 and a failure FAILED_EXIT from inside."""
     timeline = begin()
     cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
-    if check_only:  # `--check`: `launch.check_config` printed the resolved config and its plan
+    if check_only:  # `--check`: `launch.echo_check` printed the resolved config and its plan
         return 0
     timeline.mark("checks_done")
     caches = compile_cache_env(cfg.model.compile_cache_dir)  # before vLLM, inductor or Triton compile anything

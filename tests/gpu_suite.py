@@ -39,6 +39,9 @@ weights and 1 GiB of headroom come out of it (`vllm_settings.merged_memory_share
 of the card left)."""
 KV_CACHE_GIB = 1.0
 """Each run's KV cache: the tiny models' longest batches need a few MiB of it."""
+IN_PROCESS_GIB = 32.0
+"""What the in-process GPU tests beside the runs hold at once, at most (about 32 GiB was seen held
+by them on an H200, issue 61): kept free of runs."""
 CPUS_PER_RUN = 4
 """A run keeps three processes busy (learner rank, inference rank, vLLM engine core) and a few threads."""
 MAX_SLOTS = 4
@@ -112,8 +115,9 @@ def job_table(root: Path, total_bytes: int) -> dict:
 
 
 def slots(free_bytes: int) -> int:
-    """Runs at a time: by free memory (a share each, and one spare), cores, `COLOCATE_GPU_JOBS`."""
-    by_memory = int(free_bytes // (SHARE_GIB * 2**30)) - 1
+    """Runs at a time: by free memory (a share each, beside the in-process tests' `IN_PROCESS_GIB`),
+    cores, `COLOCATE_GPU_JOBS`."""
+    by_memory = int((free_bytes - IN_PROCESS_GIB * 2**30) // (SHARE_GIB * 2**30))
     by_cpus = (os.cpu_count() or 1) // CPUS_PER_RUN
     cap = int(os.environ.get("COLOCATE_GPU_JOBS", MAX_SLOTS))
     return max(0, min(by_memory, by_cpus, cap, MAX_SLOTS))
@@ -130,10 +134,21 @@ class GpuJobs:
         self.running: set[str] = set()  # the markers of the runs in flight
         self.cond = threading.Condition()
         self.closed = False
+        self.start_error = ""
         self.thread = threading.Thread(target=self._run_all, name="gpu-jobs", daemon=True)
         self.thread.start()
 
     def _run_all(self) -> None:
+        try:
+            self._start_all()
+        except Exception as e:  # noqa: BLE001 - a run that cannot start: its reader says why
+            self.start_error = f"{type(e).__name__}: {e}"
+        finally:  # every reader is woken (a run never started then reads as such)
+            with self.cond:
+                self.closed = True
+                self.cond.notify_all()
+
+    def _start_all(self) -> None:
         pending = list(self.jobs)
         workers = []
         while pending and not self.closed:
@@ -162,14 +177,22 @@ class GpuJobs:
         return proc
 
     def _finish(self, job: Job, proc: subprocess.Popen, t0: float) -> None:
+        returncode, stray, output = -1, [], ""
         try:
-            returncode = proc.wait(timeout=job.timeout_s)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        stray = kill_run(str(self.root / job.name), self.grace_s)
-        output = (self.root / job.name / "output.log").read_text(errors="replace")
-        if returncode is None:
-            output += f"\n[gpu_suite] {job.name}: killed at its {job.timeout_s} s limit"
+            try:
+                returncode = proc.wait(timeout=job.timeout_s)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            stray = kill_run(str(self.root / job.name), self.grace_s)
+            proc.wait()  # reaped, also after its limit
+            output = (self.root / job.name / "output.log").read_text(errors="replace")
+            if returncode is None:
+                output += f"\n[gpu_suite] {job.name}: killed at its {job.timeout_s} s limit"
+        except Exception as e:  # noqa: BLE001 - the run's reader gets the reason instead of waiting forever
+            output += f"\n[gpu_suite] {job.name}: {type(e).__name__}: {e}"
+        self._record(job, returncode, output, stray, t0)
+
+    def _record(self, job: Job, returncode, output: str, stray: list, t0: float) -> None:
         with self.cond:
             self.running.discard(str(self.root / job.name))
             self.done[job.name] = Finished(job.name, -9 if returncode is None else returncode, output,
@@ -180,9 +203,9 @@ class GpuJobs:
         with self.cond:
             if not any(j.name == name for j in self.jobs):
                 raise KeyError(f"no GPU run named {name!r} was started (is the test marked gpu_job({name!r})?)")
-            self.cond.wait_for(lambda: name in self.done or self.closed)
+            self.cond.wait_for(lambda: name in self.done or (self.closed and not self.running))
             if name not in self.done:
-                raise RuntimeError(f"the GPU runs were stopped before {name} ended")
+                raise RuntimeError(f"the GPU run {name} never started: {self.start_error or 'the runner was closed'}")
             return self.done[name]
 
     def close(self) -> None:
@@ -264,8 +287,8 @@ def gpu_processes() -> dict:
     found = {}
     for i in range(pynvml.nvmlDeviceGetCount()):
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
-            if p.pid != os.getpid() and not run_of(p.pid):
-                found[p.pid] = p.usedGpuMemory or 0
+            if p.pid != os.getpid() and os.access(f"/proc/{p.pid}/environ", os.R_OK) and not run_of(p.pid):
+                found[p.pid] = p.usedGpuMemory or 0  # (a pid we cannot read is gone, or not in this container)
     return found
 
 
@@ -276,6 +299,8 @@ def gpu_run(gpu_jobs, name: str) -> Finished:
     import torch
     if gpu_jobs is None:
         free, total = torch.cuda.mem_get_info(0)
-        pytest.skip(f"no vLLM run fits: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on GPU 0 "
-                    f"({SHARE_GIB:.0f} GiB per run and one spare: tests/gpu_suite.py), or COLOCATE_GPU_JOBS=0")
+        pytest.skip(f"no vLLM run could start: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free on GPU 0 (a run "
+                    f"takes {SHARE_GIB:.0f} GiB beside {IN_PROCESS_GIB:.0f} for the in-process tests), "
+                    f"{os.cpu_count()} CPUs ({CPUS_PER_RUN} a run), COLOCATE_GPU_JOBS="
+                    f"{os.environ.get('COLOCATE_GPU_JOBS', 'unset')} (tests/gpu_suite.py)")
     return gpu_jobs.result(name)

@@ -43,6 +43,17 @@ def test_runs_are_sized_from_the_card_and_what_is_free(monkeypatch):
     assert share_overrides(139 * gib) == ["--engine.gpu_memory_utilization=0.086", "--engine.kv_cache_gib=1.0"]
     monkeypatch.setenv("COLOCATE_GPU_JOBS", "8")
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert slots(130 * gib) == 4 and slots(30 * gib) == 1 and slots(20 * gib) == 0
+    assert slots(130 * gib) == 4 and slots(45 * gib) == 1 and slots(40 * gib) == 0  # 32 GiB kept for in-process tests
     monkeypatch.setenv("COLOCATE_GPU_JOBS", "1")
     assert slots(130 * gib) == 1
+
+
+def test_a_run_that_cannot_start_is_reported_not_waited_for(tmp_path):
+    """A command that does not exist: its reader gets the reason at once, not a wait to its limit."""
+    runner = GpuJobs([Job("missing", ["/nonexistent/python"], 60)], 1, tmp_path, grace_s=0.0)
+    try:
+        runner.result("missing")
+        raise AssertionError("a run that never started read as finished")
+    except RuntimeError as e:
+        assert "never started" in str(e)
+    runner.close()

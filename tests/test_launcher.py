@@ -30,7 +30,8 @@ def test_a_config_error_is_refused_before_torch_is_imported(tmp_path, command):
     bad.write_text(f"base: {os.path.join(REPO, 'configs', 'cpu-tiny.yaml')}\nmodel:\n  shap: tiny\n")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for args in (["--config", str(bad)], ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--learner.lrr=1"],
-                 ["--config", str(tmp_path / "missing.yaml")]):
+                 ["--config", str(tmp_path / "missing.yaml")],
+                 *([["--config", str(bad), "--gpu-memory", "80GiB"]] if command == "check" else [])):
         proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "colocate.cli", command, *args], cwd=tmp_path,
                               env=env, capture_output=True, text=True, timeout=120)
         imported = [line.rpartition("|")[2].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]

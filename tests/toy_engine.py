@@ -13,6 +13,7 @@ from colocate.channel import BroadcastReceiver
 from colocate.engine.base import Engine
 from colocate.engine.hf import HFEngine
 from colocate.engine.table import ENGINES, EngineEntry, EngineParts, broadcast_sender
+from colocate.startup import mark
 from colocate.wire import LoraSpec
 
 
@@ -49,6 +50,7 @@ def build_toy(cfg, topo, parts: EngineParts):
     """The engine and its receiver: adapters arrive by broadcast on the sync group."""
     engine = ToyEngine(HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed))
     print(f"colocate: toy engine on rank {topo.rank}", flush=True)
+    mark("engine_constructed")  # the start-up timeline's mark, before the receiver
     spec = LoraSpec.of(engine.lora_state())
     return engine, BroadcastReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, device=topo.device)
 

@@ -17,6 +17,7 @@ from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver,
                               IpcSender, NoSender)
 from colocate.config_checks import ConfigError, nearest_key
 from colocate.engine.base import Engine
+from colocate.startup import mark
 from colocate.wire import LoraSpec
 
 
@@ -34,7 +35,9 @@ class EngineParts:
 class EngineEntry:
     """One engine kind: everything the composition root needs to know about it."""
     build: Callable[..., tuple[Engine, AdapterReceiver]]
-    """(cfg, topo, parts: EngineParts) -> the engine and the receiving end of its adapter channel."""
+    """(cfg, topo, parts: EngineParts) -> the engine and the receiving end of its adapter channel;
+    it marks `engine_constructed` (`startup.mark`) once the engine is built, before the receiver
+    (which may wait for learner rank 0)."""
     sender: Callable[..., AdapterSender]
     """(cfg, topo, spec, before_join) -> learner rank 0's sender when no engine shares its GPU;
     `before_join()` runs once whatever the engines wait for is published, before waiting for them."""
@@ -53,6 +56,7 @@ def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     broadcast (or CUDA IPC when it shares learner rank 0's GPU)."""
     from colocate.engine.hf import HFEngine
     engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
+    mark("engine_constructed")  # before the receiver, which waits for learner rank 0
     spec = LoraSpec.of(engine.lora_state())
     if topo.shared_gpu:
         return engine, IpcReceiver(engine, spec, src=topo.sync_src, group=topo.sync_group, rank=topo.rank,
@@ -72,9 +76,11 @@ def build_vllm(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     from colocate.engine.vllm import VLLMEngine
     if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
         engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, **parts.env_facts)
+        mark("engine_constructed")  # before the receiver, which waits for learner rank 0
         return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
     endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
     engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, **parts.env_facts)
+    mark("engine_constructed")
     return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
 
 
@@ -140,6 +146,6 @@ def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lam
     if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
         sender = IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
                            slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
-        before_join()  # the engines have mapped the ring: they are up
+        before_join()  # past the ring's barrier: the engines are up
         return sender
     return engine_entry(cfg, topo).sender(cfg, topo, spec, before_join)

@@ -138,14 +138,16 @@ class LearnerRank:
                               f"canary probe differ from the learner's by {result.gap:.3g} nats on average (bound "
                               f"{result.bound:.3g}): it samples another policy than the one trained{stopping}", step)
 
-    def record_canary(self, step: int) -> None:
+    def record_canary(self, step: int | None) -> None:
         """The learner's probe log-probs of its current version, when that version is scored (every
-        learner: one forward, queued: `canary_learner_ms` is the learner's own time on it), logged at
-        `step`, the step that made the version (trackers take steps in order: W&B drops older ones)."""
+        learner: one forward, queued, never waited for here), and `sync/canary_learner_ms`, the
+        learner thread's own time on it, at `step`, the step that made the version (trackers take
+        steps in order: W&B drops older ones); None (the version a run starts with): not logged."""
         if self.canary.due(self.learner.version):
             t0 = time.perf_counter()
             self.canary.record(self.learner.version, *self.learner.score_probe(self.probe))
-            self.writer.scalars("sync", {"canary_learner_ms": (time.perf_counter() - t0) * 1e3}, step)
+            if step is not None:
+                self.writer.scalars("sync", {"canary_learner_ms": (time.perf_counter() - t0) * 1e3}, step)
 
     def train(self, batch: TrajectoryBatch, step: int, waits: dict) -> dict[str, float]:
         """`Learner.train_step` -> its stats (+ MFU); the train start and end go into `waits`."""
@@ -322,7 +324,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
         restore_learner(learner, resume)
         saved = resume["trainer_state"]["history"]  # older checkpoints kept no reward_errors: none counted
         rank.history = {k: list(saved.get(k, [0.0] * len(saved.get("reward", [])))) for k in rank.history}
-    rank.record_canary(start)  # the version the engines start with
+    rank.record_canary(None)  # the version the engines start with
     monitors = contextlib.ExitStack()  # daemon threads and a profiler window
     role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
                                                 what="trajectory consumed"))
