@@ -8,7 +8,7 @@
 #
 # Full: a fresh venv, the README's installs (needs the network: PyTorch's CPU index and PyPI), the
 # trainings at their presets' lengths and the CPU test suite: ~25 min on 2 cores.
-# --short: what CI may run (~4 min on 2 cores): no installs (a venv over this python3's packages,
+# --short: what CI may run (68 s on an idle 2-core VM, 2026-11-29): no installs (a venv over this python3's packages,
 # the clone installed in it with --no-deps), 20 steps per training, no test suite.
 # Not run: tensorboard (a server), the GPU presets, several nodes, profiling, eval_diplomacy.py.
 set -euo pipefail
@@ -27,6 +27,11 @@ step() {  # run one README command, echoed; a failure names it
 
 if [ "$short" = 1 ]; then
   python3 -m venv --system-site-packages "$work/venv"
+  # python3 may be a venv itself, whose packages --system-site-packages does not see: put its
+  # site-packages first on the new venv's path (its setuptools too, for the editable install)
+  parent=$(python3 -c "import site; print(site.getsitepackages()[0])")
+  child=$("$work/venv/bin/python" -c "import site; print(site.getsitepackages()[0])")
+  [ "$parent" = "$child" ] || echo "import sys; sys.path.insert(0, '$parent')" > "$child/0-parent-env.pth"
   source "$work/venv/bin/activate"
   pip install --quiet --no-deps --no-build-isolation -e .
   steps=(--learner.num_steps=20)
