@@ -22,6 +22,7 @@ This module is the top of the import graph: nothing imports it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -169,13 +170,16 @@ def train_command(argv: list[str]) -> Launch:
     world = nproc * int(nnodes) if nnodes.isdigit() else None  # an elastic range: torchrun decides
     single = nnodes == "1" and not torchrun_value(torchrun, "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                                                     "--master_addr")
-    # before the checks: the checking child's claim (an --overwrite deletes) runs under the lock
-    launch = Launch(0, lock=run_dir.hold(os.path.abspath(parsed.metrics.run_dir), by="colocate train")
-                    if single else None)
+    hold = functools.partial(run_dir.hold, os.path.abspath(parsed.metrics.run_dir), by="colocate train")
+    # --overwrite: held before the checks, whose claim deletes the earlier run under the lock (else
+    # after them: a refused check leaves the directory as it was, no lock file in it)
+    launch = Launch(0, lock=hold() if single and "--overwrite" in ours else None)
     try:
         launch.code, text = check_in_child(ours, world=world, local_world=nproc)
         if launch.code:
             return launch
+        if single and launch.lock is None:
+            launch.lock = hold()
         from colocate.topology import place_roles  # torch: only once the config is known good
         cfg = config_from_text(text, "the checked config", world or nproc)
         launch.job = Job(cfg.metrics.run_dir, tuple(place_roles(cfg, world, nproc)) if world else (),

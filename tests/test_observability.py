@@ -63,7 +63,7 @@ def test_stall_watchdog_alerts_once(capsys):
 class FailingWriter(MetricsWriter):
     """A TensorBoard writer on a disk that filled up."""
 
-    def scalars(self, namespace, values, step):
+    def scalars(self, namespace, values, step, **kwargs):
         raise OSError(28, "No space left on device")
 
 
