@@ -57,3 +57,23 @@ def test_a_run_that_cannot_start_is_reported_not_waited_for(tmp_path):
     except RuntimeError as e:
         assert "never started" in str(e)
     runner.close()
+
+
+def test_readers_of_the_runs_come_last_in_any_order(monkeypatch):
+    """The tests that read a vLLM run are ordered after the in-process ones (the runs go on in the
+    background meanwhile), also in a shuffled order; the others keep their relative order."""
+    from tests.conftest import pytest_collection_modifyitems
+
+    class Item:
+        def __init__(self, name, job):
+            self.name, self.nodeid, self.job = name, name, job
+
+        def get_closest_marker(self, marker):
+            return {"gpu_job": self.job, "gpu": True, "timeout": True}.get(marker) or None
+
+    items = [Item(f"t{i}", i % 3 == 0) for i in range(9)]
+    pytest_collection_modifyitems(None, items)
+    assert [i.name for i in items] == ["t1", "t2", "t4", "t5", "t7", "t8", "t0", "t3", "t6"]
+    monkeypatch.setenv("PYTEST_SHUFFLE_SEED", "3")
+    pytest_collection_modifyitems(None, items)
+    assert all(i.job for i in items[-3:]) and not any(i.job for i in items[:-3])
