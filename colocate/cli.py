@@ -159,7 +159,8 @@ def train_command(argv: list[str]) -> Launch:
     printed its line, and no torchrun starts. Raises ConfigError (parsing, or a live run holding
     the directory); the caller closes the `Launch`."""
     from colocate import run_dir
-    from colocate.launch import check_in_child, config_from_text, default_world, write_resolved
+    from colocate.launch import check_in_child, config_from_text, default_world
+    from colocate.rank_config import write_resolved
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:

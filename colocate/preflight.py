@@ -5,7 +5,7 @@ the run directory can be written, a model directory holds a `config.json` that p
 own rules and what they point at hold (`envs.check_env`: the env class's `check` and `preflight`
 hooks, e.g. the dataset env's files and reward functions, the Diplomacy state cache, an agent's
 tools), and every LoRA target module exists in the model. Each failure is one
-`ConfigError` line naming the key, which `launch.configure` prints before exiting with code 2; the
+`ConfigError` line naming the key, which `rank_config.configure` prints before exiting with code 2; the
 same checks run for `colocate check` and `python -m colocate.train --config X --check`.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ MARKS = ("rank_start", "checks_done", "ranks_up", "model_ready", "engine_constru
          "learner_warm", "first_batch", "first_step_end")
 """What a rank marks, in the order it passes them (each role marks a subsequence):
 rank_start          the rank's process started (after the launcher's checks and torchrun's start)
-checks_done         the rank's config checks passed (`launch.configure`)
+checks_done         the rank's config checks passed (`rank_config.configure`)
 ranks_up            the process groups are formed (`build_topology`)
 model_ready         tokenizer and model built; a learner's sharded and materialized (`Learner`)
 engine_constructed  (inference) the engine is built, with the engine's own warm-up (vLLM: compile,

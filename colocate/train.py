@@ -40,7 +40,7 @@ from colocate.config import Config, save_config
 from colocate.engine.base import Engine
 from colocate.engine.table import EngineParts, engine_entry, make_sender as table_sender
 from colocate.envs import env_corpus, env_facts, make_env
-from colocate.launch import configure, rank_role
+from colocate.rank_config import configure, rank_role
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
 from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, faults_from_env, is_peer_failure,

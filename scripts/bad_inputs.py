@@ -2,7 +2,7 @@
 
     python scripts/bad_inputs.py            # from the repository root
 
-Each case runs through `colocate.launch.configure` (what every rank and `--check` run before any
+Each case runs through `colocate.rank_config.configure` (what every rank and `--check` run before any
 process group or model exists) in a temporary directory whose path is shown as `<tmp>`.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from colocate.launch import configure  # noqa: E402
+from colocate.rank_config import configure  # noqa: E402
 from tests.test_bad_input import CONFIG_CASES, USER_CASES, materialize  # noqa: E402
 from tests.test_launcher import LAUNCH_CASES, run_launch_case  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 `CASES` is the catalogue (`CONFIG_CASES`, then `USER_CASES`: users' files and code): (id,
 config file text or None for the shipped cpu-tiny.yaml, overrides,
-text the message must contain). Each runs through `launch.configure`, what every rank and
+text the message must contain). Each runs through `rank_config.configure`, what every rank and
 `--check` run first; `docs/errors.md` lists the same cases with their messages
 (`python scripts/bad_inputs.py` rewrites it).
 """
@@ -384,7 +384,7 @@ def materialize(text, overrides: list[str], tmp_path) -> tuple[str, list[str]]:
 
 
 def run_case(path: str, overrides: list[str], tmp_path, monkeypatch, capsys) -> tuple[int, str]:
-    from colocate.launch import configure
+    from colocate.rank_config import configure
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.syspath_prepend(str(tmp_path))  # the cases' user modules
@@ -433,27 +433,27 @@ def test_the_shipped_configs_pass_the_check(tmp_path, monkeypatch, capsys):
 def test_a_rank_other_than_0_waits_for_rank_0_then_speaks_for_itself(tmp_path, monkeypatch, capsys):
     """Rank 1 refusing the same input stays silent while rank 0 reports (the launcher stops it); if it is
     still alive after the wait, rank 0 did not refuse, and rank 1 prints its own line, naming itself."""
-    from colocate import launch
+    from colocate import rank_config
     waits = []
-    monkeypatch.setattr(launch.time, "sleep", waits.append)
+    monkeypatch.setattr(rank_config.time, "sleep", waits.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--engine.temperature=.nan",
             f"--metrics.run_dir={tmp_path / 'run'}"]
     with pytest.raises(SystemExit) as exit_info:
-        launch.configure(argv)  # RANK without torchrun (a scheduler's pod): no wait, no rank in the line
+        rank_config.configure(argv)  # RANK without torchrun (a scheduler's pod): no wait, no rank in the line
     assert exit_info.value.code == 2 and waits == []
     assert capsys.readouterr().err.startswith("colocate: config error: engine.temperature")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     with pytest.raises(SystemExit) as exit_info:
-        launch.configure(argv)
+        rank_config.configure(argv)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and waits == [launch.OTHER_RANKS_WAIT_S]
+    assert exit_info.value.code == 2 and waits == [rank_config.OTHER_RANKS_WAIT_S]
     assert len(lines) == 1 and lines[0].startswith("colocate: config error (rank 1; rank 0 may not have refused it): "
                                                    "engine.temperature"), lines
     with pytest.raises(SystemExit):
-        launch.configure([*argv, "--check"])  # a check is no launch: each process answers for itself
-    assert waits == [launch.OTHER_RANKS_WAIT_S]
+        rank_config.configure([*argv, "--check"])  # a check is no launch: each process answers for itself
+    assert waits == [rank_config.OTHER_RANKS_WAIT_S]
 
 
 @pytest.mark.slow

@@ -125,7 +125,7 @@ def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monk
 
 
 def test_python_m_train_without_torchrun_says_how_to_launch(monkeypatch, capsys):
-    from colocate.launch import configure
+    from colocate.rank_config import configure
     no_torchrun_env(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         configure(["--config", TINY])
@@ -242,13 +242,13 @@ def test_resume_and_overwrite_together_are_refused_in_one_line(monkeypatch, tmp_
 def test_skipped_checkpoints_are_named_once_per_launch(monkeypatch, tmp_path, capsys):
     """One process checks a launch and names the checkpoints it skipped; the ranks load the one it
     pinned (`load_resumed`) and say nothing more."""
-    from colocate import launch
+    from colocate import launch, rank_config
     no_torchrun_env(monkeypatch)
     monkeypatch.setattr("colocate.checkpoint.resolve_resume", lambda *a: (None, ["skipped step-000009: damaged"]))
     cfg = launch.load_config(TINY)
     assert launch.load_resume(cfg, True) is None  # the launcher's check
     assert capsys.readouterr().err.count("colocate: resume: skipped step-000009") == 1
-    assert launch.load_resumed(cfg) is None  # a rank: nothing pinned, nothing to load or say
+    assert rank_config.load_resumed(cfg) is None  # a rank: nothing pinned, nothing to load or say
     assert capsys.readouterr().err == ""
 
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from colocate import cli, launch
+from colocate import cli, launch, rank_config
 from tests.conftest import REPO
 
 DATASET = os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml")
@@ -137,7 +137,7 @@ def resolved_rank_args(tmp_path, monkeypatch) -> list[str]:
     monkeypatch.setenv("RANK", "0")
     cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
                                   f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"], 2)
-    return launch.write_resolved(launch.config_text(cfg))
+    return rank_config.write_resolved(launch.config_text(cfg))
 
 
 def test_a_rank_loads_the_checked_config_and_refuses_one_that_changed(tmp_path, monkeypatch, capsys):
@@ -146,14 +146,14 @@ def test_a_rank_loads_the_checked_config_and_refuses_one_that_changed(tmp_path, 
     import colocate.preflight
     monkeypatch.setattr(colocate.preflight, "preflight", lambda *a, **k: pytest.fail("a rank checked again"))
     args = resolved_rank_args(tmp_path, monkeypatch)
-    cfg, resume, check_only = launch.configure(args)
+    cfg, resume, check_only = rank_config.configure(args)
     assert cfg.learner.lr == 3e-3 and cfg.metrics.run_dir == str(tmp_path / "run") and resume is None
     assert not check_only and not (tmp_path / "run").exists()
     path = args[0].partition("=")[2]
     with open(path, "a") as f:
         f.write("# edited\n")
     with pytest.raises(SystemExit) as exit_info:
-        launch.configure(args)
+        rank_config.configure(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1, err
     assert err[0].startswith(f"colocate: config error: --resolved-config={path}: its SHA-256 is ") and \
@@ -162,7 +162,7 @@ def test_a_rank_loads_the_checked_config_and_refuses_one_that_changed(tmp_path, 
 
 
 class FakeStore:
-    """torchrun's store as `launch.checked_once` uses it."""
+    """torchrun's store as `rank_config.checked_once` uses it."""
 
     def __init__(self):
         self.values = {}
@@ -179,7 +179,7 @@ def test_under_plain_torchrun_local_rank_0_checks_and_the_others_take_its_config
     node's other ranks load what it resolved from torchrun's store and check nothing."""
     import colocate.preflight
     store, checks = FakeStore(), []
-    monkeypatch.setattr(launch, "node_store", lambda: store)
+    monkeypatch.setattr(rank_config, "node_store", lambda: store)
     real = colocate.preflight.preflight
     monkeypatch.setattr(colocate.preflight, "preflight", lambda *a, **k: checks.append(1) or real(*a, **k))
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -188,14 +188,14 @@ def test_under_plain_torchrun_local_rank_0_checks_and_the_others_take_its_config
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", rank)
-        cfg, resume, _ = launch.configure(argv)
+        cfg, resume, _ = rank_config.configure(argv)
         assert cfg.learner.lr == 3e-3 and resume is None and cfg.model.cache_dir == str(tmp_path / "cache")
     assert checks == [1]
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit):  # a refusal leaves the others a word to exit on
-        launch.configure([*argv, "--engine.temperature=.nan"])
-    assert store.values["colocate/checked-config/node0"] == launch.REFUSED.encode()
+        rank_config.configure([*argv, "--engine.temperature=.nan"])
+    assert store.values["colocate/checked-config/node0"] == rank_config.REFUSED.encode()
 
 
 @pytest.mark.slow
@@ -254,14 +254,14 @@ def rank_case(what: str, tmp: str) -> int:
     """A rank (WORLD_SIZE=2, RANK=0 set by the caller) given a resolved config spoiled as `what` says."""
     cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
                                   f"--metrics.run_dir={tmp}/run"], 2)
-    args = launch.write_resolved(launch.config_text(cfg))
+    args = rank_config.write_resolved(launch.config_text(cfg))
     path = args[0].partition("=")[2]
     if what == "edited":
         with open(path, "a") as f:
             f.write("# edited\n")
     os.remove(path) if what == "missing" else None
     try:
-        launch.configure([*args, "--learner.lr=1"] if what == "extra" else args)
+        rank_config.configure([*args, "--learner.lr=1"] if what == "extra" else args)
     except SystemExit as e:
         return e.code
     finally:

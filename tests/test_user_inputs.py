@@ -1,7 +1,7 @@
 """What users bring: their data files, reward functions and env classes.
 
 Start-up failures are in `tests/test_bad_input.py`'s catalogue (one line, exit 2, through
-`launch.configure`, which `--check` runs too); here: the row policy at scale (skip counts equal the
+`rank_config.configure`, which `--check` runs too); here: the row policy at scale (skip counts equal the
 bad rows), results of the wrong shape at run time (counted, named, fatal past the limit), a fuzz
 of every built-in env's parsing, the engine's context guard, old checkpoints, and `--check` as a
 process.
