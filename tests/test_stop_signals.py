@@ -89,6 +89,16 @@ def catches_sighup(pid: int) -> bool:
     return bool(int(caught, 16) >> (signal.SIGHUP - 1) & 1)
 
 
+def cmdline(process) -> list[str]:
+    """A process's command line; [] for one that has ended meanwhile (the launcher's forked checks
+    end as a zombie until reaped)."""
+    import psutil
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def ranks_starting(proc: subprocess.Popen, timeout: float = 120.0) -> None:
     """Wait until both ranks of `proc` run colocate's code: a rank's first act (`lifecycle.quiet_start`)
     takes over the stop signals, SIGHUP among them, before it imports torch. (A signal in the
@@ -96,7 +106,7 @@ def ranks_starting(proc: subprocess.Popen, timeout: float = 120.0) -> None:
     import psutil
     deadline = time.time() + timeout
     while time.time() < deadline:
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "colocate.train" in p.cmdline()]
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "colocate.train" in cmdline(p)]
         if len(ranks) >= 2 and all(catches_sighup(p.pid) for p in ranks):
             return
         time.sleep(0.01)
