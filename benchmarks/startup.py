@@ -45,14 +45,29 @@ def launch(args, run_dir: str, cache_dir: str) -> dict:
         with open(log_path) as f:
             raise RuntimeError(f"startup run failed (exit {proc.returncode}), log {log_path}:\n{f.read()[-3000:]}")
     with open(os.path.join(run_dir, "startup.json")) as f:
-        return {**json.load(f), "command_wall_s": round(wall, 2), "log": log_path}
+        record = json.load(f)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        record["phases"].update(step_figures(json.load(f)["timeline"], record["phases"]["step_1"]))
+    return {**record, "command_wall_s": round(wall, 2), "log": log_path}
+
+
+def step_figures(timeline: list[dict], step_1: float) -> dict:
+    """The steady steps beside step 1: each later step's seconds (one step end to the next, as the
+    step lines count), their median, and step 1's own time over it (the issue's "<= 2x")."""
+    ends = [row["step_end"] for row in timeline]
+    steady = sorted(b - a for a, b in zip(ends, ends[1:]))
+    if not steady:
+        return {}
+    median = steady[len(steady) // 2] if len(steady) % 2 else (steady[len(steady) // 2 - 1] + steady[len(steady) // 2]) / 2
+    return {"median_step": round(median, 3), "step_1_over_median": round(step_1 / median, 2)}
 
 
 def side_by_side(records: dict[str, dict]) -> list[str]:
     """The table: one row per mark and per phase, one column per run."""
     rows = [f"{'':26s}" + "".join(f"{name:>10s}" for name in records)]
     for section, keys in (("marks", MARKS), ("phases", ("checks", "engine", "learner_warmup", "first_batch_wait",
-                                                        "step_1", "first_step"))):
+                                                        "step_1", "first_step", "median_step",
+                                                        "step_1_over_median"))):
         for key in keys:
             values = [records[name][section].get(key) for name in records]
             if all(v is None for v in values):

@@ -24,6 +24,9 @@
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v");
 #            E2E_BASELINE_TREE=DIR runs the jobs named JOB@base from another checkout (before/after code)
+#   startupgsm  the startup profile on configs/gpu-1-gsm8k.yaml as shipped: a cold launch (fresh compile cache),
+#            then a warm one, STARTUP_STEPS steps each (default 6), timelines side by side (startupgsm.json);
+#            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...)
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
 #            only with engine.constraint_masks=ours)
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
@@ -114,6 +117,10 @@ step() {  # one step of the chain, by name
     tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
             --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
             --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
+    startupgsm|startup7b)  # the startup profile: the preset as shipped, launched cold then warm (STARTUP_STEPS steps)
+          local cfg=configs/gpu-1-gsm8k.yaml; [ "$1" = startup7b ] && cfg=configs/gpu-1-7b.yaml
+          with_memory "$1" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" --nproc 2 \
+            --steps "${STARTUP_STEPS:-6}" --out "$GS/$1.json" ${STARTUP_SET:+--set $STARTUP_SET} ;;
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;

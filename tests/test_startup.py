@@ -274,3 +274,10 @@ def test_the_logprob_kernel_runs_once_per_logits_dtype_at_engine_start(monkeypat
     out = capsys.readouterr().out.strip().splitlines()
     assert out == ["colocate: engine.logprob_kernel warm-up failed (RuntimeError: no GPU); the kernel compiles "
                    "in the first rollouts instead"]
+
+
+def test_startup_profile_sets_step_1_beside_the_median_of_the_later_steps():
+    from benchmarks.startup import step_figures
+    ends = [{"step_end": t} for t in (100.0, 101.0, 103.0, 104.5, 106.0)]  # later steps: 1, 2, 1.5, 1.5
+    assert step_figures(ends, step_1=3.0) == {"median_step": 1.5, "step_1_over_median": 2.0}
+    assert step_figures(ends[:1], step_1=3.0) == {}
