@@ -165,6 +165,14 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"GPU tests without @pytest.mark.timeout: {', '.join(untimed)}")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on its test (`item.rep_call`): the GPU check below skips a failed test."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
 @pytest.fixture(scope="session")
 def gpu_jobs(request, tmp_path_factory):
     """The vLLM runs of the selected tests marked `gpu_job(NAME)`, started together at the session's
@@ -199,20 +207,24 @@ def gpu_left_as_found(request):
     """Every GPU test leaves the card as it found it: pytest's own process holds no more of CUDA's
     caching allocator than before the test (after dropping what can be dropped), and no process the
     test started is still on the GPU. Otherwise the test is named here (a vLLM engine started later
-    would find the memory taken). The first GPU test also starts the suite's vLLM runs (`gpu_jobs`)."""
+    would find the memory taken); a test that failed is not checked (its traceback holds its tensors). The first GPU test also starts the suite's vLLM runs (`gpu_jobs`)."""
     if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
         yield
         return
-    from tests.gpu_suite import gpu_processes, held_bytes
+    from tests.gpu_suite import describe, gpu_processes, held_bytes
     request.getfixturevalue("gpu_jobs")
     before, procs = held_bytes(), gpu_processes()
     yield
+    call = getattr(request.node, "rep_call", None)
+    if call is None or call.failed:  # its traceback keeps the test's tensors alive: the failure says enough
+        return
     after, left = held_bytes(), {p: b for p, b in gpu_processes().items() if p not in procs}
     problems = []
     if after > before + SMALL_SEGMENT:
         problems.append(f"pytest's process holds {(after - before) / 2**20:.0f} MiB more of the GPU than before "
                         "(tensors the test kept alive)")
     if left:
-        problems.append(f"left processes on the GPU: {left}")
+        problems.append("left processes on the GPU: " + ", ".join(
+            f"{describe(pid)} with {used / 2**20:.0f} MiB" for pid, used in left.items()))
     assert not problems, f"{request.node.nodeid}: " + "; ".join(problems)
 

@@ -179,10 +179,7 @@ class GpuJobs:
     def _finish(self, job: Job, proc: subprocess.Popen, t0: float) -> None:
         returncode, stray, output = -1, [], ""
         try:
-            try:
-                returncode = proc.wait(timeout=job.timeout_s)
-            except subprocess.TimeoutExpired:
-                returncode = None
+            returncode = watch(proc, str(self.root / job.name), job.timeout_s)
             stray = kill_run(str(self.root / job.name), self.grace_s)
             proc.wait()  # reaped, also after its limit
             output = (self.root / job.name / "output.log").read_text(errors="replace")
@@ -217,20 +214,36 @@ class GpuJobs:
             kill_run(marker)
 
 
+SEEN: dict[int, tuple[str, str]] = {}
+"""{pid: (its start time, run marker)} of every process `watch` saw in a run: a process that lost both
+its marker and its marked parent (`run_of`) is still known as the run's."""
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def watch(proc: subprocess.Popen, marker: str, timeout_s: float):
+    """Wait for the run's command (None past `timeout_s`), noting its processes in `SEEN` meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in run_pids(marker):
+            SEEN.setdefault(pid, (_start_time(pid), marker))
+        try:
+            return proc.wait(timeout=min(2.0, max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pass
+    return None
+
+
 def run_pids(marker: str) -> list[int]:
-    """Live processes whose environment holds `RUN_MARKER=marker`: a run's every process, also those
-    that left its process tree or session (torchrun starts each rank in a session of its own)."""
-    needle = f"{RUN_MARKER}={marker}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
+    """Live processes of the run `marker` (`run_of`): also those that left its process tree or
+    session (torchrun starts each rank in a session of its own)."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid() and run_of(int(e)) == marker]
 
 
 def kill_run(marker: str, grace_s: float = 0.0) -> list[int]:
@@ -250,8 +263,7 @@ def kill_run(marker: str, grace_s: float = 0.0) -> list[int]:
     return left
 
 
-def run_of(pid: int) -> str:
-    """The run marker in process `pid`'s environment ("" for none, or a process we cannot read)."""
+def _own_marker(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             for item in f.read().split(b"\0"):
@@ -260,6 +272,41 @@ def run_of(pid: int) -> str:
     except OSError:
         pass
     return ""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # "pid (comm) state ppid ...": comm may hold spaces
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def run_of(pid: int) -> str:
+    """The run marker of process `pid` ("" for none, or a process we cannot read): in its own
+    environment, else in its nearest marked ancestor's, else as `watch` saw it. A process may
+    overwrite the memory its environment is read from (setproctitle does, for a longer title: vLLM's
+    engine core); its parent, or what was seen while the parent lived, still tells whose it is."""
+    if pid in SEEN and SEEN[pid][0] == _start_time(pid):
+        return SEEN[pid][1]
+    for _ in range(32):
+        if pid <= 1:
+            return ""
+        marker = _own_marker(pid)
+        if marker:
+            return marker
+        pid = _parent(pid)
+    return ""
+
+
+def describe(pid: int) -> str:
+    """`pid` with its command line (its first 120 characters), for a message naming a process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        return f"{pid} ({command[:120]})"
+    except OSError:
+        return str(pid)
 
 
 def held_bytes() -> int:

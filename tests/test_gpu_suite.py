@@ -77,3 +77,22 @@ def test_readers_of_the_runs_come_last_in_any_order(monkeypatch):
     monkeypatch.setenv("PYTEST_SHUFFLE_SEED", "3")
     pytest_collection_modifyitems(None, items)
     assert all(i.job for i in items[-3:]) and not any(i.job for i in items[:-3])
+
+
+def test_a_process_that_overwrote_its_environment_is_still_its_runs(tmp_path):
+    """vLLM's engine core renames itself with setproctitle, which overwrites the memory its
+    environment is read from: its run is known by its parent, and after the parent is gone by what
+    the runner saw while the run lived (the child here starts with an empty environment)."""
+    from tests.gpu_suite import run_of
+    child = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+             "env={}, start_new_session=True); time.sleep(5)")
+    runner = GpuJobs([Job("renamed", py(child), 60)], 1, tmp_path, grace_s=0.5)
+    marker = str(tmp_path / "renamed")
+    deadline = time.monotonic() + 4
+    while len(run_pids(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = run_pids(marker)
+    assert len(pids) == 2 and all(run_of(p) == marker for p in pids)  # the child by its parent's marker
+    left = runner.result("renamed")  # the parent has exited: the child is known as seen, and killed
+    assert left.returncode == 0 and len(left.stray) == 1 and run_pids(marker) == []
+    runner.close()

@@ -222,13 +222,11 @@ def test_trainer_benchmark_runs_tree_beside_flat(tmp_path):
     assert record["ratios"]["tree-256_tokens_forwarded_vs_flat"] < 0.5
 
 
-@pytest.mark.gpu
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
-    """bf16, the 0.5B shape (random weights): prefix trees under FlexAttention against flat packing
-    under varlen attention. Log-probs: mean abs difference <= 0.01 nats; the loss and the LoRA
-    gradients agree to bf16 rounding (relative norm)."""
+def bf16_tree_against_flat(seed: int) -> dict:
+    """bf16, the 0.5B shape (random weights drawn from `seed`): prefix trees under FlexAttention
+    against flat packing under varlen attention, beside the same flat batch through another exact
+    kernel (dense-mask SDPA, the bf16 floor) -> log-prob mean abs differences, the losses, and the
+    LoRA gradients' relative differences (all tensors as one vector: a single tensor's is noisier)."""
     from benchmarks.trainer_workload import SyntheticVocab
     from colocate.config import load_config
     from colocate.kernels.reference import per_token_logprobs
@@ -236,6 +234,7 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
     from colocate.learner.packing import packed_micro_batch
     from colocate.topology import Topology
     from colocate.models import build_policy
+    torch.manual_seed(seed)  # the base weights come from the global generator: the same in any test order
     vocab = SyntheticVocab(151646)
     cfg = load_config(None, {"model": {"shape": "qwen2.5-0.5b", "dtype": "bfloat16"}, "lora": {"rank": 16, "alpha": 32},
                              "learner": {"fsdp": False, "micro_batch_tokens": 8192},
@@ -255,29 +254,40 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
         set_attention(learner.model, TREE_FLEX)
         tree = tree_micro_batch(batch, device, TREE_FLEX, "tree")
         lp_tree = per_token_logprobs(completion_logits(learner.model, tree).float(), tree.targets, 1.0)
-        set_attention(learner.model, "sdpa")  # the same flat batch through another exact kernel
+        set_attention(learner.model, "sdpa")
         dense = packed_micro_batch(batch, device, "sdpa")
         lp_dense = per_token_logprobs(completion_logits(learner.model, dense).float(), dense.targets, 1.0)
-    assert tree.num_tokens < 0.6 * flat.num_tokens
-    # bf16 rounding alone moves a random-weight model's log-probs by about the issue's 0.01 nats: tree
-    # against flat may differ by 0.01 or by what two exact flat kernels differ by, whichever is larger
-    floor = float((lp_dense - lp_flat).abs().mean())
-    err = float((lp_tree - lp_flat).abs().mean())
-    assert err <= max(0.01, 1.25 * floor), (err, floor)
     loss_ref, grads_ref, _, _ = _loss_and_grads(learner, batch, "off", 100_000)
     loss, grads, _, _ = _loss_and_grads(learner, batch, "tree", 100_000)
-    assert learner.attention == TREE_FLEX
+    tree_attention = learner.attention
     learner.cfg.learner.attention = "sdpa"  # flat again, through the dense-mask kernel: the bf16 floor
     _, grads_dense, _, _ = _loss_and_grads(learner, batch, "off", 100_000)
-    learner.cfg.learner.attention = "auto"
-    torch.testing.assert_close(loss.float(), loss_ref.float(), rtol=2e-2, atol=0)
 
-    def worst(got: dict) -> float:  # the largest relative gradient difference over the LoRA tensors
-        return max(float((got[n].float() - g.float()).norm() / g.float().norm().clamp_min(1e-12))
-                   for n, g in grads_ref.items())
-    # two exact flat kernels already differ by tenths on the worst tensor of this random-weight bf16
-    # model (profiles/trainer.md); a wrong tree layout differs by O(1)
-    assert worst(grads) <= max(0.1, 1.5 * worst(grads_dense)), (worst(grads), worst(grads_dense))
+    def relative(got: dict) -> float:
+        diff = sum(float((got[n].float() - g.float()).pow(2).sum()) for n, g in grads_ref.items())
+        return (diff / sum(float(g.float().pow(2).sum()) for g in grads_ref.values())) ** 0.5
+    return {"tree_tokens_share": tree.num_tokens / flat.num_tokens, "tree_attention": tree_attention,
+            "lp_tree": float((lp_tree - lp_flat).abs().mean()), "lp_floor": float((lp_dense - lp_flat).abs().mean()),
+            "loss": float(loss), "loss_ref": float(loss_ref),
+            "grad_tree": relative(grads), "grad_floor": relative(grads_dense)}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
+    """Trees against flat at bf16 (`bf16_tree_against_flat`): log-probs within 0.01 nats, the loss
+    and the LoRA gradients within bf16 rounding."""
+    r = bf16_tree_against_flat(seed=0)
+    assert r["tree_tokens_share"] < 0.6 and r["tree_attention"] == TREE_FLEX
+    # Tree, flat and dense each round their attention sums in their own order: tree against flat is
+    # the difference of two independent rounding errors, as dense against flat is, so the two are of
+    # one size; 1.25x (log-probs: a mean over thousands of tokens) and 1.5x (gradients: one vector
+    # norm, a sum of fewer independent terms) leave room for their spread, and 0.01 nats / 0.1 is the
+    # issue's bound where the floor is lower. A wrong tree layout differs by O(1) in both.
+    assert r["lp_tree"] <= max(0.01, 1.25 * r["lp_floor"]), r
+    assert abs(r["loss"] - r["loss_ref"]) <= 2e-2 * abs(r["loss_ref"]), r
+    assert r["grad_tree"] <= max(0.1, 1.5 * r["grad_floor"]), r
 
 
 @pytest.mark.gpu
