@@ -22,6 +22,7 @@ Implementations, chosen by the composition root (`train.py`) from the engine kin
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -126,13 +127,35 @@ class IpcSender(AdapterSender):
     engine has yet to read. At the end both sides meet in one barrier (`close`), so the learner's
     process, which owns the memory, outlives the engines' last copy."""
 
-    def __init__(self, spec: LoraSpec, *, src: int, group, device, slots: int, with_checksum: bool = False):
+    def __init__(self, spec: LoraSpec, *, src: int, group, device, slots: int, with_checksum: bool = False,
+                 background: bool = False):
+        """`background`: the handshake (the ring's description to the engines, then the barrier that
+        says they have started) runs on a thread, so the caller can warm up meanwhile; the first
+        `send` waits for it."""
         self.spec, self.src, self.group, self.with_checksum = spec, src, group, with_checksum
         self.ring = torch.zeros(slots, spec.numel, dtype=spec.dtype, device=device)
-        broadcast_json(share_cuda_buffer(self.ring), src=src, group=group, rank=src)
-        dist.barrier(group=group)  # returns once every engine has the ring's description (and so has started)
+        description = share_cuda_buffer(self.ring)
+        self._failure: BaseException | None = None
+        self._handshake = threading.Thread(target=self._shake, args=(description,), name="ipc-handshake", daemon=True)
+        self._handshake.start()
+        if not background:
+            self.joined()
+
+    def _shake(self, description: dict) -> None:
+        try:
+            broadcast_json(description, src=self.src, group=self.group, rank=self.src)
+            dist.barrier(group=self.group)  # returns once every engine has the ring's description (and so has started)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread (`joined`)
+            self._failure = e
+
+    def joined(self) -> None:
+        """Wait for the handshake; what failed in it is raised here."""
+        self._handshake.join()
+        if self._failure is not None:
+            raise self._failure
 
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
+        self.joined()
         t0 = time.perf_counter()
         slot = self.ring[version % len(self.ring)]
         slot.copy_(flatten_lora(flat, self.spec))
@@ -142,6 +165,7 @@ class IpcSender(AdapterSender):
         return time.perf_counter() - t0
 
     def close(self) -> float:
+        self.joined()
         t0 = time.perf_counter()
         dist.barrier(group=self.group)
         return time.perf_counter() - t0

@@ -88,7 +88,8 @@ class EngineConfig:
     """vLLM: GiB of KV cache, fixed (vLLM's `kv_cache_memory_bytes`); 0 lets vLLM size it by profiling
     what is left of its `gpu_memory_utilization` share. Set it when other processes take or free GPU
     memory while the engine starts (several runs on one GPU, as the GPU tests run): the profile
-    counts their memory as the engine's. vLLM still wants its share free at start."""
+    counts their memory as the engine's. vLLM still wants its share free at start. With it, a learner
+    on the engine's GPU warms up (`learner.prewarm`) while the engine starts, not after."""
     max_model_len: int = 0
     """vLLM: context length; 0 sizes it from the workload (prompt + max_new_tokens)."""
     enforce_eager: bool = False

@@ -62,17 +62,18 @@ def make_engine(cfg: Config, topo: Topology, model, tokenizer) -> tuple[Engine, 
     return engine_entry(cfg, topo).build(cfg, topo, EngineParts(model, tokenizer, env_facts(cfg)))
 
 
-def make_sender(cfg: Config, topo: Topology, learner: Learner) -> AdapterSender:
+def make_sender(cfg: Config, topo: Topology, learner: Learner, probe: list[int]) -> AdapterSender:
     """The sending end of the adapter channel (the engine table's `make_sender`). The learner warms up
-    first (`warm_up_learner`), while the engines start: before the sender waits for them, but after
-    learner rank 0 published whatever the engines wait for."""
-    return table_sender(cfg, topo, learner.lora_spec, before_join=lambda: warm_up_learner(cfg, learner))
+    (`warm_up_learner`) while the engines start: before the sender waits for them (on a GPU they
+    share, unless their start depends on its free memory: then once they have started)."""
+    return table_sender(cfg, topo, learner.lora_spec, before_join=lambda: warm_up_learner(cfg, learner, probe))
 
 
-def warm_up_learner(cfg: Config, learner: Learner) -> None:
-    """`Learner.warm_up` when `learner.prewarm` is on (every learner: collectives), then the mark."""
+def warm_up_learner(cfg: Config, learner: Learner, probe: list[int]) -> None:
+    """`Learner.warm_up` when `learner.prewarm` is on (every learner: collectives), with the canary's
+    probe when the canary is on, then the mark."""
     if cfg.learner.prewarm:
-        learner.warm_up()
+        learner.warm_up(probe if cfg.sync.canary_every > 0 else None)
         mark("learner_warm")
 
 
@@ -113,7 +114,7 @@ def run_rank(cfg: Config, resume: dict | None, stop: StopSignal, caches: dict[st
     else:
         learner = Learner(cfg, topo, model, tokenizer)
         mark("model_ready")
-        sender = make_sender(cfg, topo, learner)
+        sender = make_sender(cfg, topo, learner, probe)
         collapse_step = run_learner(cfg, topo, learner, sender, resume=resume, stop=stop, probe=probe,
                                     faults=faults_from_env())
     dist.destroy_process_group()

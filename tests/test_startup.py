@@ -184,7 +184,7 @@ def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3) -> d
         calls = []
         step = learner.optimizer.step
         learner.optimizer.step = lambda *a, **k: calls.append(1) or step(*a, **k)
-        learner.warm_up()
+        learner.warm_up(probe=list(range(2, 40)))  # the canary's forward too (a probe of 38 ids)
         learner.optimizer.step = step
         assert calls == [1] and not learner.optimizer.state and learner.version == 0  # it stepped, then put back
         assert all(p.grad is None for p in learner.params)
@@ -242,6 +242,47 @@ def test_warm_up_under_fsdp_puts_the_sharded_adapter_back_exactly(tmp_path, tiny
     mp.start_processes(_fsdp_worker, args=(free_port(), tiny_cfg.model.cache_dir, out), nprocs=1, join=True,
                        start_method="fork")
     assert open(out).read() == "ok"
+
+
+def _shared_gpu_sender(monkeypatch, overrides: dict) -> list:
+    """`engine.table.make_sender` on learner rank 0 of a GPU shared with the engines, its IPC ring
+    recorded -> what happened, in order: ("ipc", handshake in the background) and "warm-up"."""
+    from types import SimpleNamespace
+    from colocate.config import load_config
+    from colocate.engine import table
+    events = []
+    monkeypatch.setattr(table, "IpcSender", lambda *a, background=False, **k: events.append(("ipc", background)))
+    monkeypatch.setattr(table, "resolve_kind", lambda kind, topo: kind)
+    cfg = load_config(os.path.join(REPO, "configs/cpu-tiny.yaml"), overrides)
+    topo = SimpleNamespace(rank=1, sync_src=1, shared_gpu=True, sync_group=None, device=torch.device("cpu"))
+    table.make_sender(cfg, topo, spec=None, before_join=lambda: events.append("warm-up"))
+    return events
+
+
+def test_the_warm_up_runs_beside_the_engines_start_unless_they_size_from_free_memory(monkeypatch):
+    # vLLM sizing its KV cache from the GPU's free memory (its start-up profile): the warm-up waits
+    # for the handshake, which returns once the engines have started
+    assert _shared_gpu_sender(monkeypatch, {"engine": {"kind": "vllm"}}) == [("ipc", False), "warm-up"]
+    # a fixed KV cache (engine.kv_cache_gib), or the HF engine: the handshake runs on a thread meanwhile
+    fixed = {"engine": {"kind": "vllm", "kv_cache_gib": 2.0}}
+    assert _shared_gpu_sender(monkeypatch, fixed) == [("ipc", True), "warm-up"]
+    assert _shared_gpu_sender(monkeypatch, {"engine": {"kind": "hf"}}) == [("ipc", True), "warm-up"]
+
+
+def test_a_failed_handshake_in_the_background_is_raised_where_the_sender_is_used(monkeypatch):
+    from colocate import channel
+    from colocate.wire import LoraSpec
+
+    def refused(*a, **k):
+        raise RuntimeError("an engine died before it took the ring")
+    monkeypatch.setattr(channel, "share_cuda_buffer", lambda ring: {})
+    monkeypatch.setattr(channel, "broadcast_json", refused)
+    spec = LoraSpec.of({"a": torch.zeros(2, 3)})
+    sender = channel.IpcSender(spec, src=0, group=None, device=torch.device("cpu"), slots=2, background=True)
+    with pytest.raises(RuntimeError, match="engine died"):
+        sender.send(torch.zeros(6), 1, channel.RunFlags(0))
+    with pytest.raises(RuntimeError, match="engine died"):  # at once: without the background the constructor raises
+        channel.IpcSender(spec, src=0, group=None, device=torch.device("cpu"), slots=2)
 
 
 def test_the_synthetic_batch_fills_the_budget_in_groups_that_share_a_prompt():

@@ -49,6 +49,10 @@ class EngineEntry:
     """Whether the packages it needs are importable (`preflight` checks an explicit kind)."""
     install_hint: str = ""
     """What to do when it is not installed (the preflight line's end)."""
+    sizes_from_free_memory: Callable[..., bool] = lambda cfg: False
+    """(cfg) -> whether the engine sizes its memory from what the GPU has free while it starts (vLLM's
+    memory profile, without `engine.kv_cache_gib`): a learner on its GPU then allocates only once it
+    has started, since the profile would count the learner's memory as the engine's own."""
 
 
 def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
@@ -99,7 +103,8 @@ ENGINES: dict[str, EngineEntry] = {
     "hf": EngineEntry(build=build_hf, sender=broadcast_sender),
     "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
-                        installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto"),
+                        installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
+                        sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
 
@@ -137,15 +142,19 @@ def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
 
 def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lambda: None) -> AdapterSender:
     """The sending end of the adapter channel: learner rank 0 sends, the other learners do not.
-    `before_join()` (the learner's warm-up) runs on every learner while the engines start, but on a
-    GPU shared with them only once they have started: what it allocates would otherwise count as an
-    engine's own memory in vLLM's start-up profile."""
+    `before_join()` (the learner's warm-up) runs on every learner while the engines start. On a GPU
+    shared with them it runs beside the ring's handshake (which waits for the engines to be up)
+    unless the engine sizes its memory from the GPU's free memory at start
+    (`EngineEntry.sizes_from_free_memory`): then after it, or vLLM's start-up profile would count
+    the warm-up's memory as its own."""
     if topo.rank != topo.sync_src:
         before_join()
         return NoSender()
     if topo.shared_gpu:  # every engine on this GPU: CUDA IPC, whichever engine
+        early = not engine_entry(cfg, topo).sizes_from_free_memory(cfg)
         sender = IpcSender(spec, src=topo.sync_src, group=topo.sync_group, device=topo.device,
-                           slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum)
-        before_join()  # past the ring's barrier: the engines are up
+                           slots=cfg.learner.max_policy_lag + 1, with_checksum=cfg.sync.check_checksum,
+                           background=early)
+        before_join()  # early: beside the handshake; else past the ring's barrier (the engines are up)
         return sender
     return engine_entry(cfg, topo).sender(cfg, topo, spec, before_join)

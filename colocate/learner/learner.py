@@ -306,13 +306,15 @@ class Learner:
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def warm_up(self) -> None:
+    def warm_up(self, probe: list[int] | None = None) -> None:
         """One update of a synthetic batch of `micro_batch_tokens` tokens through the step's own path
         (the counts' all-reduce, packing, FSDP's all-gathers and reduce-scatters, compile, attention,
         the loss kernel, the grad-norm clip, AdamW's first step and its state), before the first
-        batch: those first-call costs are paid while the engines start. Then the adapter, AdamW's
-        state, the gradients, the RNG and the module mode are put back exactly (`Snapshot`), and the
-        version is untouched: the run trains bit for bit as without it. Every learner calls it."""
+        batch: those first-call costs are paid while the engines start. With the canary's `probe`,
+        its forward first (`score_probe`: gradient-free, its own shape, so compiled blocks compile it
+        apart; else the run's first canary record pays that). Then the adapter, AdamW's state, the
+        gradients, the RNG and the module mode are put back exactly (`Snapshot`), and the version is
+        untouched: the run trains bit for bit as without it. Every learner calls it."""
         lc = self.cfg.learner
         # ids the embedding holds: a saved model's tokenizer may count more tokens than its embedding rows
         vocab = min(self.vocab_size, self.model.config.vocab_size)
@@ -320,6 +322,8 @@ class Learner:
                                 self.cfg.rollout.group_size, self.version)
         saved = Snapshot.capture(self)
         try:
+            if probe:
+                self.score_probe(probe)  # queued on the device, never read
             counts = by_name(self._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # all-reduce
             if lc.updates_per_batch > 1:
                 batch.old_logprobs = self.start_logprobs(batch)
