@@ -286,7 +286,7 @@ def test_a_failed_handshake_in_the_background_is_raised_where_the_sender_is_used
 
 
 def test_the_synthetic_batch_fills_the_budget_in_groups_that_share_a_prompt():
-    from colocate.learner.learner import synthetic_batch
+    from colocate.learner.warmup import synthetic_batch
     b = synthetic_batch(vocab=50, num_tokens=64, completion_len=8, group_size=4, version=3)
     assert b.num_sequences == 4 and int(b.seq_lens.sum()) == 64 and b.num_completion_tokens == 32
     prompts = b.tokens.view(4, 16)[:, :8]
