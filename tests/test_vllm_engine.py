@@ -284,9 +284,9 @@ def test_prompt_logprobs_of_reads_the_probes_own_tokens():
 
 
 def test_vllm_canary_scores_the_probe_idle_and_beside_streamed_requests(monkeypatch):
-    """`score` asks vLLM for the probe's prompt log-probs with one generated token: alone through
-    `generate` when nothing streams, else through the running engine, where the streamed answers
-    it reads wait for the next poll and the probe is never taken for one of them."""
+    """`score` asks vLLM for the probe's prompt log-probs with one generated token, through the
+    engine's queue: alone when nothing streams, else beside the running requests, where the
+    streamed answers it reads wait for the next poll and the probe is never taken for one of them."""
     import sys
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
     engine = _streaming_engine(monkeypatch, seed=4)
@@ -303,3 +303,28 @@ def test_vllm_canary_scores_the_probe_idle_and_beside_streamed_requests(monkeypa
     assert sorted(got) == tickets and not engine._probes
     assert [got[t].token_ids[0] for t in tickets] == [41 + i for i in range(9)]
     assert engine.counters["requests"] == 9  # the probes are not samples
+
+
+def test_vllm_canary_probe_started_before_a_batch_runs_beside_it(monkeypatch):
+    """`start_score` queues the probe; the batch submitted after it runs beside it, its answers are
+    only the batch's, and reading the probe afterwards gives its log-probs. A probe still queued
+    when `generate` or a weight update comes is finished first: `LLM.generate` would take its output
+    (the fake refuses to start with anything running), and it belongs to the adapter it was queued under."""
+    import sys
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
+    engine = _streaming_engine(monkeypatch, seed=5)
+    probe, want = [5, 11, 12, 30], [-0.11, -0.12, -0.30]
+    read = engine.start_score(probe)
+    tickets = engine.submit([Request(prompt_ids=[1, 40 + i], max_new_tokens=2) for i in range(9)])
+    got = {}
+    while engine._pending or engine._stash:
+        got.update(engine.poll())
+    assert sorted(got) == tickets and engine.counters["requests"] == 9
+    assert read().tolist() == pytest.approx(want) and not engine._probes
+    read = engine.start_score(probe)  # queued, then a drain-mode evaluation's generate
+    outs = engine.generate([Request(prompt_ids=[1, 60], max_new_tokens=2)])
+    assert [o.token_ids[0] for o in outs] == [61] and engine._probes  # done, kept for its reader
+    assert read().tolist() == pytest.approx(want)
+    engine.start_score(probe)
+    engine._require_idle("adapter update")  # what every weight update asks first
+    assert all(o is not None for o in engine._probes.values()) and not engine.llm.running

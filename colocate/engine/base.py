@@ -56,6 +56,14 @@ class Engine:
         forward with the adapter it samples with now (temperature 1, no mask): the sync canary."""
         raise NotImplementedError
 
+    def start_score(self, token_ids: list[int]) -> Callable[[], torch.Tensor]:
+        """`score` started now, read later: the returned function gives the log-probs, under the
+        adapter the engine holds now (an engine keeps it until they are read or it takes another).
+        An engine that queues requests (vLLM) runs the probe beside the requests that follow; this
+        default scores at once."""
+        logprobs = self.score(token_ids)
+        return lambda: logprobs
+
     # ---- optional, with defaults ---------------------------------------------------------------
 
     def submit(self, requests: list[Request]) -> list[int]:

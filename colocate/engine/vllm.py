@@ -276,7 +276,8 @@ class VLLMEngine(Engine):
 
     def _require_idle(self, what: str) -> None:
         """With update="drain" weights change only between batches: a streamed request in flight
-        would mix versions."""
+        would mix versions. A queued canary probe is finished first (`_finish_probes`)."""
+        self._finish_probes()
         if self._pending and not self.inflight:
             raise RuntimeError(f"{what} with {len(self._pending)} streamed requests in flight: poll them "
                                "until none is pending first")
@@ -338,19 +339,32 @@ class VLLMEngine(Engine):
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """The canary's probe scored by vLLM's forward with the adapter it samples with now
-        (`prompt_logprobs`); beside streamed requests when they run (update="inflight")."""
+        (`prompt_logprobs`), at once."""
+        return self.start_score(token_ids)()
+
+    def start_score(self, token_ids: list[int]) -> Callable[[], torch.Tensor]:
+        """The probe queued as one more request: it runs in the engine steps of whatever comes next
+        (the batch's first steps, or streamed requests already running), so it costs those steps a
+        few prompt tokens instead of a step of its own; reading it steps the engine until it is done."""
         from vllm import SamplingParams
         params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         prompt = {"prompt_token_ids": list(token_ids), **self._cache_salt()}
-        if not self._pending:
-            (output,) = self.llm.generate([prompt], [params], lora_request=self._lora_request, use_tqdm=False)
-            return prompt_logprobs_of(output, token_ids)
         (rid,) = self.llm.enqueue([prompt], [params], lora_request=self._lora_request, use_tqdm=False)
         key = rid.split("-", 1)[0]
         self._probes[key] = None
-        while self._probes[key] is None:  # streamed answers read meanwhile wait for the next poll
+
+        def read() -> torch.Tensor:
+            while self._probes[key] is None:  # streamed answers read meanwhile wait for the next poll
+                self._stash.extend(self._step_once())
+            return prompt_logprobs_of(self._probes.pop(key), token_ids)
+        return read
+
+    def _finish_probes(self) -> None:
+        """Step the engine until every queued probe is done: before the weights change (a probe
+        belongs to the adapter it was queued under) and before `LLM.generate`, which would take its
+        output as one of its own."""
+        while any(o is None for o in self._probes.values()):
             self._stash.extend(self._step_once())
-        return prompt_logprobs_of(self._probes.pop(key), token_ids)
 
     # -- streaming (the rollout worker with rollout.stream) -----------------------------------------
     def _params(self, requests: list[Request]) -> tuple[list[dict], list]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from torch.profiler import record_function
 
@@ -78,17 +79,25 @@ class InferenceRank:
                 send_json(state or self.resume_state(), self.topo.sync_src, self.topo.transport_group)
             self.stopped = self.stopped or bool(update.flags & RunFlags.STOP)
 
-    def score_canary(self) -> ProbeScore | None:
+    def start_canary(self) -> Callable[[], ProbeScore] | None:
         """The engine's probe log-probs with the version it holds, once per version (every
-        `sync.canary_every`): they travel with the next batch's shards to the learners."""
+        `sync.canary_every`), started now and read after the batch (`Engine.start_score`: the probe
+        runs beside the batch's requests): they travel with the batch's shards to the learners.
+        `sync/canary_ms` is this rank's own time on it (queueing it, and what reading it waited)."""
         version = self.engine.version
         if not canary.due(version, self.cfg.sync.canary_every) or version == self.scored_version:
             return None
         self.scored_version = version
         t0 = time.perf_counter()
-        logprobs = self.engine.score(self.probe)
-        self.writer.scalars("sync", {"canary_ms": (time.perf_counter() - t0) * 1e3}, version)
-        return ProbeScore(version, logprobs)
+        read = self.engine.start_score(self.probe)
+        queued_s = time.perf_counter() - t0
+
+        def finish() -> ProbeScore:
+            t1 = time.perf_counter()
+            logprobs = read()
+            self.writer.scalars("sync", {"canary_ms": (queued_s + time.perf_counter() - t1) * 1e3}, version)
+            return ProbeScore(version, logprobs)
+        return finish
 
     def resume_state(self) -> dict:
         """What this rank needs to resume sampling exactly (JSON)."""
@@ -116,7 +125,7 @@ class InferenceRank:
         self.take_adapters_through(k - lag)
         if self.stopped:
             return None
-        probe_score = self.score_canary()
+        probe = self.start_canary()
         self.evaluator.between_batches()
         t_version = time.perf_counter()
         # Sends of batch j complete once the learners start step j, which needs version j to have
@@ -130,6 +139,7 @@ class InferenceRank:
                              "wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
                              "collect_s": time.perf_counter() - t_collect,
                              **{key: float(v) for key, v in {**stats, **engine_stats}.items() if key in BATCH_STATS}})
+        probe_score = probe() if probe is not None else None
         flags = RunFlags.STOP if self.stop.requested else RunFlags.NONE  # reaches the learners in the header
         # the step line's `inf`: not for this process's first batch, whose interval holds the start-up
         busy = self.batches[-1]["collect_s"] / max(time.perf_counter() - t_wait, 1e-9) if len(self.batches) > 1 else None
