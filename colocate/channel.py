@@ -51,6 +51,10 @@ class AdapterSender:
     def wait_sent(self) -> float:
         return 0.0
 
+    def ready(self) -> None:
+        """Wait until the engines can take updates (a handshake still running: `IpcSender`); what
+        failed in it is raised here, before the first step."""
+
     def close(self) -> float:
         """End of the run: every engine holds the last version (seconds spent)."""
         return self.wait_sent()
@@ -149,10 +153,13 @@ class IpcSender(AdapterSender):
             self._failure = e
 
     def joined(self) -> None:
-        """Wait for the handshake; what failed in it is raised here."""
+        """Wait for the handshake; what failed in it is raised here (also `ready`)."""
         self._handshake.join()
         if self._failure is not None:
             raise self._failure
+
+    def ready(self) -> None:
+        self.joined()
 
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
         self.joined()

@@ -59,8 +59,7 @@ class Engine:
     def start_score(self, token_ids: list[int]) -> Callable[[], torch.Tensor]:
         """`score` started now, read later: the returned function gives the log-probs, under the
         adapter the engine holds now (an engine keeps it until they are read or it takes another).
-        An engine that queues requests (vLLM) runs the probe beside the requests that follow; this
-        default scores at once."""
+        An engine that queues requests (vLLM) runs the probe meanwhile; this default scores at once."""
         logprobs = self.score(token_ids)
         return lambda: logprobs
 

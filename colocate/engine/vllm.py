@@ -343,9 +343,9 @@ class VLLMEngine(Engine):
         return self.start_score(token_ids)()
 
     def start_score(self, token_ids: list[int]) -> Callable[[], torch.Tensor]:
-        """The probe queued as one more request: it runs in the engine steps of whatever comes next
-        (the batch's first steps, or streamed requests already running), so it costs those steps a
-        few prompt tokens instead of a step of its own; reading it steps the engine until it is done."""
+        """The probe queued as one more request: vLLM's engine core (its own process) starts on it at
+        once, while this rank evaluates or waits for old sends, or beside streamed requests already
+        running, instead of in a step this rank waits for; reading it steps the engine until it is done."""
         from vllm import SamplingParams
         params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
         prompt = {"prompt_token_ids": list(token_ids), **self._cache_salt()}

@@ -325,6 +325,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
         saved = resume["trainer_state"]["history"]  # older checkpoints kept no reward_errors: none counted
         rank.history = {k: list(saved.get(k, [0.0] * len(saved.get("reward", [])))) for k in rank.history}
     rank.record_canary(None)  # the version the engines start with
+    sender.ready()  # the engines are up (a failed start is named here, not at the first send)
     monitors = contextlib.ExitStack()  # daemon threads and a profiler window
     role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
                                                 what="trajectory consumed"))

@@ -81,8 +81,8 @@ class InferenceRank:
 
     def start_canary(self) -> Callable[[], ProbeScore] | None:
         """The engine's probe log-probs with the version it holds, once per version (every
-        `sync.canary_every`), started now and read after the batch (`Engine.start_score`: the probe
-        runs beside the batch's requests): they travel with the batch's shards to the learners.
+        `sync.canary_every`), started now and read after the batch (`Engine.start_score`: vLLM runs the
+        probe meanwhile): they travel with the batch's shards to the learners.
         `sync/canary_ms` is this rank's own time on it (queueing it, and what reading it waited)."""
         version = self.engine.version
         if not canary.due(version, self.cfg.sync.canary_every) or version == self.scored_version:
