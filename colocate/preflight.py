@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import tempfile
 
 from colocate.config import Config, ConfigError
+from colocate.config_checks import check_kv_cache
 from colocate.jsonfile import read_object
 
 
@@ -163,6 +164,8 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_env(cfg)  # the env's own rules and what they point at (its `check` and `preflight` hooks)
     # the engine table's entry; `--gpu-memory` plans for another machine, whose packages are not this one's
     check_engine_kind(cfg.engine.kind, outside_world=card is None)
+    if cfg.engine.kind == "auto" and not gpus and card is None:  # auto is the HF engine here
+        check_kv_cache(cfg, "hf")
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
     check_model_len(cfg, model)

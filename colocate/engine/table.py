@@ -55,7 +55,8 @@ def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     """The reference engine on the rank's device, in the rank's process: adapters arrive by
     broadcast (or CUDA IPC when it shares learner rank 0's GPU)."""
     from colocate.engine.hf import HFEngine
-    engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
+    engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank,
+                      quantization=cfg.engine.quantization)
     mark("engine_constructed")  # before the receiver, which waits for learner rank 0
     spec = LoraSpec.of(engine.lora_state())
     if topo.shared_gpu:
