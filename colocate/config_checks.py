@@ -224,8 +224,8 @@ def check_fp8(cfg: Config) -> None:
     must correct for it, and only where the engine can run it."""
     e = cfg.engine
     if e.quantization == "fp8" and e.lora_mode == "merged":
-        raise ConfigError("engine.quantization=fp8 needs engine.lora_mode=slot (merged would quantize W0 + BA "
-                          "again at every adapter update: not supported)")
+        raise ConfigError("engine.quantization=fp8 needs engine.lora_mode=slot (merged would quantize W0 + BA to "
+                          "FP8 again at every adapter update: not measured yet)")
     check_kv_cache(cfg, e.kind)
     fp8 = [f"engine.{k}=fp8" for k in ("quantization", "kv_cache_dtype") if getattr(e, k) == "fp8"]
     corrected = cfg.loss.tis_cap > 0 or cfg.loss.mis_threshold > 0 or cfg.learner.updates_per_batch > 1
