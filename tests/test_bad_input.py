@@ -77,7 +77,7 @@ CONFIG_CASES = [
     ("fp8 with merged LoRA", None, ["--engine.quantization=fp8", "--engine.lora_mode=merged", "--loss.tis_cap=2"],
      "engine.lora_mode=slot"),
     ("fp8 KV cache on the HF engine", None, ["--engine.kv_cache_dtype=fp8", "--loss.tis_cap=2"],
-     "engine.kv_cache_dtype=fp8 is vLLM's"),
+     "engine.kv_cache_dtype=fp8 is not kept by the hf engine"),
     # env
     ("env name", None, ["--env.name=chess"], "env.name"),
     ("max_operand negative", None, ["--env.max_operand=-1"], "env.max_operand"),

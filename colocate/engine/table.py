@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, IpcReceiver,
                               IpcSender, NoSender)
@@ -49,6 +50,8 @@ class EngineEntry:
     """Whether the packages it needs are importable (`preflight` checks an explicit kind)."""
     install_hint: str = ""
     """What to do when it is not installed (the preflight line's end)."""
+    fp8_kv_cache: bool = False
+    """Whether it keeps its KV cache in FP8 for engine.kv_cache_dtype=fp8 (`check_engine_keys`)."""
 
 
 def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
@@ -100,7 +103,8 @@ ENGINES: dict[str, EngineEntry] = {
     "hf": EngineEntry(build=build_hf, sender=broadcast_sender),
     "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
-                        installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto"),
+                        installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
+                        fp8_kv_cache=True),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
 
@@ -134,6 +138,19 @@ def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
     if outside_world and kind != "auto" and not ENGINES[kind].installed():
         raise ConfigError(f"engine.kind={kind} but {kind} is not installed in this environment "
                           f"({ENGINES[kind].install_hint})")
+
+
+def check_engine_keys(cfg, *, outside_world: bool = True) -> None:
+    """Keys only some entries honour: engine.kv_cache_dtype=fp8 (`EngineEntry.fp8_kv_cache`). `auto`
+    is resolved for this machine when it is the one the run uses (`outside_world`)."""
+    kind = cfg.engine.kind
+    if kind == "auto" and outside_world:
+        import torch
+        here = SimpleNamespace(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        kind = resolve_kind(kind, here)
+    if cfg.engine.kv_cache_dtype == "fp8" and kind in ENGINES and not ENGINES[kind].fp8_kv_cache:
+        raise ConfigError(f"engine.kv_cache_dtype=fp8 is not kept by the {kind} engine (its KV cache stays in the "
+                          "model's dtype): use engine.kind=vllm on a GPU, or engine.kv_cache_dtype=auto")
 
 
 def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lambda: None) -> AdapterSender:
