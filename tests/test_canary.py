@@ -121,11 +121,12 @@ def test_engine_and_learner_agree_on_one_adapter_and_every_fault_shows(tiny_cfg,
     assert canary(stale).gap > 10 * healthy.bound
 
 
-def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "") -> tuple[list, list[float]]:
+def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure: int = 0) -> tuple[list, list[float]]:
     """cpu-tiny in one process, synchronous (lag 0), with an FP8 HF engine and TIS (tis_cap 2): per
     version, the canary's check (the learner's probe against the engine's), then a batch sampled
-    and trained, then the adapter loaded into the engine -> (results, mean reward per batch).
-    `fault` is a tests/canary_faults fault installed on the engine's class (the torchrun tests' own)."""
+    and trained, then the adapter loaded into the engine -> (results, mean reward per batch); with
+    `after_failure` it ends that many versions after the first failed check. `fault` is a
+    tests/canary_faults fault installed on the engine's class (the torchrun tests' own)."""
     from colocate.config import load_config
     from colocate.engine.hf import HFEngine
     from colocate.envs import make_env
@@ -158,6 +159,9 @@ def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "") -> tuple[list
     for version in range(steps):
         check.record(version, *learner.score_probe(probe))
         results.append(check.check([ProbeScore(version, engine.score(probe))]))
+        failed = [r.version for r in results if r.failed]
+        if after_failure and failed and version - failed[0] >= after_failure:
+            break
         batch, _, _ = worker.collect()
         rewards.append(float(batch.rewards.mean()))
         learner.train_step(batch)
@@ -180,10 +184,10 @@ def test_an_fp8_engine_that_skips_updates_is_still_caught(tiny_cfg, tiny_tokeniz
     alone hides in FP8's rounding: colocate/canary.py)."""
     from colocate.engine.hf import HFEngine
     monkeypatch.setattr(HFEngine, "load_lora", HFEngine.load_lora)
-    results, _ = fp8_run(tiny_cfg, tiny_tokenizer, steps=30, fault="skip")
+    results, _ = fp8_run(tiny_cfg, tiny_tokenizer, steps=30, fault="skip", after_failure=3)
     failed = [r.version for r in results if r.failed]
     assert failed and not results[1].failed, results
-    assert failed == list(range(failed[0], 30))  # once past the bound it stays past it
+    assert failed == list(range(failed[0], failed[0] + 4))  # once past the bound it stays past it
 
 
 def colocate_train(tmp_path, *args, fault: str = "", steps: int = 4, timeout: int = 600):
