@@ -38,8 +38,9 @@
 #            dsroll05 the same at the 0.5B shape
 #   dsrollfp8  the dataset_rollout benchmark at the 7B shape, FP8 against bf16 in one run (issue 62): our engine
 #            bf16 (merged, as shipped: ours), bf16 slot (ours+slot), FP8 slot (ours+fp8), FP8 weights and KV cache
-#            (ours+fp8kv), plain vLLM bf16 and plain vLLM FP8; ratios ours+fp8 over ours (>= 1.3 wanted), over
-#            vllm_fp8 (>= 0.95), over ours+slot, and vllm_fp8 over vllm; DSROLLFP8_SIDES picks the sides
+#            (ours+fp8kv), plain vLLM bf16 and plain vLLM FP8; ratios: every side over ours, and ours+fp8 over
+#            vllm_fp8 (>= 0.95 wanted; over ours >= 1.3); DSROLLFP8_SIDES picks the sides (keep ours, ours+fp8
+#            and vllm_fp8, or set DSROLLFP8_RATIOS to pairs of the sides kept)
 #   parityfp8  the parity step with the engine in FP8 (--quantization fp8): the engine-vs-learner log-prob gap
 #            of an FP8 engine (parity-7b-fp8.json beside parity's parity-7b.json: run parity,parityfp8)
 #   learnfp8 the GPU learning test with FP8: cpu-tiny on vLLM with engine.quantization=fp8 and loss.tis_cap=2
@@ -151,7 +152,7 @@ step() {  # one step of the chain, by name
             --sides "${DSROLLFP8_SIDES:-ours,ours+slot,ours+fp8,ours+fp8kv,vllm,vllm_fp8}" \
             --variant "slot:engine.lora_mode=slot" "fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
               "fp8kv:engine.quantization=fp8,engine.kv_cache_dtype=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
-            --ratios "ours+fp8/ours,ours+fp8/vllm_fp8,ours+fp8/ours+slot,vllm_fp8/vllm" \
+            --ratios "${DSROLLFP8_RATIOS:-ours+fp8/vllm_fp8,ours+fp8/ours+slot,vllm_fp8/vllm}" \
             --out "$GS/dataset-rollout-fp8.json" ;;
     parityfp8) with_memory parityfp8 timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
               --iters 3 --also parity --budget-s 400 --quantization fp8 --out "$GS/parity-7b-fp8.json" ;;
