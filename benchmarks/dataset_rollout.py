@@ -14,7 +14,13 @@ has one), unconstrained answers up to 500 tokens, temperature 1.
          `logprobs_mode="processed_logprobs"`, no detokenizing): what ours asks costs vLLM alone
   vllm_ours_args  vllm_logprobs with our engine's `LLM` arguments (`llm_arguments`): what our
          engine settings cost without our loop around the engine
-  ours+NAME  ours with the config overrides of `--variant NAME:section.key=value,...`
+  vllm_fp8  plain vLLM as `vllm`, with vLLM's online FP8 (`quantization="fp8"`: the checkpoint's
+         bf16 weights rounded to e4m3 at load, dynamic activation scales): the FP8 baseline
+  ours+NAME  ours with the config overrides of `--variant NAME:section.key=value,...` (FP8:
+         engine.quantization=fp8 with engine.lora_mode=slot and a loss correction, which the
+         config check asks for though a rollout trains nothing)
+`--ratios A/B,...` adds each named pair's tokens/s ratio beside those against the first side (the
+issue's FP8 figures come from one run: ours+fp8 against ours and against vllm_fp8).
 Each side runs in its own process on GPU 0 (TP 1), one warm-up round, then `--rounds` timed
 rounds. Each round's wall time splits into the engine's span (first request in to last answer
 out; its engine steps) and the host work outside it (ours: prompts before, rewards and the batch
@@ -32,7 +38,7 @@ import tempfile
 import time
 
 QUESTIONS, SAMPLES, MAX_TOKENS = 16, 8, 500
-SIDES = ("vllm", "vllm_logprobs", "vllm_ours_args", "ours")
+SIDES = ("vllm", "vllm_fp8", "vllm_logprobs", "vllm_ours_args", "ours")
 VLLM_SETTINGS = dict(max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=0.95, enable_chunked_prefill=True)
 
 
@@ -43,6 +49,7 @@ def add_args(parser) -> None:
     parser.add_argument("--sides", default="vllm,ours",
                         help=f"comma-separated, of {SIDES} and ours+NAME; the first is the baseline")
     parser.add_argument("--variant", nargs="*", default=[], help="NAME:section.key=value,... for the side ours+NAME")
+    parser.add_argument("--ratios", default="", help="comma-separated A/B pairs of sides: A's tokens/s over B's")
     parser.add_argument("--side", default="", help="internal: run one side in this process")
     parser.add_argument("--data", default="")
     parser.add_argument("--result", default="")
@@ -132,7 +139,18 @@ def side_ours(args) -> dict:
     return summarize(rounds) | {"logprob_calls": engine.logprob_calls()}
 
 
-def side_vllm(args, logprobs: bool, ours_args: bool = False) -> dict:
+def parse_ratios(text: str, names: list[str]) -> list[tuple[str, str]]:
+    """'A/B,C/D' -> [(A, B), (C, D)], each a pair of distinct sides of the run."""
+    pairs = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        a, sep, b = item.partition("/")
+        if not sep or a not in names or b not in names or a == b:
+            raise SystemExit(f"--ratios: {item!r} is not A/B with A and B two of --sides {','.join(names)}")
+        pairs.append((a, b))
+    return pairs
+
+
+def side_vllm(args, logprobs: bool, ours_args: bool = False, quantization: str = "") -> dict:
     from vllm import LLM, SamplingParams
 
     from colocate.engine.vllm_settings import engine_settings, llm_arguments
@@ -142,6 +160,8 @@ def side_vllm(args, logprobs: bool, ours_args: bool = False) -> dict:
         llm = LLM(**llm_arguments(model_dir, engine_settings(cfg, 1, seed=0, **env_facts(cfg))))
     else:
         extra = {"logprobs_mode": "processed_logprobs"} if logprobs else {}
+        if quantization:
+            extra["quantization"] = quantization
         llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **VLLM_SETTINGS, **extra)
     asks = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, **asks)
@@ -181,7 +201,8 @@ def summarize(rounds: list[dict]) -> dict:
 def run_side(args) -> dict:
     if args.side == "ours" or args.side.startswith("ours+"):
         return side_ours(args)
-    return side_vllm(args, logprobs=args.side != "vllm", ours_args=args.side == "vllm_ours_args")
+    return side_vllm(args, logprobs=args.side not in ("vllm", "vllm_fp8"), ours_args=args.side == "vllm_ours_args",
+                     quantization="fp8" if args.side == "vllm_fp8" else "")
 
 
 def run(args) -> dict:
@@ -195,6 +216,7 @@ def run(args) -> dict:
         raise SystemExit(f"--sides {args.sides!r}: distinct names of {SIDES} or ours+NAME")
     for n in names:
         side_overrides(n, args.variant)  # refuses an undefined variant before any process starts
+    pairs = parse_ratios(args.ratios, names)
     tmp = tempfile.mkdtemp(prefix="dataset-rollout-")
     data = os.path.join(tmp, "workload.jsonl")
     write_workload(data)
@@ -216,4 +238,4 @@ def run(args) -> dict:
     rate = {n: sides[n]["out_tokens_per_s"] for n in names}
     return {"figures": {f"{n}_out_tokens_per_s": rate[n] for n in names if n != base} | {"detail": sides},
             "baseline": {f"{base}_out_tokens_per_s": rate[base]},
-            "ratios": {f"{n}_vs_{base}": rate[n] / rate[base] for n in names if n != base}}
+            "ratios": {f"{a}_vs_{b}": rate[a] / rate[b] for a, b in [(n, base) for n in names if n != base] + pairs}}

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from colocate.config_schema import EngineConfig
 from colocate.constraint import Constraint
 from colocate.data import Request
 from colocate.jsonfile import write_atomic
@@ -266,6 +267,8 @@ def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, 
     figures = dict(s.figures)
     figures["engine/compilation"] = dict(compile_kw or {})
     figures["engine/lora_mode"] = lora_mode
+    for key in ("quantization", "kv_cache_dtype"):  # the precision the parity part's gap is the engine's at
+        figures[f"engine/{key}"] = (compile_kw or {}).get(key, getattr(EngineConfig, key))
     figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
     run_parts(s, parts, figures, deadline)
     if trace_dir and trace is not None:
@@ -282,7 +285,7 @@ def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, 
 
 # -- the `sync` and `rollout` profiles share one session and one argument list --------------------
 def add_session_args(parser, *, others: str) -> None:
-    from colocate.config_schema import CONSTRAINT_MASKS, CUDAGRAPH_MODES, EngineConfig
+    from colocate.config_schema import CONSTRAINT_MASKS, CUDAGRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
     parser.add_argument("--shape", default="7b", choices=("0.5b", "7b", "tiny"))
     parser.add_argument("--learner-device", default="cuda:0", help="cpu: dry run against a stand-in vllm")
     parser.add_argument("--iters", type=int, default=10, help="sync iterations")
@@ -299,6 +302,10 @@ def add_session_args(parser, *, others: str) -> None:
                         help="engine.max_capture_tokens: largest step replayed from a CUDA graph (0: decode sizes only)")
     parser.add_argument("--constraint-masks", default=EngineConfig.constraint_masks, choices=CONSTRAINT_MASKS,
                         help="engine.constraint_masks: our automata on the GPU or vLLM's grammars")
+    parser.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
+                        help="engine.quantization: fp8 samples from vLLM's online FP8 of the base weights (slot only)")
+    parser.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                        help="engine.kv_cache_dtype: fp8 keeps vLLM's KV cache in float8 e4m3")
     parser.add_argument("--one-gpu", action="store_true",
                         help="the engine shares cuda:0 with the learner; the adapter goes by CUDA IPC")
     parser.add_argument("--trace-dir", default="",
@@ -317,6 +324,8 @@ def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: 
         raise SystemExit(f"--also {','.join(unknown)}: --profile {part} runs only {', '.join(parts)}")
     if args.trace_dir and trace is None:
         raise SystemExit(f"--trace-dir: --profile {part} does not trace (the sync profile does)")
+    if args.quantization == "fp8" and args.lora_mode != "slot":
+        raise SystemExit("--quantization fp8 needs --lora-mode slot (engine.quantization=fp8 is refused with merged)")
     order = [part] + also if first else also + [part]
     figures = run_session(shape, {name: parts[name] for name in order}, budget_s=args.budget_s,
                           num_seqs=args.num_seqs, lora_mode=args.lora_mode,
@@ -324,7 +333,8 @@ def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: 
                           trace=trace, trace_dir=args.trace_dir,
                           compile_kw={"cudagraph_mode": args.cudagraph_mode,
                                       "max_capture_tokens": args.max_capture_tokens,
-                                      "constraint_masks": args.constraint_masks}, one_gpu=args.one_gpu)
+                                      "constraint_masks": args.constraint_masks, "quantization": args.quantization,
+                                      "kv_cache_dtype": args.kv_cache_dtype}, one_gpu=args.one_gpu)
     return split(figures)
 
 

@@ -30,6 +30,16 @@ independent implementations differ by up to twice one's error (x 2). Relative er
 absolute in proportion to the logits' magnitude, so the bound scales with the learner's logits
 RMS over the probe (`logit_scale`). bf16 (u = 2^-8) gives a few 1e-2 nats on real models; fp32 on
 the CPU (u = 2^-24) about 1e-5.
+
+An FP8 engine (`engine.quantization: fp8`, `engine.kv_cache_dtype: fp8`) rounds more than the learner
+does: each of its linear layers multiplies a weight and an input both rounded to float8 e4m3 (3
+mantissa bits, u = 2^-4), a relative error of up to 2u per product beside the compute dtype's, and
+an FP8 KV cache rounds keys and values the same way (2u more). The two sides then differ by the
+engine's error plus the learner's, not twice one's: 2 (eps_engine + eps_learner) sqrt(L) x logit
+RMS, which is the bf16 bound plus 4 u_e4m3 sqrt(L) x logit RMS per FP8 part (`canary_bound`'s
+`fp8_parts`): about 17 times bf16's. It still catches an engine that stops taking updates once the
+learner has moved the probe past it (cpu-tiny: 14 versions, tests/test_canary.py), and a wrong
+slot or scale at once; an update skipped once and taken at the next version hides in FP8's noise.
 """
 from __future__ import annotations
 
@@ -48,8 +58,10 @@ narrow corpus (the CPU configs') still gives a varied sequence."""
 PROBE_TOKENS = 48
 """Probe length: one short forward on either side (47 scored tokens)."""
 
-UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-"""Half a unit in the last place, relative: the largest relative error of one rounding."""
+UNIT_ROUNDOFF = {dtype: torch.finfo(dtype).eps / 2
+                 for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)}
+"""Half a unit in the last place, relative: the largest relative error of one rounding (2^-24, 2^-8,
+2^-11, and e4m3's 2^-4 from its 3 mantissa bits)."""
 
 
 def probe_ids(tokenizer) -> list[int]:
@@ -67,11 +79,19 @@ def compute_dtype(model_dtype: str, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if on_gpu or model_dtype == "bfloat16" else getattr(torch, model_dtype)
 
 
-def canary_bound(dtype: torch.dtype, *, reduction: int, num_layers: int, logit_scale: float) -> float:
+def fp8_parts(quantization: str, kv_cache_dtype: str) -> int:
+    """What the engine rounds to float8 e4m3 beyond the learner (engine.quantization, engine.kv_cache_dtype)."""
+    return int(quantization == "fp8") + int(kv_cache_dtype == "fp8")
+
+
+def canary_bound(dtype: torch.dtype, *, reduction: int, num_layers: int, logit_scale: float,
+                 fp8_parts: int = 0) -> float:
     """The largest mean |log-prob difference| two correct implementations can show (module docstring):
-    4 * (u + sqrt(K) * 2^-24) * sqrt(L) * logit RMS."""
+    2 * (eps_engine + eps_learner) * sqrt(L) * logit RMS, eps = u + sqrt(K) * 2^-24 on either side
+    and 2 u_e4m3 more on the engine's per FP8 part (weights and inputs; keys and values)."""
     eps = UNIT_ROUNDOFF[dtype] + math.sqrt(reduction) * UNIT_ROUNDOFF[torch.float32]
-    return 4.0 * eps * math.sqrt(num_layers) * logit_scale
+    engine = eps + fp8_parts * 2 * UNIT_ROUNDOFF[torch.float8_e4m3fn]
+    return 2.0 * (engine + eps) * math.sqrt(num_layers) * logit_scale
 
 
 def due(version: int, every: int) -> bool:
@@ -94,8 +114,9 @@ class CanaryResult:
 class CanaryCheck:
     """Learner side: the learner's probe log-probs per adapter version, until the engines' arrive."""
 
-    def __init__(self, dtype: torch.dtype, *, reduction: int, num_layers: int, every: int):
+    def __init__(self, dtype: torch.dtype, *, reduction: int, num_layers: int, every: int, fp8_parts: int = 0):
         self.dtype, self.reduction, self.num_layers, self.every = dtype, reduction, num_layers, every
+        self.fp8_parts = fp8_parts  # `canary.fp8_parts` of the engines' settings
         self.references: dict[int, tuple[torch.Tensor, torch.Tensor | float]] = {}
 
     def due(self, version: int) -> bool:
@@ -120,5 +141,6 @@ class CanaryCheck:
         gap = max(float((s.logprobs.float() - reference).abs().mean()) for s in scores)
         for v in [v for v in self.references if v <= version]:
             del self.references[v]
-        bound = canary_bound(self.dtype, reduction=self.reduction, num_layers=self.num_layers, logit_scale=scale)
+        bound = canary_bound(self.dtype, reduction=self.reduction, num_layers=self.num_layers, logit_scale=scale,
+                             fp8_parts=self.fp8_parts)
         return CanaryResult(version, gap, bound)

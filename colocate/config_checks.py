@@ -15,8 +15,8 @@ import math
 import re
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES,
-                                    EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
-                                    NORM_MODES, PLACEMENTS, PREFIX_SHARING, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
+                                    EVAL_OPPONENTS, KV_CACHE_DTYPES, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
+                                    NORM_MODES, PLACEMENTS, PREFIX_SHARING, QUANTIZATIONS, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
                                     UPDATE_MODES, Config, RolloutConfig)
 
 
@@ -32,6 +32,8 @@ _CHOICES = {
     ("engine", "logprob_kernel"): LOGPROB_KERNELS,
     ("engine", "constraint_masks"): CONSTRAINT_MASKS,
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
+    ("engine", "quantization"): QUANTIZATIONS,
+    ("engine", "kv_cache_dtype"): KV_CACHE_DTYPES,
     ("env", "bad_rows"): BAD_ROWS,
     ("env", "tool_parser"): TOOL_PARSERS,
     ("loss", "norm"): NORM_MODES,
@@ -184,6 +186,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError("rollout.update=inflight needs learner.max_policy_lag >= 1: requests still in flight when a "
                           "batch ships are trained with a later batch, at least one version after their first token")
     check_schedule_and_alerts(cfg)
+    check_fp8(cfg)
     if cfg.env.overlong_buffer > cfg.engine.max_new_tokens:
         raise ConfigError(f"env.overlong_buffer={cfg.env.overlong_buffer} exceeds engine.max_new_tokens="
                           f"{cfg.engine.max_new_tokens}: the penalty would start below zero length")
@@ -214,3 +217,19 @@ def check_schedule_and_alerts(cfg: Config) -> None:
     if m.stop_on_collapse and not cfg.checkpoint.enabled:
         raise ConfigError("metrics.stop_on_collapse needs checkpoint.enabled=true (it writes a checkpoint and keeps "
                           "the last good one; checkpoint.every > 0 gives one from before the drop)")
+
+
+def check_fp8(cfg: Config) -> None:
+    """An FP8 engine (weights or KV cache) samples from a rounded copy of the trained policy: the loss
+    must correct for it; FP8 weights only beside a LoRA slot. Which engines keep an FP8 KV cache is
+    the engine table's (`engine/table.py`, `check_engine_keys`)."""
+    e = cfg.engine
+    if e.quantization == "fp8" and e.lora_mode == "merged":
+        raise ConfigError("engine.quantization=fp8 needs engine.lora_mode=slot (merged would quantize W0 + BA to "
+                          "FP8 again at every adapter update: not measured yet)")
+    fp8 = [f"engine.{k}=fp8" for k in ("quantization", "kv_cache_dtype") if getattr(e, k) == "fp8"]
+    corrected = cfg.loss.tis_cap > 0 or cfg.loss.mis_threshold > 0 or cfg.learner.updates_per_batch > 1
+    if fp8 and not corrected:
+        raise ConfigError(f"{fp8[0]} samples from a rounded copy of the trained policy: correct for it in the loss "
+                          "with loss.tis_cap (truncated importance sampling, e.g. 2.0) or loss.mis_threshold")
+

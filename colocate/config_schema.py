@@ -31,6 +31,8 @@ PLACEMENTS = ("by_node", "interleaved")
 LOGGERS = ("tensorboard", "wandb", "mlflow", "trackio")  # colocate.trackers
 EVAL_OPPONENTS = ("random", "hold", "greedy")  # keys of colocate.envs.diplomacy.bots.BOTS
 UPDATE_MODES = ("drain", "inflight")  # rollout.update
+QUANTIZATIONS = ("none", "fp8")  # engine.quantization
+KV_CACHE_DTYPES = ("auto", "fp8")  # engine.kv_cache_dtype
 
 
 @dataclass
@@ -125,6 +127,21 @@ class EngineConfig:
     """vLLM: let vLLM's client check every request's grammar with llguidance before queueing it.
     false skips that host time: our grammars are generated and tested, and the engine core
     compiles each one anyway (a bad one then fails at replay instead of at submit)."""
+    quantization: str = "none"
+    """none, or fp8: the inference ranks sample from the base weights rounded to float8 e4m3 (vLLM's
+    online FP8 of a bf16 checkpoint: one scale per weight, the linear inputs scaled per token at
+    every call; the HF engine emulates it, `engine/fp8.py`), the LoRA adapter applied beside them
+    in the model's dtype; the learner keeps full precision. The sampler's log-probs are then the
+    FP8 policy's, which the learner's differs from: it needs a correction in the loss (refused
+    without one): loss.tis_cap (truncated importance sampling, e.g. 2.0) or loss.mis_threshold (or
+    learner.updates_per_batch > 1, which turns TIS on). lora_mode slot only (merged would quantize
+    W0 + BA again at every update, not measured yet: refused). The canary's bound widens by e4m3's
+    rounding (`colocate/canary.py`)."""
+    kv_cache_dtype: str = "auto"
+    """vLLM: auto keeps the KV cache in the model's dtype; fp8 stores keys and values as float8 e4m3
+    (vLLM's kv_cache_dtype, scale 1: half the bytes per token, so about twice the tokens in the same
+    pool). Like quantization it changes the sampler's log-probs, so it needs the same correction;
+    the HF engine has no FP8 cache (refused with engine.kind=hf)."""
 
 
 @dataclass

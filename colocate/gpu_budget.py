@@ -133,10 +133,20 @@ def learner_parts(cfg: Config, shape: ModelShape, num_learners: int, tokens: int
     }
 
 
+def engine_weight_bytes(cfg: Config, shape: ModelShape) -> int:
+    """vLLM's weights: with engine.quantization fp8 the decoder blocks in one byte a parameter (their
+    norms too: a few KiB counted short), embeddings and LM head in the model's dtype; lora_mode
+    merged keeps a second copy (W0)."""
+    blocks = shape.block_params * shape.num_layers
+    block_bytes = 1 if cfg.engine.quantization == "fp8" else shape.dtype_bytes
+    weights = (shape.num_params - blocks) * shape.dtype_bytes + blocks * block_bytes
+    return weights * (2 if cfg.engine.lora_mode == "merged" else 1)
+
+
 def engine_parts(cfg: Config, shape: ModelShape, total: int) -> dict[str, int]:
     """An inference rank's use of its card: vLLM's pool and the rank's own process."""
     pool = int(cfg.engine.gpu_memory_utilization * total)
-    weights = shape.num_params * shape.dtype_bytes * (2 if cfg.engine.lora_mode == "merged" else 1)
+    weights = engine_weight_bytes(cfg, shape)
     return {"vLLM": pool, "of which weights": weights, "context": CONTEXT_BYTES}
 
 
@@ -328,7 +338,8 @@ def kv_cache_lines(cfg: Config, shape: ModelShape, plans: list[GpuPlan]) -> list
     engines = [parts for plan in plans for role, parts in zip(plan.roles, plan.parts) if role == "inference"]
     if not engines:
         return []
-    per_token = 2 * shape.num_layers * shape.kv * shape.dtype_bytes  # a key and a value per layer
+    kv_bytes = 1 if cfg.engine.kv_cache_dtype == "fp8" else shape.dtype_bytes
+    per_token = 2 * shape.num_layers * shape.kv * kv_bytes  # a key and a value per layer
     length = engine_max_model_len(cfg, env_facts(cfg)["prompt_bound"])
     if cfg.engine.kv_cache_gib > 0:  # fixed: vLLM does not size it from its share
         room = int(cfg.engine.kv_cache_gib * GIB)

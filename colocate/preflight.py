@@ -154,7 +154,7 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     returns; `cfg` is not changed (the plan holds `auto` resolved)."""
     # torch comes with the envs and the engines: imported here, not with this module (whose CardSpec
     # the launcher takes before the config is parsed: a bad key is refused before torch is imported)
-    from colocate.engine.table import check_engine_kind
+    from colocate.engine.table import check_engine_keys, check_engine_kind
     from colocate.envs import check_env
     gpus = gpu_count(cfg)
     check_placement(cfg, world, local_world, gpus)
@@ -163,6 +163,7 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_env(cfg)  # the env's own rules and what they point at (its `check` and `preflight` hooks)
     # the engine table's entry; `--gpu-memory` plans for another machine, whose packages are not this one's
     check_engine_kind(cfg.engine.kind, outside_world=card is None)
+    check_engine_keys(cfg, outside_world=card is None)
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
     check_model_len(cfg, model)

@@ -38,6 +38,15 @@
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
 #            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
 #            dsroll05 the same at the 0.5B shape
+#   dsrollfp8  the dataset_rollout benchmark at the 7B shape, FP8 against bf16 in one run (issue 62): our engine
+#            bf16 (merged, as shipped: ours), bf16 slot (ours+slot), FP8 slot (ours+fp8), FP8 weights and KV cache
+#            (ours+fp8kv), plain vLLM bf16 and plain vLLM FP8; ratios: every side over ours, and ours+fp8 over
+#            vllm_fp8 (>= 0.95 wanted; over ours >= 1.3); DSROLLFP8_SIDES picks the sides (keep ours, ours+fp8
+#            and vllm_fp8, or set DSROLLFP8_RATIOS to pairs of the sides kept)
+#   parityfp8  the parity step with the engine in FP8 (--quantization fp8): the engine-vs-learner log-prob gap
+#            of an FP8 engine (parity-7b-fp8.json beside parity's parity-7b.json: run parity,parityfp8)
+#   learnfp8 the GPU learning test with FP8: cpu-tiny on vLLM with engine.quantization=fp8 and loss.tis_cap=2
+#            reaches 0.9 with the canary under its FP8 bound, and an FP8 engine that skips updates is caught
 #   parity   vLLM's sampled-token log-probs against the learner's at the 7B shape, both on the GPU (the sync
 #            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot); paritymask: the
 #            same at the 0.5B shape with engine.constraint_masks=ours
@@ -144,6 +153,17 @@ step() {  # one step of the chain, by name
     dsroll05) with_memory dsroll05 timeout 900 python3 scripts/benchmark.py --profile dataset_rollout \
             --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
             --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
+    dsrollfp8) with_memory dsrollfp8 timeout 2700 python3 scripts/benchmark.py --profile dataset_rollout \
+            --sides "${DSROLLFP8_SIDES:-ours,ours+slot,ours+fp8,ours+fp8kv,vllm,vllm_fp8}" \
+            --variant "slot:engine.lora_mode=slot" "fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
+              "fp8kv:engine.quantization=fp8,engine.kv_cache_dtype=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
+            --ratios "${DSROLLFP8_RATIOS:-ours+fp8/vllm_fp8,ours+fp8/ours+slot,vllm_fp8/vllm}" \
+            --out "$GS/dataset-rollout-fp8.json" ;;
+    parityfp8) with_memory parityfp8 timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
+              --iters 3 --also parity --budget-s 400 --quantization fp8 --out "$GS/parity-7b-fp8.json" ;;
+    learnfp8) with_memory learnfp8 timeout 2000 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
+            "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_fp8_and_tis_on_one_gpu" \
+            "tests/test_vllm_gpu.py::test_canary_catches_an_engine_that_skips_updates[fp8]" ;;
     parity) with_memory parity timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
               --iters 3 --also parity --budget-s 400 --out "$GS/parity-7b.json" ;;
     paritymask) with_memory paritymask timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu \
@@ -202,11 +222,14 @@ for path in paths:
               f"{100 * r['learner_busy_fraction']:>12.0f}% {'' if util is None else f'{100 * util:.0f}%':>9} "
               f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f}")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "dataset-rollout*.json"))):
-    detail = json.load(open(path))["figures"]["detail"]
+    record = json.load(open(path))
+    detail = record["figures"]["detail"]
     print(f"{os.path.basename(path):<28} {'side':<14} {'out tok/s':>10} {'ms/step':>8} {'steps':>6} {'outside s':>10}")
     for side, d in detail.items():
         print(f"{'':<28} {side:<14} {d['out_tokens_per_s']:>10.0f} {d.get('engine_ms_per_step', 0):>8.2f} "
               f"{d.get('engine_steps_per_round', 0):>6.0f} {d.get('outside_engine_s', 0):>10.3f} {d.get('logprob_calls', '')}")
+    for name, ratio in record.get("ratios", {}).items():  # out tokens/s, A over B
+        print(f"{'':<28} {name:<40} {ratio:.3f}")
 
 
 def leaves(d, prefix=""):
@@ -223,7 +246,7 @@ if os.path.exists(after) and os.path.exists(before):  # a before/after pair: dev
 
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "parity-*.json"))):
     for key, v in leaves(json.load(open(path))):
-        if key.endswith(("mean_abs_diff", "/tokens", "/error")):
+        if key.endswith(("mean_abs_diff", "/tokens", "/error", "/quantization", "/kv_cache_dtype")):
             print(f"{os.path.basename(path):<22} {key:<56} {v}")
 PY
 }

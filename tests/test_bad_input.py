@@ -71,6 +71,13 @@ CONFIG_CASES = [
     ("batched tokens negative", None, ["--engine.max_num_batched_tokens=-1"], "engine.max_num_batched_tokens"),
     ("logprob kernel", None, ["--engine.logprob_kernel=triton"], "engine.logprob_kernel"),
     ("constraint masks", None, ["--engine.constraint_masks=llguidance"], "engine.constraint_masks"),
+    ("quantization", None, ["--engine.quantization=int4"], "engine.quantization"),
+    ("kv cache dtype", None, ["--engine.kv_cache_dtype=fp16"], "engine.kv_cache_dtype"),
+    ("fp8 without a loss correction", None, ["--engine.quantization=fp8"], "loss.tis_cap"),
+    ("fp8 with merged LoRA", None, ["--engine.quantization=fp8", "--engine.lora_mode=merged", "--loss.tis_cap=2"],
+     "engine.lora_mode=slot"),
+    ("fp8 KV cache on the HF engine", None, ["--engine.kv_cache_dtype=fp8", "--loss.tis_cap=2"],
+     "engine.kv_cache_dtype=fp8 is not kept by the hf engine"),
     # env
     ("env name", None, ["--env.name=chess"], "env.name"),
     ("max_operand negative", None, ["--env.max_operand=-1"], "env.max_operand"),

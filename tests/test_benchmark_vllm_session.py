@@ -45,3 +45,47 @@ def test_dataset_rollout_variants_override_ours_config():
     assert plain.engine.max_capture_tokens > 0 and plain.engine.max_new_tokens == MAX_TOKENS
     assert nocap.engine.max_capture_tokens == 0 and nocap.engine.max_new_tokens == 300
     assert nocap.model.shape == plain.model.shape == "qwen2.5-0.5b" and nocap.env.data_files == ["x.jsonl"]
+
+
+def test_dataset_rollout_compares_fp8_sides_by_named_ratios():
+    """The FP8 comparison of one run: `--ratios A/B` pairs of its sides (each refused unless both are
+    sides); the FP8 variant is ours in slot mode with a correction (the config check refuses FP8
+    without one, the variant then names the key); vllm_fp8 is a side of its own."""
+    from types import SimpleNamespace
+
+    from benchmarks.dataset_rollout import SIDES, config, parse_ratios
+    from colocate.config import ConfigError
+    sides = ["ours", "ours+fp8", "vllm", "vllm_fp8"]
+    assert "vllm_fp8" in SIDES
+    assert parse_ratios("ours+fp8/ours, ours+fp8/vllm_fp8", sides) == [("ours+fp8", "ours"), ("ours+fp8", "vllm_fp8")]
+    assert parse_ratios("", sides) == []
+    for bad in ("ours+fp8", "ours+fp8/theirs", "ours/ours", "/ours"):
+        with pytest.raises(SystemExit, match="--ratios"):
+            parse_ratios(bad, sides)
+    args = dict(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", side="ours+fp8")
+    fp8 = config(SimpleNamespace(**args, variant=["fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0"]))
+    assert (fp8.engine.quantization, fp8.engine.lora_mode, fp8.engine.kv_cache_dtype) == ("fp8", "slot", "auto")
+    with pytest.raises(ConfigError, match="loss.tis_cap"):
+        config(SimpleNamespace(**args, variant=["fp8:engine.quantization=fp8,engine.lora_mode=slot"]))
+
+
+def test_session_profiles_take_the_engines_precision_and_refuse_fp8_merged(monkeypatch):
+    """`--quantization` / `--kv-cache-dtype` of the sync and rollout profiles (the parity part's FP8
+    gap): parsed with the config's choices; FP8 with --lora-mode merged is refused before an engine
+    starts."""
+    import argparse
+
+    from benchmarks import vllm_session
+    from benchmarks.vllm_session import add_session_args, run_profile
+    monkeypatch.setattr(vllm_session, "LEARNER", vllm_session.LEARNER)  # run_profile sets it
+    parser = argparse.ArgumentParser()
+    add_session_args(parser, others="parity")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--also", "parity"])
+    assert (args.quantization, args.kv_cache_dtype, args.lora_mode) == ("fp8", "fp8", "slot")
+    assert parser.parse_args([]).quantization == "none" and parser.parse_args([]).kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int8"])
+    merged = parser.parse_args(["--quantization", "fp8", "--lora-mode", "merged", "--learner-device", "cpu"])
+    with pytest.raises(SystemExit, match="--lora-mode slot"):
+        run_profile(merged, "sync", {"sync": None}, first=True)

@@ -44,6 +44,19 @@ def test_bound_is_the_rounding_arithmetic():
     assert compute_dtype("float32", on_gpu=True) == compute_dtype("bfloat16", on_gpu=False) == torch.bfloat16
 
 
+def test_an_fp8_engines_bound_adds_e4m3s_rounding_of_weights_and_inputs():
+    """Each FP8 part (weights and inputs; keys and values) adds 2 u_e4m3 (u = 2^-4, 3 mantissa bits)
+    to the engine's side only: + 4 u_e4m3 sqrt(L) x logit RMS, about 17 times the bf16 bound at 7B."""
+    from colocate.canary import UNIT_ROUNDOFF, fp8_parts
+    assert UNIT_ROUNDOFF[torch.float8_e4m3fn] == 2.0 ** -4 and UNIT_ROUNDOFF[torch.bfloat16] == 2.0 ** -8
+    shape = dict(reduction=18944, num_layers=28, logit_scale=2.0)
+    bf16 = canary_bound(torch.bfloat16, **shape)
+    assert canary_bound(torch.bfloat16, **shape, fp8_parts=1) == pytest.approx(bf16 + 4 * 2.0 ** -4 * math.sqrt(28) * 2)
+    assert canary_bound(torch.bfloat16, **shape, fp8_parts=2) == pytest.approx(bf16 + 8 * 2.0 ** -4 * math.sqrt(28) * 2)
+    assert 16 < canary_bound(torch.bfloat16, **shape, fp8_parts=1) / bf16 < 18
+    assert [fp8_parts(q, kv) for q, kv in (("none", "auto"), ("fp8", "auto"), ("none", "fp8"), ("fp8", "fp8"))] == [0, 1, 1, 2]
+
+
 def test_check_takes_the_worst_engine_and_drops_older_references():
     check = CanaryCheck(torch.float32, reduction=128, num_layers=2, every=2)
     assert check.due(0) and check.due(4) and not check.due(3)
@@ -106,6 +119,75 @@ def test_engine_and_learner_agree_on_one_adapter_and_every_fault_shows(tiny_cfg,
         assert canary(faulty_tensors(fault, adapter)).gap > 10 * healthy.bound, fault
     stale = {n: t - 1e-3 * torch.sign(t) for n, t in adapter.items()}  # the version before one step
     assert canary(stale).gap > 10 * healthy.bound
+
+
+def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure: int = 0) -> tuple[list, list[float]]:
+    """cpu-tiny in one process, synchronous (lag 0), with an FP8 HF engine and TIS (tis_cap 2): per
+    version, the canary's check (the learner's probe against the engine's), then a batch sampled
+    and trained, then the adapter loaded into the engine -> (results, mean reward per batch); with
+    `after_failure` it ends that many versions after the first failed check. `fault` is a
+    tests/canary_faults fault installed on the engine's class (the torchrun tests' own)."""
+    from colocate.config import load_config
+    from colocate.engine.hf import HFEngine
+    from colocate.envs import make_env
+    from colocate.learner.learner import Learner
+    from colocate.rollout.worker import RolloutSettings, RolloutWorker
+    from colocate.topology import Topology
+    from colocate.train import build_policy
+    cfg = load_config(os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                      {"model": {"cache_dir": tiny_cfg.model.cache_dir}, "engine": {"quantization": "fp8"},
+                       "loss": {"tis_cap": 2.0}, "learner": {"fsdp": False, "max_policy_lag": 0}})
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    learner = Learner(cfg, topo, build_policy(cfg, tiny_tokenizer, "meta"), tiny_tokenizer)
+    engine = HFEngine(build_policy(cfg, tiny_tokenizer, torch.device("cpu")), tiny_tokenizer,
+                      quantization=cfg.engine.quantization)
+    if fault:
+        sys.path.insert(0, FAULTS_DIR)
+        try:
+            from sitecustomize import install_hf
+        finally:
+            sys.path.remove(FAULTS_DIR)
+        install_hf(fault)  # on the class: the caller's monkeypatch puts the method back
+    worker = RolloutWorker(make_env(cfg, tiny_tokenizer, seed=0), engine,
+                           RolloutSettings(groups_per_batch=cfg.rollout.groups_per_step,
+                                           max_new_tokens=cfg.engine.max_new_tokens))
+    shape, probe = learner.model.config, probe_ids(tiny_tokenizer)
+    check = CanaryCheck(compute_dtype(cfg.model.dtype, on_gpu=False), every=1, fp8_parts=1,
+                        reduction=max(shape.hidden_size, shape.intermediate_size), num_layers=shape.num_hidden_layers)
+    results, rewards = [], []
+    for version in range(steps):
+        check.record(version, *learner.score_probe(probe))
+        results.append(check.check([ProbeScore(version, engine.score(probe))]))
+        failed = [r.version for r in results if r.failed]
+        if after_failure and failed and version - failed[0] >= after_failure:
+            break
+        batch, _, _ = worker.collect()
+        rewards.append(float(batch.rewards.mean()))
+        learner.train_step(batch)
+        engine.load_lora(version + 1, {n: t.detach().clone() for n, t in learner.lora_state().items()})
+    return results, rewards
+
+
+def test_a_healthy_fp8_run_with_tis_stays_under_its_bound_and_learns(tiny_cfg, tiny_tokenizer):
+    """FP8 sampling corrected by TIS: every version's gap is FP8's rounding (far above fp32's bound,
+    so the emulation is on) and under the FP8 bound, by a margin; the reward rises as without FP8."""
+    results, rewards = fp8_run(tiny_cfg, tiny_tokenizer, steps=20)
+    fp32 = canary_bound(torch.float32, reduction=128, num_layers=2, logit_scale=1.0)
+    assert all(not r.failed and 100 * fp32 < r.gap < r.bound / 2 for r in results), results
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
+
+
+def test_an_fp8_engine_that_skips_updates_is_still_caught(tiny_cfg, tiny_tokenizer, monkeypatch):
+    """The engine takes no update from version 1 on (tests/canary_faults' skip): its gap grows with
+    every step the learner moves away, past the FP8 bound within 30 versions (one stale version
+    alone hides in FP8's rounding: colocate/canary.py)."""
+    from colocate.engine.hf import HFEngine
+    monkeypatch.setattr(HFEngine, "load_lora", HFEngine.load_lora)
+    results, _ = fp8_run(tiny_cfg, tiny_tokenizer, steps=30, fault="skip", after_failure=3)
+    failed = [r.version for r in results if r.failed]
+    assert failed and not results[1].failed, results
+    assert failed == list(range(failed[0], failed[0] + 4))  # once past the bound it stays past it
 
 
 def colocate_train(tmp_path, *args, fault: str = "", steps: int = 4, timeout: int = 600):

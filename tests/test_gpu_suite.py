@@ -1,9 +1,10 @@
 """The GPU suite's runner (tests/gpu_suite.py), on the CPU: runs start at most N at a time, each
 ends with its output, and what a run leaves behind is killed and named."""
+import os
 import sys
 import time
 
-from tests.gpu_suite import GpuJobs, Job, run_pids, share_overrides, slots
+from tests.gpu_suite import REPO, GpuJobs, Job, job_table, run_pids, share_overrides, slots
 
 
 def py(code: str) -> list:
@@ -96,3 +97,18 @@ def test_a_process_that_overwrote_its_environment_is_still_its_runs(tmp_path):
     left = runner.result("renamed")  # the parent has exited: the child is known as seen, and killed
     assert left.returncode == 0 and len(left.stray) == 1 and run_pids(marker) == []
     runner.close()
+
+
+def test_the_fp8_runs_are_slot_mode_with_a_correction_the_config_check_passes(tmp_path):
+    """learn-fp8 and canary-fp8 (tests/test_vllm_gpu.py reads them): vLLM's online FP8 in slot mode
+    with TIS, a config `colocate train` accepts (FP8 without a correction is refused)."""
+    from colocate.config import load_config, parse_overrides
+    table = job_table(tmp_path, 139 * 2**30)
+    for name in ("learn-fp8", "canary-fp8"):
+        cmd = table[name].cmd
+        keys = [a for a in cmd if a.startswith("--") and "." in a.partition("=")[0]]
+        _, overrides, _ = parse_overrides(keys)
+        cfg = load_config(os.path.join(REPO, cmd[cmd.index("--config") + 1]), overrides)
+        assert (cfg.engine.kind, cfg.engine.quantization, cfg.engine.lora_mode, cfg.loss.tis_cap) == \
+            ("vllm", "fp8", "slot", 2.0), name
+    assert table["canary-fp8"].env["CANARY_TEST_FAULT"] == "vllm-skip"

@@ -14,7 +14,10 @@ them with `wait_all`) and hands back the finished ones; the others stay resumabl
 is prefilled again (prompt + the tokens so far) under the new one first, so every token's
 log-prob is exactly pi_v(token | prefix) for the version v recorded for it (`token_versions`).
 
-Left out on purpose: CUDA graphs, paged KV, prefix sharing (that is vLLM's job).
+`quantization="fp8"` samples from base weights and linear inputs rounded through float8 e4m3
+(`engine/fp8.py`, vLLM's online FP8 emulated): the CPU path of `engine.quantization: fp8`.
+
+Left out on purpose: CUDA graphs, paged KV (and so an FP8 KV cache), prefix sharing (vLLM's job).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 from colocate.constraint import ConstraintState
 from colocate.data import Completion, Request
 from colocate.engine.base import Engine
+from colocate.engine.fp8 import emulate_fp8
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,8 +130,14 @@ def cache_keyword(model) -> str:
 
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", seed: int = 0,
-                 max_batch_size: int = 256, decode_chunk: int = 4):
+                 max_batch_size: int = 256, decode_chunk: int = 4, quantization: str = "none"):
+        """`quantization` (engine.quantization): fp8 rounds this engine's copy of the base weights,
+        and each base linear's input, through float8 e4m3 as vLLM's online FP8 does (`engine/fp8.py`)."""
         self.model = model.eval()  # peft model with the adapter enabled
+        if quantization == "fp8":
+            emulate_fp8(self.model)
+        elif quantization != "none":
+            raise ValueError(f"HFEngine: quantization={quantization!r} is not one of 'none', 'fp8'")
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.pad_id = tokenizer.pad_token_id

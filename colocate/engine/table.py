@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver, BroadcastSender, IpcReceiver,
                               IpcSender, NoSender)
@@ -53,13 +54,16 @@ class EngineEntry:
     """(cfg) -> whether the engine sizes its memory from what the GPU has free while it starts (vLLM's
     memory profile, without `engine.kv_cache_gib`): a learner on its GPU then allocates only once it
     has started, since the profile would count the learner's memory as the engine's own."""
+    fp8_kv_cache: bool = False
+    """Whether it keeps its KV cache in FP8 for engine.kv_cache_dtype=fp8 (`check_engine_keys`)."""
 
 
 def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     """The reference engine on the rank's device, in the rank's process: adapters arrive by
     broadcast (or CUDA IPC when it shares learner rank 0's GPU)."""
     from colocate.engine.hf import HFEngine
-    engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank)
+    engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank,
+                      quantization=cfg.engine.quantization)
     mark("engine_constructed")  # before the receiver, which waits for learner rank 0
     spec = LoraSpec.of(engine.lora_state())
     if topo.shared_gpu:
@@ -104,7 +108,7 @@ ENGINES: dict[str, EngineEntry] = {
     "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
                         installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
-                        sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0),
+                        sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0, fp8_kv_cache=True),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
 
@@ -138,6 +142,19 @@ def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
     if outside_world and kind != "auto" and not ENGINES[kind].installed():
         raise ConfigError(f"engine.kind={kind} but {kind} is not installed in this environment "
                           f"({ENGINES[kind].install_hint})")
+
+
+def check_engine_keys(cfg, *, outside_world: bool = True) -> None:
+    """Keys only some entries honour: engine.kv_cache_dtype=fp8 (`EngineEntry.fp8_kv_cache`). `auto`
+    is resolved for this machine when it is the one the run uses (`outside_world`)."""
+    kind = cfg.engine.kind
+    if kind == "auto" and outside_world:
+        import torch
+        here = SimpleNamespace(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        kind = resolve_kind(kind, here)
+    if cfg.engine.kv_cache_dtype == "fp8" and kind in ENGINES and not ENGINES[kind].fp8_kv_cache:
+        raise ConfigError(f"engine.kv_cache_dtype=fp8 is not kept by the {kind} engine (its KV cache stays in the "
+                          "model's dtype): use engine.kind=vllm on a GPU, or engine.kv_cache_dtype=auto")
 
 
 def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lambda: None) -> AdapterSender:

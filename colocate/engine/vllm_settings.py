@@ -8,8 +8,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from colocate.config_schema import (CUDAGRAPH_MODES, LORA_MODES, EngineConfig, LoraConfig, MetricsConfig,
-                                    RolloutConfig)
+from colocate.config_schema import (CUDAGRAPH_MODES, KV_CACHE_DTYPES, LORA_MODES, QUANTIZATIONS, EngineConfig,
+                                    LoraConfig, MetricsConfig, RolloutConfig)
 
 WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
 """vLLM imports it by dotted path inside its GPU worker (the adapter slot: `vllm_worker.py`)."""
@@ -56,6 +56,10 @@ class VLLMSettings:
     profile_steps: int = _M.profile_engine_steps
     update: str = _R.update
     """`rollout.update`: inflight lets adapter updates land under running requests."""
+    quantization: str = _E.quantization
+    """none or fp8 (config `engine.quantization`): vLLM's online FP8 of the base weights."""
+    kv_cache_dtype: str = _E.kv_cache_dtype
+    """auto or fp8 (config `engine.kv_cache_dtype`)."""
 
     def replace(self, **changes) -> "VLLMSettings":
         return dataclasses.replace(self, **changes)
@@ -124,7 +128,8 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_mode=cfg.engine.lora_mode,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
                 cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
-                logprob_kernel=cfg.engine.logprob_kernel, constraint_masks=cfg.engine.constraint_masks)
+                logprob_kernel=cfg.engine.logprob_kernel, constraint_masks=cfg.engine.constraint_masks,
+                quantization=cfg.engine.quantization, kv_cache_dtype=cfg.engine.kv_cache_dtype)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
@@ -167,17 +172,37 @@ def merged_memory_share(utilization: float, copy_bytes: int, total_bytes: int) -
     return share
 
 
-def check_engine_args(lora_mode: str) -> None:
-    """Refuse what vLLM would reject only after a minute of start-up, before vLLM is imported."""
+def check_engine_args(lora_mode: str, quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
+    """Refuse what vLLM would reject (or what would go wrong) only after a minute of start-up, before
+    vLLM is imported. FP8 weights with lora_mode merged: the worker would write W0 + BA in bf16 into
+    vLLM's FP8 weight tensors (transposed, with a scale beside them)."""
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
+    if quantization not in QUANTIZATIONS or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"quantization={quantization!r} / kv_cache_dtype={kv_cache_dtype!r}: expected one of "
+                         f"{QUANTIZATIONS} / {KV_CACHE_DTYPES}")
+    if quantization == "fp8" and lora_mode != "slot":
+        raise ValueError("quantization=fp8 needs lora_mode=slot (merged writes bf16 weights into vLLM's FP8 ones)")
+
+
+def precision_arguments(s: VLLMSettings) -> dict:
+    """vLLM's `quantization` (fp8 on an unquantized checkpoint: online FP8, one scale per weight,
+    dynamic activation scales; slot LoRA runs beside it, `vllm/lora/layers/base_linear.py` calls the
+    base layer's `quant_method.apply`) and `kv_cache_dtype`; {} at the defaults, so a bf16 engine's
+    arguments stay what they were."""
+    kw = {}
+    if s.quantization != "none":
+        kw["quantization"] = s.quantization
+    if s.kv_cache_dtype != "auto":
+        kw["kv_cache_dtype"] = s.kv_cache_dtype
+    return kw
 
 
 def llm_arguments(model_dir: str, s: VLLMSettings) -> dict:
     """Every keyword argument of `vllm.LLM` for one engine. Log-probs are the processed ones (after
     temperature and the grammar mask: what the learner computes); grammars go to llguidance
     (token-id terminals, `vllm_grammar.py`)."""
-    check_engine_args(s.lora_mode)
+    check_engine_args(s.lora_mode, s.quantization, s.kv_cache_dtype)
     kw = dict(model=model_dir, tokenizer=model_dir, max_num_seqs=s.max_num_seqs, dtype=s.dtype, seed=s.seed,
               max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
               enforce_eager=s.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,
@@ -189,6 +214,7 @@ def llm_arguments(model_dir: str, s: VLLMSettings) -> dict:
         kw.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=s.max_loras, max_cpu_loras=s.max_loras)
     else:  # merged: the adapter is written into the base weights
         kw.update(enable_lora=False)
+    kw.update(precision_arguments(s))
     if s.async_scheduling is not None:  # None: vLLM's default
         kw["async_scheduling"] = s.async_scheduling
     if s.max_num_batched_tokens > 0:  # 0: vLLM's default

@@ -24,7 +24,7 @@ import yaml
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
-from colocate.canary import CanaryCheck, compute_dtype
+from colocate.canary import CanaryCheck, compute_dtype, fp8_parts
 from colocate.channel import AdapterSender
 from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
@@ -74,7 +74,8 @@ class LearnerRank:
         shape = learner.model.config
         self.canary = CanaryCheck(compute_dtype(cfg.model.dtype, topo.device.type == "cuda"),
                                   reduction=max(shape.hidden_size, shape.intermediate_size),
-                                  num_layers=shape.num_hidden_layers, every=cfg.sync.canary_every)
+                                  num_layers=shape.num_hidden_layers, every=cfg.sync.canary_every,
+                                  fp8_parts=fp8_parts(cfg.engine.quantization, cfg.engine.kv_cache_dtype))
         self.canary_gap: float | None = None  # this step's canary gap (step line)
         self.mismatch = False  # this step's canary failed
         self.mismatch_at: int | None = None  # the step whose canary mismatch stopped the run
