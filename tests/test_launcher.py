@@ -87,6 +87,28 @@ def train(monkeypatch, tmp_path, *args: str) -> tuple[int, list]:
     return code, started
 
 
+def test_the_checks_count_gpus_without_initialising_cuda(tmp_path, monkeypatch):
+    """Issue 60: the launcher's checks read the GPUs through NVML (`torch.cuda.device_count`);
+    `torch.cuda.is_available` initialises the CUDA driver, seconds on a GPU machine before any
+    rank starts. Here NVML "sees" one 80 GiB GPU and every call that would initialise CUDA fails."""
+    import torch
+
+    from colocate import gpu_budget, preflight
+
+    def initialises(*args, **kwargs):
+        raise AssertionError("the checks initialised CUDA")
+    no_torchrun_env(monkeypatch)
+    for name in ("is_available", "_lazy_init", "init", "get_device_properties", "mem_get_info"):
+        monkeypatch.setattr(torch.cuda, name, initialises)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_budget, "gpu_total_bytes", lambda index=0: 80 * gpu_budget.GIB)
+    cfg = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                               f"--metrics.run_dir={tmp_path / 'run'}"], 2)[0]
+    assert preflight.gpu_count(cfg) == 1
+    plan = preflight.preflight(cfg, 2, 2)
+    assert plan.estimates_gib  # planned for the GPU NVML counted
+
+
 def test_a_reward_that_ends_its_process_does_not_end_the_launcher(tmp_path, monkeypatch, capsys):
     """Issue 63 item 2: `os._exit(0)` in a reward made `colocate train` exit 0 with no word."""
     monkeypatch.chdir(REPO)
