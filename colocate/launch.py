@@ -11,6 +11,7 @@ torchrun) is `rank_config.py`'s.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -294,8 +295,16 @@ def check_in_child(argv: list[str], world: int | None = None, local_world: int |
     code other than 0 the line has been printed. Raises ConfigError (parsing)."""
     c = parse_request(argv, world, local_world)
     # The checks' heaviest imports (the meta model's) are made here, before the fork: the launcher
-    # pays them once either way, and a second check in this process (a test's) starts warm.
-    import transformers.modeling_utils  # noqa: F401
+    # pays them once either way, and a second check in this process (a test's) starts warm. They
+    # allocate for seconds and free almost nothing: no cycle collections among them (each full one
+    # walks the whole heap so far); the child, which calls the user's code, collects as usual.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        import transformers.modeling_utils  # noqa: F401
+    finally:
+        if collecting:
+            gc.enable()
     ended = run_in_child(lambda: resolved_text(c), refusal)
     if ended.own_end:  # the config, or the refusal's line printed there
         return ended.code, ended.result or ""

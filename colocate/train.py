@@ -23,6 +23,10 @@ Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main m
 from __future__ import annotations
 
 if __name__ == "__main__":  # a rank: a stop signal during the imports below ends it without a traceback
+    import gc
+    # The imports below allocate for seconds and free almost nothing: no cycle collections among
+    # them (each full one walks the whole heap so far); enabled again before `main`
+    gc.disable()
     from colocate.lifecycle import guard_terminal, quiet_start
     quiet_start()
     guard_terminal()  # and its terminal closing mid-run does not end it
@@ -157,4 +161,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    gc.enable()  # the rank's imports are made (disabled at the top)
     leave(main())

@@ -109,6 +109,24 @@ def test_the_checks_count_gpus_without_initialising_cuda(tmp_path, monkeypatch):
     assert plan.estimates_gib  # planned for the GPU NVML counted
 
 
+def test_the_launchers_heavy_imports_leave_cycle_collection_as_they_found_it(tmp_path, monkeypatch):
+    """`check_in_child` imports the meta model's packages with the collector off (they allocate for
+    seconds and free almost nothing) and turns it back on; off stays off."""
+    import gc
+
+    from colocate.child import Ended
+    no_torchrun_env(monkeypatch)
+    argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), f"--metrics.run_dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(launch, "run_in_child", lambda work, refusal: Ended(0, "text", True))
+    assert gc.isenabled() and launch.check_in_child(argv, 2, 2) == (0, "text") and gc.isenabled()
+    gc.disable()
+    try:
+        launch.check_in_child(argv, 2, 2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_a_reward_that_ends_its_process_does_not_end_the_launcher(tmp_path, monkeypatch, capsys):
     """Issue 63 item 2: `os._exit(0)` in a reward made `colocate train` exit 0 with no word."""
     monkeypatch.chdir(REPO)
