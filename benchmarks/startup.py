@@ -31,8 +31,11 @@ from colocate.startup import MARKS
 
 RUNS = ("cold", "warm")
 COMPARED = ("checks_done", "first_step_end")
-"""The marks `--baseline-tree` compares, seconds since the launch: the launcher's checks, torchrun's
-start and a rank's own start; and the whole start-up to the end of step 1."""
+"""The marks `--baseline-tree` compares (`since_command`): the launcher's checks, torchrun's start and
+a rank's own start; and the whole start-up to the end of step 1."""
+CLOCKED = MARKS[1:]
+"""The marks a rank takes by its clock (`time.time`); `rank_start` is the process's start as the
+tree computes it (an older tree: psutil's create_time, up to 1 s early), not comparable across trees."""
 
 
 def add_args(parser) -> None:
@@ -69,7 +72,13 @@ def launch(args, run_dir: str, cache_dir: str, tree: str = "") -> dict:
         record = json.load(f)
     with open(os.path.join(run_dir, "summary.json")) as f:
         record["phases"].update(step_figures(json.load(f)["timeline"], record["phases"]["step_1"]))
-    return {**record, "command_wall_s": round(wall, 2), "log": log_path}
+    return {**record, "since_command": since_command(record, t0), "command_wall_s": round(wall, 2), "log": log_path}
+
+
+def since_command(record: dict, started: float) -> dict[str, float]:
+    """Each clocked mark in seconds since this process started the command (`started`, unix): the
+    same clock for any tree, whatever origin its own timeline counts from."""
+    return {m: round(record["origin_unix"] + record["marks"][m] - started, 3) for m in CLOCKED if m in record["marks"]}
 
 
 def step_figures(timeline: list[dict], step_1: float) -> dict:
@@ -85,15 +94,15 @@ def step_figures(timeline: list[dict], step_1: float) -> dict:
 
 def side_by_side(records: dict[str, dict]) -> list[str]:
     """The table: one row per mark and per phase, one column per run."""
-    rows = [f"{'':26s}" + "".join(f"{name:>12s}" for name in records)]
-    for section, keys in (("marks", MARKS), ("phases", ("checks", "engine", "learner_warmup", "first_batch_wait",
-                                                        "step_1", "first_step", "median_step",
-                                                        "step_1_over_median"))):
+    rows = [f"{'':28s}" + "".join(f"{name:>12s}" for name in records)]
+    for section, label, keys in (("marks", "mark", MARKS), ("since_command", "command ->", CLOCKED),
+                                 ("phases", "phase", ("checks", "engine", "learner_warmup", "first_batch_wait",
+                                                      "step_1", "first_step", "median_step", "step_1_over_median"))):
         for key in keys:
-            values = [records[name][section].get(key) for name in records]
+            values = [records[name].get(section, {}).get(key) for name in records]
             if all(v is None for v in values):
                 continue
-            rows.append(f"{section[:-1] + ' ' + key:26s}" + "".join(
+            rows.append(f"{label + ' ' + key:28s}" + "".join(
                 f"{v:>12.2f}" if isinstance(v, (int, float)) else f"{'-':>12s}" for v in values))
     return rows
 
@@ -122,15 +131,15 @@ def plan_runs(baseline_tree: str, pairs: int) -> list[tuple[str, str, str]]:
 
 
 def compare(records: dict[str, dict]) -> dict[str, float]:
-    """Ours over the base for each of `COMPARED` (below 1: ours starts faster): cold, and the median
-    of each tree's warm runs; with the seconds they come from."""
+    """Ours over the base for each of `COMPARED`, in seconds since the command (below 1: ours starts
+    faster): cold, and the median of each tree's warm runs; with the seconds they come from."""
     out = {}
     for kind in ("cold", "warm"):
         for mark in COMPARED:
             seconds = {}
             for who in ("ours", "base"):
-                values = [r["marks"][mark] for key, r in records.items()
-                          if key.partition("#")[0] == f"{who} {kind}" and mark in r["marks"]]
+                values = [r["since_command"][mark] for key, r in records.items()
+                          if key.partition("#")[0] == f"{who} {kind}" and mark in r["since_command"]]
                 if values:
                     seconds[who] = statistics.median(values)
             if len(seconds) == 2:

@@ -52,7 +52,7 @@ def test_ours_over_the_base_compares_cold_runs_and_the_median_of_the_warm_ones()
     from benchmarks.startup import compare
 
     def rec(checks, first):
-        return {"marks": {"checks_done": checks, "first_step_end": first}}
+        return {"since_command": {"checks_done": checks, "first_step_end": first}}
     records = {"base cold": rec(8.0, 20.0), "ours cold": rec(6.0, 16.0),
                "base warm": rec(7.0, 12.0), "ours warm": rec(5.0, 9.0), "ours warm#2": rec(5.5, 10.0),
                "base warm#2": rec(7.4, 13.0)}
@@ -75,8 +75,8 @@ def test_each_tree_runs_from_its_own_directory_with_its_code_first(monkeypatch, 
     def launch(args, run_dir, cache_dir, tree=""):
         seen.append((os.path.basename(run_dir), os.path.basename(cache_dir), tree))
         first = 10.0 if tree else 8.0
-        return {"marks": {"checks_done": first / 2, "first_step_end": first}, "phases": {"checks": first / 2},
-                "command_wall_s": first}
+        marks = {"checks_done": first / 2, "first_step_end": first}
+        return {"marks": marks, "since_command": marks, "phases": {"checks": first / 2}, "command_wall_s": first}
     monkeypatch.setattr(startup, "launch", launch)
     record = startup.run(args_of("--baseline-tree", str(tmp_path)))
     base = str(tmp_path)
@@ -85,6 +85,19 @@ def test_each_tree_runs_from_its_own_directory_with_its_code_first(monkeypatch, 
                     ("ours-warm_2", "cache-ours", ""), ("base-warm_2", "cache-base", base)]
     assert record["ratios"]["warm_first_step_end_ours_over_base"] == 0.8
     assert record["figures"]["ours_warm#2_checks"] == 4.0
+
+
+def test_runs_are_compared_on_the_benchmarks_clock_whatever_origin_a_tree_counts_from():
+    """A tree whose launch time is early (an older tree's psutil create_time) reports its marks late by as much;
+    since the command both trees' marks are the same unix times."""
+    from benchmarks.startup import side_by_side, since_command
+    early = {"origin_unix": 999.7, "marks": {"rank_start": 1.0, "checks_done": 5.3, "first_step_end": 9.3}}
+    exact = {"origin_unix": 1000.0, "marks": {"rank_start": 1.3, "checks_done": 5.0, "first_step_end": 9.0}}
+    assert since_command(early, 999.9) == since_command(exact, 999.9) == {"checks_done": 5.1, "first_step_end": 9.1}
+    rows = side_by_side({"base": {**early, "since_command": since_command(early, 999.9), "phases": {}},
+                         "ours": {**exact, "since_command": since_command(exact, 999.9), "phases": {}}})
+    assert [r.split()[:3] for r in rows if r.startswith("command")] == [["command", "->", "checks_done"],
+                                                                      ["command", "->", "first_step_end"]]
 
 
 def test_the_launch_clock_is_the_process_start_to_a_clock_tick():
