@@ -12,12 +12,17 @@ launch -> checks_done and launch -> end of step 1 (cold, and the median of the w
 run starts in that tree (its own copy of the preset, relative paths from there) with that tree first
 on PYTHONPATH.
 
+`--importtime` runs every process under `python -X importtime` (torchrun keeps each rank's stderr in a
+file) and the record keeps each process's heaviest top-level imports: evidence of where a start's
+imports go, not figures (the listing slows every import).
+
 CPU: python scripts/benchmark.py --profile startup --config configs/cpu-tiny.yaml --steps 2
 GPU: python scripts/benchmark.py --profile startup --config configs/gpu-1-gsm8k.yaml --nproc 2 --steps 3
 A/B: python scripts/benchmark.py --profile startup --config configs/cpu-tiny.yaml --steps 2 --baseline-tree /tmp/base
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import statistics
@@ -51,6 +56,9 @@ def add_args(parser) -> None:
                              "with this tree's, and the record sets ours over it")
     parser.add_argument("--pairs", type=int, default=1,
                         help="with --baseline-tree: rounds of warm runs, each base, ours, ours, base")
+    parser.add_argument("--importtime", action="store_true",
+                        help="every process of each run under `python -X importtime` (slower: evidence, not "
+                             "figures); the record keeps each one's heaviest top-level imports")
 
 
 def launch(args, run_dir: str, cache_dir: str, tree: str = "") -> dict:
@@ -60,10 +68,14 @@ def launch(args, run_dir: str, cache_dir: str, tree: str = "") -> dict:
            f"--learner.num_steps={args.steps}", f"--metrics.run_dir={run_dir}",
            f"--model.compile_cache_dir={cache_dir}", *("--" + o.removeprefix("--") for o in args.set)]
     log_path = f"{run_dir}.log"
+    env = job_env(tree)
+    if args.importtime:  # each rank's stderr (its import times) in a file of its own, under the run's -ranks/
+        env["PYTHONPROFILEIMPORTTIME"] = "1"
+        cmd += ["--log-dir", f"{run_dir}-ranks", "--redirects", "2"]
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.job_timeout_s,
-                              cwd=os.path.abspath(tree) if tree else None, env=job_env(tree))
+                              cwd=os.path.abspath(tree) if tree else None, env=env)
     wall = time.time() - t0
     if proc.returncode != 0:
         with open(log_path) as f:
@@ -72,7 +84,26 @@ def launch(args, run_dir: str, cache_dir: str, tree: str = "") -> dict:
         record = json.load(f)
     with open(os.path.join(run_dir, "summary.json")) as f:
         record["phases"].update(step_figures(json.load(f)["timeline"], record["phases"]["step_1"]))
+    if args.importtime:
+        record["imports"] = {"launcher": heaviest_imports(log_path), **{
+            f"local rank {os.path.basename(os.path.dirname(path))}": heaviest_imports(path)
+            for path in sorted(glob.glob(os.path.join(f"{run_dir}-ranks", "*", "attempt_0", "*", "stderr.log")))}}
     return {**record, "since_command": since_command(record, t0), "command_wall_s": round(wall, 2), "log": log_path}
+
+
+def heaviest_imports(path: str, top: int = 10) -> dict:
+    """A `-X importtime` log -> its top-level imports' total and the `top` heaviest, cumulative ms
+    (what a process imported at the top level, with everything each brought along; in the launcher's
+    log its checking child's too, which it relays)."""
+    cumulative = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            fields = line.split("|")
+            if line.startswith("import time:") and len(fields) == 3 and not fields[2].startswith("  "):
+                if fields[1].strip().isdigit():  # the header's "cumulative" is not
+                    cumulative[fields[2].strip()] = int(fields[1]) / 1000
+    heaviest = sorted(cumulative.items(), key=lambda kv: -kv[1])[:top]
+    return {"total_ms": round(sum(cumulative.values())), "heaviest_ms": {k: round(v) for k, v in heaviest}}
 
 
 def since_command(record: dict, started: float) -> dict[str, float]:
@@ -105,6 +136,13 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
             rows.append(f"{label + ' ' + key:28s}" + "".join(
                 f"{v:>12.2f}" if isinstance(v, (int, float)) else f"{'-':>12s}" for v in values))
     return rows
+
+
+def import_lines(records: dict[str, dict], top: int = 5) -> list[str]:
+    """With --importtime: per run and process, its imports' total and the heaviest, in seconds."""
+    return [f"[imports] {name} {who}: {got['total_ms'] / 1000:.2f} s; " + ", ".join(
+                f"{module} {ms / 1000:.2f}" for module, ms in list(got["heaviest_ms"].items())[:top])
+            for name, record in records.items() for who, got in record.get("imports", {}).items()]
 
 
 def plan_runs(baseline_tree: str, pairs: int) -> list[tuple[str, str, str]]:
@@ -161,6 +199,8 @@ def run(args) -> dict:
         print(f"[startup] {key}: checks_done {records[key]['marks'].get('checks_done')} s, first_step_end "
               f"{records[key]['marks'].get('first_step_end')} s", flush=True)
     for line in side_by_side(records):
+        print(line)
+    for line in import_lines(records):
         print(line)
     figures = {f"{name.replace(' ', '_')}_{key}": value for name, record in records.items()
                for key, value in record["phases"].items()}

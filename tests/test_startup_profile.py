@@ -114,3 +114,42 @@ def test_the_launch_clock_is_the_process_start_to_a_clock_tick():
                          cwd=REPO, check=True).stdout.split()
     started, child_now = map(float, out)
     assert before - 2 * tick <= started <= child_now + 2 * tick
+
+
+def test_importtime_runs_every_process_under_it_and_keeps_each_ones_heaviest_imports(monkeypatch, tmp_path):
+    """--importtime: the launch gets PYTHONPROFILEIMPORTTIME and torchrun's per-rank stderr files;
+    the record keeps, per process, the top-level imports' total and the heaviest (cumulative ms)."""
+    import json
+
+    import benchmarks.startup as startup
+    run_dir = str(tmp_path / "warm")
+    log = ("import time: self [us] | cumulative | imported package\n"
+           "import time:      2000 |     900000 |   torch._C\n"
+           "import time:     10000 |    1200000 | torch\n"
+           "import time:       500 |      30000 | yaml\n"
+           "colocate: a line of the run\n")
+    seen = {}
+
+    def fake_run(cmd, stdout, env, **kwargs):
+        seen.update(cmd=cmd, env=env)
+        stdout.write(log)
+        os.makedirs(run_dir)
+        timeline = {"origin_unix": 1.0, "marks": {"checks_done": 2.0}, "phases": {"step_1": 0.1}}
+        for name, data in (("startup.json", timeline), ("summary.json", {"timeline": []})):
+            with open(os.path.join(run_dir, name), "w") as f:
+                json.dump(data, f)
+        ranks = os.path.join(f"{run_dir}-ranks", "id_x", "attempt_0", "1")
+        os.makedirs(ranks)
+        with open(os.path.join(ranks, "stderr.log"), "w") as f:
+            f.write(log.replace("| torch\n", "| colocate.learner.learner\n"))
+        return subprocess.CompletedProcess(cmd, 0)
+    monkeypatch.setattr(startup.subprocess, "run", fake_run)
+    record = startup.launch(args_of("--importtime"), run_dir, str(tmp_path / "cache"))
+    assert seen["env"]["PYTHONPROFILEIMPORTTIME"] == "1"
+    assert seen["cmd"][-4:] == ["--log-dir", f"{run_dir}-ranks", "--redirects", "2"]
+    assert record["imports"] == {"launcher": {"total_ms": 1230, "heaviest_ms": {"torch": 1200, "yaml": 30}},
+                                 "local rank 1": {"total_ms": 1230,
+                                                  "heaviest_ms": {"colocate.learner.learner": 1200, "yaml": 30}}}
+    assert startup.import_lines({"warm": record}, top=1) == [
+        "[imports] warm launcher: 1.23 s; torch 1.20",
+        "[imports] warm local rank 1: 1.23 s; colocate.learner.learner 1.20"]
