@@ -109,22 +109,36 @@ def test_the_checks_count_gpus_without_initialising_cuda(tmp_path, monkeypatch):
     assert plan.estimates_gib  # planned for the GPU NVML counted
 
 
-def test_the_launchers_heavy_imports_leave_cycle_collection_as_they_found_it(tmp_path, monkeypatch):
-    """`check_in_child` imports the meta model's packages with the collector off (they allocate for
-    seconds and free almost nothing) and turns it back on; off stays off."""
+def test_the_launchers_heavy_imports_are_made_without_collections_and_frozen(tmp_path, monkeypatch):
+    """`import_frozen` (the meta model's packages, before the checking child forks): the collector
+    is off while the module imports, the heap is frozen after (neither the child nor the launcher's
+    later collections walk it), the collector's state is as it was; an imported module is left be."""
     import gc
-
-    from colocate.child import Ended
-    no_torchrun_env(monkeypatch)
-    argv = ["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), f"--metrics.run_dir={tmp_path / 'run'}"]
-    monkeypatch.setattr(launch, "run_in_child", lambda work, refusal: Ended(0, "text", True))
-    assert gc.isenabled() and launch.check_in_child(argv, 2, 2) == (0, "text") and gc.isenabled()
-    gc.disable()
+    probe = "import gc\n\nCOLLECTING = gc.isenabled()\nHEAP = [[i] for i in range(1000)]\n"
+    (tmp_path / "frozen_probe.py").write_text(probe)
+    monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        launch.check_in_child(argv, 2, 2)
-        assert not gc.isenabled()
+        gc.unfreeze()
+        launch.import_frozen("frozen_probe")
+        import frozen_probe
+        assert not frozen_probe.COLLECTING and gc.isenabled() and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        gc.disable()
+        launch.import_frozen("frozen_probe")  # imported already: nothing to do
+        assert gc.get_freeze_count() == 0 and not gc.isenabled()
     finally:
         gc.enable()
+        gc.unfreeze()
+        sys.modules.pop("frozen_probe", None)
+
+
+def test_a_frozen_heap_is_unfrozen_before_the_interpreters_teardown(tmp_path):
+    """A rank that exits with SystemExit (bad input: one line, exit 2) tears the interpreter down:
+    nanobind (triton's bindings) would report every frozen object of its own as leaked."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", "import triton\nfrom colocate.lifecycle import freeze_heap\n"
+                           "freeze_heap()\nraise SystemExit(2)"], capture_output=True, text=True, env=env, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "")
 
 
 def test_a_reward_that_ends_its_process_does_not_end_the_launcher(tmp_path, monkeypatch, capsys):
