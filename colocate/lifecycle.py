@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -227,17 +228,17 @@ def exit_quietly(code: int = 1) -> None:
     os._exit(code)
 
 
-_UNFREEZE_AT_EXIT: list = []
-
-
 def freeze_heap() -> None:
     """Every object so far out of the cycle collector's walks (`gc.freeze`; the collector's state
     is the caller's). A teardown (`sys.exit`, vLLM's exit) unfreezes it first: nanobind reports
     frozen objects as leaked, a page of lines after a rank's one line for bad input."""
     gc.freeze()
-    if not _UNFREEZE_AT_EXIT:
-        atexit.register(gc.unfreeze)
-        _UNFREEZE_AT_EXIT.append(True)
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
 
 
 def leave(code: int) -> None:
