@@ -90,7 +90,8 @@ def train(monkeypatch, tmp_path, *args: str) -> tuple[int, list]:
 def test_the_checks_count_gpus_without_initialising_cuda(tmp_path, monkeypatch):
     """Issue 60: the launcher's checks read the GPUs through NVML (`torch.cuda.device_count`);
     `torch.cuda.is_available` initialises the CUDA driver, seconds on a GPU machine before any
-    rank starts. Here NVML "sees" one 80 GiB GPU and every call that would initialise CUDA fails."""
+    rank starts. Here NVML "sees" one 80 GiB GPU and every call that would initialise CUDA fails;
+    engine.kind=auto (the presets' default) is resolved for this machine by the checks too."""
     import torch
 
     from colocate import gpu_budget, preflight
@@ -102,7 +103,7 @@ def test_the_checks_count_gpus_without_initialising_cuda(tmp_path, monkeypatch):
         monkeypatch.setattr(torch.cuda, name, initialises)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(gpu_budget, "gpu_total_bytes", lambda index=0: 80 * gpu_budget.GIB)
-    cfg = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+    cfg = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--engine.kind=auto",
                                f"--metrics.run_dir={tmp_path / 'run'}"], 2)[0]
     assert preflight.gpu_count(cfg) == 1
     plan = preflight.preflight(cfg, 2, 2)
