@@ -19,6 +19,16 @@ def machine_info() -> dict:
     return info
 
 
+def job_env(tree: str) -> dict:
+    """A launched job's environment: this one, with `tree` (another commit's source tree, or "")
+    first on PYTHONPATH, ahead of what the caller's path holds (the GPU bundle's packages must stay
+    importable for the baseline's code too)."""
+    env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def median_time(fn, *, warmup: int = 3, iters: int = 10, setup=None) -> float:
     """Median seconds of `fn()`; `setup()` runs untimed before each call (e.g. fresh in-place inputs)."""
     cuda = torch.cuda.is_available()

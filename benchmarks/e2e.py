@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import job_env
 from colocate.learner.loop import TimelineRow
 
 
@@ -101,15 +102,6 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
     for n in names:
         extra = [*extra, *variants[n]]
     return (async_lag if base == "async" else 0), extra
-
-
-def job_env(tree: str) -> dict:
-    """The job's environment: this one, with `tree` first on PYTHONPATH, ahead of what the caller's
-    path holds (the GPU bundle's packages must stay importable for the baseline's code too)."""
-    env = dict(os.environ)
-    if tree:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: str = "") -> dict:

@@ -210,10 +210,8 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
-    import psutil
-
-    from colocate.startup import LAUNCH_ENV
-    launched_at = repr(psutil.Process().create_time())  # the command's start: the ranks' timeline counts from it
+    from colocate.startup import LAUNCH_ENV, process_start
+    launched_at = repr(process_start())  # the command's start: the ranks' timeline counts from it
     launch = train_command(argv)
     try:
         if launch.code:

@@ -11,6 +11,8 @@ torchrun) is `rank_config.py`'s.
 """
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -288,6 +290,24 @@ def ended_early(code: int) -> tuple[int, str]:
             "a signal)")
 
 
+def import_frozen(module: str) -> None:
+    """Import `module` (when not yet imported) with the cycle collector off, then freeze the heap
+    (`lifecycle.freeze_heap`): collections deferred by `gc.disable` alone would walk it all in the
+    forked child instead; frozen, neither the child (gc.freeze's documentation advises it before a
+    fork) nor the launcher's later collections walk it."""
+    from colocate.lifecycle import freeze_heap
+    if module in sys.modules:
+        return
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        importlib.import_module(module)
+    finally:
+        freeze_heap()
+        if collecting:
+            gc.enable()
+
+
 def check_in_child(argv: list[str], world: int | None = None, local_world: int | None = None) -> tuple[int, str]:
     """`colocate train` / `colocate check`: parse here (no torch), check in a forked child (the user's
     code cannot end, break or move this process) -> (exit code, the resolved config's text). On a
@@ -295,7 +315,7 @@ def check_in_child(argv: list[str], world: int | None = None, local_world: int |
     c = parse_request(argv, world, local_world)
     # The checks' heaviest imports (the meta model's) are made here, before the fork: the launcher
     # pays them once either way, and a second check in this process (a test's) starts warm.
-    import transformers.modeling_utils  # noqa: F401
+    import_frozen("transformers.modeling_utils")
     ended = run_in_child(lambda: resolved_text(c), refusal)
     if ended.own_end:  # the config, or the refusal's line printed there
         return ended.code, ended.result or ""

@@ -10,6 +10,11 @@ a wedged rank can still be killed. Before `StopSignal` is installed (a rank's im
 a stop signal ends the rank at once and quietly (`quiet_start`): nothing is written yet, and
 `colocate train` says the one line.
 
+A start's imports (torch, transformers) allocate for seconds and free almost nothing, yet each full
+cycle collection walks the whole heap so far: the launcher and a rank make them with the collector
+off and then freeze what they built (`freeze_heap`), so that no later collection, nor a forked
+child's, walks it again.
+
 `COLOCATE_FAULT` injects failures for the failure tests; it is read once and does nothing unless
 set. Forms: `raise:rank=R:step=S` (rank R raises at step S), `exit:rank=R:step=S:code=C` (rank
 R leaves with `os._exit(C)` at step S, as user code may), `kill_in_checkpoint:step=S` (the
@@ -19,7 +24,10 @@ advantages change sign from step S on: the policy unlearns, a reward collapse on
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
+import gc
 import os
 import signal
 import sys
@@ -218,6 +226,19 @@ def exit_quietly(code: int = 1) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def freeze_heap() -> None:
+    """Every object so far out of the cycle collector's walks (`gc.freeze`; the collector's state
+    is the caller's). A teardown (`sys.exit`, vLLM's exit) unfreezes it first: nanobind reports
+    frozen objects as leaked, a page of lines after a rank's one line for bad input."""
+    gc.freeze()
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(gc.unfreeze)
 
 
 def leave(code: int) -> None:

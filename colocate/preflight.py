@@ -101,9 +101,12 @@ def check_placement(cfg: Config, world: int | None, local_world: int | None, gpu
 
 
 def gpu_count(cfg: Config) -> int:
-    """GPUs the ranks will use (0: the job runs on CPUs)."""
+    """GPUs the ranks will use (0: the job runs on CPUs). Counted through NVML
+    (`torch.cuda.device_count`), which leaves CUDA uninitialised: `torch.cuda.is_available` would
+    initialise the driver (cuInit) in the launcher's checking child, seconds on a large GPU before
+    any rank starts; CUDA's own count is the fallback where NVML is missing."""
     import torch
-    if cfg.sync.backend == "gloo" or not torch.cuda.is_available():
+    if cfg.sync.backend == "gloo":
         return 0
     return torch.cuda.device_count()
 

@@ -23,6 +23,8 @@ Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main m
 from __future__ import annotations
 
 if __name__ == "__main__":  # a rank: a stop signal during the imports below ends it without a traceback
+    import gc
+    gc.disable()  # for the imports below, whose heap is frozen before `main` (lifecycle.freeze_heap)
     from colocate.lifecycle import guard_terminal, quiet_start
     quiet_start()
     guard_terminal()  # and its terminal closing mid-run does not end it
@@ -43,8 +45,8 @@ from colocate.envs import env_corpus, env_facts, make_env
 from colocate.rank_config import configure, rank_role
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
-from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, faults_from_env, is_peer_failure,
-                                leave, quiet_thread_peer_failures, report_failure, tell_launcher)
+from colocate.lifecycle import (FAILED_EXIT, StopSignal, die_with_parent, exit_quietly, faults_from_env, freeze_heap,
+                                is_peer_failure, leave, quiet_thread_peer_failures, report_failure, tell_launcher)
 from colocate.models import build_policy, load_tokenizer
 from colocate.rollout.loop import run_inference
 from colocate.startup import begin, cache_line, compile_cache_env, mark
@@ -158,4 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # The module imports are made: frozen, later collections (the rank's own imports, its model)
+    # skip them; enabled without the freeze, the first would walk them all at once instead
+    freeze_heap()
+    gc.enable()
     leave(main())

@@ -87,6 +87,61 @@ def train(monkeypatch, tmp_path, *args: str) -> tuple[int, list]:
     return code, started
 
 
+def test_the_checks_count_gpus_without_initialising_cuda(tmp_path, monkeypatch):
+    """Issue 60: the launcher's checks read the GPUs through NVML (`torch.cuda.device_count`);
+    `torch.cuda.is_available` initialises the CUDA driver, seconds on a GPU machine before any
+    rank starts. Here NVML "sees" one 80 GiB GPU and every call that would initialise CUDA fails;
+    engine.kind=auto (the presets' default) is resolved for this machine by the checks too."""
+    import torch
+
+    from colocate import gpu_budget, preflight
+
+    def initialises(*args, **kwargs):
+        raise AssertionError("the checks initialised CUDA")
+    no_torchrun_env(monkeypatch)
+    for name in ("is_available", "_lazy_init", "init", "get_device_properties", "mem_get_info"):
+        monkeypatch.setattr(torch.cuda, name, initialises)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_budget, "gpu_total_bytes", lambda index=0: 80 * gpu_budget.GIB)
+    cfg = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--engine.kind=auto",
+                               f"--metrics.run_dir={tmp_path / 'run'}"], 2)[0]
+    assert preflight.gpu_count(cfg) == 1
+    plan = preflight.preflight(cfg, 2, 2)
+    assert plan.estimates_gib  # planned for the GPU NVML counted
+
+
+def test_the_launchers_heavy_imports_are_made_without_collections_and_frozen(tmp_path, monkeypatch):
+    """`import_frozen` (the meta model's packages, before the checking child forks): the collector
+    is off while the module imports, the heap is frozen after (neither the child nor the launcher's
+    later collections walk it), the collector's state is as it was; an imported module is left be."""
+    import gc
+    probe = "import gc\n\nCOLLECTING = gc.isenabled()\nHEAP = [[i] for i in range(1000)]\n"
+    (tmp_path / "frozen_probe.py").write_text(probe)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        gc.unfreeze()
+        launch.import_frozen("frozen_probe")
+        import frozen_probe
+        assert not frozen_probe.COLLECTING and gc.isenabled() and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        gc.disable()
+        launch.import_frozen("frozen_probe")  # imported already: nothing to do
+        assert gc.get_freeze_count() == 0 and not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+        sys.modules.pop("frozen_probe", None)
+
+
+def test_a_frozen_heap_is_unfrozen_before_the_interpreters_teardown(tmp_path):
+    """A rank that exits with SystemExit (bad input: one line, exit 2) tears the interpreter down:
+    nanobind (triton's bindings) would report every frozen object of its own as leaked."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", "import triton\nfrom colocate.lifecycle import freeze_heap\n"
+                           "freeze_heap()\nraise SystemExit(2)"], capture_output=True, text=True, env=env, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "")
+
+
 def test_a_reward_that_ends_its_process_does_not_end_the_launcher(tmp_path, monkeypatch, capsys):
     """Issue 63 item 2: `os._exit(0)` in a reward made `colocate train` exit 0 with no word."""
     monkeypatch.chdir(REPO)

@@ -147,12 +147,14 @@ def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
 def check_engine_keys(cfg, *, outside_world: bool = True) -> None:
     """Keys only some entries honour: engine.kv_cache_dtype=fp8 (`EngineEntry.fp8_kv_cache`). `auto`
     is resolved for this machine when it is the one the run uses (`outside_world`)."""
+    if cfg.engine.kv_cache_dtype != "fp8":
+        return
     kind = cfg.engine.kind
-    if kind == "auto" and outside_world:
+    if kind == "auto" and outside_world:  # device_count asks NVML: the check's process leaves CUDA unstarted
         import torch
-        here = SimpleNamespace(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        here = SimpleNamespace(device=torch.device("cuda" if torch.cuda.device_count() > 0 else "cpu"))
         kind = resolve_kind(kind, here)
-    if cfg.engine.kv_cache_dtype == "fp8" and kind in ENGINES and not ENGINES[kind].fp8_kv_cache:
+    if kind in ENGINES and not ENGINES[kind].fp8_kv_cache:
         raise ConfigError(f"engine.kv_cache_dtype=fp8 is not kept by the {kind} engine (its KV cache stays in the "
                           "model's dtype): use engine.kind=vllm on a GPU, or engine.kv_cache_dtype=auto")
 
