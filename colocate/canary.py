@@ -38,7 +38,7 @@ an FP8 KV cache rounds keys and values the same way (2u more). The two sides the
 engine's error plus the learner's, not twice one's: 2 (eps_engine + eps_learner) sqrt(L) x logit
 RMS, which is the bf16 bound plus 4 u_e4m3 sqrt(L) x logit RMS per FP8 part (`canary_bound`'s
 `fp8_parts`): about 17 times bf16's. It still catches an engine that stops taking updates once the
-learner has moved the probe past it (cpu-tiny: 14 versions, tests/test_canary.py), and a wrong
+learner has moved the probe past it (tests/test_canary.py), and a wrong
 slot or scale at once; an update skipped once and taken at the next version hides in FP8's noise.
 """
 from __future__ import annotations

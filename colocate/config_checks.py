@@ -232,4 +232,3 @@ def check_fp8(cfg: Config) -> None:
     if fp8 and not corrected:
         raise ConfigError(f"{fp8[0]} samples from a rounded copy of the trained policy: correct for it in the loss "
                           "with loss.tis_cap (truncated importance sampling, e.g. 2.0) or loss.mis_threshold")
-

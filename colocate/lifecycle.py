@@ -230,7 +230,9 @@ def exit_quietly(code: int = 1) -> None:
 
 def freeze_heap() -> None:
     """Every object so far out of the cycle collector's walks (`gc.freeze`; the collector's state
-    is the caller's). A teardown (`sys.exit`, vLLM's exit) unfreezes it first: nanobind reports
+    is the caller's). Cyclic garbage the imports left stays too, until an unfreeze (a rank's
+    `run_rank` unfreezes at its end): a few thousand small objects, for no collection walking the
+    whole imported heap again. A teardown (`sys.exit`, vLLM's exit) unfreezes it first: nanobind reports
     frozen objects as leaked, a page of lines after a rank's one line for bad input."""
     gc.freeze()
     _unfreeze_at_exit()

@@ -13,8 +13,9 @@ adapter (vLLM's punica kernels read the unrounded input beside the FP8 base GEMM
 
 Here: each base weight is rounded through `torch.float8_e4m3fn` in place (the engine's own copy:
 the learner keeps full precision), and a forward pre-hook rounds each base linear's input per row;
-the products then run in the model's dtype, which differs from an FP8 GEMM's fp32 accumulation only
-by the accumulation's rounding. The adapter's `lora_A` / `lora_B` see the unrounded input (peft
+the products then run in the model's dtype: beside an FP8 GEMM's fp32 accumulation that adds the
+model dtype's own roundings (of the rounded values and of the sums), which the canary's bound counts
+already as the compute dtype's error. The adapter's `lora_A` / `lora_B` see the unrounded input (peft
 calls `base_layer` with it and the adapter beside it), as vLLM's slot mode does.
 """
 from __future__ import annotations

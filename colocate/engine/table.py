@@ -62,6 +62,8 @@ def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     """The reference engine on the rank's device, in the rank's process: adapters arrive by
     broadcast (or CUDA IPC when it shares learner rank 0's GPU)."""
     from colocate.engine.hf import HFEngine
+    if cfg.engine.kv_cache_dtype == "fp8":  # checked before launch; here too if auto resolved otherwise on the rank
+        raise fp8_kv_refused("hf")
     engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank,
                       quantization=cfg.engine.quantization)
     mark("engine_constructed")  # before the receiver, which waits for learner rank 0
@@ -155,8 +157,12 @@ def check_engine_keys(cfg, *, outside_world: bool = True) -> None:
         here = SimpleNamespace(device=torch.device("cuda" if torch.cuda.device_count() > 0 else "cpu"))
         kind = resolve_kind(kind, here)
     if kind in ENGINES and not ENGINES[kind].fp8_kv_cache:
-        raise ConfigError(f"engine.kv_cache_dtype=fp8 is not kept by the {kind} engine (its KV cache stays in the "
-                          "model's dtype): use engine.kind=vllm on a GPU, or engine.kv_cache_dtype=auto")
+        raise fp8_kv_refused(kind)
+
+
+def fp8_kv_refused(kind: str) -> ConfigError:
+    return ConfigError(f"engine.kv_cache_dtype=fp8 is not kept by the {kind} engine (its KV cache stays in the "
+                       "model's dtype): use engine.kind=vllm on a GPU, or engine.kv_cache_dtype=auto")
 
 
 def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lambda: None) -> AdapterSender:
