@@ -21,11 +21,11 @@
 #   e2egsm   configs/gpu-1-gsm8k.yaml the same (eval off; GSM8K_MODEL=/path sets model.path, else the
 #            0.5B shape with random weights: every completion runs to 256 tokens)
 #   e2e7b    configs/gpu-1-7b.yaml the same
-#   e2ecanary the canary's cost on configs/gpu-1-gsm8k.yaml: e2e jobs alternating sync.canary_every 1 and 0
-#            (on, off, off, on, on, off), E2E_STEPS steps each (default 30; other e2e steps: 10)
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v");
 #            E2E_BASELINE_TREE=DIR runs the jobs named JOB@base from another checkout (before/after code)
+#   e2ecanary the canary's cost on configs/gpu-1-gsm8k.yaml: e2e jobs alternating sync.canary_every 1 and 0
+#            (on, off, off, on; E2ECANARY_ORDER for more rounds), E2E_STEPS steps each (default 30; others 10)
 #   startupgsm  the startup profile on configs/gpu-1-gsm8k.yaml as shipped: a cold launch (fresh compile cache),
 #            then a warm one, STARTUP_STEPS steps each (default 6), timelines side by side (startupgsm.json);
 #            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...)
@@ -135,7 +135,7 @@ step() {  # one step of the chain, by name
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
-    e2ecanary) E2ECANARY_ORDER="async+on,async+off,async+off,async+on,async+on,async+off" \
+    e2ecanary) E2ECANARY_ORDER=${E2ECANARY_ORDER:-"async+on,async+off,async+off,async+on"} \
           E2E_VARIANTS="on:sync.canary_every=1 off:sync.canary_every=0" E2E_STEPS=${E2E_STEPS:-30} \
           e2e_jobs e2ecanary configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     learn) with_memory learn timeout 2000 python3 -m pytest -q -m gpu -p no:cacheprovider \
