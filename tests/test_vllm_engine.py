@@ -321,6 +321,9 @@ def test_vllm_canary_probe_started_before_a_batch_runs_beside_it(monkeypatch):
         got.update(engine.poll())
     assert sorted(got) == tickets and engine.counters["requests"] == 9
     assert read().tolist() == pytest.approx(want) and not engine._probes
+    steps = engine.counters["steps"]
+    engine.score(probe)  # alone: the steps it takes are not rollout steps
+    assert engine.counters["steps"] == steps
     read = engine.start_score(probe)  # queued, then a drain-mode evaluation's generate
     outs = engine.generate([Request(prompt_ids=[1, 60], max_new_tokens=2)])
     assert [o.token_ids[0] for o in outs] == [61] and engine._probes  # done, kept for its reader

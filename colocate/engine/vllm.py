@@ -438,8 +438,9 @@ class VLLMEngine(Engine):
         if not engine.has_unfinished_requests():  # step() would wait for outputs that never come
             raise RuntimeError(f"{len(self._pending)} streamed requests are unknown to vLLM "
                                f"(e.g. {next(iter(self._pending), next(iter(self._probes), None))})")
+        streaming = bool(self._pending)  # else the step ran only canary probes: not a rollout step
         finished = [o for o in engine.step() if o.finished]
-        self.counters["steps"] += 1  # streamed engine steps (one per decoded token without drafts)
+        self.counters["steps"] += int(streaming)  # streamed engine steps (one per decoded token without drafts)
         t1 = time.perf_counter()
         out = []
         for o in finished:
