@@ -116,10 +116,10 @@ def step_figures(timeline: list[dict], step_1: float) -> dict:
     """The steady steps beside step 1: each later step's seconds (one step end to the next, as the
     step lines count), their median, and step 1's own time over it (the issue's "<= 2x")."""
     ends = [row["step_end"] for row in timeline]
-    steady = sorted(b - a for a, b in zip(ends, ends[1:]))
+    steady = [b - a for a, b in zip(ends, ends[1:])]
     if not steady:
         return {}
-    median = steady[len(steady) // 2] if len(steady) % 2 else (steady[len(steady) // 2 - 1] + steady[len(steady) // 2]) / 2
+    median = statistics.median(steady)
     return {"median_step": round(median, 3), "step_1_over_median": round(step_1 / median, 2)}
 
 

@@ -143,26 +143,23 @@ class IpcSender(AdapterSender):
         self._handshake = threading.Thread(target=self._shake, args=(description,), name="ipc-handshake", daemon=True)
         self._handshake.start()
         if not background:
-            self.joined()
+            self.ready()
 
     def _shake(self, description: dict) -> None:
         try:
             broadcast_json(description, src=self.src, group=self.group, rank=self.src)
             dist.barrier(group=self.group)  # returns once every engine has the ring's description (and so has started)
-        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread (`joined`)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread (`ready`)
             self._failure = e
 
-    def joined(self) -> None:
-        """Wait for the handshake; what failed in it is raised here (also `ready`)."""
+    def ready(self) -> None:
+        """Wait for the handshake; what failed in it is raised here."""
         self._handshake.join()
         if self._failure is not None:
             raise self._failure
 
-    def ready(self) -> None:
-        self.joined()
-
     def send(self, flat: torch.Tensor, version: int, flags: RunFlags) -> float:
-        self.joined()
+        self.ready()
         t0 = time.perf_counter()
         slot = self.ring[version % len(self.ring)]
         slot.copy_(flatten_lora(flat, self.spec))
@@ -172,7 +169,7 @@ class IpcSender(AdapterSender):
         return time.perf_counter() - t0
 
     def close(self) -> float:
-        self.joined()
+        self.ready()
         t0 = time.perf_counter()
         dist.barrier(group=self.group)
         return time.perf_counter() - t0
