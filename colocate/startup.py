@@ -28,7 +28,7 @@ LAUNCH_ENV = "COLOCATE_LAUNCH_TIME"
 """Unix time the `colocate train` command started, for its ranks (cli.py sets it)."""
 
 MARKS = ("rank_start", "checks_done", "ranks_up", "model_ready", "engine_constructed", "engine_warm",
-         "learner_warm", "first_batch", "first_step_end")
+         "learner_probe_warm", "learner_warm", "first_batch", "first_step_end")
 """What a rank marks, in the order it passes them (each role marks a subsequence):
 rank_start          the rank's process started (after the launcher's checks and torchrun's start)
 checks_done         the rank's config checks passed (`rank_config.configure`)
@@ -38,6 +38,8 @@ engine_constructed  (inference) the engine is built, with the engine's own warm-
                     KV cache, CUDA graphs) and our kernels' (engine/vllm_*.py)
 engine_warm         (inference) the adapter channel (which waits for learner rank 0) and the env
                     are up too: the first rollout starts
+learner_probe_warm  (learner) the warm-up's canary probe forward is done (with the canary on): its
+                    compile, apart from the update's
 learner_warm        (learner) the synthetic warm-up update is done (`learner.prewarm`)
 first_batch         (inference) its first batch is queued; (learner) its first shards arrived
 first_step_end      (learner) the end of its first step (step 1, or the first after a resume)"""

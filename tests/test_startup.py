@@ -15,8 +15,8 @@ from tests.conftest import REPO, free_port
 
 ROLE_MARKS = {"inference": ("rank_start", "checks_done", "ranks_up", "model_ready", "engine_constructed",
                             "engine_warm", "first_batch"),
-              "learner": ("rank_start", "checks_done", "ranks_up", "model_ready", "learner_warm", "first_batch",
-                          "first_step_end")}
+              "learner": ("rank_start", "checks_done", "ranks_up", "model_ready", "learner_probe_warm", "learner_warm",
+                          "first_batch", "first_step_end")}
 
 
 def marked(origin: float, role: str, seconds: list[float]) -> Timeline:
@@ -30,8 +30,8 @@ def four_ranks() -> dict:
     """2 inference + 2 learners; learner rank 1 (global 3) knows a later launch than the others."""
     return {0: ("inference", marked(1000.0, "inference", [1, 5, 6, 8, 30, 31, 40])),
             1: ("inference", marked(1000.0, "inference", [1, 6, 6.5, 9, 35, 36, 44])),
-            2: ("learner", marked(1000.0, "learner", [1, 5, 6, 12, 20, 45, 47])),
-            3: ("learner", marked(1002.0, "learner", [0, 3, 4, 9, 18, 43, 45]))}
+            2: ("learner", marked(1000.0, "learner", [1, 5, 6, 12, 16, 20, 45, 47])),
+            3: ("learner", marked(1002.0, "learner", [0, 3, 4, 9, 14, 18, 43, 45]))}
 
 
 def test_merge_counts_from_the_earliest_launch_and_names_the_phases():

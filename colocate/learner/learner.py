@@ -55,6 +55,7 @@ from colocate.learner.warmup import Snapshot, synthetic_batch
 from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, UpdateResult, by_name,
                                     signal_fraction, step_stats)
 from colocate.models import base_identity, materialize
+from colocate.startup import mark
 from colocate.wire import unflatten_lora
 
 
@@ -180,12 +181,14 @@ class Learner:
             logits, targets = restrict_to_allowed(logits, targets, allowed)
         return per_token_logprobs(logits, targets, self.spec.temperature)
 
-    @torch.no_grad()
     def score_probe(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sync canary's reference (`colocate.canary`): [T-1] float32 log-probs of the probe under
         the current adapter (temperature 1, no mask, dropout off) from one forward in the learner's own
         layout and precision, and the RMS of those logits (the bound's scale, 0-dim), both left on the
-        learner's device: nothing here waits for the forward. Every learner runs it (FSDP's all-gathers)."""
+        learner's device: nothing here waits for the forward. Every learner runs it (FSDP's all-gathers).
+        Autograd stays on, so compiled blocks run the training forward's graphs (a gradient-free
+        forward compiles graphs of its own: seconds at start-up); the outputs are detached, so
+        nothing is kept for a backward."""
         n = len(token_ids)
         probe = TrajectoryBatch(tokens=torch.tensor(token_ids, dtype=torch.int32),
                                 seq_lens=torch.tensor([n], dtype=torch.int32),
@@ -196,7 +199,7 @@ class Learner:
             self.model.eval()  # the step's forward sets train() again
         logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
         logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
-        return logp, logits.pow(2).mean().sqrt()
+        return logp.detach(), logits.detach().pow(2).mean().sqrt()
 
     @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
@@ -264,10 +267,10 @@ class Learner:
         (the counts' all-reduce, packing, FSDP's all-gathers and reduce-scatters, compile, attention,
         the loss kernel, the grad-norm clip, AdamW's first step and its state), before the first
         batch: those first-call costs are paid while the engines start. With the canary's `probe`,
-        its forward first (`score_probe`: gradient-free, its own shape, so compiled blocks compile it
-        apart; else the run's first canary record pays that). Then the adapter, AdamW's state, the
-        gradients, the RNG and the module mode are put back exactly (`Snapshot`), and the version is
-        untouched: the run trains bit for bit as without it. Every learner calls it."""
+        its forward first (`score_probe`, its own shape), marked `learner_probe_warm` once done on
+        the device (the start-up timeline tells its compile from the update's). Then the adapter,
+        AdamW's state, the gradients, the RNG and the module mode are put back exactly (`Snapshot`),
+        and the version is untouched: the run trains bit for bit as without it. Every learner calls it."""
         lc = self.cfg.learner
         # ids the embedding holds: a saved model's tokenizer may count more tokens than its embedding rows
         vocab = min(self.vocab_size, self.model.config.vocab_size)
@@ -276,7 +279,10 @@ class Learner:
         saved = Snapshot.capture(self)
         try:
             if probe:
-                self.score_probe(probe)  # queued on the device, never read
+                self.score_probe(probe)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                mark("learner_probe_warm")
             counts = by_name(self._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # all-reduce
             if lc.updates_per_batch > 1:
                 batch.old_logprobs = self.start_logprobs(batch)
