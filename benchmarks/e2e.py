@@ -25,6 +25,20 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
                     window drained a backlog built before it (with `config.sampling_lag` >= 2 the
                     inference ranks can run ahead during warm-up), and seconds_per_step is then faster
                     than the steady state.
+  canary_*          the sync canary's own cost in the window (`canary_figures`): the probes the learner
+                    scored, and mean and median ms of each side's time on one probe, the learner's
+                    (`sync/canary_learner_ms`, the timeline's canary_s) and the engines'
+                    (`sync/canary_ms`, kept in the record of the batch that read it: the window's
+                    batches, as for rollout_*); only the counts (0) when it is off.
+
+A job ending in @warm (put first) runs to warm the machine (vLLM's and inductor's compile caches, the GPU's
+clocks) and is left out of the figures, the ratios and the pairs: its record is under "warm".
+
+Paired ratios (`paired_figures`), for a close comparison of two jobs (the canary on and off): when the
+counted jobs of --order are two jobs alternating, e.g. A,B,B,A,A,B, the runs pair up in order, two by
+two: (A1,B1), (B2,A2), (A3,B3); each pair's seconds_per_step A over B, their mean and standard error,
+and the pooled ratio (mean over A's paired runs over mean over B's) go into the figures. A pair whose
+other run failed is left out; an odd last run has no pair. Adjacent runs share the machine's drift.
 CPU smoke: python scripts/benchmark.py --profile e2e --config configs/cpu-tiny.yaml --nproc 2 --steps 30
 GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs/gpu-4.yaml --nproc 4 \
     --steps 6 --warmup 2 --partial $OUT/e2e-partial.json
@@ -32,7 +46,9 @@ GPU (4 GPUs, 2 + 2): python3 scripts/benchmark.py --profile e2e --config configs
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +70,9 @@ def add_args(parser) -> None:
                         help="which jobs run, in this order: async, sync, each optionally -stream or -barrier "
                              "(rollout.stream on / off; plain: the config's), then any +VARIANT (see --variant), "
                              "e.g. async-stream,async-stream+nocheck; a job may repeat (A,B,B,A: its later "
-                             "runs are keyed JOB#2, ...)")
+                             "runs are keyed JOB#2, ...; two jobs alternating are also compared pair by pair); "
+                             "a job ending in @warm (e.g. async+on@warm first) warms the machine: compile "
+                             "caches, GPU clocks; it is left out of the figures, ratios and pairs")
     parser.add_argument("--baseline-tree", default="",
                         help="a source tree of another commit (e.g. `git archive`); a job ending in @base runs "
                              "from it, so the same job compares two versions of the code in one run")
@@ -152,7 +170,8 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
     def inside(b: dict) -> float:
         return overlap(b["collect_start"], b["collect_end"], t0, t1)
 
-    means = rollout_means(inference, t0, t1)
+    batches = window_batches(inference, t0, t1)
+    means = rollout_means(batches)
     busy = [sum(inside(b) for b in r["batches"]) / window for r in inference]
     tokens = [sum(b["out_tokens"] * inside(b) / max(b["collect_end"] - b["collect_start"], 1e-9)
                   for b in r["batches"]) / window for r in inference]
@@ -175,7 +194,22 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "queue_batches_end": queued(rows, inference, t1),
         **means,
         **per_engine_step(means),
+        **canary_figures(measured, batches),
     }
+
+
+def canary_figures(measured: list[TimelineRow], batches: list[dict]) -> dict:
+    """The canary's probes in the window, the learner's (`canary_probes`, one per version it scored)
+    and the engines' (`canary_engine_probes`, every inference rank's), and the mean and median ms
+    of each side's own time on one probe; no ms without a probe (the canary off, or a baseline
+    tree's run that kept no such figures)."""
+    sides = {"learner": [1e3 * r.canary_s for r in measured if r.canary_s > 0],
+             "engine": [b["canary_ms"] for b in batches if "canary_ms" in b]}
+    out = {"canary_probes": len(sides["learner"]), "canary_engine_probes": len(sides["engine"])}
+    for side, ms in sides.items():
+        if ms:
+            out.update({f"canary_{side}_ms_mean": statistics.fmean(ms), f"canary_{side}_ms_median": statistics.median(ms)})
+    return out
 
 
 def per_engine_step(means: dict) -> dict:
@@ -197,11 +231,15 @@ def queued(rows: list[TimelineRow], inference: list[dict], t: float) -> float:
     return produced - sum(row.step_end <= t for row in rows)
 
 
-def rollout_means(inference: list[dict], t0: float, t1: float) -> dict:
-    """Means over the inference ranks' batches collected inside the window, `rollout_<stat>`."""
-    picked = [b for r in inference for b in r["batches"] if b["collect_start"] >= t0 and b["collect_end"] <= t1]
-    keys = sorted({k for b in picked for k in b} - {"collect_start", "collect_end"})
-    return {f"rollout_{k}": sum(b.get(k, 0.0) for b in picked) / len(picked) for k in keys}
+def window_batches(inference: list[dict], t0: float, t1: float) -> list[dict]:
+    """The inference ranks' batches collected inside the window [t0, t1]."""
+    return [b for r in inference for b in r["batches"] if b["collect_start"] >= t0 and b["collect_end"] <= t1]
+
+
+def rollout_means(batches: list[dict]) -> dict:
+    """Means over the window's batches, `rollout_<stat>` (the canary's ms: `canary_figures`, per probe)."""
+    keys = sorted({k for b in batches for k in b} - {"collect_start", "collect_end", "canary_ms"})
+    return {f"rollout_{k}": sum(b.get(k, 0.0) for b in batches) / len(batches) for k in keys}
 
 
 def job_keys(order: str) -> list[tuple[str, str]]:
@@ -216,37 +254,35 @@ def job_keys(order: str) -> list[tuple[str, str]]:
     return out
 
 
-def run(args) -> dict:
-    root = tempfile.mkdtemp(prefix="colocate-e2e-")
-    keyed = job_keys(args.order)
-    jobs = [key for key, _ in keyed]
-    variants = parse_variants(args.variant)
-    settings = {key: job_settings(job, args.lag, args.stream_set, variants) for key, job in keyed}
-    record: dict = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
-                    "lag": args.lag, "runs": {}}
-    for job in jobs:
-        lag, extra = settings[job]
-        run_dir = os.path.join(root, job.replace("+", "_").replace("#", "_"))
-        tree = args.baseline_tree if job.partition("#")[0].endswith("@base") else ""
-        if job.partition("#")[0].endswith("@base") and not tree:
-            raise SystemExit(f"--order: job {job!r} runs from --baseline-tree, which is not given")
-        try:
-            record["runs"][job] = {**run_job(args, lag, run_dir, extra, tree), "settings": extra}
-        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the other jobs still run; the record says why
-            record.setdefault("failed", {})[job] = {"error": str(e)[-2000:], "settings": extra}
-            print(f"[e2e] {job} failed: {str(e)[-2000:]}", flush=True)
-            continue
-        print(f"[e2e] {job}: " + json.dumps(record["runs"][job]), flush=True)
-        if args.partial:
-            with open(args.partial, "w") as f:
-                json.dump(record, f, indent=1)
-    runs = record["runs"]
-    first_async = next((j for j in runs if j.startswith("async")), None)  # figures: ours
-    first_sync = next((j for j in runs if j.startswith("sync")), None)    # baseline
-    if first_async:
-        record["figures"] = {f"{first_async}_{k}": v for k, v in runs[first_async].items()}
-    if first_sync:
-        record["baseline"] = {f"{first_sync}_{k}": v for k, v in runs[first_sync].items()}
+def marked(job: str, mark: str) -> bool:
+    """Whether a job's --order entry ends in @mark (@base, @warm), its #N left aside."""
+    return job.partition("#")[0].endswith(f"@{mark}")
+
+
+def paired_figures(runs: dict, keyed: list[tuple[str, str]]) -> dict:
+    """Two jobs alternating (module docstring) -> each pair's seconds_per_step A over B (A: the job
+    named first), their mean and standard error, and the pooled ratio; {} for any other order.
+    `keyed`: the counted jobs as `job_keys` gives them, in order; `runs`: those that finished."""
+    names = list(dict.fromkeys(job for _, job in keyed))
+    plan = [keyed[i:i + 2] for i in range(0, len(keyed) - 1, 2)]
+    if len(names) != 2 or any({job for _, job in pair} != set(names) for pair in plan):
+        return {}
+    a, b = names
+    pairs = [{job: runs[key]["seconds_per_step"] for key, job in pair} for pair in plan
+             if all(key in runs for key, _ in pair)]
+    if not pairs:
+        return {}
+    ratios = [p[a] / p[b] for p in pairs]
+    se = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None
+    name = f"seconds_per_step_{a}_over_{b}"
+    return {f"{name}_pairs": [round(r, 4) for r in ratios], f"{name}_pair_mean": statistics.fmean(ratios),
+            f"{name}_pair_se": se,
+            f"{name}_pooled": statistics.fmean(p[a] for p in pairs) / statistics.fmean(p[b] for p in pairs)}
+
+
+def named_ratios(runs: dict) -> dict:
+    """steps_per_hour of named pairs of jobs: async over sync, stream over barrier, a job over the
+    same job from the baseline tree (@base), a variant over its plain job."""
     ratios = {}
     for fast, slow in (("async", "sync"), ("async-stream", "sync-stream"), ("async-barrier", "sync-barrier"),
                        ("async-stream", "async-barrier"), ("sync-stream", "sync-barrier")):
@@ -259,6 +295,49 @@ def run(args) -> dict:
         plain = job.split("+")[0]
         if "+" in job and plain in runs:
             ratios[f"steps_per_hour_{job}_over_{plain}"] = runs[job]["steps_per_hour"] / runs[plain]["steps_per_hour"]
+    return ratios
+
+
+def run_one(args, record: dict, job: str, settings: tuple[int | None, list[str]], root: str) -> None:
+    """One job into `record`: its figures under "runs" ("warm" for a warm-up job), or its error
+    under "failed" (the other jobs still run)."""
+    lag, extra = settings
+    run_dir = os.path.join(root, job.replace("+", "_").replace("#", "_"))
+    tree = args.baseline_tree if marked(job, "base") else ""
+    if marked(job, "base") and not tree:
+        raise SystemExit(f"--order: job {job!r} runs from --baseline-tree, which is not given")
+    try:
+        result = {**run_job(args, lag, run_dir, extra, tree), "settings": extra}
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # the record says why
+        record.setdefault("failed", {})[job] = {"error": str(e)[-2000:], "settings": extra}
+        print(f"[e2e] {job} failed: {str(e)[-2000:]}", flush=True)
+        return
+    (record.setdefault("warm", {}) if marked(job, "warm") else record["runs"])[job] = result
+    print(f"[e2e] {job}: " + json.dumps(result), flush=True)
+    if args.partial:
+        with open(args.partial, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+def run(args) -> dict:
+    root = tempfile.mkdtemp(prefix="colocate-e2e-")
+    keyed = job_keys(args.order)
+    variants = parse_variants(args.variant)
+    settings = {key: job_settings(job, args.lag, args.stream_set, variants) for key, job in keyed}  # all checked first
+    record: dict = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
+                    "lag": args.lag, "runs": {}}
+    for key, _ in keyed:
+        run_one(args, record, key, settings[key], root)
+    runs = record["runs"]
+    first_async = next((j for j in runs if j.startswith("async")), None)  # figures: ours
+    first_sync = next((j for j in runs if j.startswith("sync")), None)    # baseline
+    figures = {f"{first_async}_{k}": v for k, v in runs[first_async].items()} if first_async else {}
+    figures.update(paired_figures(runs, [(key, job) for key, job in keyed if not marked(job, "warm")]))
+    if figures:
+        record["figures"] = figures
+    if first_sync:
+        record["baseline"] = {f"{first_sync}_{k}": v for k, v in runs[first_sync].items()}
+    ratios = named_ratios(runs)
     if ratios:
         record["ratios"] = ratios
     return record

@@ -24,8 +24,11 @@
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v");
 #            E2E_BASELINE_TREE=DIR runs the jobs named JOB@base from another checkout (before/after code)
-#   e2ecanary the canary's cost on configs/gpu-1-gsm8k.yaml: e2e jobs alternating sync.canary_every 1 and 0
-#            (on, off, off, on; E2ECANARY_ORDER for more rounds), E2E_STEPS steps each (default 30; others 10)
+#   e2ecanary the canary's cost on configs/gpu-1-gsm8k.yaml: a warm-up job (on@warm: compile caches, GPU
+#            clocks; counted nowhere), then three ABBA rounds of sync.canary_every 1 and 0 (on,off,off,on,on,off:
+#            three adjacent on/off pairs, their s/step ratios' mean and standard error and the pooled ratio in
+#            the record's figures, each job's probe ms per side); E2ECANARY_ORDER replaces the order,
+#            E2E_STEPS the steps per job (default 20 here, as each job's start-up dominates; others 10)
 #   startupgsm  the startup profile on configs/gpu-1-gsm8k.yaml as shipped: a cold launch (fresh compile cache),
 #            then a warm one, STARTUP_STEPS steps each (default 6), timelines side by side (startupgsm.json);
 #            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...)
@@ -135,8 +138,8 @@ step() {  # one step of the chain, by name
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
-    e2ecanary) E2ECANARY_ORDER=${E2ECANARY_ORDER:-"async+on,async+off,async+off,async+on"} \
-          E2E_VARIANTS="on:sync.canary_every=1 off:sync.canary_every=0" E2E_STEPS=${E2E_STEPS:-30} \
+    e2ecanary) E2ECANARY_ORDER=${E2ECANARY_ORDER:-"async+on@warm,async+on,async+off,async+off,async+on,async+on,async+off"} \
+          E2E_VARIANTS="on:sync.canary_every=1 off:sync.canary_every=0" E2E_STEPS=${E2E_STEPS:-20} \
           e2e_jobs e2ecanary configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     learn) with_memory learn timeout 2000 python3 -m pytest -q -m gpu -p no:cacheprovider \
             "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_on_one_gpu" ;;
@@ -211,7 +214,8 @@ table() {  # the e2e records so far: one row per config and mode
 import glob, json, os, sys
 paths = sorted(glob.glob(os.path.join(sys.argv[1], "e2e*.json")))
 if paths:
-    print(f"{'config':<22} {'job':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8} {'step ms':>8}")
+    print(f"{'config':<22} {'job':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8} {'step ms':>8} "
+          f"{'canary learner/engine ms':>25}")
 for path in paths:
     record = json.load(open(path))
     for job, r in record.get("failed", {}).items():
@@ -220,7 +224,11 @@ for path in paths:
         util = r.get("inference_nvml_busy") or r.get("learner_nvml_busy")
         print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} {r['seconds_per_step']:>7.2f} "
               f"{100 * r['learner_busy_fraction']:>12.0f}% {'' if util is None else f'{100 * util:.0f}%':>9} "
-              f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f}")
+              f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f} "
+              f"{r.get('canary_learner_ms_mean', float('nan')):>12.1f}/{r.get('canary_engine_ms_mean', float('nan')):<12.1f}")
+    for key, v in record.get("figures", {}).items():  # two jobs alternating: their pairs (e2e benchmark)
+        if key.endswith(("_pairs", "_pair_mean", "_pair_se", "_pooled")):
+            print(f"{'':<22} {key:<60} {v}")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "dataset-rollout*.json"))):
     record = json.load(open(path))
     detail = record["figures"]["detail"]

@@ -247,3 +247,9 @@ def test_a_healthy_run_never_alerts_and_its_gap_stays_under_the_bound(learning_r
     bounds = [e.value for e in acc.Scalars("sync/canary_bound")]
     assert len(gaps) == LEARNING_STEPS - 1 and all(g <= b for g, b in zip(gaps, bounds))
     assert max(bounds) < 1e-4
+    # each side's time on a probe, where the e2e benchmark reads them: every version the learner
+    # scored, every probe the engine read (one inference rank: one per check)
+    timeline = json.loads((learning_run.run_dir / "summary.json").read_text())["timeline"]
+    assert all(row["canary_s"] > 0 for row in timeline)
+    batches = json.loads((learning_run.run_dir / "inference-rank0.json").read_text())["batches"]
+    assert sum(b.get("canary_ms", 0) > 0 for b in batches) == len(gaps)

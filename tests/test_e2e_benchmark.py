@@ -1,4 +1,6 @@
 """The e2e profile's steady-state figures, from synthetic role timelines with known answers."""
+import os
+
 import pytest
 
 from benchmarks.e2e import steady_state
@@ -147,3 +149,86 @@ def test_a_baseline_tree_job_keeps_the_callers_packages_importable(monkeypatch, 
     assert job_env("")["PYTHONPATH"] == "/opt/site"
     monkeypatch.delenv("PYTHONPATH")
     assert job_env(str(tmp_path))["PYTHONPATH"] == str(tmp_path)
+
+
+def test_canary_figures_are_the_window_probes_of_each_side():
+    """The learner's probe time from the timeline (canary_s, 0: the version was not scored) and the
+    engines' from the batch records (canary_ms, only on a batch that read a probe), both past the
+    warm-up steps; the ms never enter the per-batch rollout means."""
+    rows = [row + [canary_s] for row, canary_s in zip(learner_rows(10.0, 9.0, 5), [0.9, 0.5, 0.002, 0.0, 0.004])]
+    batches = [{"collect_start": 1.0 + 10 * i, "collect_end": 6.0 + 10 * i, "out_tokens": 1.0, "canary_ms": ms}
+               for i, ms in enumerate([30.0, 20.0, 6.0, 2.0])]
+    batches.append({"collect_start": 41.0, "collect_end": 46.0, "out_tokens": 1.0})  # no probe read
+    out = steady_state({"timeline": named(rows)}, [{"batches": batches}], warmup=2)
+    # window 20-50 s: steps 2-4 (learner probes at steps 2 and 4), batches from 21 s on
+    assert out["canary_probes"] == 2 and out["canary_engine_probes"] == 2
+    assert out["canary_learner_ms_mean"] == pytest.approx(3.0)
+    assert out["canary_learner_ms_median"] == pytest.approx(3.0)
+    assert out["canary_engine_ms_mean"] == pytest.approx(4.0)
+    assert out["canary_engine_ms_median"] == pytest.approx(4.0)
+    assert "rollout_canary_ms" not in out
+
+
+def test_canary_figures_are_zero_counts_when_the_canary_is_off():
+    batches = [{"collect_start": 21.0, "collect_end": 26.0, "out_tokens": 1.0}]
+    out = steady_state({"timeline": named(learner_rows(10.0, 9.0, 4))}, [{"batches": batches}], warmup=2)
+    assert out["canary_probes"] == 0 and out["canary_engine_probes"] == 0
+    assert not [k for k in out if k.startswith("canary_") and k.endswith(("_mean", "_median"))]
+
+
+def test_alternating_jobs_pair_up_in_order():
+    """A,B,B,A,A,B: pairs (A1,B1), (B2,A2), (A3,B3), each A over B; mean, standard error, pooled."""
+    from benchmarks.e2e import job_keys, paired_figures
+    keyed = job_keys("on,off,off,on,on,off")
+    times = dict(zip([key for key, _ in keyed], [1.1, 1.0, 1.2, 1.32, 1.0, 1.0]))
+    runs = {key: {"seconds_per_step": t} for key, t in times.items()}
+    out = paired_figures(runs, keyed)
+    name = "seconds_per_step_on_over_off"
+    assert out[f"{name}_pairs"] == [1.1, 1.1, 1.0]
+    assert out[f"{name}_pair_mean"] == pytest.approx(3.2 / 3)
+    # stdev of (1.1, 1.1, 1.0): sqrt(((1/30)^2 * 2 + (1/15)^2) / 2) = sqrt(1/300); over sqrt(3): 1/30
+    assert out[f"{name}_pair_se"] == pytest.approx(1 / 30)
+    assert out[f"{name}_pooled"] == pytest.approx((1.1 + 1.32 + 1.0) / (1.0 + 1.2 + 1.0))
+
+
+def test_pairs_leave_out_a_failed_run_and_an_unpaired_last_one():
+    from benchmarks.e2e import job_keys, paired_figures
+    keyed = job_keys("on,off,off,on,on")
+    runs = {"on": {"seconds_per_step": 1.2}, "off": {"seconds_per_step": 1.0}, "on#2": {"seconds_per_step": 2.0},
+            "on#3": {"seconds_per_step": 3.0}}  # off#2 failed: its pair goes; on#3 has no pair
+    out = paired_figures(runs, keyed)
+    assert out["seconds_per_step_on_over_off_pairs"] == [1.2]
+    assert out["seconds_per_step_on_over_off_pair_se"] is None
+    assert out["seconds_per_step_on_over_off_pooled"] == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("order", ["on,on,off,off", "on,off,other,on", "on,on", "on"])
+def test_no_pairs_unless_two_jobs_alternate(order):
+    from benchmarks.e2e import job_keys, paired_figures
+    keyed = job_keys(order)
+    assert paired_figures({key: {"seconds_per_step": 1.0} for key, _ in keyed}, keyed) == {}
+
+
+def test_a_warm_job_runs_first_and_counts_nowhere(monkeypatch):
+    """async+on@warm runs with async+on's settings, before the others, and is kept apart: the figures,
+    ratios and pairs come from the counted jobs only."""
+    import argparse
+
+    import benchmarks.e2e as e2e
+    parser = argparse.ArgumentParser()
+    e2e.add_args(parser)
+    args = parser.parse_args(["--order", "async+on@warm,async+on,async+off,async+off,async+on", "--variant",
+                              "on:sync.canary_every=1", "off:sync.canary_every=0"])
+    ran = []
+
+    def run_job(args, lag, run_dir, extra, tree):
+        ran.append((os.path.basename(run_dir), extra))
+        return {"seconds_per_step": 9.0 if "warm" in run_dir else 1.1 if extra == ["sync.canary_every=1"] else 1.0}
+
+    monkeypatch.setattr(e2e, "run_job", run_job)
+    record = e2e.run(args)
+    assert ran[0] == ("async_on@warm", ["sync.canary_every=1"]) and len(ran) == 5
+    assert list(record["warm"]) == ["async+on@warm"]
+    assert list(record["runs"]) == ["async+on", "async+off", "async+off#2", "async+on#2"]
+    assert record["figures"]["async+on_seconds_per_step"] == 1.1
+    assert record["figures"]["seconds_per_step_async+on_over_async+off_pairs"] == [1.1, 1.1]

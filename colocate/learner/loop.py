@@ -49,6 +49,7 @@ class TimelineRow:
     policy_lag: float   # mean policy lag of the trained sequences
     gather_s: float     # the adapter gather
     send_s: float       # the adapter send
+    canary_s: float = 0.0  # the learner's canary probe (`record_canary`); 0: the version was not scored
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -139,16 +140,20 @@ class LearnerRank:
                               f"canary probe differ from the learner's by {result.gap:.3g} nats on average (bound "
                               f"{result.bound:.3g}): it samples another policy than the one trained{stopping}", step)
 
-    def record_canary(self, step: int | None) -> None:
+    def record_canary(self, step: int | None) -> float:
         """The learner's probe log-probs of its current version, when that version is scored (every
         learner: one forward, queued, never waited for here), and `sync/canary_learner_ms`, the
         learner thread's own time on it, at `step`, the step that made the version (trackers take
-        steps in order: W&B drops older ones); None (the version a run starts with): not logged."""
-        if self.canary.due(self.learner.version):
-            t0 = time.perf_counter()
-            self.canary.record(self.learner.version, *self.learner.score_probe(self.probe))
-            if step is not None:
-                self.writer.scalars("sync", {"canary_learner_ms": (time.perf_counter() - t0) * 1e3}, step)
+        steps in order: W&B drops older ones); None (the version a run starts with): not logged.
+        -> that time in seconds (the timeline's `canary_s`), 0 when the version is not scored."""
+        if not self.canary.due(self.learner.version):
+            return 0.0
+        t0 = time.perf_counter()
+        self.canary.record(self.learner.version, *self.learner.score_probe(self.probe))
+        took = time.perf_counter() - t0
+        if step is not None:
+            self.writer.scalars("sync", {"canary_learner_ms": took * 1e3}, step)
+        return took
 
     def train(self, batch: TrajectoryBatch, step: int, waits: dict) -> dict[str, float]:
         """`Learner.train_step` -> its stats (+ MFU); the train start and end go into `waits`."""
@@ -202,7 +207,7 @@ class LearnerRank:
         sync_s = self.sender.send(flat, self.learner.version, flags)
         return unflatten_lora(flat, self.learner.lora_spec), gather_s, sync_s
 
-    def log(self, step: int, stats: dict, waits: dict, gather_s: float, sync_s: float) -> None:
+    def log(self, step: int, stats: dict, waits: dict, gather_s: float, sync_s: float, canary_s: float) -> None:
         last = step == self.cfg.learner.num_steps - 1
         wait_s = waits["wait_s"]
         self.writer.scalars("learner", {**stats, "wait_s": wait_s,
@@ -221,7 +226,7 @@ class LearnerRank:
                               f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{busy_text(waits)}{self.canary_text()}"
                               f"{self.eta.text(step)}")
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
-                                         stats["policy_lag_mean"], gather_s, sync_s))
+                                         stats["policy_lag_mean"], gather_s, sync_s, canary_s))
         self.writer.flush()
 
     def canary_text(self) -> str:
@@ -277,7 +282,7 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
         stop_requested or last or (cfg.checkpoint.every > 0 and (step + 1) % cfg.checkpoint.every == 0))
     flags = (RunFlags.CHECKPOINT if checkpointing else RunFlags.NONE) | (RunFlags.STOP if stopping else RunFlags.NONE)
     adapter, gather_s, sync_s = rank.publish(flags)
-    rank.record_canary(step)  # after the send: the engines take the version without waiting for the probe
+    canary_s = rank.record_canary(step)  # after the send: the engines take the version without waiting for the probe
     if checkpointing:
         # a mismatch: the checkpoints written before this step never trained on that engine's samples
         good_step = step if "mismatch" in reasons else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
@@ -289,7 +294,7 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
         from colocate.checkpoint import peft_config_dict, save_adapter
         save_adapter(os.path.join(cfg.metrics.run_dir, "adapter"), adapter, peft_config_dict(rank.learner.model),
                      base=rank.learner.base, version=rank.learner.version)
-    rank.log(step, stats, waits, gather_s, sync_s)
+    rank.log(step, stats, waits, gather_s, sync_s, canary_s)
     if stopping:
         rank.drain(step)
         rank.writer.print(stop_line(cfg, reasons, rank.stop.signum, step + 1, checkpointing))

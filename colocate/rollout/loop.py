@@ -79,11 +79,12 @@ class InferenceRank:
                 send_json(state or self.resume_state(), self.topo.sync_src, self.topo.transport_group)
             self.stopped = self.stopped or bool(update.flags & RunFlags.STOP)
 
-    def start_canary(self) -> Callable[[], ProbeScore] | None:
+    def start_canary(self) -> Callable[[], tuple[ProbeScore, float]] | None:
         """The engine's probe log-probs with the version it holds, once per version (every
         `sync.canary_every`), started now and read after the batch (`Engine.start_score`: vLLM runs the
         probe meanwhile): they travel with the batch's shards to the learners.
-        `sync/canary_ms` is this rank's own time on it (queueing it, and what reading it waited)."""
+        `sync/canary_ms` is this rank's own time on it (queueing it, and what reading it waited); the
+        call that reads it returns (the score, those ms)."""
         version = self.engine.version
         if not canary.due(version, self.cfg.sync.canary_every) or version == self.scored_version:
             return None
@@ -92,11 +93,12 @@ class InferenceRank:
         read = self.engine.start_score(self.probe)
         queued_s = time.perf_counter() - t0
 
-        def finish() -> ProbeScore:
+        def finish() -> tuple[ProbeScore, float]:
             t1 = time.perf_counter()
             logprobs = read()
-            self.writer.scalars("sync", {"canary_ms": (queued_s + time.perf_counter() - t1) * 1e3}, version)
-            return ProbeScore(version, logprobs)
+            ms = (queued_s + time.perf_counter() - t1) * 1e3
+            self.writer.scalars("sync", {"canary_ms": ms}, version)
+            return ProbeScore(version, logprobs), ms
         return finish
 
     def resume_state(self) -> dict:
@@ -139,7 +141,9 @@ class InferenceRank:
                              "wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
                              "collect_s": time.perf_counter() - t_collect,
                              **{key: float(v) for key, v in {**stats, **engine_stats}.items() if key in BATCH_STATS}})
-        probe_score = probe() if probe is not None else None
+        probe_score = None
+        if probe is not None:  # the batch's record keeps the probe's ms (the e2e benchmark's canary figures)
+            probe_score, self.batches[-1]["canary_ms"] = probe()
         flags = RunFlags.STOP if self.stop.requested else RunFlags.NONE  # reaches the learners in the header
         # the step line's `inf`: not for this process's first batch, whose interval holds the start-up
         busy = self.batches[-1]["collect_s"] / max(time.perf_counter() - t_wait, 1e-9) if len(self.batches) > 1 else None
