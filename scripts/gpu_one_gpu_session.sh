@@ -31,7 +31,9 @@
 #            E2E_STEPS the steps per job (default 20 here, as each job's start-up dominates; others 10)
 #   startupgsm  the startup profile on configs/gpu-1-gsm8k.yaml as shipped: a cold launch (fresh compile cache),
 #            then a warm one, STARTUP_STEPS steps each (default 6), timelines side by side (startupgsm.json);
-#            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...)
+#            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...); startupgsm:K=V
+#            (or startup7b:K=V) the same with one more override, e.g. startupgsm:learner.compile=false
+#            (startupgsm-learner-compile-false.json): each about 4 min on gpu-1-gsm8k.yaml
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
 #            only with engine.constraint_masks=ours)
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
@@ -97,6 +99,13 @@ e2e_jobs() {  # e2e_jobs NAME CONFIG [OVERRIDES...]: 10 steps per job, back to b
     --out "$GS/$name.json" --partial "$GS/partial-$name.json" ${E2E_BASELINE_TREE:+--baseline-tree "$E2E_BASELINE_TREE"}
 }
 
+startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on STEP's preset, launched cold then warm
+  local cfg=configs/gpu-1-gsm8k.yaml; [ "$1" = startup7b ] && cfg=configs/gpu-1-7b.yaml
+  local sets=(${STARTUP_SET:-} ${3:-})
+  with_memory "$2" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" --nproc 2 \
+    --steps "${STARTUP_STEPS:-6}" --out "$GS/$2.json" ${sets[@]:+--set "${sets[@]}"}
+}
+
 step() {  # one step of the chain, by name
   local gsm_model=()
   [ -n "${GSM8K_MODEL:-}" ] && gsm_model=("model.path=$GSM8K_MODEL")
@@ -131,10 +140,8 @@ step() {  # one step of the chain, by name
     tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
             --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
             --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
-    startupgsm|startup7b)  # the startup profile: the preset as shipped, launched cold then warm (STARTUP_STEPS steps)
-          local cfg=configs/gpu-1-gsm8k.yaml; [ "$1" = startup7b ] && cfg=configs/gpu-1-7b.yaml
-          with_memory "$1" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" --nproc 2 \
-            --steps "${STARTUP_STEPS:-6}" --out "$GS/$1.json" ${STARTUP_SET:+--set $STARTUP_SET} ;;
+    startupgsm|startup7b) startup_profile "$1" "$1" ;;
+    startupgsm:*|startup7b:*) startup_profile "${1%%:*}" "${1%%:*}-$(printf %s "${1#*:}" | tr -c 'A-Za-z0-9' '-')" "${1#*:}" ;;
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
