@@ -38,9 +38,9 @@ RUNS = ("cold", "warm")
 COMPARED = ("checks_done", "first_step_end")
 """The marks `--baseline-tree` compares (`since_command`): the launcher's checks, torchrun's start and
 a rank's own start; and the whole start-up to the end of step 1."""
-CLOCKED = MARKS[1:]
-"""The marks a rank takes by its clock (`time.time`); `rank_start` is the process's start as the
-tree computes it (an older tree: psutil's create_time, up to 1 s early), not comparable across trees."""
+CLOCKED = tuple(m for m in MARKS if m != "rank_start")
+"""The marks taken by a clock (`time.time`: the ranks', the launcher's `launch_checked`); `rank_start`
+is the process's start as the tree computes it (an older tree: psutil's create_time, up to 1 s early), not comparable across trees."""
 
 
 def add_args(parser) -> None:

@@ -210,7 +210,9 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
-    from colocate.startup import LAUNCH_ENV, process_start
+    import time
+
+    from colocate.startup import CHECKED_ENV, LAUNCH_ENV, process_start
     launched_at = repr(process_start())  # the command's start: the ranks' timeline counts from it
     launch = train_command(argv)
     try:
@@ -219,11 +221,12 @@ def train(argv: list[str]) -> int:
         nproc = int(launch.cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
         sys.stdout.flush()
         os.environ.update(launch_env(nproc))
-        os.environ[LAUNCH_ENV] = launched_at  # for these ranks only: a later launch from this process has its own
+        # for these ranks only: a later launch from this process has its own
+        os.environ.update({LAUNCH_ENV: launched_at, CHECKED_ENV: repr(time.time())})
         try:
             return run_torchrun(launch.cmd[3:], launch.job)
         finally:
-            del os.environ[LAUNCH_ENV]
+            del os.environ[LAUNCH_ENV], os.environ[CHECKED_ENV]
     finally:
         launch.close()
 

@@ -100,6 +100,16 @@ def test_learner_rank_0_gathers_every_ranks_marks_in_any_world(tmp_path):
     assert got["launch"] == "colocate train"
 
 
+def test_a_rank_launched_by_colocate_train_marks_the_launchers_checks_before_its_start():
+    from colocate.startup import CHECKED_ENV, begin, process_start
+    start = process_start()
+    timeline = begin({LAUNCH_ENV: repr(start - 3.0), CHECKED_ENV: repr(start - 1.0)})
+    assert timeline.origin == start - 3.0
+    assert [m for m in MARKS if m in timeline.marks] == ["launch_checked", "rank_start"]
+    assert timeline.marks["launch_checked"] == start - 1.0 < timeline.marks["rank_start"]
+    assert "launch_checked" not in begin({}).marks  # plain torchrun: no launcher
+
+
 # -------------------------------------------------------------------------------- the run's record
 
 def test_a_run_writes_its_timeline_in_order_and_reports_busy_shares_from_step_2(learning_run):
