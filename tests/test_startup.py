@@ -185,8 +185,9 @@ def _learner(cache_dir: str, extra: dict, topo):
     return Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok), len(tok)
 
 
-def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3) -> dict:
-    """`steps` train steps with or without a warm-up first -> adapter, optimizer state, RNG after them."""
+def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3, probes: bool = False) -> dict:
+    """`steps` train steps with or without a warm-up first (and with `probes`, the canary's probe
+    forward after each, as the learner loop runs it) -> adapter, optimizer state, RNG after them."""
     from tests.test_packing import random_batch
     learner, vocab = _learner(cache_dir, extra, topo)
     torch.manual_seed(7)
@@ -202,6 +203,8 @@ def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3) -> d
         batch = random_batch(vocab, SHAPES, seed=i)
         batch.versions[:] = learner.version
         learner.train_step(batch)
+        if probes:
+            learner.score_probe(list(range(2, 40)))
     return {"adapter": {n: t.clone() for n, t in learner.lora_state().items()},
             "optimizer": learner.optimizer.state_dict(), "rng": torch.get_rng_state()}
 
@@ -238,20 +241,24 @@ def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str) -> None:
     from colocate.topology import Topology
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # forked after in-process training: the parent's thread pool does not come along
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
-                    device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0]))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    topo = Topology(rank=rank, world_size=2, local_rank=rank, num_inference=0, num_learners=2,
+                    device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0, 1]))
     extra = {"learner": {"fsdp": True}}
-    assert_identical(_trained(cache_dir, extra, topo, warm=True), _trained(cache_dir, extra, topo, warm=False))
-    open(out, "w").write("ok")
+    # the warm-up, and the canary's forward after every step (autograd on, no backward): neither
+    # leaves a trace in FSDP's state that changes the next steps
+    assert_identical(_trained(cache_dir, extra, topo, warm=True, probes=True),
+                     _trained(cache_dir, extra, topo, warm=False))
+    open(f"{out}.{rank}", "w").write("ok")
     dist.destroy_process_group()
 
 
-def test_warm_up_under_fsdp_puts_the_sharded_adapter_back_exactly(tmp_path, tiny_cfg, tiny_tokenizer):
+def test_warm_up_and_probes_under_fsdp_leave_the_sharded_adapter_exactly_as_without(tmp_path, tiny_cfg,
+                                                                                      tiny_tokenizer):
     out = str(tmp_path / "ok")
-    mp.start_processes(_fsdp_worker, args=(free_port(), tiny_cfg.model.cache_dir, out), nprocs=1, join=True,
+    mp.start_processes(_fsdp_worker, args=(free_port(), tiny_cfg.model.cache_dir, out), nprocs=2, join=True,
                        start_method="fork")
-    assert open(out).read() == "ok"
+    assert [open(f"{out}.{r}").read() for r in range(2)] == ["ok", "ok"]
 
 
 def _shared_gpu_sender(monkeypatch, overrides: dict) -> list:
