@@ -27,9 +27,11 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
                     than the steady state.
   canary_*          the sync canary's own cost in the window (`canary_figures`): the probes the learner
                     scored, and mean and median ms of each side's time on one probe, the learner's
-                    (`sync/canary_learner_ms`, the timeline's canary_s) and the engines'
+                    (`sync/canary_learner_ms`, the timeline's canary_s: host time to queue the forward;
+                    on a GPU its kernels run later, in the next step's time) and the engines'
                     (`sync/canary_ms`, kept in the record of the batch that read it: the window's
-                    batches, as for rollout_*); only the counts (0) when it is off.
+                    batches, as for rollout_*; queueing and waiting for it); only the counts (0) when
+                    it is off.
 
 A job ending in @warm (put first) runs to warm the machine (vLLM's and inductor's compile caches, the GPU's
 clocks) and is left out of the figures, the ratios and the pairs: its record is under "warm".
@@ -304,8 +306,6 @@ def run_one(args, record: dict, job: str, settings: tuple[int | None, list[str]]
     lag, extra = settings
     run_dir = os.path.join(root, job.replace("+", "_").replace("#", "_"))
     tree = args.baseline_tree if marked(job, "base") else ""
-    if marked(job, "base") and not tree:
-        raise SystemExit(f"--order: job {job!r} runs from --baseline-tree, which is not given")
     try:
         result = {**run_job(args, lag, run_dir, extra, tree), "settings": extra}
     except (RuntimeError, subprocess.TimeoutExpired) as e:  # the record says why
@@ -324,6 +324,9 @@ def run(args) -> dict:
     keyed = job_keys(args.order)
     variants = parse_variants(args.variant)
     settings = {key: job_settings(job, args.lag, args.stream_set, variants) for key, job in keyed}  # all checked first
+    for key, job in keyed:
+        if marked(job, "base") and not args.baseline_tree:
+            raise SystemExit(f"--order: job {key!r} runs from --baseline-tree, which is not given")
     record: dict = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "warmup": args.warmup,
                     "lag": args.lag, "runs": {}}
     for key, _ in keyed:

@@ -7,7 +7,8 @@ So both sides score one fixed probe sequence (`probe_ids`: a sentence through th
 `PROBE_TOKENS` long) with the same adapter version:
 
   * the learner, right after each step has sent its adapter (so the engines never wait for the
-    probe), with the version it just sent (`Learner.score_probe`: one no-grad forward of the probe;
+    probe), with the version it just sent (`Learner.score_probe`: one forward of the probe, through
+    the training forward's graphs when the blocks are compiled, its outputs detached;
     every learner rank runs it, FSDP needs them all), and keeps the log-probs and the logits' scale
     on the device, unread (`CanaryCheck.record`): nothing waits for that forward until the engines'
     scores of the version arrive with a later batch, long after it ran;

@@ -25,14 +25,15 @@
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v");
 #            E2E_BASELINE_TREE=DIR runs the jobs named JOB@base from another checkout (before/after code)
 #   e2ecanary the canary's cost on configs/gpu-1-gsm8k.yaml: a warm-up job (on@warm: compile caches, GPU
-#            clocks; counted nowhere), then three ABBA rounds of sync.canary_every 1 and 0 (on,off,off,on,on,off:
+#            clocks; counted nowhere), then six jobs of sync.canary_every 1 and 0 (on,off,off,on,on,off:
 #            three adjacent on/off pairs, their s/step ratios' mean and standard error and the pooled ratio in
 #            the record's figures, each job's probe ms per side); E2ECANARY_ORDER replaces the order,
 #            E2E_STEPS the steps per job (default 20 here, as each job's start-up dominates; others 10)
 #   startupgsm  the startup profile on configs/gpu-1-gsm8k.yaml as shipped: a cold launch (fresh compile cache),
 #            then a warm one, STARTUP_STEPS steps each (default 6), timelines side by side (startupgsm.json);
 #            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...); startupgsm:K=V
-#            (or startup7b:K=V) the same with one more override, e.g. startupgsm:learner.compile=false
+#            (or startup7b:K=V) the same with one more override, e.g. startupgsm:learner.compile=false (no comma:
+#            ONE_STEPS splits on commas)
 #            (startupgsm-learner-compile-false.json): each about 4 min on gpu-1-gsm8k.yaml
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
 #            only with engine.constraint_masks=ours)
@@ -101,9 +102,12 @@ e2e_jobs() {  # e2e_jobs NAME CONFIG [OVERRIDES...]: 10 steps per job, back to b
 
 startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on STEP's preset, launched cold then warm
   local cfg=configs/gpu-1-gsm8k.yaml; [ "$1" = startup7b ] && cfg=configs/gpu-1-7b.yaml
-  local sets=(${STARTUP_SET:-} ${3:-})
+  local sets=() args=()
+  read -r -a sets <<< "${STARTUP_SET:-}"
+  [ -n "${3:-}" ] && sets+=("$3")
+  [ ${#sets[@]} -gt 0 ] && args=(--set "${sets[@]}")
   with_memory "$2" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" --nproc 2 \
-    --steps "${STARTUP_STEPS:-6}" --out "$GS/$2.json" ${sets[@]:+--set "${sets[@]}"}
+    --steps "${STARTUP_STEPS:-6}" --out "$GS/$2.json" ${args[@]+"${args[@]}"}
 }
 
 step() {  # one step of the chain, by name

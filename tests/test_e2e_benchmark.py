@@ -134,6 +134,7 @@ def test_a_failed_job_is_recorded_and_the_others_still_run(monkeypatch, tmp_path
         return {"steps_per_hour": 100.0 if not extra else 120.0}
 
     monkeypatch.setattr(e2e, "run_job", run_job)
+    monkeypatch.setattr(e2e.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))  # no run dirs left in /tmp
     record = e2e.run(args)
     assert ran == [["x.y=1"], [], ["x.y=2"]]
     assert record["failed"]["async+bad"]["error"].endswith("CUDA error")
@@ -209,7 +210,7 @@ def test_no_pairs_unless_two_jobs_alternate(order):
     assert paired_figures({key: {"seconds_per_step": 1.0} for key, _ in keyed}, keyed) == {}
 
 
-def test_a_warm_job_runs_first_and_counts_nowhere(monkeypatch):
+def test_a_warm_job_runs_first_and_counts_nowhere(monkeypatch, tmp_path):
     """async+on@warm runs with async+on's settings, before the others, and is kept apart: the figures,
     ratios and pairs come from the counted jobs only."""
     import argparse
@@ -223,9 +224,10 @@ def test_a_warm_job_runs_first_and_counts_nowhere(monkeypatch):
 
     def run_job(args, lag, run_dir, extra, tree):
         ran.append((os.path.basename(run_dir), extra))
-        return {"seconds_per_step": 9.0 if "warm" in run_dir else 1.1 if extra == ["sync.canary_every=1"] else 1.0}
+        return {"seconds_per_step": 9.0 if "warm" in os.path.basename(run_dir) else 1.1 if extra == ["sync.canary_every=1"] else 1.0}
 
     monkeypatch.setattr(e2e, "run_job", run_job)
+    monkeypatch.setattr(e2e.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))  # no run dirs left in /tmp
     record = e2e.run(args)
     assert ran[0] == ("async_on@warm", ["sync.canary_every=1"]) and len(ran) == 5
     assert list(record["warm"]) == ["async+on@warm"]

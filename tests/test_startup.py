@@ -4,6 +4,7 @@ shares and the engine kernel's warm-up call."""
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -108,6 +109,59 @@ def test_a_rank_launched_by_colocate_train_marks_the_launchers_checks_before_its
     assert [m for m in MARKS if m in timeline.marks] == ["launch_checked", "rank_start"]
     assert timeline.marks["launch_checked"] == start - 1.0 < timeline.marks["rank_start"]
     assert "launch_checked" not in begin({}).marks  # plain torchrun: no launcher
+
+
+def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, tiny_cfg, tiny_tokenizer):
+    """With learner.compile the canary's probe keeps autograd on: its forward is the training one, so
+    after the warm-up neither a step nor a probe compiles anything new (a gradient-free probe compiles
+    graphs of its own: a `requires_grad` guard fails on every block). Dynamo frames counted, no inductor."""
+    from torch._dynamo.testing import CompileCounter
+    from colocate.learner import fsdp
+    from colocate.topology import Topology
+    from tests.test_packing import random_batch
+    counter = CompileCounter()
+
+    def counted(model):
+        layers = fsdp.decoder_layers(model)
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, dynamic=True, backend=counter)
+    monkeypatch.setattr(fsdp, "apply_compile", counted)
+    torch._dynamo.reset()
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    learner, vocab = _learner(tiny_cfg.model.cache_dir, {"learner": {"compile": True}}, topo)
+    probe = list(range(2, 40))
+    learner.warm_up(probe=probe)
+    warmed = counter.frame_count
+    batch = random_batch(vocab, SHAPES, seed=0)
+    batch.versions[:] = learner.version
+    learner.train_step(batch)
+    learner.score_probe(probe)
+    assert warmed > 0 and counter.frame_count == warmed
+    monkeypatch.setattr(learner.cfg.learner, "compile", False)  # the probe without gradients: graphs of its own
+    learner.score_probe(probe)
+    assert counter.frame_count > warmed
+    torch._dynamo.reset()
+
+
+def test_colocate_train_gives_its_ranks_the_launch_and_the_checks_end_then_takes_them_back(monkeypatch):
+    import time
+    from colocate import cli
+    from colocate.startup import CHECKED_ENV
+    seen = {}
+    launch = cli.Launch(0, cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"])
+    monkeypatch.setattr(cli, "train_command", lambda argv: launch)
+    monkeypatch.setattr(cli, "run_torchrun", lambda args, job: seen.update(os.environ) or 0)
+    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    saved = dict(os.environ)  # the ranks' environment (launch_env) stays in this process after a launch
+    before = time.time()
+    try:
+        assert cli.train(["--config", "x.yaml"]) == 0
+        assert LAUNCH_ENV not in os.environ and CHECKED_ENV not in os.environ
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert float(seen[LAUNCH_ENV]) <= before <= float(seen[CHECKED_ENV]) <= time.time()
 
 
 # -------------------------------------------------------------------------------- the run's record
@@ -237,14 +291,14 @@ def test_warm_up_leaves_adapter_optimizer_and_rng_bit_identical(tiny_cfg, tiny_t
     assert_identical(_trained(cache, extra, topo, warm=True), _trained(cache, extra, topo, warm=False))
 
 
-def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str) -> None:
+def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str, learner_keys: dict) -> None:
     from colocate.topology import Topology
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # forked after in-process training: the parent's thread pool does not come along
     dist.init_process_group("gloo", rank=rank, world_size=2)
     topo = Topology(rank=rank, world_size=2, local_rank=rank, num_inference=0, num_learners=2,
                     device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0, 1]))
-    extra = {"learner": {"fsdp": True}}
+    extra = {"learner": {"fsdp": True, **learner_keys}}
     # the warm-up, and the canary's forward after every step (autograd on, no backward): neither
     # leaves a trace in FSDP's state that changes the next steps
     assert_identical(_trained(cache_dir, extra, topo, warm=True, probes=True),
@@ -253,11 +307,14 @@ def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("learner_keys", [{}, {"activation_checkpointing": True, "reshard_after_forward": False},
+                                          {"activation_checkpointing": True, "updates_per_batch": 2}],
+                         ids=["plain", "ac-kept-gathered", "ac-two-updates"])
 def test_warm_up_and_probes_under_fsdp_leave_the_sharded_adapter_exactly_as_without(tmp_path, tiny_cfg,
-                                                                                      tiny_tokenizer):
+                                                                                      tiny_tokenizer, learner_keys):
     out = str(tmp_path / "ok")
-    mp.start_processes(_fsdp_worker, args=(free_port(), tiny_cfg.model.cache_dir, out), nprocs=2, join=True,
-                       start_method="fork")
+    mp.start_processes(_fsdp_worker, args=(free_port(), tiny_cfg.model.cache_dir, out, learner_keys), nprocs=2,
+                       join=True, start_method="fork")
     assert [open(f"{out}.{r}").read() for r in range(2)] == ["ok", "ok"]
 
 

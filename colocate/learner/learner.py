@@ -186,20 +186,23 @@ class Learner:
         the current adapter (temperature 1, no mask, dropout off) from one forward in the learner's own
         layout and precision, and the RMS of those logits (the bound's scale, 0-dim), both left on the
         learner's device: nothing here waits for the forward. Every learner runs it (FSDP's all-gathers).
-        Autograd stays on, so compiled blocks run the training forward's graphs (a gradient-free
-        forward compiles graphs of its own: seconds at start-up); the outputs are detached, so
-        nothing is kept for a backward."""
+        Compiled blocks in train mode keep autograd on, so the probe runs the training forward's
+        graphs (a gradient-free forward compiles graphs of its own: seconds at start-up) and the
+        outputs are detached (nothing is kept for a backward); else it runs without gradients, which
+        is cheaper."""
         n = len(token_ids)
         probe = TrajectoryBatch(tokens=torch.tensor(token_ids, dtype=torch.int32),
                                 seq_lens=torch.tensor([n], dtype=torch.int32),
                                 prompt_lens=torch.tensor([1], dtype=torch.int32), behaviour_logprobs=torch.zeros(n - 1),
                                 advantages=torch.zeros(1), rewards=torch.zeros(1), versions=torch.zeros(1, dtype=torch.int32))
         ((_, _, mb),) = layout(probe, n, self.cfg.learner.prefix_sharing, self.device, self.attention)
-        if self.cfg.lora.dropout > 0:  # else train mode computes the same, and compiled blocks keep their graphs
+        dropout = self.cfg.lora.dropout > 0
+        if dropout:  # else train mode computes the same, and compiled blocks keep their graphs
             self.model.eval()  # the step's forward sets train() again
-        logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
-        logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
-        return logp.detach(), logits.detach().pow(2).mean().sqrt()
+        with torch.set_grad_enabled(self.cfg.learner.compile and not dropout):
+            logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
+            logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
+            return logp.detach(), logits.detach().pow(2).mean().sqrt()
 
     @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
