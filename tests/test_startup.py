@@ -299,6 +299,14 @@ def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str, learner_keys: d
     topo = Topology(rank=rank, world_size=2, local_rank=rank, num_inference=0, num_learners=2,
                     device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0, 1]))
     extra = {"learner": {"fsdp": True, **learner_keys}}
+    if learner_keys.get("compile"):  # the probe's autograd path, its graphs run eagerly (no inductor)
+        from colocate.learner import fsdp
+
+        def eager_graphs(model):
+            layers = fsdp.decoder_layers(model)
+            for i, layer in enumerate(layers):
+                layers[i] = torch.compile(layer, dynamic=True, backend="eager")
+        fsdp.apply_compile = eager_graphs  # this forked worker's own module
     # the warm-up, and the canary's forward after every step (autograd on, no backward): neither
     # leaves a trace in FSDP's state that changes the next steps
     assert_identical(_trained(cache_dir, extra, topo, warm=True, probes=True),
@@ -308,8 +316,9 @@ def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str, learner_keys: d
 
 
 @pytest.mark.parametrize("learner_keys", [{}, {"activation_checkpointing": True, "reshard_after_forward": False},
-                                          {"activation_checkpointing": True, "updates_per_batch": 2}],
-                         ids=["plain", "ac-kept-gathered", "ac-two-updates"])
+                                          {"activation_checkpointing": True, "updates_per_batch": 2},
+                                          {"compile": True}],
+                         ids=["plain", "ac-kept-gathered", "ac-two-updates", "compiled"])
 def test_warm_up_and_probes_under_fsdp_leave_the_sharded_adapter_exactly_as_without(tmp_path, tiny_cfg,
                                                                                       tiny_tokenizer, learner_keys):
     out = str(tmp_path / "ok")
