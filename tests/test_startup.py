@@ -120,12 +120,7 @@ def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, 
     from colocate.topology import Topology
     from tests.test_packing import random_batch
     counter = CompileCounter()
-
-    def counted(model):
-        layers = fsdp.decoder_layers(model)
-        for i, layer in enumerate(layers):
-            layers[i] = torch.compile(layer, dynamic=True, backend=counter)
-    monkeypatch.setattr(fsdp, "apply_compile", counted)
+    monkeypatch.setattr(fsdp, "apply_compile", blocks_compiled_with(counter))
     torch._dynamo.reset()
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
@@ -239,6 +234,17 @@ def _learner(cache_dir: str, extra: dict, topo):
     return Learner(cfg, topo, build_policy(cfg, tok, "meta"), tok), len(tok)
 
 
+def blocks_compiled_with(backend):
+    """`fsdp.apply_compile` with another Dynamo backend (no inductor: a CPU test's seconds)."""
+    from colocate.learner import fsdp
+
+    def apply(model):
+        layers = fsdp.decoder_layers(model)
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer, dynamic=True, backend=backend)
+    return apply
+
+
 def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3, probes: bool = False) -> dict:
     """`steps` train steps with or without a warm-up first (and with `probes`, the canary's probe
     forward after each, as the learner loop runs it) -> adapter, optimizer state, RNG after them."""
@@ -301,12 +307,7 @@ def _fsdp_worker(rank: int, port: int, cache_dir: str, out: str, learner_keys: d
     extra = {"learner": {"fsdp": True, **learner_keys}}
     if learner_keys.get("compile"):  # the probe's autograd path, its graphs run eagerly (no inductor)
         from colocate.learner import fsdp
-
-        def eager_graphs(model):
-            layers = fsdp.decoder_layers(model)
-            for i, layer in enumerate(layers):
-                layers[i] = torch.compile(layer, dynamic=True, backend="eager")
-        fsdp.apply_compile = eager_graphs  # this forked worker's own module
+        fsdp.apply_compile = blocks_compiled_with("eager")  # this forked worker's own module
     # the warm-up, and the canary's forward after every step (autograd on, no backward): neither
     # leaves a trace in FSDP's state that changes the next steps
     assert_identical(_trained(cache_dir, extra, topo, warm=True, probes=True),
