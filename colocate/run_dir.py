@@ -32,8 +32,11 @@ import time
 
 from colocate.config import Config, ConfigError
 
-RUN_ENTRIES = ("config.yaml", "tb", "summary.json", "adapter", "checkpoints", "eval")
-"""What a run writes into its directory: any of them marks the directory as taken."""
+RUN_ENTRIES = ("config.yaml", "tb", "summary.json", "adapter", "checkpoints", "eval", "startup.json",
+               "memory_plan.json", "inference-rank*.json", "failure-rank*.txt")
+"""What a run writes into its directory (names, or glob patterns for its per-rank files): any of them
+marks the directory as taken, and `--overwrite` deletes them all. `colocate eval`'s `evals/` is no
+run entry: an evaluation of the base model may come before the run."""
 
 
 def split_overwrite(argv: list[str]) -> tuple[list[str], bool]:
@@ -44,7 +47,9 @@ def split_overwrite(argv: list[str]) -> tuple[list[str], bool]:
 
 def earlier_run(run_dir: str) -> list[str]:
     """The entries of an earlier run found in `run_dir` (empty: the directory is free)."""
-    return [e for e in RUN_ENTRIES if os.path.exists(os.path.join(run_dir, e))]
+    import glob
+    return [os.path.relpath(path, run_dir) for entry in RUN_ENTRIES
+            for path in sorted(glob.glob(os.path.join(glob.escape(run_dir), entry)))]
 
 
 LOCK = ".colocate-lock"

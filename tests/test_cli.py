@@ -153,8 +153,13 @@ def test_a_run_dir_holding_a_run_is_refused_unless_resumed_or_overwritten(monkey
         check_config([*args, "--check"], world=2)
     check_config([*args, "--check", "--overwrite"], world=2)  # and deletes nothing
     assert (run / "tb").exists()
+    for name in ("startup.json", "inference-rank0.json", "failure-rank1.txt"):  # a run that failed, per rank
+        (run / name).write_text("{}")
     check_config([*args, "--overwrite"], world=2)
-    assert sorted(os.listdir(run)) == ["notes.txt"]  # the earlier run's entries only
+    assert sorted(os.listdir(run)) == ["notes.txt"]  # the earlier run's entries only, its per-rank files too
+    (run / "failure-rank1.txt").write_text("x")  # alone, it still marks an earlier run
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(failure-rank1.txt\)"):
+        check_config(args, world=2)
 
 
 def greedy_answers(model, tokenizer, prompts):
