@@ -16,8 +16,8 @@ written); a failed job exits with the failed rank's code, without torchrun's sum
 by a signal or gone without an error is named in one line here, with the last checkpoint). Once
 the checks pass and while the job runs, `train` holds its run directory (`run_dir.hold`). Flags
 that are not ours or config keys (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun
-as given. `torchrun -m
-colocate.train --config FILE` works as before (it checks on one rank per node).
+as given. `torchrun -m colocate.train --config FILE` works as before (it checks on one rank per
+node).
 
 This module is the top of the import graph: nothing imports it.
 """
@@ -302,8 +302,6 @@ def train(argv: list[str]) -> int:
     launched_at = repr(process_start())  # the command's start: the ranks' timeline counts from it
     launch = train_command(argv)
     try:
-        if launch.code:
-            return launch.code
         nproc = int(launch.cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
         sys.stdout.flush()
         os.environ.update(launch_env(nproc))
