@@ -56,14 +56,14 @@ def await_checked(path: str) -> str:
     launch's `launch_checked` mark is the handover's time. A refusal (the launcher printed why)
     exits quietly with code 2; a launcher gone exits with code 1."""
     from colocate.lifecycle import exit_quietly, launcher_gone
-    status = handover.wait(path, handover.launcher())
+    status = handover.wait(path, handover.launcher(), handover.WAIT_S)
     if status == handover.REFUSED:
         exit_quietly(2)
     if status == handover.GONE:
         launcher_gone(handover.launcher())
     if status == handover.LATE:
-        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: no checked config after {handover.WAIT_S:.0f} s; start the "
-                          "run again with `colocate train`")
+        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: no checked config came from `colocate train` (its checks ran "
+                          "past this rank's wait, `handover.WAIT_S`); start the run again with `colocate train`")
     try:
         record = handover.read_record(path)
     except (OSError, ValueError) as e:

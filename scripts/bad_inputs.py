@@ -133,6 +133,7 @@ def launch_table() -> list[str]:
         with tempfile.TemporaryDirectory() as tmp:
             code, err = run_launch_case(where, what, tmp)
         line = err.strip().replace(tmp, "<tmp>").replace(str(REPO) + "/", "")
+        line = re.sub(r"colocate-launch-\w+/", "colocate-launch-XXXX/", line)
         line = re.sub(r"colocate-config-\w+\.yaml", "colocate-config-XXXX.yaml", re.sub(r"[0-9a-f]{64}|[0-9a-f]{16}\.\.\.", "...", line))
         rows.append(f"| {case_id} | {shown} | {code} | {line.replace('|', '/')} |")
     return rows

@@ -356,6 +356,8 @@ LAUNCH_CASES = [
      "`colocate train` checked (the file changed after the checks)"),
     ("resolved config missing", "a rank's --resolved-config file removed", "rank", "missing", "cannot be read"),
     ("resolved config and more", "--resolved-config with other arguments", "rank", "extra", "comes alone"),
+    ("resolved config never handed over", "a rank of `colocate train` whose launcher sent no word in its wait",
+     "rank", "late", "no checked config came from `colocate train`"),
 ]
 """(id, input shown, where: the launcher's checks or a rank, what: a reward module's source or how the
 rank's resolved config is spoiled, text the one line must contain)."""
@@ -380,7 +382,10 @@ def launcher_case(source: str, tmp: str) -> int:
 
 
 def rank_case(what: str, tmp: str) -> int:
-    """A rank (WORLD_SIZE=2, RANK=0 set by the caller) given a resolved config spoiled as `what` says."""
+    """A rank (WORLD_SIZE=2, RANK=0 set by the caller) given a resolved config spoiled as `what` says
+    ("late": a rank of `colocate train` waiting for a handover that does not come, its wait shortened)."""
+    if what == "late":
+        return late_rank_case()
     cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
                                   f"--metrics.run_dir={tmp}/run"], 2)
     args = rank_config.write_resolved(launch.config_text(cfg))
@@ -396,6 +401,20 @@ def rank_case(what: str, tmp: str) -> int:
     finally:
         if os.path.exists(path):
             os.remove(path)
+    return 0
+
+
+def late_rank_case() -> int:
+    from colocate import handover
+    path, saved = handover.place(), handover.WAIT_S
+    handover.WAIT_S = 0.05
+    try:
+        rank_config.configure([f"--resolved-config={path}"])
+    except SystemExit as e:
+        return e.code
+    finally:
+        handover.WAIT_S = saved
+        handover.remove(path)
     return 0
 
 
