@@ -25,8 +25,6 @@ RESOLVED_FLAGS = ("--resolved-config", "--config-sha256")
 """A checked config given to a rank: its file, and the file's SHA-256. `colocate train` passes the
 file alone, before the checks end: the rank waits for it and finds the hash beside it (`handover`)."""
 
-digest = handover.digest
-
 
 def write_resolved(text: str) -> list[str]:
     """A resolved config in a file of its own -> a rank's arguments naming it and its SHA-256 (a rank
@@ -36,7 +34,7 @@ def write_resolved(text: str) -> list[str]:
     fd, path = tempfile.mkstemp(prefix="colocate-config-", suffix=".yaml")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    return [f"{RESOLVED_FLAGS[0]}={path}", f"{RESOLVED_FLAGS[1]}={digest(data)}"]
+    return [f"{RESOLVED_FLAGS[0]}={path}", f"{RESOLVED_FLAGS[1]}={handover.digest(data)}"]
 
 
 def resolved_args(argv: list[str]) -> tuple[str, str | None] | None:
@@ -82,8 +80,8 @@ def load_resolved(path: str, sha256: str, world: int) -> Config:
     except OSError as e:
         raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: cannot be read ({e.strerror or e}); start the run again "
                           "with `colocate train`") from None
-    if digest(data) != sha256:
-        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: its SHA-256 is {digest(data)[:16]}..., not the "
+    if handover.digest(data) != sha256:
+        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: its SHA-256 is {handover.digest(data)[:16]}..., not the "
                           f"{sha256[:16]}... `colocate train` checked (the file changed after the checks); start "
                           "the run again with `colocate train`")
     return config_from_text(data.decode(errors="replace"), f"{RESOLVED_FLAGS[0]}={path}", world)
