@@ -118,9 +118,18 @@ def _relay(fd: int) -> Ended:
     return Ended(0, result, own_end)
 
 
-def run_in_child(work: Callable[[], str], refusal: Callable[[BaseException], tuple[int, str]]) -> Ended:
-    """`work()` in a forked child -> how it ended. A raise in the child is `refusal(error)` ->
-    (exit code, line to print there)."""
+@dataclass(frozen=True)
+class Child:
+    """A forked child at work (`start_child`): its pid, and the pipe its output and result come on."""
+    pid: int
+    fd: int
+
+
+def start_child(work: Callable[[], str], refusal: Callable[[BaseException], tuple[int, str]]) -> Child:
+    """Fork a child that runs `work()` -> the child; `finish_child` relays its output and waits for
+    it. A raise in the child is `refusal(error)` -> (exit code, line to print there). Fork before
+    this process starts threads (a fork copies only the calling thread; a lock another thread holds
+    stays held in the child)."""
     sys.stdout.flush()
     sys.stderr.flush()
     read_fd, write_fd = os.pipe()
@@ -132,12 +141,32 @@ def run_in_child(work: Callable[[], str], refusal: Callable[[BaseException], tup
         finally:
             os._exit(1)
     os.close(write_fd)
+    return Child(pid, read_fd)
+
+
+def finish_child(child: Child) -> Ended:
+    """Pass the child's output on to this process's streams until it ends -> how it ended (run on
+    any thread; `kill_child` from another ends it sooner)."""
     try:
-        ended = _relay(read_fd)
+        ended = _relay(child.fd)
     except BaseException:  # Ctrl-C while the checks run: the child goes with the launcher
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        kill_child(child)
+        os.waitpid(child.pid, 0)
         raise
     finally:
-        os.close(read_fd)
-    return Ended(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), ended.result, ended.own_end)
+        os.close(child.fd)
+    return Ended(os.waitstatus_to_exitcode(os.waitpid(child.pid, 0)[1]), ended.result, ended.own_end)
+
+
+def kill_child(child: Child) -> None:
+    """End the child now (SIGKILL); one that has ended already is left as it is."""
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_in_child(work: Callable[[], str], refusal: Callable[[BaseException], tuple[int, str]]) -> Ended:
+    """`work()` in a forked child, its output relayed here -> how it ended (`start_child`, then
+    `finish_child`)."""
+    return finish_child(start_child(work, refusal))

@@ -6,16 +6,18 @@
     colocate export --run DIR [--merge] --out DIR
     colocate <command> --help [SECTION]
 
-`train` checks everything `check` checks (`launch.check_in_child`, with the world size it is about
-to ask for: parsed here before torch is imported, the rest in a forked child, since it calls the
-user's code), then runs torchrun in this process (`python -m torch.distributed.run --nproc-per-node
-N -m colocate.train --resolved-config=FILE --config-sha256=HEX`: the ranks load the config checked
-here instead of checking again): a bad config is one line and exit code 2, and no torchrun starts;
-a failed job exits with the failed rank's code, without torchrun's summary (a rank killed by a
-signal or gone without an error is named in one line here, with the last checkpoint). While the job
-runs, `train` holds its run directory (`run_dir.hold`). Flags that are not ours or config keys
-(`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun as given. `torchrun -m
-colocate.train --config FILE` works as before (it checks on one rank per node).
+`train` checks everything `check` checks, with the world size it is about to ask for: parsed here
+before torch is imported, the rest in a forked child (`launch.start_checks`: it calls the user's
+code). torchrun starts at once beside that child, in this process (`python -m torch.distributed.run
+--nproc-per-node N -m colocate.train --resolved-config=FILE`): the ranks import their modules while
+the checks run, then wait for the config checked here (`handover.py`) instead of checking again. A
+bad config is one line and exit code 2, and the waiting ranks exit quietly (nothing built, nothing
+written); a failed job exits with the failed rank's code, without torchrun's summary (a rank killed
+by a signal or gone without an error is named in one line here, with the last checkpoint). Once
+the checks pass and while the job runs, `train` holds its run directory (`run_dir.hold`). Flags
+that are not ours or config keys (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go to torchrun
+as given. `torchrun -m colocate.train --config FILE` works as before (it checks on one rank per
+node).
 
 This module is the top of the import graph: nothing imports it.
 """
@@ -25,7 +27,9 @@ import dataclasses
 import functools
 import os
 import sys
+import threading
 
+from colocate import handover
 from colocate.config import Config, ConfigError, field_docs, load_config, parse_overrides
 
 COMMANDS = {
@@ -136,60 +140,141 @@ class Job:
     single_node: bool
 
 
+class Checks:
+    """The launch's checks, on a thread of the launcher while torchrun runs on its main thread:
+    relay the checking child's output, then hold the run directory (one node) and hand the ranks
+    the checked config, or a refusal (`handover`). `code` is the checks' exit code (0: passed; a
+    refusal printed its one line), `job` the job once the config is handed over."""
+
+    def __init__(self, child, launch: "Launch", hold, shape: tuple[int | None, int, bool]):
+        self.child, self.launch, self.hold, self.shape = child, launch, hold, shape
+        self.code, self.error, self.cancelled = 0, None, False
+        self.thread = threading.Thread(target=self._run, name="colocate-checks", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from colocate.child import finish_child
+        from colocate.launch import checks_result
+        self.code = 1
+        try:
+            ended = finish_child(self.child)
+            self.code = 0 if self.cancelled else self._take(*checks_result(ended))
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread (`result`)
+            self.error = e
+        finally:
+            if self.launch.job is None:  # the waiting ranks go
+                handover.refuse(self.launch.resolved)
+
+    def _take(self, code: int, text: str) -> int:
+        """The checks' outcome -> the launch's code; on 0 the ranks have the config."""
+        if code:
+            return code
+        try:
+            if self.hold is not None and self.launch.lock is None:
+                self.launch.lock = self.hold()
+            job = checked_job(text, *self.shape)
+        except ConfigError as e:  # a live run holds the directory
+            print(f"colocate: config error: {e}", file=sys.stderr, flush=True)
+            return 2
+        handover.hand_over(self.launch.resolved, text)
+        self.launch.job = job
+        return 0
+
+    def cancel(self) -> None:
+        """Stop checks still running (torchrun stopped on a signal): no line, no handover."""
+        if self.thread.is_alive():
+            from colocate.child import kill_child
+            self.cancelled = True
+            kill_child(self.child)
+        self.thread.join()
+
+    def result(self) -> int:
+        """Wait for the checks -> their code; a launcher error on the thread is raised here."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.code
+
+
+def checked_job(text: str, world: int | None, nproc: int, single: bool) -> Job:
+    """The job as the checked config describes it."""
+    from colocate.launch import config_from_text
+    from colocate.topology import place_roles  # torch: only once the config is known good
+    cfg = config_from_text(text, "the checked config", world or nproc)
+    return Job(cfg.metrics.run_dir, tuple(place_roles(cfg, world, nproc)) if world else (), cfg.checkpoint.enabled,
+               single)
+
+
 @dataclasses.dataclass
 class Launch:
-    """What `train_command` made: the exit code of the checks (0: go), the torchrun command line,
-    the job, and what `close` releases (the resolved config's file, the run directory's lock)."""
+    """What `train_command` started: the torchrun command line, the checks running beside it, what
+    `close` releases (the handover's private directory, the run directory's lock), and the job
+    once the checks passed. `code` is the checks' exit code once known (`finish`)."""
     code: int
     cmd: list = dataclasses.field(default_factory=list)
     job: Job | None = None
     lock: object = None
     resolved: str = ""
+    """Where the ranks wait for the checked config (`handover`)."""
+    checks: Checks | None = None
+
+    def checked_job(self) -> Job | None:
+        """The job once the checks end (waits for them); None when they refused."""
+        self.finish()
+        return self.job
+
+    def finish(self) -> int:
+        """Wait for the checks -> their exit code (0: passed)."""
+        if self.checks is not None:
+            self.code = self.checks.result()
+        return self.code
 
     def close(self) -> None:
-        if self.resolved:  # the ranks have read it
-            os.remove(self.resolved)
+        if self.checks is not None:
+            self.checks.cancel()
+        if self.resolved:  # the ranks have ended
+            handover.remove(self.resolved)
         if self.lock is not None:
             self.lock.close()
 
 
-def train_command(argv: list[str]) -> Launch:
-    """Hold the run directory (one node: this process, for the job's life; several: global rank 0
-    does), check everything (`launch.check_in_child`) -> the `Launch`: a code other than 0 has
-    printed its line, and no torchrun starts. Raises ConfigError (parsing, or a live run holding
-    the directory); the caller closes the `Launch`."""
-    from colocate import run_dir
-    from colocate.launch import check_in_child, config_from_text, default_world
-    from colocate.rank_config import write_resolved
+def launch_shape(argv: list[str]) -> tuple[int, list[str], list[str], int | None, bool]:
+    """`colocate train`'s arguments -> (processes per node, torchrun flags, ours, the world size or
+    None for an elastic one, one node); the config is parsed (a bad key is refused here, before torch)."""
+    from colocate.launch import default_world
     nproc, torchrun, ours = split_train_args(argv)
     path, overrides, _ = parse_overrides([a for a in ours if a != "--overwrite"])
     if path is None:
         raise ConfigError("--config FILE is required")
-    parsed = load_config(path, overrides)  # a bad key is refused here, before torch
-    nproc = nproc or default_world(parsed)
+    nproc = nproc or default_world(load_config(path, overrides))
     nnodes = torchrun_value(torchrun, "--nnodes") or "1"
     world = nproc * int(nnodes) if nnodes.isdigit() else None  # an elastic range: torchrun decides
     single = nnodes == "1" and not torchrun_value(torchrun, "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
                                                     "--master_addr")
-    hold = functools.partial(run_dir.hold, os.path.abspath(parsed.metrics.run_dir), by="colocate train")
+    return nproc, torchrun, ours, world, single
+
+
+def train_command(argv: list[str]) -> Launch:
+    """Parse the config, fork the child that checks it (`launch.start_checks`) and build torchrun's
+    command -> the `Launch`; its ranks wait for the checked config (`handover`), which the checks'
+    thread hands over once they pass, after holding the run directory (one node: this process, for
+    the job's life; several: global rank 0 does). Raises ConfigError (parsing, or with --overwrite
+    a live run holding the directory); the caller closes the `Launch`."""
+    from colocate import run_dir
+    from colocate.launch import parse_request, start_checks
+    nproc, torchrun, ours, world, single = launch_shape(argv)
+    c = parse_request(ours, world, nproc)
+    hold = functools.partial(run_dir.hold, c.cfg.metrics.run_dir, by="colocate train") if single else None
     # --overwrite: held before the checks, whose claim deletes the earlier run under the lock (else
     # after them: a refused check leaves the directory as it was, no lock file in it)
-    launch = Launch(0, lock=hold() if single and "--overwrite" in ours else None)
+    launch = Launch(0, lock=hold() if hold and c.overwrite else None)
     try:
-        launch.code, text = check_in_child(ours, world=world, local_world=nproc)
-        if launch.code:
-            return launch
-        if single and launch.lock is None:
-            launch.lock = hold()
-        from colocate.topology import place_roles  # torch: only once the config is known good
-        cfg = config_from_text(text, "the checked config", world or nproc)
-        launch.job = Job(cfg.metrics.run_dir, tuple(place_roles(cfg, world, nproc)) if world else (),
-                         cfg.checkpoint.enabled, single)
-        resolved = write_resolved(text)
-        launch.resolved = resolved[0].partition("=")[2]
+        launch.resolved = handover.place()
+        child = start_checks(c)  # forked before any thread of this process (the checks' own, torchrun's)
         launch.cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                       *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
-                      "-m", "colocate.train", *resolved]
+                      "-m", "colocate.train", f"--resolved-config={launch.resolved}"]
+        launch.checks = Checks(child, launch, hold, (world, nproc, single))
     except BaseException:
         launch.close()
         raise
@@ -210,35 +295,36 @@ def launch_env(nproc: int) -> dict[str, str]:
 
 
 def train(argv: list[str]) -> int:
-    import time
-
-    from colocate.startup import CHECKED_ENV, LAUNCH_ENV, process_start
+    """`colocate train`: torchrun starts as soon as the config is parsed, its ranks importing while
+    the checks run (`train_command`) -> the checks' code when they refused (their line printed, the
+    ranks gone quietly), else the job's (`run_torchrun`)."""
+    from colocate.startup import LAUNCH_ENV, process_start
     launched_at = repr(process_start())  # the command's start: the ranks' timeline counts from it
     launch = train_command(argv)
     try:
-        if launch.code:
-            return launch.code
         nproc = int(launch.cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N
         sys.stdout.flush()
         os.environ.update(launch_env(nproc))
         # for these ranks only: a later launch from this process has its own
-        os.environ.update({LAUNCH_ENV: launched_at, CHECKED_ENV: repr(time.time())})
+        os.environ.update({LAUNCH_ENV: launched_at, handover.LAUNCHER_ENV: str(os.getpid())})
         try:
-            return run_torchrun(launch.cmd[3:], launch.job)
+            code = run_torchrun(launch.cmd[3:], launch)
         finally:
-            del os.environ[LAUNCH_ENV], os.environ[CHECKED_ENV]
+            del os.environ[LAUNCH_ENV], os.environ[handover.LAUNCHER_ENV]
+        return launch.finish() or code
     finally:
         launch.close()
 
 
-def run_torchrun(args: list[str], job: Job) -> int:
+def run_torchrun(args: list[str], launch: Launch) -> int:
     """torchrun (its arguments after `-m torch.distributed.run`) in this process -> the job's exit
     code: 0, else the failed rank's own (2 bad input, 3 metrics.stop_on_collapse or
     stop_on_mismatch, 1 a rank failed; 128 + N for a rank killed by signal N), where torchrun
     itself would say 1; 128 + N when this process got signal N (the ranks stopped). A rank that
     failed on an error has printed its one line; for one that ended without a word (killed, an
-    `os._exit`) and for a stop this process prints it (`ended_line`). torchrun's log lines and its
-    failure summary stay out of the terminal (`LOGLEVEL=INFO` brings its log back)."""
+    `os._exit`) and for a stop this process prints it (`ended_line`); ranks that ended on the
+    checks' refusal (`launch.checked_job()` is None) leave that to the checks' line. torchrun's log
+    lines and its failure summary stay out of the terminal (`LOGLEVEL=INFO` brings its log back)."""
     import logging
     import signal
 
@@ -253,14 +339,17 @@ def run_torchrun(args: list[str], job: Job) -> int:
     try:
         run(parse_args(args))
     except ChildFailedError as e:
-        rank, failure, line = failed_rank(e.failures, job)
+        job = launch.checked_job()
+        rank, failure, line = failed_rank(e.failures, job) if job else (None, next(iter(e.failures.values())), None)
         if line:
             print(line, file=sys.stderr, flush=True)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as e:  # SIGTERM / Ctrl-C / a closed terminal: torchrun passed it on to the ranks
         if e.sigval == signal.SIGHUP:
             leave_terminal()
-        print(stopped_line(job, int(e.sigval)), file=sys.stderr, flush=True)
+        if launch.checks is not None:
+            launch.checks.cancel()
+        print(stopped_line(launch.job, int(e.sigval)), file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
     return 0
 
@@ -273,8 +362,11 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def stopped_line(job: Job, signum: int) -> str:
-    """After the ranks stopped on a signal to this process (their own lines say what they wrote)."""
+def stopped_line(job: Job | None, signum: int) -> str:
+    """After the ranks stopped on a signal to this process (their own lines say what they wrote;
+    no job: the checks had not passed, the ranks were waiting for them)."""
+    if job is None:
+        return f"colocate: stopped by {signal_name(signum)} before the checks passed; no rank had started its work"
     return f"colocate: stopped by {signal_name(signum)}; {last_checkpoint(job)}"
 
 

@@ -4,10 +4,10 @@ and the checkpoint to resume, or one line and exit code 2 - checked once per lau
 `colocate train` and `colocate check` parse the config in their own process (no torch: a mistyped
 key or file is refused at once), make every path in it absolute, and run the other checks, which
 import and call the user's code, in a forked child (`check_in_child`, `child.py`); the child sends
-back the resolved config. `colocate train` writes it to a file and starts the ranks with
-`--resolved-config=FILE --config-sha256=HEX`: each rank loads it and verifies the hash instead of
-checking again. How a rank gets its config (that file, or one checked once per node under plain
-torchrun) is `rank_config.py`'s.
+back the resolved config. `colocate train` forks that child (`start_checks`) and starts torchrun
+beside it; it hands the ranks the checked config, or a refusal, through `handover.py`: each rank
+loads the config and verifies its hash instead of checking again. How a rank gets its config (that
+file, or one checked once per node under plain torchrun) is `rank_config.py`'s.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import yaml
 
 from colocate import run_dir
-from colocate.child import run_in_child
+from colocate.child import Child, Ended, finish_child, start_child
 from colocate.config import Config, ConfigError, load_config, parse_overrides, to_dict
 from colocate.jsonfile import write_atomic
 from colocate.trackers import check_loggers
@@ -308,17 +308,35 @@ def import_frozen(module: str) -> None:
             gc.enable()
 
 
-def check_in_child(argv: list[str], world: int | None = None, local_world: int | None = None) -> tuple[int, str]:
-    """`colocate train` / `colocate check`: parse here (no torch), check in a forked child (the user's
-    code cannot end, break or move this process) -> (exit code, the resolved config's text). On a
-    code other than 0 the line has been printed. Raises ConfigError (parsing)."""
-    c = parse_request(argv, world, local_world)
-    # The checks' heaviest imports (the meta model's) are made here, before the fork: the launcher
-    # pays them once either way, and a second check in this process (a test's) starts warm.
-    import_frozen("transformers.modeling_utils")
-    ended = run_in_child(lambda: resolved_text(c), refusal)
+def checks_result(ended: Ended) -> tuple[int, str]:
+    """How the checking child ended -> (exit code, the resolved config's text); on a code other than
+    0 the line has been printed (by the child, or here for one that ended without a result)."""
     if ended.own_end:  # the config, or the refusal's line printed there
         return ended.code, ended.result or ""
     code, line = ended_early(ended.code)
     print(line, file=sys.stderr, flush=True)
     return code, ""
+
+
+def checked_text(c: Checked) -> str:
+    """The checking child's work (`resolved_text`), the meta model's imports made first, frozen (a
+    no-op where the launcher made them before the fork)."""
+    import_frozen("transformers.modeling_utils")
+    return resolved_text(c)
+
+
+def start_checks(c: Checked) -> Child:
+    """Fork the child that checks `c` (`checked_text`) and return at once: `colocate train` starts
+    torchrun meanwhile, and `finish_child` + `checks_result` give the outcome."""
+    return start_child(lambda: checked_text(c), refusal)
+
+
+def check_in_child(argv: list[str], world: int | None = None, local_world: int | None = None) -> tuple[int, str]:
+    """`colocate check`: parse here (no torch), check in a forked child (the user's code cannot end,
+    break or move this process) -> (exit code, the resolved config's text). On a code other than 0
+    the line has been printed. Raises ConfigError (parsing)."""
+    c = parse_request(argv, world, local_world)
+    # The checks' heaviest imports (the meta model's) are made here, before the fork: a second check
+    # in this process (a test's) starts warm.
+    import_frozen("transformers.modeling_utils")
+    return checks_result(finish_child(start_checks(c)))

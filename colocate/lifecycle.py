@@ -274,6 +274,11 @@ def die_with_parent() -> None:
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
+    launcher_gone(parent)
+
+
+def launcher_gone(parent: int) -> None:
+    """This rank's launcher (pid `parent`) ended: say so and leave (nobody waits for this rank)."""
     print(f"colocate: launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
     os._exit(1)
 

@@ -1,8 +1,10 @@
 """A rank's config: the one `colocate train` checked, or one checked once per node.
 
-`colocate train` checks a launch in its own process (`launch.check_in_child`) and hands its ranks
-the resolved config as a file and the file's SHA-256 (`write_resolved`, `RESOLVED_FLAGS`): a rank
-loads it (`load_resolved`) instead of checking again, and refuses a file that changed. Under plain
+`colocate train` checks a launch in a child of its own (`launch.start_checks`) while torchrun starts
+its ranks, and hands them the resolved config as a file with its SHA-256 beside it (`handover.py`):
+a rank waits for it (`await_checked`: a refusal ends the rank quietly), loads it (`load_resolved`)
+instead of checking again, and refuses a file that changed. `write_resolved` gives a rank a checked
+config with its hash as arguments (`RESOLVED_FLAGS`), for a rank started by other means. Under plain
 `torchrun -m colocate.train --config FILE`, local rank 0 of each node checks (its files are the
 node's) and the node's other ranks take its resolved config from torchrun's store (`checked_once`).
 `configure` is what a rank calls first: its config and the checkpoint to resume, or one line and
@@ -10,43 +12,64 @@ exit code 2 before any process group or model.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
 
-from colocate import run_dir
+from colocate import handover, run_dir
 from colocate.config import Config, ConfigError
 from colocate.launch import check_launch, config_from_text, config_text
 
 
 RESOLVED_FLAGS = ("--resolved-config", "--config-sha256")
-"""How `colocate train` hands the ranks the config it checked: its file, and the file's SHA-256."""
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+"""A checked config given to a rank: its file, and the file's SHA-256. `colocate train` passes the
+file alone, before the checks end: the rank waits for it and finds the hash beside it (`handover`)."""
 
 
 def write_resolved(text: str) -> list[str]:
-    """The launcher's resolved config in a file of its own -> the ranks' arguments naming it."""
+    """A resolved config in a file of its own -> a rank's arguments naming it and its SHA-256 (a rank
+    given a checked config without `colocate train`'s handover: the tests)."""
     import tempfile
     data = text.encode()
     fd, path = tempfile.mkstemp(prefix="colocate-config-", suffix=".yaml")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    return [f"{RESOLVED_FLAGS[0]}={path}", f"{RESOLVED_FLAGS[1]}={digest(data)}"]
+    return [f"{RESOLVED_FLAGS[0]}={path}", f"{RESOLVED_FLAGS[1]}={handover.digest(data)}"]
 
 
-def resolved_args(argv: list[str]) -> tuple[str, str] | None:
-    """(file, SHA-256) when `argv` names a resolved config, else None (a config to check)."""
+def resolved_args(argv: list[str]) -> tuple[str, str | None] | None:
+    """(file, SHA-256, or None where `colocate train` hands it over with the file) when `argv` names
+    a resolved config, else None (a config to check)."""
     given = {name: value for name, _, value in (a.partition("=") for a in argv) if name in RESOLVED_FLAGS}
     if not given:
         return None
-    if len(given) != 2 or len(argv) != 2:
-        raise ConfigError(f"{' and '.join(RESOLVED_FLAGS)} come together and alone (what `colocate train` passes "
+    if RESOLVED_FLAGS[0] not in given or len(argv) != len(given):
+        raise ConfigError(f"{RESOLVED_FLAGS[0]} (with {RESOLVED_FLAGS[1]}) comes alone (what `colocate train` passes "
                           f"its ranks); got {' '.join(argv)}")
-    return given[RESOLVED_FLAGS[0]], given[RESOLVED_FLAGS[1]]
+    return given[RESOLVED_FLAGS[0]], given.get(RESOLVED_FLAGS[1])
+
+
+def await_checked(path: str) -> str:
+    """Wait for `colocate train`'s checks (`handover.wait`) -> the checked config's SHA-256; the
+    launch's `launch_checked` mark is the handover's time. A refusal (the launcher printed why)
+    exits quietly with code 2; a launcher gone exits with code 1."""
+    from colocate.lifecycle import exit_quietly, launcher_gone
+    status = handover.wait(path, handover.launcher(), handover.WAIT_S)
+    if status == handover.REFUSED:
+        exit_quietly(2)
+    if status == handover.GONE:
+        launcher_gone(handover.launcher())
+    if status == handover.LATE:
+        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: no checked config came from `colocate train` (its checks ran "
+                          "past this rank's wait, `handover.WAIT_S`); start the run again with `colocate train`")
+    try:
+        record = handover.read_record(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: its record cannot be read ({e}); start the run again "
+                          "with `colocate train`") from None
+    from colocate.startup import process_timeline
+    process_timeline().mark("launch_checked", float(record.get("checked_unix", time.time())))
+    return str(record.get("sha256", ""))
 
 
 def load_resolved(path: str, sha256: str, world: int) -> Config:
@@ -57,8 +80,8 @@ def load_resolved(path: str, sha256: str, world: int) -> Config:
     except OSError as e:
         raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: cannot be read ({e.strerror or e}); start the run again "
                           "with `colocate train`") from None
-    if digest(data) != sha256:
-        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: its SHA-256 is {digest(data)[:16]}..., not the "
+    if handover.digest(data) != sha256:
+        raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: its SHA-256 is {handover.digest(data)[:16]}..., not the "
                           f"{sha256[:16]}... `colocate train` checked (the file changed after the checks); start "
                           "the run again with `colocate train`")
     return config_from_text(data.decode(errors="replace"), f"{RESOLVED_FLAGS[0]}={path}", world)
@@ -116,12 +139,13 @@ def checked_once(argv: list[str]) -> tuple[Config, dict | None, bool]:
 
 
 def start_config(argv: list[str]) -> tuple[Config, dict | None, bool]:
-    """A rank's config: the one `colocate train` checked (its hash verified), else checked once
-    here (`checked_once`) -> (config, resume state, --check given)."""
+    """A rank's config: the one `colocate train` checked (waited for, `await_checked`; its hash
+    verified), else checked once here (`checked_once`) -> (config, resume state, --check given)."""
     resolved = resolved_args(argv)
     if resolved is None:
         return checked_once(argv)
-    cfg = load_resolved(*resolved, world=int(os.environ.get("WORLD_SIZE", "1")))
+    path, sha256 = resolved
+    cfg = load_resolved(path, sha256 or await_checked(path), world=int(os.environ.get("WORLD_SIZE", "1")))
     if int(os.environ.get("RANK", "0")) == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
         run_dir.hold_in_rank(cfg.metrics.run_dir)  # several nodes: no launcher holds it for the job
     return cfg, load_resumed(cfg), False

@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 LAUNCH_ENV = "COLOCATE_LAUNCH_TIME"
 """Unix time the `colocate train` command started, for its ranks (cli.py sets it)."""
 
-CHECKED_ENV = "COLOCATE_CHECKED_TIME"
-"""Unix time `colocate train` finished its checks and started torchrun, for its ranks (cli.py)."""
-
-MARKS = ("launch_checked", "rank_start", "checks_done", "ranks_up", "model_ready", "engine_constructed", "engine_warm",
+MARKS = ("rank_start", "launch_checked", "checks_done", "ranks_up", "model_ready", "engine_constructed", "engine_warm",
          "learner_probe_warm", "learner_warm", "first_batch", "first_step_end")
 """What a rank marks, in the order it passes them (each role marks a subsequence):
-launch_checked      `colocate train` checked the config and started torchrun (its ranks only)
-rank_start          the rank's process started (after the launcher's checks and torchrun's start)
+rank_start          the rank's process started (`colocate train` starts torchrun once the config is
+                    parsed: the rank's imports overlap the launcher's checks)
+launch_checked      `colocate train` handed its ranks the config it checked (`handover`; its ranks
+                    only; they wait for it after their imports)
 checks_done         the rank's config checks passed (`rank_config.configure`)
 ranks_up            the process groups are formed (`build_topology`)
 model_ready         tokenizer and model built; a learner's sharded and materialized (`Learner`)
@@ -101,8 +100,6 @@ def begin(environ=os.environ) -> Timeline:
     """A fresh timeline for this process (a rank's `main`), marked `rank_start` at its process start."""
     global _PROCESS
     _PROCESS = Timeline(launch_time(environ))
-    if environ.get(CHECKED_ENV):
-        _PROCESS.mark("launch_checked", float(environ[CHECKED_ENV]))
     _PROCESS.mark("rank_start", process_start())
     return _PROCESS
 

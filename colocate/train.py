@@ -28,6 +28,9 @@ if __name__ == "__main__":  # a rank: a stop signal during the imports below end
     from colocate.lifecycle import guard_terminal, quiet_start
     quiet_start()
     guard_terminal()  # and its terminal closing mid-run does not end it
+    import sys
+    from colocate.handover import watch
+    watch(sys.argv[1:])  # `colocate train`'s checks run meanwhile: a refusal ends this rank mid-import
 
 import gc
 import os

@@ -116,10 +116,11 @@ LAUNCH_SECTION = """
 imported, and run every other check in a forked child: the checks import and call the user's code
 (reward modules, env classes, tools), which must not end, break or move the launcher. A check that
 ends without its result, or raises something that is not bad input, is one `colocate: failed:` line
-and exit code 1 (128 + N for a signal N), and no torchrun starts. `colocate train` then starts the
-ranks with `--resolved-config=FILE --config-sha256=HEX` (the config it checked, every path absolute,
-the checkpoint to resume pinned): a rank loads that file instead of checking again, and refuses it
-when its SHA-256 differs.
+and exit code 1 (128 + N for a signal N). `colocate train` starts torchrun beside the checks, with
+`--resolved-config=FILE`: its ranks wait until the config it checked (every path absolute, the
+checkpoint to resume pinned) is there, its SHA-256 beside it, or exit quietly with code 2 when the
+checks refused (their line is the launch's only one). A rank loads that file instead of checking
+again, and refuses it when its SHA-256 differs; `--config-sha256=HEX` gives the hash as an argument.
 
 | case | input | exit | message |
 | --- | --- | --- | --- |
@@ -132,6 +133,7 @@ def launch_table() -> list[str]:
         with tempfile.TemporaryDirectory() as tmp:
             code, err = run_launch_case(where, what, tmp)
         line = err.strip().replace(tmp, "<tmp>").replace(str(REPO) + "/", "")
+        line = re.sub(r"colocate-launch-\w+/", "colocate-launch-XXXX/", line)
         line = re.sub(r"colocate-config-\w+\.yaml", "colocate-config-XXXX.yaml", re.sub(r"[0-9a-f]{64}|[0-9a-f]{16}\.\.\.", "...", line))
         rows.append(f"| {case_id} | {shown} | {code} | {line.replace('|', '/')} |")
     return rows
@@ -195,7 +197,10 @@ def end_rows() -> list[str]:
                  cli.stopped_line(job, signal.SIGINT)),
                 ("the learner's line at that stop, with checkpoints off", "",
                  stop_line(cfg, [], signal.SIGINT, 12, checkpointed=False)),
-                ("Ctrl-C while `colocate train` checks, before any rank starts", "130", cli.interrupted_line("train"))]
+                ("SIGINT / SIGTERM / SIGHUP to `colocate train` while it checks (its ranks wait for the checks)",
+                 "128 + N", cli.stopped_line(None, signal.SIGINT)),
+                ("Ctrl-C while `colocate train` parses the config, before torchrun starts", "130",
+                 cli.interrupted_line("train"))]
     return [f"| {case} | {code} | {line.replace(tmp, '<tmp>').replace(socket.gethostname(), 'HOST')} |"
             for case, code, line in rows]
 

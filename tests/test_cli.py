@@ -18,6 +18,17 @@ def no_torchrun_env(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
+def handed_over(args: list[str]) -> tuple[str, bytes | None]:
+    """What a rank of `colocate train` gets (torchrun's arguments `args`): it waits as a rank does
+    (`handover.wait`) -> (the config's path, its bytes; None: the checks refused)."""
+    from colocate import handover
+    path = args[-1].partition("=")[2]
+    if handover.wait(path, os.getppid(), wait_s=600) != handover.READY:
+        return path, None
+    with open(path, "rb") as f:
+        return path, f.read()
+
+
 @pytest.mark.parametrize("text,value", [("3e-3", 3e-3), ("1e-6", 1e-6), (".5", 0.5), ("1E-4", 1e-4), ("2", 2.0)])
 def test_floats_in_any_notation_on_the_command_line_and_in_yaml(tmp_path, text, value):
     _, overrides, _ = parse_overrides([f"--learner.lr={text}"])
@@ -74,27 +85,27 @@ def test_colocate_check_refuses_a_run_dir_train_would_refuse(tmp_path, capsys, m
 
 
 def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, tmp_path):
-    """The ranks get the config the launcher checked (a file and its SHA-256), not its arguments to
-    check again; the file is gone once torchrun returns."""
+    """The ranks get the config the launcher checked (a file, its SHA-256 beside it), not its arguments
+    to check again; the file is gone once torchrun returns."""
     import hashlib
 
     import yaml
+
+    from colocate import handover
     no_torchrun_env(monkeypatch)
     calls = []
 
-    def fake_torchrun(args, job):
-        resolved = args[-2].partition("=")[2]
-        with open(resolved, "rb") as f:
-            calls.append((args, resolved, f.read()))
+    def fake_torchrun(args, launch):
+        calls.append((args, *handed_over(args), handover.read_record(args[-1].partition("=")[2])))
         return 0
     monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"]
     assert cli.main(["train", *args]) == 0
-    (cmd, resolved, data), = calls
+    (cmd, resolved, data, record), = calls
     assert cmd[:3] == ["--nproc-per-node=2", "--standalone", "-m"] and os.environ["OMP_NUM_THREADS"].isdigit()
-    assert cmd[3:] == ["colocate.train", f"--resolved-config={resolved}",
-                       f"--config-sha256={hashlib.sha256(data).hexdigest()}"]
+    assert cmd[3:] == ["colocate.train", f"--resolved-config={resolved}"]
+    assert record["sha256"] == hashlib.sha256(data).hexdigest()
     cfg = yaml.safe_load(data)
     assert cfg["learner"]["lr"] == 3e-3 and cfg["metrics"]["run_dir"] == str(tmp_path / "run")
     assert not os.path.exists(resolved)
@@ -112,7 +123,12 @@ def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monk
     import colocate.envs.dataset  # noqa: F401
     from tests.test_bad_input import CASES, materialize
     no_torchrun_env(monkeypatch)
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a: pytest.fail("torchrun started on a bad config"))
+    ranks = []  # torchrun starts beside the checks; its ranks must get no config
+
+    def fake_torchrun(args, launch):
+        ranks.append(handed_over(args)[1])
+        return 2
+    monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
     for case_id, text, overrides, expected in CASES:
         case_dir = tmp_path / case_id.replace(" ", "_")
         case_dir.mkdir()
@@ -122,6 +138,7 @@ def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monk
                          f"--model.cache_dir={tmp_path / 'cache'}", *overrides])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and expected in err[0], (case_id, err)
+        assert set(ranks) <= {None}, case_id
 
 
 def test_python_m_train_without_torchrun_says_how_to_launch(monkeypatch, capsys):
@@ -272,6 +289,23 @@ def test_check_prints_the_plan_after_the_config(monkeypatch, tmp_path):
     first_plan_line = next(i for i, line in enumerate(lines) if line.startswith("colocate: memory plan"))
     assert lines.index("learner:") < first_plan_line
     assert all(line.startswith("colocate: memory plan") for line in lines[first_plan_line:])
+def test_a_run_that_takes_the_directory_during_the_checks_refuses_the_launch(monkeypatch, tmp_path, capsys):
+    """The launcher holds the run directory once the checks passed, while its ranks wait: a live run
+    that took it meanwhile is the launch's one line and exit 2, and the ranks get a refusal."""
+    from colocate import run_dir
+    no_torchrun_env(monkeypatch)
+
+    def taken(path, by):
+        raise ConfigError(f"metrics.run_dir={path!r} is in use by another run")
+    monkeypatch.setattr(run_dir, "hold", taken)
+    ranks = []
+    monkeypatch.setattr(cli, "run_torchrun", lambda args, launch: ranks.append(handed_over(args)[1]) or 2)
+    assert cli.main(["train", "--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}",
+                     f"--model.cache_dir={tmp_path / 'cache'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("colocate: config error: metrics.run_dir=") and ranks == [None], err
+
+
 HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})

@@ -13,6 +13,7 @@ import pytest
 
 from colocate import cli, launch, rank_config
 from tests.conftest import REPO
+from tests.test_cli import handed_over
 
 DATASET = os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml")
 
@@ -78,9 +79,10 @@ def train(monkeypatch, tmp_path, *args: str) -> tuple[int, list]:
     no_torchrun_env(monkeypatch)
     started = []
 
-    def fake_torchrun(argv, job):
-        with open(argv[-2].partition("=")[2]) as f:
-            started.append((argv, f.read()))
+    def fake_torchrun(argv, launch):
+        text = handed_over(argv)[1]
+        if text is not None:  # the checks passed: the ranks start
+            started.append((argv, text.decode()))
         return 0
     monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
     code = cli.main(["train", *args, f"--model.cache_dir={tmp_path / 'cache'}"])
@@ -216,6 +218,78 @@ def test_a_rank_loads_the_checked_config_and_refuses_one_that_changed(tmp_path, 
     os.remove(path)
 
 
+def test_a_rank_of_colocate_train_waits_for_the_handover_and_marks_its_time(tmp_path, monkeypatch):
+    """Issue 60, overlap: the rank is given a path that does not exist yet and waits there; once the
+    launcher hands the checked config over, the rank loads it and marks `launch_checked` at the
+    handover's time (after its own start)."""
+    import threading
+
+    from colocate import handover, startup
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(handover.LAUNCHER_ENV, str(os.getppid()))
+    cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                                  f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"], 2)
+    path = handover.place()
+    timeline = startup.begin({})
+    later = threading.Timer(0.2, handover.hand_over, (path, launch.config_text(cfg)))
+    later.start()
+    try:
+        got, resume, _ = rank_config.configure([f"--resolved-config={path}"])
+    finally:
+        later.join()
+    assert got.learner.lr == 3e-3 and resume is None and not (tmp_path / "run").exists()
+    assert timeline.marks["launch_checked"] == handover.read_record(path)["checked_unix"] > timeline.marks["rank_start"]
+    handover.remove(path)
+
+
+def test_a_wait_ends_on_the_config_a_refusal_the_launchers_end_or_its_limit(tmp_path):
+    from colocate import handover
+    path = str(tmp_path / "config.yaml")
+    assert handover.wait(path, os.getppid(), wait_s=0.05) == handover.LATE
+    assert handover.wait(path, os.getppid() + 1, wait_s=5) == handover.GONE  # another parent: the launcher ended
+    handover.refuse(path)
+    assert handover.wait(path, os.getppid()) == handover.REFUSED
+    os.remove(path + handover.REFUSAL)
+    handover.hand_over(path, "learner: {}\n")
+    assert handover.wait(path, os.getppid()) == handover.READY
+    with open(path, "rb") as f:
+        assert handover.read_record(path)["sha256"] == handover.digest(f.read())
+
+
+SLOW_CHECKS = """import sys, time
+from colocate import cli, launch
+checks = launch.resolved_text
+launch.resolved_text = lambda c: (time.sleep(float(sys.argv[1])), checks(c))[1]  # the forked child's checks
+sys.exit(cli.main(sys.argv[2:]))
+"""
+"""`colocate train` with checks that take argv[1] seconds longer (the checking child is a fork: it
+runs the patched function; the ranks are torchrun's processes, untouched)."""
+
+
+@pytest.mark.slow
+def test_the_ranks_start_before_the_checks_end_and_a_refusal_stops_them_quietly(tmp_path):
+    """Issue 60, overlap: torchrun starts beside the checks. With checks slowed by 3 s the ranks
+    start before the config is handed over (startup.json: every rank's `rank_start` before
+    `launch_checked`) and the run trains. A refusal after the ranks started is the check's one
+    line and exit 2, nothing else printed, and the ranks build and write nothing. Two launches of
+    cpu-tiny (one step; ~10 s and ~6 s on 2 cores)."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = tmp_path / "run"
+    common = [sys.executable, "-c", SLOW_CHECKS, "3", "train", "--config", "configs/cpu-tiny.yaml",
+              f"--metrics.run_dir={run}", f"--model.cache_dir={tmp_path / 'cache'}", "--eval.at_end=false"]
+    proc = subprocess.run([*common, "--learner.num_steps=1"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = json.loads((run / "startup.json").read_text())["ranks"]
+    assert len(ranks) == 2 and all(r["rank_start"] < r["launch_checked"] <= r["checks_done"] for r in ranks.values())
+    before = sorted(os.listdir(run))
+    refused = subprocess.run(common, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    err = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and refused.stdout == "" and len(err) == 1, refused.stderr[-3000:]
+    assert "holds an earlier run" in err[0] and sorted(os.listdir(run)) == before
+
+
 class FakeStore:
     """torchrun's store as `rank_config.checked_once` uses it."""
 
@@ -281,7 +355,9 @@ LAUNCH_CASES = [
     ("resolved config changed", "a rank's --resolved-config file edited", "rank", "edited",
      "`colocate train` checked (the file changed after the checks)"),
     ("resolved config missing", "a rank's --resolved-config file removed", "rank", "missing", "cannot be read"),
-    ("resolved config and more", "--resolved-config with other arguments", "rank", "extra", "come together and alone"),
+    ("resolved config and more", "--resolved-config with other arguments", "rank", "extra", "comes alone"),
+    ("resolved config never handed over", "a rank of `colocate train` whose launcher sent no word in its wait",
+     "rank", "late", "no checked config came from `colocate train`"),
 ]
 """(id, input shown, where: the launcher's checks or a rank, what: a reward module's source or how the
 rank's resolved config is spoiled, text the one line must contain)."""
@@ -306,7 +382,10 @@ def launcher_case(source: str, tmp: str) -> int:
 
 
 def rank_case(what: str, tmp: str) -> int:
-    """A rank (WORLD_SIZE=2, RANK=0 set by the caller) given a resolved config spoiled as `what` says."""
+    """A rank (WORLD_SIZE=2, RANK=0 set by the caller) given a resolved config spoiled as `what` says
+    ("late": a rank of `colocate train` waiting for a handover that does not come, its wait shortened)."""
+    if what == "late":
+        return late_rank_case()
     cfg, _ = launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
                                   f"--metrics.run_dir={tmp}/run"], 2)
     args = rank_config.write_resolved(launch.config_text(cfg))
@@ -322,6 +401,20 @@ def rank_case(what: str, tmp: str) -> int:
     finally:
         if os.path.exists(path):
             os.remove(path)
+    return 0
+
+
+def late_rank_case() -> int:
+    from colocate import handover
+    path, saved = handover.place(), handover.WAIT_S
+    handover.WAIT_S = 0.05
+    try:
+        rank_config.configure([f"--resolved-config={path}"])
+    except SystemExit as e:
+        return e.code
+    finally:
+        handover.WAIT_S = saved
+        handover.remove(path)
     return 0
 
 

@@ -97,13 +97,14 @@ def test_kill_9_and_resume_replays_every_batch(tmp_path, lag):
 
 @pytest.mark.parametrize("earlier", [True, False], ids=["earlier-run", "empty-dir"])
 def test_resume_without_a_checkpoint_is_refused_in_one_line(monkeypatch, tmp_path, capsys, earlier):
-    """`--resume` where no checkpoint exists stops before torchrun (as HF Trainer's
+    """`--resume` where no checkpoint exists stops before the ranks get a config (as HF Trainer's
     resume_from_checkpoint=True does), saying where it looked and how to start afresh, and leaves
     the directory as it was."""
     from colocate import cli
-    from tests.test_cli import no_torchrun_env
+    from tests.test_cli import handed_over, no_torchrun_env
     no_torchrun_env(monkeypatch)
-    monkeypatch.setattr(cli, "run_torchrun", lambda *a: pytest.fail("torchrun started without a checkpoint"))
+    ranks = []  # torchrun starts beside the checks; its ranks must get no config
+    monkeypatch.setattr(cli, "run_torchrun", lambda args, launch: ranks.append(handed_over(args)[1]) or 2)
     run = tmp_path / "run"
     run.mkdir()
     if earlier:  # what a run with checkpoints off leaves
@@ -116,4 +117,4 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(monkeypatch, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert f"no checkpoint found in {run / 'checkpoints'}" in err[0] and "leave out --resume" in err[0], err
-    assert sorted(os.listdir(run)) == before
+    assert sorted(os.listdir(run)) == before and ranks == [None]

@@ -101,16 +101,6 @@ def test_learner_rank_0_gathers_every_ranks_marks_in_any_world(tmp_path):
     assert got["launch"] == "colocate train"
 
 
-def test_a_rank_launched_by_colocate_train_marks_the_launchers_checks_before_its_start():
-    from colocate.startup import CHECKED_ENV, begin, process_start
-    start = process_start()
-    timeline = begin({LAUNCH_ENV: repr(start - 3.0), CHECKED_ENV: repr(start - 1.0)})
-    assert timeline.origin == start - 3.0
-    assert [m for m in MARKS if m in timeline.marks] == ["launch_checked", "rank_start"]
-    assert timeline.marks["launch_checked"] == start - 1.0 < timeline.marks["rank_start"]
-    assert "launch_checked" not in begin({}).marks  # plain torchrun: no launcher
-
-
 def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, tiny_cfg, tiny_tokenizer):
     """With learner.compile the canary's probe keeps autograd on: its forward is the training one, so
     after the warm-up neither a step nor a probe compiles anything new (a gradient-free probe compiles
@@ -139,10 +129,9 @@ def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, 
     torch._dynamo.reset()
 
 
-def test_colocate_train_gives_its_ranks_the_launch_and_the_checks_end_then_takes_them_back(monkeypatch):
+def test_colocate_train_gives_its_ranks_the_launch_and_its_pid_then_takes_them_back(monkeypatch):
     import time
-    from colocate import cli
-    from colocate.startup import CHECKED_ENV
+    from colocate import cli, handover
     seen = {}
     launch = cli.Launch(0, cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"])
     monkeypatch.setattr(cli, "train_command", lambda argv: launch)
@@ -152,11 +141,11 @@ def test_colocate_train_gives_its_ranks_the_launch_and_the_checks_end_then_takes
     before = time.time()
     try:
         assert cli.train(["--config", "x.yaml"]) == 0
-        assert LAUNCH_ENV not in os.environ and CHECKED_ENV not in os.environ
+        assert LAUNCH_ENV not in os.environ and handover.LAUNCHER_ENV not in os.environ
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    assert float(seen[LAUNCH_ENV]) <= before <= float(seen[CHECKED_ENV]) <= time.time()
+    assert float(seen[LAUNCH_ENV]) <= before and seen[handover.LAUNCHER_ENV] == str(os.getpid())
 
 
 # -------------------------------------------------------------------------------- the run's record
