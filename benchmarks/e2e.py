@@ -28,7 +28,8 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
   canary_*          the sync canary's own cost in the window (`canary_figures`): the probes the learner
                     scored, and mean and median ms of each side's time on one probe, the learner's
                     (`sync/canary_learner_ms`, the timeline's canary_s: host time to queue the forward;
-                    on a GPU its kernels run later, in the next step's time) and the engines'
+                    on a GPU its kernels run later, in the next step's time; learner_device: their
+                    device time, CUDA events read a step later, `canary_device_ms`) and the engines'
                     (`sync/canary_ms`, kept in the record of the batch that read it: the window's
                     batches, as for rollout_*; queueing and waiting for it); only the counts (0) when
                     it is off.
@@ -206,6 +207,7 @@ def canary_figures(measured: list[TimelineRow], batches: list[dict]) -> dict:
     of each side's own time on one probe; no ms without a probe (the canary off, or a baseline
     tree's run that kept no such figures)."""
     sides = {"learner": [1e3 * r.canary_s for r in measured if r.canary_s > 0],
+             "learner_device": [r.canary_device_ms for r in measured if r.canary_device_ms > 0],
              "engine": [b["canary_ms"] for b in batches if "canary_ms" in b]}
     out = {"canary_probes": len(sides["learner"]), "canary_engine_probes": len(sides["engine"])}
     for side, ms in sides.items():

@@ -253,3 +253,38 @@ def test_a_healthy_run_never_alerts_and_its_gap_stays_under_the_bound(learning_r
     assert all(row["canary_s"] > 0 for row in timeline)
     batches = json.loads((learning_run.run_dir / "inference-rank0.json").read_text())["batches"]
     assert sum(b.get("canary_ms", 0) > 0 for b in batches) == len(gaps)
+
+
+def test_the_probes_device_time_is_read_once_its_kernels_are_done(monkeypatch):
+    """`DeviceTimer`: CUDA events around the probe, read later without waiting (None while the end
+    event is pending), each reading taken once; off the GPU there is nothing to read."""
+    from colocate.learner.loop import DeviceTimer
+
+    class FakeEvent:
+        clock = {"now": 0.0, "done": False}
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = FakeEvent.clock["now"]
+
+        def query(self):
+            return FakeEvent.clock["done"]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    timer = DeviceTimer(torch.device("cuda", 0))
+
+    def work():
+        FakeEvent.clock["now"] += 4.5
+        return "scores"
+    assert timer.done_ms() is None and timer.around(work) == "scores"
+    assert timer.done_ms() is None  # its kernels still queued
+    FakeEvent.clock["done"] = True
+    assert timer.done_ms() == 4.5 and timer.done_ms() is None
+    cpu = DeviceTimer(torch.device("cpu"))
+    assert cpu.around(work) == "scores" and cpu.done_ms() is None

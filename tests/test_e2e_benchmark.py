@@ -156,7 +156,8 @@ def test_canary_figures_are_the_window_probes_of_each_side():
     """The learner's probe time from the timeline (canary_s, 0: the version was not scored) and the
     engines' from the batch records (canary_ms, only on a batch that read a probe), both past the
     warm-up steps; the ms never enter the per-batch rollout means."""
-    rows = [row + [canary_s] for row, canary_s in zip(learner_rows(10.0, 9.0, 5), [0.9, 0.5, 0.002, 0.0, 0.004])]
+    rows = [row + [canary_s, device_ms] for row, canary_s, device_ms in
+            zip(learner_rows(10.0, 9.0, 5), [0.9, 0.5, 0.002, 0.0, 0.004], [0.0, 9.0, 2.0, 1.0, 0.0])]
     batches = [{"collect_start": 1.0 + 10 * i, "collect_end": 6.0 + 10 * i, "out_tokens": 1.0, "canary_ms": ms}
                for i, ms in enumerate([30.0, 20.0, 6.0, 2.0])]
     batches.append({"collect_start": 41.0, "collect_end": 46.0, "out_tokens": 1.0})  # no probe read
@@ -167,6 +168,7 @@ def test_canary_figures_are_the_window_probes_of_each_side():
     assert out["canary_learner_ms_median"] == pytest.approx(3.0)
     assert out["canary_engine_ms_mean"] == pytest.approx(4.0)
     assert out["canary_engine_ms_median"] == pytest.approx(4.0)
+    assert out["canary_learner_device_ms_mean"] == pytest.approx(1.5)  # steps 2 and 3 read one
     assert "rollout_canary_ms" not in out
 
 

@@ -38,6 +38,34 @@ from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
 
 
+class DeviceTimer:
+    """A queued piece of GPU work's device time, read later without waiting: CUDA events around it
+    (`around`), its milliseconds once its kernels are done (`done_ms`), else None. Off the GPU
+    there is nothing to read (the work ran at once: its host time is its time)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: tuple | None = None
+
+    def around(self, work):
+        """`work()` between two events -> its result; an earlier reading not yet taken is dropped."""
+        if not self.cuda:
+            return work()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = work()
+        end.record()
+        self.pending = (start, end)
+        return out
+
+    def done_ms(self) -> float | None:
+        if self.pending is None or not self.pending[1].query():
+            return None
+        start, end = self.pending
+        self.pending = None
+        return start.elapsed_time(end)
+
+
 @dataclass(frozen=True)
 class TimelineRow:
     """One learner step's times (unix seconds) and sync costs; `summary.json`'s `timeline` holds one
@@ -50,6 +78,7 @@ class TimelineRow:
     gather_s: float     # the adapter gather
     send_s: float       # the adapter send
     canary_s: float = 0.0  # the learner's canary probe (`record_canary`); 0: the version was not scored
+    canary_device_ms: float = 0.0  # an earlier probe's device time, read at this step (`DeviceTimer`); 0: none
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -78,6 +107,8 @@ class LearnerRank:
                                   num_layers=shape.num_hidden_layers, every=cfg.sync.canary_every,
                                   fp8_parts=fp8_parts(cfg.engine.quantization, cfg.engine.kv_cache_dtype))
         self.canary_gap: float | None = None  # this step's canary gap (step line)
+        self.probe_timer = DeviceTimer(topo.device)  # the probe's device time, read a step later
+        self.canary_device_ms = 0.0  # the device ms read this step (the timeline's canary_device_ms)
         self.mismatch = False  # this step's canary failed
         self.mismatch_at: int | None = None  # the step whose canary mismatch stopped the run
         self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
@@ -145,11 +176,17 @@ class LearnerRank:
         learner: one forward, queued, never waited for here), and `sync/canary_learner_ms`, the
         learner thread's own time on it, at `step`, the step that made the version (trackers take
         steps in order: W&B drops older ones); None (the version a run starts with): not logged.
-        -> that time in seconds (the timeline's `canary_s`), 0 when the version is not scored."""
+        On a GPU also an earlier probe's device time, once its kernels are done
+        (`sync/canary_learner_device_ms` at this step, the timeline's `canary_device_ms`).
+        -> the host time in seconds (the timeline's `canary_s`), 0 when the version is not scored."""
+        done = self.probe_timer.done_ms()  # an earlier probe's kernels, long done on the GPU
+        self.canary_device_ms = done or 0.0
+        if done is not None and step is not None:
+            self.writer.scalars("sync", {"canary_learner_device_ms": done}, step)
         if not self.canary.due(self.learner.version):
             return 0.0
         t0 = time.perf_counter()
-        self.canary.record(self.learner.version, *self.learner.score_probe(self.probe))
+        self.canary.record(self.learner.version, *self.probe_timer.around(lambda: self.learner.score_probe(self.probe)))
         took = time.perf_counter() - t0
         if step is not None:
             self.writer.scalars("sync", {"canary_learner_ms": took * 1e3}, step)
@@ -226,7 +263,7 @@ class LearnerRank:
                               f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{busy_text(waits)}{self.canary_text()}"
                               f"{self.eta.text(step)}")
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
-                                         stats["policy_lag_mean"], gather_s, sync_s, canary_s))
+                                         stats["policy_lag_mean"], gather_s, sync_s, canary_s, self.canary_device_ms))
         self.writer.flush()
 
     def canary_text(self) -> str:
