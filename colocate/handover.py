@@ -10,18 +10,20 @@ checks. When they refuse, the launcher leaves a refusal marker instead (`refuse`
 exits quietly with code 2, the launcher with the check's code and its one line. A rank watches for
 the refusal from its first line (`watch`), so a refused launch does not wait for its imports.
 
-Standard library only; nothing of colocate.
+Standard library only, and of colocate only `jsonfile` (standard library too): a rank imports this
+first, before its own imports.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
+
+from colocate.jsonfile import read_object, write_atomic
 
 LAUNCHER_ENV = "COLOCATE_LAUNCHER_PID"
 """The launcher's pid, for its ranks: a rank waits only while this process is its parent."""
@@ -48,10 +50,7 @@ def hand_over(path: str, text: str) -> None:
     """The checked config's record, then the config at `path`, each renamed into place: a rank that
     sees the config finds the record."""
     data = text.encode()
-    record = {"sha256": digest(data), "checked_unix": time.time()}
-    with open(path + RECORD + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + RECORD + ".tmp", path + RECORD)
+    write_atomic(path + RECORD, {"sha256": digest(data), "checked_unix": time.time()})
     with open(path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(path + ".tmp", path)
@@ -69,12 +68,8 @@ def remove(path: str) -> None:
 
 
 def read_record(path: str) -> dict:
-    """The record `hand_over` wrote beside `path` (raises OSError, ValueError)."""
-    with open(path + RECORD) as f:
-        record = json.load(f)
-    if not isinstance(record, dict):
-        raise ValueError("not a JSON object")
-    return record
+    """The record `hand_over` wrote beside `path` (raises ValueError: missing, corrupt, not an object)."""
+    return read_object(path + RECORD)
 
 
 def launcher() -> int:

@@ -64,7 +64,7 @@ def await_checked(path: str) -> str:
                           "past this rank's wait, `handover.WAIT_S`); start the run again with `colocate train`")
     try:
         record = handover.read_record(path)
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: its record cannot be read ({e}); start the run again "
                           "with `colocate train`") from None
     from colocate.startup import process_timeline
