@@ -157,6 +157,37 @@ def first_step_line(record: dict) -> str:
             f"learner warm-up {p['learner_warmup']:.1f}, waiting for the first batch {p['first_batch_wait']:.1f})")
 
 
+def compile_record() -> dict:
+    """This process's torch.compile so far (learner rank 0 at the end of step 1): graphs compiled,
+    seconds in Dynamo's frame compiles (inductor's included), and the hits and misses of inductor's
+    FX graph cache and AOTAutograd's cache, the two that make a warm start's compile cheap. {} when
+    nothing was compiled (torch._dynamo not imported, or no frame)."""
+    import sys
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {}
+    counters = utils.counters
+    graphs = int(counters["stats"].get("unique_graphs", 0))
+    if not graphs:
+        return {}
+    try:
+        seconds = float(utils.calculate_time_spent().get("entire_frame_compile", math.nan))
+    except Exception:  # a private helper: its name or shape may change across torch versions
+        seconds = math.nan
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {"graphs": graphs, "compile_s": round(seconds, 3),
+            "fx_cache_hit": int(inductor.get("fxgraph_cache_hit", 0)),
+            "fx_cache_miss": int(inductor.get("fxgraph_cache_miss", 0)),
+            "aot_cache_hit": int(aot.get("autograd_cache_hit", 0)),
+            "aot_cache_miss": int(aot.get("autograd_cache_miss", 0))}
+
+
+def compile_line(record: dict) -> str:
+    return (f"colocate: learner compile: {record['graphs']} graphs, {record['compile_s']:.1f} s (inductor cache "
+            f"{record['fx_cache_hit']} hit / {record['fx_cache_miss']} miss, AOTAutograd cache "
+            f"{record['aot_cache_hit']} hit / {record['aot_cache_miss']} miss)")
+
+
 # ---------------------------------------------------------------------------------- the exchange
 
 def send_marks(topo) -> None:

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from colocate.startup import MARKS, LAUNCH_ENV, Timeline, compile_cache_env, cache_line, first_step_line, merge
+from colocate.startup import (MARKS, LAUNCH_ENV, Timeline, cache_line, compile_cache_env, compile_line, compile_record,
+                              first_step_line, merge)
 from tests.conftest import REPO, free_port
 
 ROLE_MARKS = {"inference": ("rank_start", "checks_done", "ranks_up", "model_ready", "engine_constructed",
@@ -54,6 +55,25 @@ def test_without_a_warm_up_the_wait_counts_from_the_model():
                                            "first_step_end": 13.0}))}
     p = merge(ranks)["phases"]
     assert (p["learner_warmup"], p["first_batch_wait"]) == (0.0, 7.5)
+
+
+def test_the_compile_record_reads_dynamos_counters(monkeypatch):
+    """startup.json's `learner_compile`: graphs, compile seconds and both caches' hits and misses, as
+    Dynamo counted them; nothing when no graph was compiled."""
+    from collections import Counter, defaultdict
+    import torch._dynamo.utils as utils
+    counters = defaultdict(Counter)
+    monkeypatch.setattr(utils, "counters", counters)
+    monkeypatch.setattr(utils, "calculate_time_spent", lambda: {"entire_frame_compile": 12.3456})
+    assert compile_record() == {}
+    counters["stats"]["unique_graphs"] = 4
+    counters["inductor"].update(fxgraph_cache_hit=3, fxgraph_cache_miss=1)
+    counters["aot_autograd"].update(autograd_cache_hit=2)
+    record = compile_record()
+    assert record == {"graphs": 4, "compile_s": 12.346, "fx_cache_hit": 3, "fx_cache_miss": 1,
+                      "aot_cache_hit": 2, "aot_cache_miss": 0}
+    assert compile_line(record) == ("colocate: learner compile: 4 graphs, 12.3 s (inductor cache 3 hit / 1 miss, "
+                                    "AOTAutograd cache 2 hit / 0 miss)")
 
 
 def test_a_mark_keeps_its_first_time_and_unknown_marks_are_refused():

@@ -33,7 +33,8 @@ from colocate.learner.summary import RunFigures, SteadyState, learner_memory, wr
 from colocate.lifecycle import NO_FAULTS, Faults, StopSignal
 from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role_monitors
 from colocate.models import canonical_name
-from colocate.startup import Timeline, first_step_line, mark, merge, process_timeline, receive_marks, send_marks
+from colocate.startup import (Timeline, compile_line, compile_record, first_step_line, mark, merge, process_timeline,
+                              receive_marks, send_marks)
 from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
 
@@ -155,8 +156,13 @@ class LearnerRank:
         timelines = {r: (self.topo.roles[r], t) for r, t in self.startup_marks.items()}
         timelines[self.topo.rank] = ("learner", process_timeline())
         self.startup = merge(timelines)
+        compiled = compile_record()  # this rank's; every learner compiles the same graphs
+        if compiled:
+            self.startup["learner_compile"] = compiled
         write_atomic(os.path.join(self.cfg.metrics.run_dir, "startup.json"), self.startup)
         self.writer.print(first_step_line(self.startup))
+        if compiled:
+            self.writer.print(compile_line(compiled))
 
     def check_canary(self, scores: list, step: int) -> None:
         """The engines' probe log-probs against the learner's of the same version (`colocate.canary`)."""
