@@ -157,6 +157,11 @@ def first_step_line(record: dict) -> str:
             f"learner warm-up {p['learner_warmup']:.1f}, waiting for the first batch {p['first_batch_wait']:.1f})")
 
 
+COMPILE_PHASES = ("backend_compile", "inductor_compile", "code_gen", "async_compile.wait")
+"""Dynamo's compile phases `compile_record` keeps: AOTAutograd and inductor (backend), inductor alone,
+its code generation, and the wait for its kernel compiles (Triton's on a GPU)."""
+
+
 def compile_record() -> dict:
     """This process's torch.compile so far (learner rank 0 at the end of step 1): graphs compiled,
     seconds in Dynamo's frame compiles (inductor's included), and the hits and misses of inductor's
@@ -171,11 +176,14 @@ def compile_record() -> dict:
     if not graphs:
         return {}
     try:
-        seconds = float(utils.calculate_time_spent().get("entire_frame_compile", math.nan))
+        spent = dict(utils.calculate_time_spent())
     except Exception:  # a private helper: its name or shape may change across torch versions
-        seconds = math.nan
+        spent = {}
+    seconds = float(spent.get("entire_frame_compile", math.nan))
     inductor, aot = counters["inductor"], counters["aot_autograd"]
-    return {"graphs": graphs, "compile_s": round(seconds, 3),
+    return {"graphs": graphs, "frames": int(counters["frames"].get("total", 0)), "compile_s": round(seconds, 3),
+            # where the seconds went: Dynamo's tracing is what the backend's share leaves of the total
+            **{f"{k}_s": round(float(spent[k]), 3) for k in COMPILE_PHASES if k in spent},
             "fx_cache_hit": int(inductor.get("fxgraph_cache_hit", 0)),
             "fx_cache_miss": int(inductor.get("fxgraph_cache_miss", 0)),
             "aot_cache_hit": int(aot.get("autograd_cache_hit", 0)),
@@ -183,7 +191,9 @@ def compile_record() -> dict:
 
 
 def compile_line(record: dict) -> str:
-    return (f"colocate: learner compile: {record['graphs']} graphs, {record['compile_s']:.1f} s (inductor cache "
+    backend = record.get("backend_compile_s")
+    split = f", {record['compile_s'] - backend:.1f} s tracing" if backend is not None else ""
+    return (f"colocate: learner compile: {record['graphs']} graphs, {record['compile_s']:.1f} s{split} (inductor cache "
             f"{record['fx_cache_hit']} hit / {record['fx_cache_miss']} miss, AOTAutograd cache "
             f"{record['aot_cache_hit']} hit / {record['aot_cache_miss']} miss)")
 

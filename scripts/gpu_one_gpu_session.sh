@@ -68,7 +68,7 @@
 # each cut at SOAK_TIMEOUT seconds (default 14400; its JSON is written at the end).
 # Each job's GPU memory per process is sampled by nvidia-smi every 2 s (mem-*.csv: the peak per role).
 set -u
-GS=/tmp/gs1
+GS=${GS:-/tmp/gs1}
 mode=${1:?usage: gpu_one_gpu_session.sh start|wait SECS}
 export PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -217,7 +217,7 @@ chain() {
   [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   echo "chain done" >> "$GS/chain.log"
 }
-export -f chain step with_memory e2e_jobs
+export -f chain step with_memory e2e_jobs startup_profile
 export GS
 
 table() {  # the e2e records so far: one row per config and mode

@@ -64,16 +64,18 @@ def test_the_compile_record_reads_dynamos_counters(monkeypatch):
     import torch._dynamo.utils as utils
     counters = defaultdict(Counter)
     monkeypatch.setattr(utils, "counters", counters)
-    monkeypatch.setattr(utils, "calculate_time_spent", lambda: {"entire_frame_compile": 12.3456})
+    monkeypatch.setattr(utils, "calculate_time_spent", lambda: {"entire_frame_compile": 12.3456,
+                                                                 "backend_compile": 4.25, "gc": 0.1})
     assert compile_record() == {}
     counters["stats"]["unique_graphs"] = 4
+    counters["frames"]["total"] = 7
     counters["inductor"].update(fxgraph_cache_hit=3, fxgraph_cache_miss=1)
     counters["aot_autograd"].update(autograd_cache_hit=2)
     record = compile_record()
-    assert record == {"graphs": 4, "compile_s": 12.346, "fx_cache_hit": 3, "fx_cache_miss": 1,
-                      "aot_cache_hit": 2, "aot_cache_miss": 0}
-    assert compile_line(record) == ("colocate: learner compile: 4 graphs, 12.3 s (inductor cache 3 hit / 1 miss, "
-                                    "AOTAutograd cache 2 hit / 0 miss)")
+    assert record == {"graphs": 4, "frames": 7, "compile_s": 12.346, "backend_compile_s": 4.25, "fx_cache_hit": 3,
+                      "fx_cache_miss": 1, "aot_cache_hit": 2, "aot_cache_miss": 0}
+    assert compile_line(record) == ("colocate: learner compile: 4 graphs, 12.3 s, 8.1 s tracing (inductor cache "
+                                    "3 hit / 1 miss, AOTAutograd cache 2 hit / 0 miss)")
 
 
 def test_a_mark_keeps_its_first_time_and_unknown_marks_are_refused():
