@@ -121,6 +121,28 @@ def test_engine_and_learner_agree_on_one_adapter_and_every_fault_shows(tiny_cfg,
     assert canary(stale).gap > 10 * healthy.bound
 
 
+def test_the_learner_lays_the_probe_out_once_and_scores_each_version_afresh(tiny_cfg, tiny_tokenizer, monkeypatch):
+    """The probe's inputs are laid out and moved to the device once (a layout per version costs a
+    stream-synchronizing copy per tensor); a new adapter still gives new log-probs, and other ids a
+    new layout."""
+    from colocate.learner import learner as learner_module
+    learner, _ = _learner_and_engine(tiny_cfg, tiny_tokenizer)
+    calls = []
+    real = learner_module.layout
+    monkeypatch.setattr(learner_module, "layout", lambda *a, **k: calls.append(1) or real(*a, **k))
+    probe = probe_ids(tiny_tokenizer)
+    first, _ = learner.score_probe(probe)
+    again, _ = learner.score_probe(probe)
+    assert len(calls) == 1 and torch.equal(first, again)
+    with torch.no_grad():
+        for p in learner.params:
+            p.add_(0.05)
+    moved, _ = learner.score_probe(probe)
+    assert len(calls) == 1 and not torch.allclose(moved, first)
+    learner.score_probe(probe[:-1])
+    assert len(calls) == 2
+
+
 def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure: int = 0) -> tuple[list, list[float]]:
     """cpu-tiny in one process, synchronous (lag 0), with an FP8 HF engine and TIS (tis_cap 2): per
     version, the canary's check (the learner's probe against the engine's), then a batch sampled

@@ -131,6 +131,7 @@ class Learner:
         self.defer_row_scale = lm_head_frozen(model)
         self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
+        self._probe: tuple[tuple[int, ...], MicroBatch] | None = None  # the canary probe's inputs (`score_probe`)
 
     # ---- collectives over the learner group -------------------------------------------------------
 
@@ -190,12 +191,7 @@ class Learner:
         graphs (a gradient-free forward compiles graphs of its own: seconds at start-up) and the
         outputs are detached (nothing is kept for a backward); else it runs without gradients, which
         is cheaper."""
-        n = len(token_ids)
-        probe = TrajectoryBatch(tokens=torch.tensor(token_ids, dtype=torch.int32),
-                                seq_lens=torch.tensor([n], dtype=torch.int32),
-                                prompt_lens=torch.tensor([1], dtype=torch.int32), behaviour_logprobs=torch.zeros(n - 1),
-                                advantages=torch.zeros(1), rewards=torch.zeros(1), versions=torch.zeros(1, dtype=torch.int32))
-        ((_, _, mb),) = layout(probe, n, self.cfg.learner.prefix_sharing, self.device, self.attention)
+        mb = self._probe_inputs(token_ids)
         dropout = self.cfg.lora.dropout > 0
         if dropout:  # else train mode computes the same, and compiled blocks keep their graphs
             self.model.eval()  # the step's forward sets train() again
@@ -203,6 +199,21 @@ class Learner:
             logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
             logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
             return logp.detach(), logits.detach().pow(2).mean().sqrt()
+
+    def _probe_inputs(self, token_ids: list[int]) -> MicroBatch:
+        """The probe's model inputs on the device, laid out once and kept: the probe never changes,
+        and a fresh layout per version would copy its tensors to the device, each copy waiting for
+        the work queued before it (a pageable host-to-device copy synchronizes the stream)."""
+        key = tuple(token_ids)
+        if self._probe is None or self._probe[0] != key:
+            n = len(token_ids)
+            one = functools.partial(torch.tensor, dtype=torch.int32)
+            probe = TrajectoryBatch(tokens=one(token_ids), seq_lens=one([n]), prompt_lens=one([1]),
+                                    behaviour_logprobs=torch.zeros(n - 1), advantages=torch.zeros(1),
+                                    rewards=torch.zeros(1), versions=one([0]))
+            ((_, _, mb),) = layout(probe, n, self.cfg.learner.prefix_sharing, self.device, self.attention)
+            self._probe = (key, mb)
+        return self._probe[1]
 
     @torch.no_grad()
     def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
