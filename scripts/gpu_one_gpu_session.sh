@@ -34,7 +34,8 @@
 #            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...); startupgsm:K=V
 #            (or startup7b:K=V) the same with one more override, e.g. startupgsm:learner.compile=false (no comma:
 #            ONE_STEPS splits on commas)
-#            (startupgsm-learner-compile-false.json): each about 4 min on gpu-1-gsm8k.yaml
+#            (startupgsm-learner-compile-false.json): each about 4 min on gpu-1-gsm8k.yaml; STARTUP_ARGS adds
+#            profile arguments, e.g. STARTUP_ARGS=--importtime (every process's imports, vLLM's engine core too)
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
 #            only with engine.constraint_masks=ours)
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
@@ -107,7 +108,7 @@ startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on S
   [ -n "${3:-}" ] && sets+=("$3")
   [ ${#sets[@]} -gt 0 ] && args=(--set "${sets[@]}")
   with_memory "$2" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" --nproc 2 \
-    --steps "${STARTUP_STEPS:-6}" --out "$GS/$2.json" ${args[@]+"${args[@]}"}
+    --steps "${STARTUP_STEPS:-6}" --out "$GS/$2.json" ${STARTUP_ARGS:-} ${args[@]+"${args[@]}"}
 }
 
 step() {  # one step of the chain, by name
