@@ -217,6 +217,8 @@ class Launch:
     resolved: str = ""
     """Where the ranks wait for the checked config (`handover`)."""
     checks: Checks | None = None
+    engine_imports: str = ""
+    """Which ranks import their engine's modules while they wait (`handover.ENGINE_IMPORTS_ENV`)."""
 
     def checked_job(self) -> Job | None:
         """The job once the checks end (waits for them); None when they refused."""
@@ -254,6 +256,22 @@ def launch_shape(argv: list[str]) -> tuple[int, list[str], list[str], int | None
     return nproc, torchrun, ours, world, single
 
 
+def engine_imports(cfg, world: int | None, nproc: int) -> str:
+    """`handover.ENGINE_IMPORTS_ENV` for the ranks of a launch of `cfg`, parsed and not yet checked: the
+    roles as `place_roles` will place them, the GPUs as the checks count them (NVML); "" for an
+    elastic world or a layout the checks will refuse."""
+    if world is None:
+        return ""
+    from colocate.engine.table import preimport_ranks
+    from colocate.preflight import gpu_count
+    from colocate.topology import place_roles
+    try:
+        roles = place_roles(cfg, world, nproc)
+    except ValueError:
+        return ""
+    return preimport_ranks(cfg.engine.kind, roles, gpu_count(cfg))
+
+
 def train_command(argv: list[str]) -> Launch:
     """Parse the config, fork the child that checks it (`launch.start_checks`) and build torchrun's
     command -> the `Launch`; its ranks wait for the checked config (`handover`), which the checks'
@@ -275,6 +293,7 @@ def train_command(argv: list[str]) -> Launch:
                       *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
                       "-m", "colocate.train", f"--resolved-config={launch.resolved}"]
         launch.checks = Checks(child, launch, hold, (world, nproc, single))
+        launch.engine_imports = engine_imports(c.cfg, world, nproc)  # torch: torchrun imports it next anyway
     except BaseException:
         launch.close()
         raise
@@ -306,11 +325,14 @@ def train(argv: list[str]) -> int:
         sys.stdout.flush()
         os.environ.update(launch_env(nproc))
         # for these ranks only: a later launch from this process has its own
-        os.environ.update({LAUNCH_ENV: launched_at, handover.LAUNCHER_ENV: str(os.getpid())})
+        own = {LAUNCH_ENV: launched_at, handover.LAUNCHER_ENV: str(os.getpid()),
+               handover.ENGINE_IMPORTS_ENV: launch.engine_imports}
+        os.environ.update(own)
         try:
             code = run_torchrun(launch.cmd[3:], launch)
         finally:
-            del os.environ[LAUNCH_ENV], os.environ[handover.LAUNCHER_ENV]
+            for name in own:
+                del os.environ[name]
         return launch.finish() or code
     finally:
         launch.close()

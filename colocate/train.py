@@ -17,8 +17,8 @@ oversampled groups (rollout.oversample_groups > 0, L >= 2) batch k is sampled wi
 max(0, k - L + 1): a group carried over to batch k + 1 is then trained exactly L steps after its
 version (`config.sampling_lag`).
 
-Kept under `if __name__ == "__main__"`: a vLLM engine core re-imports the main module
-(docs/design.md, "Traps").
+Kept under `if __name__ == "__main__"`: a spawned process (env.processes' copies) runs the main
+module again (docs/design.md, "Traps").
 """
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ from colocate.canary import probe_ids
 from colocate.channel import AdapterReceiver, AdapterSender
 from colocate.config import Config, save_config
 from colocate.engine.base import Engine
-from colocate.engine.table import EngineParts, engine_entry, make_sender as table_sender
+from colocate.engine.table import EngineParts, engine_entry, make_sender as table_sender, preimport
 from colocate.envs import env_corpus, env_facts, make_env
+from colocate.handover import ENGINE_IMPORTS_ENV
 from colocate.rank_config import configure, rank_role
 from colocate.learner.learner import Learner
 from colocate.learner.loop import run_learner
@@ -131,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     """One rank (or `--check`) -> its exit code: 0, or COLLAPSE_EXIT when a collapse or a canary
     mismatch stopped the run; bad input exits 2 and a failure FAILED_EXIT from inside."""
     timeline = begin()
-    cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
+    # an inference rank of `colocate train` imports its engine's modules while the launcher checks
+    early = preimport(os.environ.get(ENGINE_IMPORTS_ENV, ""), int(os.environ.get("RANK", "-1")))
+    try:
+        cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
+    finally:
+        if early is not None:
+            early.join()
     if check_only:  # `--check`: `launch.echo_check` printed the resolved config and its plan
         return 0
     timeline.mark("checks_done")

@@ -101,3 +101,61 @@ def test_an_fp8_kv_cache_is_refused_where_the_engine_would_not_keep_one(tiny_cfg
     check_engine_keys(cfg("vllm"))
     check_engine_keys(cfg("auto"), outside_world=False)
     check_engine_keys(cfg("hf", kv="auto"))
+
+
+# ------------------------------------------------------------------- imports while the checks run
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A stand-in `vllm` package first on sys.path, CUDA reported present -> write(body) sets the
+    body of its `vllm.entrypoints.llm`; the vllm modules a test imports are dropped after it."""
+    import sys
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for folder in ("vllm", "vllm/entrypoints"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def write(body: str) -> None:
+        (tmp_path / "vllm" / "entrypoints" / "llm.py").write_text(body)
+    write("LLM = 'the stand-in'\n")
+    yield write
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+def test_the_launcher_names_the_ranks_that_build_an_engine_with_imports(monkeypatch):
+    roles = ["inference", "learner", "inference", "learner"]
+    assert table.preimport_ranks("vllm", roles, gpus=1) == "vllm:0,2"
+    assert table.preimport_ranks("hf", roles, gpus=1) == "" and table.preimport_ranks("auto", roles, gpus=0) == ""
+    monkeypatch.setattr(table, "vllm_installed", lambda: True)
+    assert table.preimport_ranks("auto", roles, gpus=1) == "vllm:0,2"  # auto resolved as the checks do
+
+
+def test_an_inference_rank_imports_vllm_early_and_a_learner_never(fake_vllm):
+    import sys
+    assert table.preimport("vllm:0", 1) is None and table.preimport("", 0) is None
+    assert "vllm" not in sys.modules
+    table.preimport("vllm:0", 0).join()
+    assert sys.modules["vllm.entrypoints.llm"].LLM == "the stand-in" and "colocate.engine.vllm" in sys.modules
+
+
+def test_an_early_import_that_fails_is_raised_by_the_builds_own(fake_vllm, monkeypatch):
+    import sys
+    import threading
+    fake_vllm("raise ImportError('libcudart.so.13: cannot open shared object file')\n")
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    table.preimport("vllm:1", 1).join()
+    assert failures == [] and "vllm.entrypoints.llm" not in sys.modules
+    with pytest.raises(ImportError, match="libcudart"):
+        import vllm.entrypoints.llm  # noqa: F401
+
+
+def test_without_cuda_a_rank_imports_nothing_early(fake_vllm, monkeypatch):
+    import sys
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    table.preimport("vllm:0", 0).join()
+    assert "vllm" not in sys.modules

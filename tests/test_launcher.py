@@ -14,6 +14,7 @@ import pytest
 from colocate import cli, launch, rank_config
 from tests.conftest import REPO
 from tests.test_cli import handed_over
+from tests.test_engine_table import fake_vllm  # noqa: F401 - a fixture
 
 DATASET = os.path.join(REPO, "configs", "cpu-dataset-tiny.yaml")
 
@@ -255,6 +256,45 @@ def test_a_wait_ends_on_the_config_a_refusal_the_launchers_end_or_its_limit(tmp_
     assert handover.wait(path, os.getppid()) == handover.READY
     with open(path, "rb") as f:
         assert handover.read_record(path)["sha256"] == handover.digest(f.read())
+
+
+def test_an_inference_rank_imports_its_engine_while_it_waits_for_the_checks(fake_vllm, monkeypatch):
+    """`train.main` starts the engine's imports before the rank waits for the launcher's checks, on
+    the inference ranks the launcher names (`handover.ENGINE_IMPORTS_ENV`) only; a learner never
+    imports vLLM."""
+    import time
+
+    from colocate import handover, train
+    seen = []
+
+    def waiting(argv):  # the rank's wait: the import shows up meanwhile, then the launcher refuses
+        deadline = time.monotonic() + 60
+        while "vllm.entrypoints.llm" not in sys.modules and time.monotonic() < deadline and os.environ["RANK"] == "0":
+            time.sleep(0.01)
+        seen.append("vllm.entrypoints.llm" in sys.modules)
+        raise SystemExit(2)
+    monkeypatch.setattr(train, "configure", waiting)
+    monkeypatch.setenv(handover.ENGINE_IMPORTS_ENV, "vllm:0")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit):
+            train.main([])
+        seen.append("vllm" in sys.modules)
+    assert seen == [False, False, True, True]
+
+
+def test_colocate_train_names_the_ranks_that_import_their_engine_early(tmp_path):
+    """From the parsed config, before the checks: the inference ranks as `place_roles` places them
+    and the engine they build; nothing for an engine without early imports, an elastic world or a
+    layout the checks refuse."""
+    def parsed(*overrides):
+        return launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
+                                    f"--metrics.run_dir={tmp_path / 'run'}", *overrides], 4)[0]
+    assert cli.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1"
+    assert cli.engine_imports(parsed("--engine.kind=vllm", "--topology.placement=interleaved"), 4, 2) == "vllm:0,2"
+    assert cli.engine_imports(parsed(), 4, 4) == ""  # cpu-tiny's engine.kind=hf
+    assert cli.engine_imports(parsed("--engine.kind=vllm"), None, 4) == ""
+    assert cli.engine_imports(parsed("--engine.kind=vllm"), 4, 3) == ""  # not a whole number of nodes
 
 
 SLOW_CHECKS = """import sys, time

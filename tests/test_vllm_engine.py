@@ -12,7 +12,8 @@ import torch
 from colocate.constraint import Constraint
 from colocate.data import Request
 from colocate.engine.vllm import (REPO_ROOT, completion_from_output, engine_environment, lora_spec_for,
-                                  prompt_logprobs_of, sampled_logprobs, sampling_kwargs, visible_device)
+                                  prompt_logprobs_of, sampled_logprobs, sampling_kwargs, spawn_without_main,
+                                  visible_device)
 from colocate.engine.vllm_settings import capture_sizes, engine_settings
 from colocate.wire import LoraSpec
 from tests.test_vllm_grammar import EOS, prefix_constraint
@@ -133,6 +134,38 @@ def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
         assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == REPO_ROOT  # the worker extension imports colocate
     assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+
+
+def spawn_and_join(target, *args) -> int:
+    import multiprocessing
+    child = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    child.start()
+    child.join(timeout=120)
+    return child.exitcode
+
+
+def test_spawn_without_main_skips_the_main_module_and_restores_it(monkeypatch, tmp_path):
+    """A main module with a spec (a rank's `colocate.train`) runs again in a spawned child, except
+    inside `spawn_without_main`; the child still runs its target, and `__main__` is restored (also
+    after an exception)."""
+    import importlib
+    import sys
+    marker = tmp_path / "imported"
+    (tmp_path / "colocate_fake_main.py").write_text(f"open({str(marker)!r}, 'a').write('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main = importlib.import_module("colocate_fake_main")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    marker.unlink()
+    assert spawn_and_join(os.makedirs, str(tmp_path / "ran-plain")) == 0
+    assert marker.read_text() == "imported"  # the test sees a re-import: spawn ran the main module again
+    marker.unlink()
+    spec, file = main.__spec__, main.__file__
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with spawn_without_main():
+            assert spawn_and_join(os.makedirs, str(tmp_path / "ran-hidden")) == 0
+            raise RuntimeError("engine failed")
+    assert not marker.exists() and (tmp_path / "ran-hidden").is_dir()
+    assert main.__spec__ is spec and main.__file__ == file and sys.modules["__main__"] is main
 
 
 def test_lora_spec_for_matches_the_learners(tiny_cfg, tiny_tokenizer):

@@ -9,7 +9,9 @@ Ranks that share a GPU always move adapters by CUDA IPC (`channel.IpcSender`), w
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -56,6 +58,9 @@ class EngineEntry:
     has started, since the profile would count the learner's memory as the engine's own."""
     fp8_kv_cache: bool = False
     """Whether it keeps its KV cache in FP8 for engine.kv_cache_dtype=fp8 (`check_engine_keys`)."""
+    imports: tuple[str, ...] = ()
+    """Modules its `build` imports that take long (vLLM's): an inference rank of `colocate train`
+    imports them while it waits for the launcher's checks (`preimport`)."""
 
 
 def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
@@ -110,7 +115,8 @@ ENGINES: dict[str, EngineEntry] = {
     "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
                         installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
-                        sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0, fp8_kv_cache=True),
+                        sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0, fp8_kv_cache=True,
+                        imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel")),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
 
@@ -134,6 +140,50 @@ def resolve_kind(kind: str, topo) -> str:
 def engine_entry(cfg, topo) -> EngineEntry:
     """The entry of the run's engine on this rank."""
     return ENGINES[resolve_kind(cfg.engine.kind, topo)]
+
+
+def on_device(kind: str) -> SimpleNamespace:
+    """What `resolve_kind` and `EngineEntry.available` read of a topology: its device's kind."""
+    import torch
+    return SimpleNamespace(device=torch.device(kind))
+
+
+def preimport_ranks(kind: str, roles: list[str], gpus: int) -> str:
+    """What `colocate train` tells its ranks (`handover.ENGINE_IMPORTS_ENV`): `KIND:RANK,RANK,...`,
+    engine.kind (`auto` resolved as the checks resolve it, for the `gpus` the ranks will use) and
+    the ranks of `roles` that infer; "" when that engine has nothing to import early."""
+    kind = resolve_kind(kind, on_device("cuda" if gpus else "cpu"))
+    if kind not in ENGINES or not ENGINES[kind].imports:
+        return ""
+    return kind + ":" + ",".join(str(r) for r, role in enumerate(roles) if role == "inference")
+
+
+def preimport(word: str, rank: int) -> threading.Thread | None:
+    """On a rank the launcher's `word` (`preimport_ranks`) names: its engine's `imports` on a daemon
+    thread, started while the rank waits for the launcher's checks, so the engine's build finds them
+    imported -> the thread (join it before the rank imports anything else: two threads importing
+    modules that import each other can deadlock), else None (a learner never imports an engine's
+    modules). A refused launch ends the rank mid-import; a failed import is the build's to raise."""
+    kind, _, ranks = word.partition(":")
+    if kind not in ENGINES or str(rank) not in ranks.split(","):
+        return None
+    thread = threading.Thread(target=import_early, args=(ENGINES[kind],), name="colocate-engine-imports", daemon=True)
+    thread.start()
+    return thread
+
+
+def import_early(entry: EngineEntry) -> None:
+    """`entry.imports`, where the entry is available on this rank's device (the device its topology
+    will take when CUDA works: else the rank's engine is another one, or fails to start on its own);
+    a module that fails to import is raised again by the build's own import."""
+    import torch
+    if not entry.available(on_device("cuda" if torch.cuda.is_available() else "cpu")):
+        return
+    for name in entry.imports:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the build's import raises it again, on the rank's thread
+            pass
 
 
 def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:

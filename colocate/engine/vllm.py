@@ -29,8 +29,9 @@ What it does beyond `LLM.generate`:
     temperature) and skips prefix-cache reads for such a request, so the probe is computed anew by
     the weights the engine holds;
   * start-up inside a torchrun rank: the engine core is a child process that sees only this rank's
-    GPU and none of torchrun's variables (`engine_environment`), and re-imports the main module, so
-    `train.py` keeps its entry guarded (docs/design.md, Traps).
+    GPU and none of torchrun's variables (`engine_environment`), and is spawned without running the
+    rank's main module again (`spawn_without_main`; `train.py` keeps its entry guarded all the same:
+    docs/design.md, Traps).
 
 Deliberately absent: tensor parallelism, several adapters, sleep mode, speculative decoding.
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -92,6 +94,33 @@ def engine_environment(gpu: int | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+MAIN_ATTRIBUTES = ("__spec__", "__file__")
+"""What multiprocessing's `spawn` reads off `__main__` to run it again in a child."""
+
+
+@contextlib.contextmanager
+def spawn_without_main():
+    """Processes spawned meanwhile do not run the main module again (restored afterwards).
+
+    `spawn` runs the parent's main module again in every child, as `__mp_main__`, so that the child
+    can unpickle what it defines. A rank's main module is `colocate.train`, whose imports are the
+    learner's stack; the engine core needs none of it (its target, its arguments and the worker
+    extension are named by their own modules), and importing it only delayed the engine's start.
+    """
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in MAIN_ATTRIBUTES if k in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        for k in MAIN_ATTRIBUTES:
+            if k in saved:
+                main.__dict__[k] = saved[k]
+            else:
+                main.__dict__.pop(k, None)
 
 
 def lora_spec_for(cfg, tokenizer) -> LoraSpec:
@@ -195,7 +224,7 @@ class VLLMEngine(Engine):
         if not s.validate_grammars:
             skip_client_grammar_validation()
         t0 = time.perf_counter()
-        with engine_environment(gpu):
+        with engine_environment(gpu), spawn_without_main():
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.logprob_kernel = "vllm"
