@@ -10,8 +10,9 @@ Variants (`--variants`):
   as_run      the config as it is;
   eager       as_run's learner, compiled blocks run eagerly (compiler stance force_eager), the probe
               on score_probe's no-grad path (its config copy has learner.compile false); no train step;
-  no_fsdp, no_compile, flat   learners built with learner.fsdp=false, learner.compile=false,
+  no_compile, no_fsdp, flat   learners built with learner.compile=false, learner.fsdp=false,
               learner.prefix_sharing=off (a setting the config already has: skipped).
+No build starts past `--time-limit-s`; `--partial` gets the record after each build.
 `--cotenant` (default on a GPU): each variant again beside `common.Cotenant`, a second CUDA context
 busy as an engine keeps it (`_cotenant` figures; its replays/s during the probes and idle; the
 engine time each probe costs it, `cotenant_ms_lost_per_probe_<v>`).
@@ -31,9 +32,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from benchmarks.common import Cotenant, trace_call
+from colocate.jsonfile import write_atomic
 
-BUILDS = {"as_run": {}, "no_fsdp": {"fsdp": False}, "no_compile": {"compile": False}, "flat": {"prefix_sharing": "off"}}
-VARIANTS = ("as_run", "eager", "no_fsdp", "no_compile", "flat")
+BUILDS = {"as_run": {}, "no_compile": {"compile": False}, "no_fsdp": {"fsdp": False}, "flat": {"prefix_sharing": "off"}}
+"""Learner builds in run order (the cheapest answers first): variant -> learner settings beyond the config's."""
+VARIANTS = ("as_run", "eager", "no_compile", "no_fsdp", "flat")
 COMPARED = ("probe_device_ms", "probe_host_ms", "train_step_ms", "train_step_host_ms")
 TRACE_KEYS = ("wall_ms", "gpu_busy_ms", "num_kernels", "family_ms", "gaps_over_100us", "longest_gaps_ms", "host_gaps", "gc")
 
@@ -50,6 +53,9 @@ def add_args(parser) -> None:
                         help="each variant again beside a busy second CUDA context (default: on a GPU)")
     parser.add_argument("--cotenant-chain", type=int, default=16, help="4096^2 bf16 matmuls per cotenant replay")
     parser.add_argument("--trace-dir", default="", help="also write each traced probe's Chrome trace here")
+    parser.add_argument("--time-limit-s", type=float, default=420.0,
+                        help="no learner build starts after this many seconds (the rest noted as skipped)")
+    parser.add_argument("--partial", default="", help="also write the record here after every build")
 
 
 def variant_list(text: str) -> list[str]:
@@ -70,6 +76,7 @@ class _Bench:
     cotenant: Cotenant | None
     record: dict
     outputs: dict = field(default_factory=dict)  # variant -> (probe log-probs on the CPU, logits RMS)
+    t_start: float = field(default_factory=time.perf_counter)
 
     @property
     def cuda(self) -> bool:
@@ -99,6 +106,8 @@ def run(args) -> dict:
                 names = [v for v in args.variants if v == build or (build, v) == ("as_run", "eager")]
                 if names and not skipped(bench, build, settings, names):
                     run_build(bench, build, settings, names)
+                    if args.partial:
+                        write_atomic(args.partial, record)
     finally:
         if cotenant:
             cotenant.close()
@@ -110,10 +119,12 @@ def run(args) -> dict:
 
 def load(args):
     """The config as a run takes it: the file, the overrides, `micro_batch_tokens: auto` resolved by
-    the run's memory plan; on a GPU this process gets the cores one rank of the run gets."""
+    the run's memory plan; the run's compile caches (`model.compile_cache_dir`) and, on a GPU, the
+    cores one rank of the run gets."""
     from colocate.config import load_config, parse_overrides
     from colocate.config_checks import resolve_roles
     from colocate.preflight import gpu_count, meta_model, plan_memory
+    from colocate.startup import compile_cache_env
     from colocate.topology import split_cpu_threads
     path = args.config or ("configs/cpu-tiny.yaml" if args.quick else "configs/gpu-1-gsm8k.yaml")
     cfg = load_config(path, parse_overrides(["--" + o.removeprefix("--") for o in args.set])[1])
@@ -121,6 +132,7 @@ def load(args):
     if cfg.learner.micro_batch_tokens == "auto":
         plan = plan_memory(cfg, meta_model(cfg), world, None, None, gpu_count(cfg), False)
         cfg.learner = replace(cfg.learner, micro_batch_tokens=plan.micro_batch_tokens)
+    compile_cache_env(cfg.model.compile_cache_dir)  # before anything compiles
     if torch.cuda.is_available():
         split_cpu_threads(world)
     return cfg
@@ -145,9 +157,13 @@ def one_learner(cuda: bool):
 
 
 def skipped(bench: _Bench, build: str, settings: dict, names: list[str]) -> bool:
-    """Note a build whose settings the config already has, and `eager` where torch lacks compiler stances."""
+    """Note a build whose settings the config already has, one past the time limit, and `eager` where
+    torch lacks compiler stances."""
     if settings and all(getattr(bench.cfg.learner, k) == v for k, v in settings.items()):
         bench.record["skipped"].append(f"{build}: the config already has learner.{settings}")
+        return True
+    if time.perf_counter() - bench.t_start > bench.args.time_limit_s:
+        bench.record["skipped"].append(f"{', '.join(names)}: out of time (--time-limit-s {bench.args.time_limit_s:g})")
         return True
     if "eager" in names and not hasattr(torch.compiler, "set_stance"):
         names.remove("eager")

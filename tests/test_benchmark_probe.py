@@ -2,19 +2,21 @@
 its record holds host figures only (no CUDA events, no cotenant), and every variant scores the
 probe as the run's learner does."""
 import argparse
+import json
 import os
 
 from benchmarks import probe
 from tests.conftest import REPO
 
 
-def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, tiny_tokenizer):
+def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, tiny_tokenizer, tmp_path):
     parser = argparse.ArgumentParser()
     probe.add_args(parser)
     # prefix trees on, so the flat variant is a build of its own; cpu-tiny has compile off: no_compile is as_run
     args = parser.parse_args(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--iters", "2",
                               "--warmup", "1", "--train-steps", "1",
-                              "--set", f"model.cache_dir={tiny_cfg.model.cache_dir}", "learner.prefix_sharing=tree"])
+                              "--set", f"model.cache_dir={tiny_cfg.model.cache_dir}", "model.compile_cache_dir=",
+                              "learner.prefix_sharing=tree", "--partial", str(tmp_path / "partial.json")])
     args.quick = True
     record = probe.run(args)
     figures, ran = record["figures"], ("as_run", "eager", "no_fsdp", "flat")
@@ -24,6 +26,7 @@ def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, t
         assert (f"train_step_host_ms_{name}" in figures) == (name != "eager")  # eager: the probe only
         assert f"probe_host_ms_{name}_vs_as_run" in record["ratios"] or name == "as_run"
     assert not [k for k in figures if "cotenant" in k or "device" in k] and not record["traces"]
+    assert set(json.loads((tmp_path / "partial.json").read_text())["figures"]) <= set(figures)  # each build's
     # Same weights (one seed), same tokens, the adapter put back after the train steps: the variants
     # differ only in the order of float32 roundings (FSDP's gathered views or plain tensors, the tree's
     # SDPA mask or one causal sequence, compiled graphs or eager). canary_bound is the arithmetic of
