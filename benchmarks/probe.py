@@ -157,18 +157,15 @@ def one_learner(cuda: bool):
 
 
 def skipped(bench: _Bench, build: str, settings: dict, names: list[str]) -> bool:
-    """Note a build whose settings the config already has, one past the time limit, and `eager` where
-    torch lacks compiler stances."""
+    """Note a build whose settings the config already has, or one past the time limit. (`eager` needs
+    `torch.compiler.set_stance`: torch 2.6, the oldest setup.py allows.)"""
     if settings and all(getattr(bench.cfg.learner, k) == v for k, v in settings.items()):
         bench.record["skipped"].append(f"{build}: the config already has learner.{settings}")
         return True
     if time.perf_counter() - bench.t_start > bench.args.time_limit_s:
         bench.record["skipped"].append(f"{', '.join(names)}: out of time (--time-limit-s {bench.args.time_limit_s:g})")
         return True
-    if "eager" in names and not hasattr(torch.compiler, "set_stance"):
-        names.remove("eager")
-        bench.record["skipped"].append(f"eager: torch {torch.__version__} has no torch.compiler.set_stance")
-    return not names
+    return False
 
 
 def run_build(bench: _Bench, build: str, settings: dict, names: list[str]) -> None:
@@ -238,7 +235,7 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
         steps = train_steps(learner, args.train_steps, bench.cuda) if name != "eager" else ([], [])
     bench.outputs.setdefault(name, (out[0].float().cpu(), float(out[1])))
     put(figures, key, probe_device_ms=device, probe_host_ms=host, train_step_ms=steps[0], train_step_host_ms=steps[1])
-    print(f"[probe-bench] {key}: " + ", ".join(f"{m} {figures[f'{m}_{key}']:.2f}" for m in COMPARED
+    print(f"[probe-bench] {key}: " + ", ".join(f"{m} {figures[f'{m}_{key}']:.2f}" for m in (*COMPARED, "probe_gpu_busy_ms")
                                                if f"{m}_{key}" in figures), flush=True)
 
 
