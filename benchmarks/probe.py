@@ -13,6 +13,8 @@ Variants (`--variants`):
   no_compile, no_fsdp, flat   learners built with learner.compile=false, learner.fsdp=false,
               learner.prefix_sharing=off (a setting the config already has: skipped).
 No build starts past `--time-limit-s`; `--partial` gets the record after each build.
+`--queued-ms` (GPU): the probes again, each issued behind that much GPU work on its stream, as the
+run issues it after a step (`_queued` figures: host ms that grow with it mean the probe waits for it).
 `--cotenant` (default on a GPU): each variant again beside `common.Cotenant`, a second CUDA context
 busy as an engine keeps it (`_cotenant` figures; its replays/s during the probes and idle; the
 engine time each probe costs it, `cotenant_ms_lost_per_probe_<v>`).
@@ -52,6 +54,8 @@ def add_args(parser) -> None:
     parser.add_argument("--cotenant", action=argparse.BooleanOptionalAction, default=None,
                         help="each variant again beside a busy second CUDA context (default: on a GPU)")
     parser.add_argument("--cotenant-chain", type=int, default=16, help="4096^2 bf16 matmuls per cotenant replay")
+    parser.add_argument("--queued-ms", type=float, default=50.0,
+                        help="GPU: the probes again, each behind this much GPU work queued on its stream (0: not)")
     parser.add_argument("--trace-dir", default="", help="also write each traced probe's Chrome trace here")
     parser.add_argument("--time-limit-s", type=float, default=420.0,
                         help="no learner build starts after this many seconds (the rest noted as skipped)")
@@ -77,6 +81,7 @@ class _Bench:
     record: dict
     outputs: dict = field(default_factory=dict)  # variant -> (probe log-probs on the CPU, logits RMS)
     t_start: float = field(default_factory=time.perf_counter)
+    queue: object = None  # GPU: a callable queueing --queued-ms of work on the current stream (`spin`)
 
     @property
     def cuda(self) -> bool:
@@ -102,6 +107,7 @@ def run(args) -> dict:
             record["figures"]["cotenant_replays_per_s_idle"] = cotenant.rate(2.0)
         with one_learner(cuda) as topo:
             bench = _Bench(args, cfg, tokenizer, probe_ids(tokenizer), topo, cotenant, record)
+            bench.queue = spin(args.queued_ms) if cuda and args.queued_ms > 0 else None
             for build, settings in BUILDS.items():
                 names = [v for v in args.variants if v == build or (build, v) == ("as_run", "eager")]
                 if names and not skipped(bench, build, settings, names):
@@ -222,6 +228,10 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
         count, t0 = cotenant.count() if cotenant else 0, time.perf_counter()
         out, device, host = timed(lambda: learner.score_probe(bench.probe), args.iters, args.warmup, bench.cuda)
         window = time.perf_counter() - t0
+        if bench.queue:  # as in the run, the probe issued while the step's work still runs: does it wait for it?
+            _, queued_device, queued_host = timed(lambda: learner.score_probe(bench.probe), args.iters, args.warmup,
+                                                  bench.cuda, before=bench.queue)
+            put(figures, key + "_queued", probe_device_ms=queued_device, probe_host_ms=queued_host)
         if cotenant:
             rate = (cotenant.count() - count) / window
             figures[f"cotenant_replays_per_s_{name}"] = rate
@@ -239,12 +249,15 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
                                                if f"{m}_{key}" in figures), flush=True)
 
 
-def timed(fn, iters: int, warmup: int, cuda: bool):
-    """`fn()` warmup + iters times, the GPU idle before each -> (the last result, device ms between
-    CUDA events around each timed call ([] off the GPU), host ms of each (no sync inside))."""
+def timed(fn, iters: int, warmup: int, cuda: bool, before=None):
+    """`fn()` warmup + iters times, the GPU idle before each (or running what `before()` queued) ->
+    (the last result, device ms between CUDA events around each timed call ([] off the GPU), host ms
+    of each (no sync inside))."""
     device, host, out = [], [], None
     for i in range(warmup + iters):
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+        if before:
+            before()
         if events:
             events[0].record()
         t0 = time.perf_counter()
@@ -257,6 +270,18 @@ def timed(fn, iters: int, warmup: int, cuda: bool):
             host.append(took)
             device += [events[0].elapsed_time(events[1])] if events else []
     return out, device, host
+
+
+def spin(ms: float):
+    """A callable queueing about `ms` of GPU work on the current stream (`torch.cuda._sleep`, a spin
+    kernel; its cycles per ms measured here)."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    events[0].record()
+    torch.cuda._sleep(10 ** 7)
+    events[1].record()
+    events[1].synchronize()
+    cycles = int(ms * 10 ** 7 / events[0].elapsed_time(events[1]))
+    return lambda: torch.cuda._sleep(cycles)
 
 
 def train_steps(learner, steps: int, cuda: bool) -> tuple[list[float], list[float]]:
@@ -299,6 +324,7 @@ def summarize(bench: _Bench) -> None:
             figures[f"probe_gap_{name}"] = float((logprobs - reference).abs().mean())
     for metric in COMPARED:
         base = figures.get(f"{metric}_as_run")
-        for name in [n + c for n in VARIANTS for c in ("", "_cotenant") if n + c != "as_run"]:
+        for name in [n + c for n in VARIANTS for c in ("", "_queued", "_cotenant", "_cotenant_queued")
+                     if n + c != "as_run"]:
             if base and f"{metric}_{name}" in figures:
                 ratios[f"{metric}_{name}_vs_as_run"] = figures[f"{metric}_{name}"] / base
