@@ -1,6 +1,8 @@
-"""Shared benchmark helpers: machine description, timing, the printed table."""
+"""Shared benchmark helpers: machine description, timing, the printed table, trace summaries, and a
+second CUDA context kept busy beside the measured work (`Cotenant`)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -281,3 +283,73 @@ def summarize_trace(path: str, top: int = 15) -> dict:
     kernels = trace_kernels(events)
     span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) if kernels else 0.0
     return {"path": path, **kernel_summary(kernels, wall_us=span, top=top), "host": host_summary(events, top=top)}
+
+
+def _cotenant_main(index: int, size: int, chain: int, busy, stop, ready, counter) -> None:
+    """`Cotenant`'s process: a CUDA graph of `chain` [size, size] bf16 matmuls, replayed back to back
+    (each waited for, as an engine reads each step's tokens) while `busy` is set, until `stop`."""
+    torch.cuda.set_device(index)
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.randn(size, size, device="cuda", dtype=torch.bfloat16) / size ** 0.5 for _ in range(chain)]
+
+    def product():
+        y = x
+        for w in weights:
+            y = y @ w
+        return y
+    with torch.cuda.stream(torch.cuda.Stream()):  # cuBLAS picks its kernels and workspace before capture
+        product()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        product()
+    ready.set()
+    while not stop.is_set():
+        if busy.wait(0.05):
+            graph.replay()
+            torch.cuda.synchronize()
+            with counter.get_lock():
+                counter.value += 1
+
+
+class Cotenant:
+    """A second CUDA context on GPU `index`, kept busy the way an inference engine keeps a GPU it
+    shares with a learner (no MPS: the two contexts time-slice): a spawned process replaying a CUDA
+    graph of matmuls while `busy()` is held, counting its replays (`count`, `rate`)."""
+
+    def __init__(self, index: int, size: int = 4096, chain: int = 16):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.flag, self.stop, ready, self.counter = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+        self.proc = ctx.Process(target=_cotenant_main, args=(index, size, chain, self.flag, self.stop, ready,
+                                                             self.counter), daemon=True)
+        self.proc.start()
+        while not ready.wait(1.0):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the cotenant process ended at its start (exit code {self.proc.exitcode})")
+
+    def count(self) -> int:
+        return self.counter.value
+
+    @contextlib.contextmanager
+    def busy(self):
+        self.flag.set()
+        try:
+            yield
+        finally:
+            self.flag.clear()
+
+    def rate(self, seconds: float) -> float:
+        """Its replays per second over `seconds` busy, with nothing else of ours on the GPU."""
+        with self.busy():
+            time.sleep(0.2)
+            count, t0 = self.count(), time.perf_counter()
+            time.sleep(seconds)
+            return (self.count() - count) / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One benchmark entry: `python scripts/benchmark.py --profile {env,rollout,trainer,e2e,sync,kernel,dataset_rollout,soak,logprob,startup}`.
+"""One benchmark entry: `python scripts/benchmark.py --profile {env,rollout,trainer,e2e,sync,kernel,dataset_rollout,soak,logprob,startup,probe}`.
 
 Each profile lives in `benchmarks/<profile>.py` as `run(args) -> dict` and measures the
 baseline and ours in the same process. This entry adds the machine description and writes
@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PROFILES = ("env", "rollout", "trainer", "e2e", "sync", "kernel", "dataset_rollout", "soak", "logprob", "startup")
+PROFILES = ("env", "rollout", "trainer", "e2e", "sync", "kernel", "dataset_rollout", "soak", "logprob", "startup", "probe")
 
 
 def main() -> None:

@@ -1,0 +1,38 @@
+"""The probe benchmark (benchmarks/probe.py) on the CPU: every variant it can build on cpu-tiny runs,
+its record holds host figures only (no CUDA events, no cotenant), and every variant scores the
+probe as the run's learner does."""
+import argparse
+import json
+import os
+
+from benchmarks import probe
+from tests.conftest import REPO
+
+
+def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, tiny_tokenizer, tmp_path):
+    parser = argparse.ArgumentParser()
+    probe.add_args(parser)
+    # prefix trees on, so the flat variant is a build of its own; cpu-tiny has compile off: no_compile is as_run
+    args = parser.parse_args(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--iters", "2",
+                              "--warmup", "1", "--train-steps", "1",
+                              "--set", f"model.cache_dir={tiny_cfg.model.cache_dir}", "model.compile_cache_dir=",
+                              "learner.prefix_sharing=tree", "--partial", str(tmp_path / "partial.json")])
+    args.quick = True
+    record = probe.run(args)
+    figures, ran = record["figures"], ("as_run", "eager", "no_fsdp", "flat")
+    assert [s.split(":")[0] for s in record["skipped"]] == ["no_compile"]
+    for name in ran:
+        assert figures[f"probe_host_ms_{name}"] > 0 and f"probe_device_ms_{name}" not in figures
+        assert (f"train_step_host_ms_{name}" in figures) == (name != "eager")  # eager: the probe only
+        assert f"probe_host_ms_{name}_vs_as_run" in record["ratios"] or name == "as_run"
+    assert not [k for k in figures if "cotenant" in k or "device" in k] and not record["traces"]
+    assert set(json.loads((tmp_path / "partial.json").read_text())["figures"]) <= set(figures)  # each build's
+    # Same weights (one seed), same tokens, the adapter put back after the train steps: the variants
+    # differ only in the order of float32 roundings (FSDP's gathered views or plain tensors, the tree's
+    # SDPA mask or one causal sequence, compiled graphs or eager). canary_bound is the arithmetic of
+    # exactly that, two implementations at one compute dtype: 4 (2^-24 + sqrt(K) 2^-24) sqrt(L) x the
+    # logits' RMS, a few 1e-6 nats here, on the statistic the canary checks (the mean over the probe).
+    assert 0 < figures["probe_gap_bound"] < 1e-4
+    assert figures["probe_gap_as_run"] == 0.0
+    for name in ran:
+        assert figures[f"probe_gap_{name}"] <= figures["probe_gap_bound"], name
