@@ -29,6 +29,10 @@
 #            three adjacent on/off pairs, their s/step ratios' mean and standard error and the pooled ratio in
 #            the record's figures, each job's probe ms per side); E2ECANARY_ORDER replaces the order,
 #            E2E_STEPS the steps per job (default 20 here, as each job's start-up dominates; others 10)
+#   probe    the canary's learner probe alone (`--profile probe`, gpu-1-gsm8k's learner): device and host ms per
+#            variant (as run, eager, no FSDP, no compile, flat), each beside a busy second CUDA context too;
+#            5-8 min (no build starts after PROBE_LIMIT_S, default 540); PROBE_ARGS adds arguments, e.g.
+#            "--variants as_run,eager,no_compile --iters 20" (2-3 min)
 #   startupgsm  the startup profile on configs/gpu-1-gsm8k.yaml as shipped: a cold launch (fresh compile cache),
 #            then a warm one, STARTUP_STEPS steps each (default 6), timelines side by side (startupgsm.json);
 #            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...); startupgsm:K=V
@@ -147,6 +151,9 @@ step() {  # one step of the chain, by name
             --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
     startupgsm|startup7b) startup_profile "$1" "$1" ;;
     startupgsm:*|startup7b:*) startup_profile "${1%%:*}" "${1%%:*}-$(printf %s "${1#*:}" | tr -c 'A-Za-z0-9' '-')" "${1#*:}" ;;
+    probe) with_memory probe timeout 900 python3 scripts/benchmark.py --profile probe --config configs/gpu-1-gsm8k.yaml \
+      ${gsm_model[@]:+--set "${gsm_model[@]}"} --time-limit-s "${PROBE_LIMIT_S:-540}" ${PROBE_ARGS:-} \
+      --trace-dir "$GS/probe-traces" --partial "$GS/partial-probe.json" --out "$GS/probe.json" ;;
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
