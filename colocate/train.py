@@ -38,6 +38,11 @@ import socket
 import sys
 
 import torch.distributed as dist
+# Every rank builds a tokenizer and a model with an adapter (`run_rank`): their libraries are
+# imported here, with the rank's own modules, while the launcher checks the config, not after it
+import peft  # noqa: F401
+import transformers.modeling_utils  # noqa: F401
+import transformers.tokenization_utils_fast  # noqa: F401
 
 from colocate.canary import probe_ids
 from colocate.channel import AdapterReceiver, AdapterSender
