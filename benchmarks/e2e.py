@@ -42,7 +42,8 @@ with counts _n), their difference X_even_minus_odd with Welch's standard error s
   step_s            each measured step's seconds, from the step before's step_end to its own (their mean is
                     seconds_per_step), by the learner's step number s (timeline row s; it sends version s+1)
   rollout_collect_s each window batch's collect seconds, and rollout_step_ms its ms per engine step, by the
-                    version that sampled it (the batch record's `version`): even = probed
+                    version that sampled it (the batch record's `version`): even = probed (vLLM runs the
+                    probe beside the batch; an engine that scores at once, HF's, before it: only step_s sees it)
 Arithmetic: a cost c at each probed step and none at the others makes that parity's mean c larger; every=1
 pays c at every step, so |gap_frac| = c / mean step is its cost fraction f (low by a relative f/2: the every=2
 mean holds c/2). Caveat: which parity pays depends on the side (the learner probes version s+1 at step s; the
