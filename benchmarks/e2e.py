@@ -34,6 +34,25 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
                     batches, as for rollout_*; queueing and waiting for it); only the counts (0) when
                     it is off.
 
+Parity figures (`parity_figures`): a cost paid every other step, measured inside one job, free of the
+job-to-job noise (each job starts its own vLLM): with `sync.canary_every=2` only even versions are probed.
+Over the measured steps, per quantity X: the means of its even and odd values (X_even_mean, X_odd_mean,
+with counts _n), their difference X_even_minus_odd with Welch's standard error sqrt(var_e/n_e + var_o/n_o)
+(_se), and X_parity_gap_frac: that difference (and its SE) over X's mean over all of them. X is
+  step_s            each measured step's seconds, from the step before's step_end to its own (their mean is
+                    seconds_per_step), by the learner's step number s (timeline row s; it sends version s+1)
+  rollout_collect_s each window batch's collect seconds, and rollout_step_ms its ms per engine step, by the
+                    version that sampled it (the batch record's `version`): even = probed (vLLM runs the
+                    probe beside the batch; an engine that scores at once, HF's, before it: only step_s sees it)
+Arithmetic: a cost c at each probed step and none at the others makes that parity's mean c larger; every=1
+pays c at every step, so |gap_frac| = c / mean step is its cost fraction f (low by a relative f/2: the every=2
+mean holds c/2). Caveat: which parity pays depends on the side (the learner probes version s+1 at step s; the
+engine's probe of version v lengthens batch v + `config.sampling_lag`, trained at that step) and on one GPU's
+overlap, and costs on opposite parities cancel: compare the signed gap with a canary_every=0 job's (0 within
+its SE). The SE takes steps as independent; a step that ends late shortens the next, so it understates.
+Every counted job's JOB_X_parity_gap_frac and _se go into the figures, e.g. from --order async+two,async+zero
+--variant two:sync.canary_every=2 zero:sync.canary_every=0.
+
 A job ending in @warm (put first) runs to warm the machine (vLLM's and inductor's compile caches, the GPU's
 clocks) and is left out of the figures, the ratios and the pairs: its record is under "warm".
 
@@ -198,7 +217,40 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         **means,
         **per_engine_step(means),
         **canary_figures(measured, batches),
+        **parity_figures("step_s", step_seconds(rows, warmup, t0)),
+        **batch_parity(batches),
     }
+
+
+def step_seconds(rows: list[TimelineRow], warmup: int, t0: float) -> list[tuple[int, float]]:
+    """(step number, seconds) of each measured step: from the end of the step before (t0 for the first)."""
+    ends = [t0, *(r.step_end for r in rows[warmup:])]
+    return [(warmup + i, b - a) for i, (a, b) in enumerate(zip(ends, ends[1:]))]
+
+
+def batch_parity(batches: list[dict]) -> dict:
+    """The window batches' parity figures by the version that sampled them (none from records that
+    keep no version: a baseline tree's)."""
+    kept = [b for b in batches if "version" in b and "collect_s" in b]
+    return {**parity_figures("rollout_collect_s", [(b["version"], b["collect_s"]) for b in kept]),
+            **parity_figures("rollout_step_ms", [(b["version"], 1e3 * b["collect_s"] / b["steps"])
+                                                 for b in kept if b.get("steps")])}
+
+
+def parity_figures(name: str, keyed: list[tuple[int, float]]) -> dict:
+    """(step or version, value) pairs -> the module docstring's parity figures for `name`; {} with
+    fewer than two values of either parity (no variance)."""
+    even = [v for k, v in keyed if k % 2 == 0]
+    odd = [v for k, v in keyed if k % 2 == 1]
+    if len(even) < 2 or len(odd) < 2:
+        return {}
+    gap = statistics.fmean(even) - statistics.fmean(odd)
+    se = math.sqrt(statistics.variance(even) / len(even) + statistics.variance(odd) / len(odd))
+    mean = statistics.fmean(even + odd)
+    return {f"{name}_even_mean": statistics.fmean(even), f"{name}_odd_mean": statistics.fmean(odd),
+            f"{name}_even_n": len(even), f"{name}_odd_n": len(odd),
+            f"{name}_even_minus_odd": gap, f"{name}_even_minus_odd_se": se,
+            f"{name}_parity_gap_frac": gap / mean, f"{name}_parity_gap_frac_se": se / mean}
 
 
 def canary_figures(measured: list[TimelineRow], batches: list[dict]) -> dict:
@@ -241,8 +293,9 @@ def window_batches(inference: list[dict], t0: float, t1: float) -> list[dict]:
 
 
 def rollout_means(batches: list[dict]) -> dict:
-    """Means over the window's batches, `rollout_<stat>` (the canary's ms: `canary_figures`, per probe)."""
-    keys = sorted({k for b in batches for k in b} - {"collect_start", "collect_end", "canary_ms"})
+    """Means over the window's batches, `rollout_<stat>` (the canary's ms: `canary_figures`, per probe;
+    the version: `batch_parity`)."""
+    keys = sorted({k for b in batches for k in b} - {"collect_start", "collect_end", "canary_ms", "version"})
     return {f"rollout_{k}": sum(b.get(k, 0.0) for b in batches) / len(batches) for k in keys}
 
 
@@ -338,6 +391,8 @@ def run(args) -> dict:
     first_sync = next((j for j in runs if j.startswith("sync")), None)    # baseline
     figures = {f"{first_async}_{k}": v for k, v in runs[first_async].items()} if first_async else {}
     figures.update(paired_figures(runs, [(key, job) for key, job in keyed if not marked(job, "warm")]))
+    figures.update({f"{job}_{k}": v for job, r in runs.items() for k, v in r.items()
+                    if k.endswith(("_parity_gap_frac", "_parity_gap_frac_se"))})  # every job's, as the pairs
     if figures:
         record["figures"] = figures
     if first_sync:

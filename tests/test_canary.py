@@ -271,10 +271,16 @@ def test_a_healthy_run_never_alerts_and_its_gap_stays_under_the_bound(learning_r
     assert max(bounds) < 1e-4
     # each side's time on a probe, where the e2e benchmark reads them: every version the learner
     # scored, every probe the engine read (one inference rank: one per check)
-    timeline = json.loads((learning_run.run_dir / "summary.json").read_text())["timeline"]
-    assert all(row["canary_s"] > 0 for row in timeline)
+    summary = json.loads((learning_run.run_dir / "summary.json").read_text())
+    assert all(row["canary_s"] > 0 for row in summary["timeline"])
     batches = json.loads((learning_run.run_dir / "inference-rank0.json").read_text())["batches"]
     assert sum(b.get("canary_ms", 0) > 0 for b in batches) == len(gaps)
+    # each batch's record names the version that sampled it (lag 1: batch k, version k - 1), which
+    # the e2e benchmark's parity figures key the batches by
+    assert [b["version"] for b in batches] == [max(0, k - 1) for k in range(LEARNING_STEPS)]
+    from benchmarks.e2e import steady_state
+    out = steady_state(summary, [{"batches": batches}], warmup=2)
+    assert {f"{x}_parity_gap_frac{se}" for x in ("step_s", "rollout_collect_s") for se in ("", "_se")} <= set(out)
 
 
 def test_the_probes_device_time_is_read_once_its_kernels_are_done(monkeypatch):

@@ -226,7 +226,8 @@ def test_a_warm_job_runs_first_and_counts_nowhere(monkeypatch, tmp_path):
 
     def run_job(args, lag, run_dir, extra, tree):
         ran.append((os.path.basename(run_dir), extra))
-        return {"seconds_per_step": 9.0 if "warm" in os.path.basename(run_dir) else 1.1 if extra == ["sync.canary_every=1"] else 1.0}
+        return {"seconds_per_step": 9.0 if "warm" in os.path.basename(run_dir) else 1.1 if extra == ["sync.canary_every=1"] else 1.0,
+                "step_s_even_mean": 1.0, "step_s_parity_gap_frac": 0.01, "step_s_parity_gap_frac_se": 0.005}
 
     monkeypatch.setattr(e2e, "run_job", run_job)
     monkeypatch.setattr(e2e.tempfile, "mkdtemp", lambda prefix="": str(tmp_path))  # no run dirs left in /tmp
@@ -236,3 +237,63 @@ def test_a_warm_job_runs_first_and_counts_nowhere(monkeypatch, tmp_path):
     assert list(record["runs"]) == ["async+on", "async+off", "async+off#2", "async+on#2"]
     assert record["figures"]["async+on_seconds_per_step"] == 1.1
     assert record["figures"]["seconds_per_step_async+on_over_async+off_pairs"] == [1.1, 1.1]
+    # every counted job's parity gap, as the pairs; the other figures only from the first job
+    parity = [k for k in record["figures"] if "_step_s_" in k]
+    assert sorted(parity) == sorted([f"{job}_step_s_parity_gap_frac{se}" for job in record["runs"] for se in ("", "_se")]
+                                    + ["async+on_step_s_even_mean"])
+
+
+def rows_from_seconds(seconds: list[float]) -> list[list[float]]:
+    """Timeline rows of steps lasting `seconds`, back to back from t=0."""
+    ends = [sum(seconds[:i + 1]) for i in range(len(seconds))]
+    return [[end - s, end - s / 2, end - s / 10, end, 1.0, 0.02, 0.01] for s, end in zip(seconds, ends)]
+
+
+@pytest.mark.parametrize("cost", [0.05, 0.0])
+def test_a_cost_on_even_steps_is_their_parity_gap(cost):
+    """Steps of 1 s, each parity's noise +-0.02 s in turn (mean 0, known variance), `cost` more on even
+    steps; two 30 s warm-up steps left out. even - odd is the cost exactly; Welch's SE from the noise:
+    each parity's sample variance 0.02^2 n/(n-1), so SE^2 = 2 * 0.02^2 / (n-1); the fraction is both
+    over the mean step 1 + cost/2. The control (no cost) gives 0 with the same SE."""
+    n = 12  # measured steps of each parity
+    noise = [0.02 if (i // 2) % 2 == 0 else -0.02 for i in range(2 * n)]  # steps 2,3 +; 4,5 -; ...
+    seconds = [30.0, 30.0] + [1.0 + (cost if i % 2 == 0 else 0.0) + e for i, e in enumerate(noise)]
+    out = steady_state({"timeline": named(rows_from_seconds(seconds))}, [], warmup=2)
+    assert out["step_s_even_n"] == n and out["step_s_odd_n"] == n
+    assert out["step_s_even_mean"] == pytest.approx(1.0 + cost)
+    assert out["step_s_odd_mean"] == pytest.approx(1.0)
+    assert out["step_s_even_minus_odd"] == pytest.approx(cost, abs=1e-12)
+    se = (2 * 0.02 ** 2 / (n - 1)) ** 0.5
+    assert out["step_s_even_minus_odd_se"] == pytest.approx(se)
+    assert out["seconds_per_step"] == pytest.approx(1.0 + cost / 2)  # the parities' mean is the step's
+    assert out["step_s_parity_gap_frac"] == pytest.approx(cost / (1.0 + cost / 2), abs=1e-12)
+    assert out["step_s_parity_gap_frac_se"] == pytest.approx(se / (1.0 + cost / 2))
+
+
+def test_batch_parity_is_by_the_version_that_sampled_the_batch():
+    """Window batches keyed by their record's version (even: probed): 2 s of collect plus 0.1 s on even
+    versions, 100 engine steps each; a warm-up batch outside the window and a record without a version
+    (a baseline tree's) count nowhere; the version is no rollout mean."""
+    rows = learner_rows(10.0, 9.0, 10)  # window: 20 s -> 100 s
+    batches = [{"collect_start": 1.0, "collect_end": 9.0, "collect_s": 8.0, "steps": 100.0, "version": 0}]
+    for v in range(8):  # versions 0..7, one batch each inside the window
+        collect = 2.0 + (0.1 if v % 2 == 0 else 0.0) + (0.01 if v % 4 < 2 else -0.01)
+        batches.append({"collect_start": 21.0 + 10 * v, "collect_end": 21.0 + 10 * v + collect,
+                        "collect_s": collect, "steps": 100.0, "version": v})
+    batches.append({"collect_start": 95.0, "collect_end": 96.0, "collect_s": 1.0, "steps": 100.0})
+    for b in batches:
+        b["out_tokens"] = 1.0
+    out = steady_state({"timeline": named(rows)}, [{"batches": batches}], warmup=2)
+    assert out["rollout_collect_s_even_n"] == 4 and out["rollout_collect_s_odd_n"] == 4
+    assert out["rollout_collect_s_even_minus_odd"] == pytest.approx(0.1)
+    # each parity: +-0.01 twice each, sample variance 0.01^2 * 4/3
+    assert out["rollout_collect_s_even_minus_odd_se"] == pytest.approx((2 * 0.01 ** 2 * 4 / 3 / 4) ** 0.5)
+    assert out["rollout_collect_s_parity_gap_frac"] == pytest.approx(0.1 / 2.05)
+    assert out["rollout_step_ms_even_minus_odd"] == pytest.approx(1.0)  # 0.1 s over 100 engine steps
+    assert out["rollout_step_ms_parity_gap_frac"] == pytest.approx(0.1 / 2.05)
+    assert "rollout_version" not in out
+
+
+def test_no_parity_figures_without_two_values_of_each_parity():
+    out = steady_state({"timeline": named(learner_rows(1.0, 0.5, 5))}, [], warmup=2)  # steps 2, 3, 4
+    assert not [k for k in out if "_even_" in k or "_parity_" in k]

@@ -58,7 +58,7 @@ class InferenceRank:
         if start == 0:  # e.g. data/dropped/<reason> (env.bad_rows=skip); a resumed run logged them
             self.writer.scalars("data", env.data_stats(), 0)
         self.stopped = False  # a STOP flag arrived in an adapter header
-        self.batches: list[dict] = []  # per batch: where the rank waited, what the rollout did (e2e profile)
+        self.batches: list[dict] = []  # per batch: its version, where the rank waited, what the rollout did (e2e profile)
         # batch k -> this rank's resume state before it played batch k (checkpoints on, lag >= 1): the
         # checkpoint of version v arrives after batches v .. v + L - 1 were played, and a resume at
         # step v plays them again (they were sent, not trained). Kept until version k arrives.
@@ -137,7 +137,7 @@ class InferenceRank:
         t_collect, u_collect = time.perf_counter(), time.time()
         with record_function("rollout/collect"):
             batch, stats, engine_stats = self.worker.collect()
-        self.batches.append({"collect_start": u_collect, "collect_end": time.time(),
+        self.batches.append({"collect_start": u_collect, "collect_end": time.time(), "version": self.engine.version,
                              "wait_version_s": t_version - t_wait, "wait_send_s": t_collect - t_version,
                              "collect_s": time.perf_counter() - t_collect,
                              **{key: float(v) for key, v in {**stats, **engine_stats}.items() if key in BATCH_STATS}})
