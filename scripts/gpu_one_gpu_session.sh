@@ -29,6 +29,9 @@
 #            three adjacent on/off pairs, their s/step ratios' mean and standard error and the pooled ratio in
 #            the record's figures, each job's probe ms per side); E2ECANARY_ORDER replaces the order,
 #            E2E_STEPS the steps per job (default 20 here, as each job's start-up dominates; others 10)
+#   e2ecanary2  the canary's cost within one job: a short warm job, then sync.canary_every=2 (the canary on every
+#            other version) and a canary_every=0 control, E2ECANARY2_STEPS steps each (default 60): each job's
+#            even/odd step gap over its mean step, with its standard error (`benchmarks/e2e.py`); ~7 min
 #   probe    the canary's learner probe alone (`--profile probe`, gpu-1-gsm8k's learner): device and host ms per
 #            variant (as run, eager, no FSDP, no compile, flat), each beside a busy second CUDA context too;
 #            5-8 min (no build starts after PROBE_LIMIT_S, default 540); PROBE_ARGS adds arguments, e.g.
@@ -154,6 +157,9 @@ step() {  # one step of the chain, by name
     probe) with_memory probe timeout 900 python3 scripts/benchmark.py --profile probe --config configs/gpu-1-gsm8k.yaml \
       ${gsm_model[@]:+--set "${gsm_model[@]}"} --time-limit-s "${PROBE_LIMIT_S:-540}" ${PROBE_ARGS:-} \
       --trace-dir "$GS/probe-traces" --partial "$GS/partial-probe.json" --out "$GS/probe.json" ;;
+    e2ecanary2) E2ECANARY2_ORDER=${E2ECANARY2_ORDER:-"async+two+short@warm,async+two,async+zero"} \
+      E2E_VARIANTS="two:sync.canary_every=2 zero:sync.canary_every=0 short:learner.num_steps=10" \
+      e2e_jobs e2ecanary2 configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" --steps "${E2ECANARY2_STEPS:-60}" ;;
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
@@ -246,7 +252,7 @@ for path in paths:
               f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f} "
               f"{r.get('canary_learner_ms_mean', float('nan')):>12.1f}/{r.get('canary_engine_ms_mean', float('nan')):<12.1f}")
     for key, v in record.get("figures", {}).items():  # two jobs alternating: their pairs (e2e benchmark)
-        if key.endswith(("_pairs", "_pair_mean", "_pair_se", "_pooled")):
+        if key.endswith(("_pairs", "_pair_mean", "_pair_se", "_pooled", "_parity_gap_frac", "_parity_gap_frac_se")):
             print(f"{'':<22} {key:<60} {v}")
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "dataset-rollout*.json"))):
     record = json.load(open(path))
