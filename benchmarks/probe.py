@@ -228,12 +228,13 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
         count, t0 = cotenant.count() if cotenant else 0, time.perf_counter()
         out, device, host = timed(lambda: learner.score_probe(bench.probe), args.iters, args.warmup, bench.cuda)
         window = time.perf_counter() - t0
+        replays = cotenant.count() - count if cotenant else 0  # before the queued pass, outside the window
         if bench.queue:  # as in the run, the probe issued while the step's work still runs: does it wait for it?
             _, queued_device, queued_host = timed(lambda: learner.score_probe(bench.probe), args.iters, args.warmup,
                                                   bench.cuda, before=bench.queue)
             put(figures, key + "_queued", probe_device_ms=queued_device, probe_host_ms=queued_host)
         if cotenant:
-            rate = (cotenant.count() - count) / window
+            rate = replays / window
             figures[f"cotenant_replays_per_s_{name}"] = rate
             figures[f"cotenant_ms_lost_per_probe_{name}"] = max(0.0, 1 - rate / figures[
                 "cotenant_replays_per_s_idle"]) * window * 1e3 / (args.iters + args.warmup)

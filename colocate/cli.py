@@ -259,17 +259,17 @@ def launch_shape(argv: list[str]) -> tuple[int, list[str], list[str], int | None
 def engine_imports(cfg, world: int | None, nproc: int) -> str:
     """`handover.ENGINE_IMPORTS_ENV` for the ranks of a launch of `cfg`, parsed and not yet checked: the
     roles as `place_roles` will place them, the GPUs as the checks count them (NVML); "" for an
-    elastic world or a layout the checks will refuse."""
+    elastic world or a layout the checks will refuse. Only a head start: whatever fails here is "",
+    and the checks name what is wrong."""
     if world is None:
         return ""
     from colocate.engine.table import preimport_ranks
     from colocate.preflight import gpu_count
     from colocate.topology import place_roles
     try:
-        roles = place_roles(cfg, world, nproc)
-    except ValueError:
+        return preimport_ranks(cfg.engine.kind, place_roles(cfg, world, nproc), gpu_count(cfg))
+    except Exception:  # noqa: BLE001 - an unchecked config; the checking child reports it
         return ""
-    return preimport_ranks(cfg.engine.kind, roles, gpu_count(cfg))
 
 
 def train_command(argv: list[str]) -> Launch:

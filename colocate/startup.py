@@ -179,11 +179,13 @@ def compile_record() -> dict:
         spent = dict(utils.calculate_time_spent())
     except Exception:  # a private helper: its name or shape may change across torch versions
         spent = {}
-    seconds = float(spent.get("entire_frame_compile", math.nan))
     inductor, aot = counters["inductor"], counters["aot_autograd"]
-    return {"graphs": graphs, "frames": int(counters["frames"].get("total", 0)), "compile_s": round(seconds, 3),
-            # where the seconds went: Dynamo's tracing is what the backend's share leaves of the total
-            **{f"{k}_s": round(float(spent[k]), 3) for k in COMPILE_PHASES if k in spent},
+    # the seconds where torch counted them (no NaN in the record): the whole frame compiles, and of
+    # them the backend's share; Dynamo's tracing is what that leaves of the whole
+    seconds = {"compile_s": spent["entire_frame_compile"]} if "entire_frame_compile" in spent else {}
+    seconds.update({f"{k}_s": spent[k] for k in COMPILE_PHASES if k in spent})
+    return {"graphs": graphs, "frames": int(counters["frames"].get("total", 0)),
+            **{k: round(float(v), 3) for k, v in seconds.items()},
             "fx_cache_hit": int(inductor.get("fxgraph_cache_hit", 0)),
             "fx_cache_miss": int(inductor.get("fxgraph_cache_miss", 0)),
             "aot_cache_hit": int(aot.get("autograd_cache_hit", 0)),
@@ -191,9 +193,11 @@ def compile_record() -> dict:
 
 
 def compile_line(record: dict) -> str:
-    backend = record.get("backend_compile_s")
-    split = f", {record['compile_s'] - backend:.1f} s tracing" if backend is not None else ""
-    return (f"colocate: learner compile: {record['graphs']} graphs, {record['compile_s']:.1f} s{split} (inductor cache "
+    total, backend = record.get("compile_s"), record.get("backend_compile_s")
+    took = "" if total is None else f", {total:.1f} s"
+    if total is not None and backend is not None:
+        took += f", {total - backend:.1f} s tracing"
+    return (f"colocate: learner compile: {record['graphs']} graphs{took} (inductor cache "
             f"{record['fx_cache_hit']} hit / {record['fx_cache_miss']} miss, AOTAutograd cache "
             f"{record['aot_cache_hit']} hit / {record['aot_cache_miss']} miss)")
 

@@ -31,6 +31,12 @@ if __name__ == "__main__":  # a rank: a stop signal during the imports below end
     import sys
     from colocate.handover import watch
     watch(sys.argv[1:])  # `colocate train`'s checks run meanwhile: a refusal ends this rank mid-import
+    # Every rank builds a tokenizer and a model with an adapter (`run_rank`): their libraries are
+    # imported now, while the launcher checks the config, not after it. Here, not at the top: the
+    # env's worker processes (env.processes, spawned) run this module again and need none of them.
+    import peft  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    import transformers.tokenization_utils_fast  # noqa: F401
 
 import gc
 import os
@@ -38,11 +44,6 @@ import socket
 import sys
 
 import torch.distributed as dist
-# Every rank builds a tokenizer and a model with an adapter (`run_rank`): their libraries are
-# imported here, with the rank's own modules, while the launcher checks the config, not after it
-import peft  # noqa: F401
-import transformers.modeling_utils  # noqa: F401
-import transformers.tokenization_utils_fast  # noqa: F401
 
 from colocate.canary import probe_ids
 from colocate.channel import AdapterReceiver, AdapterSender

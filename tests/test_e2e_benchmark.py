@@ -251,13 +251,14 @@ def rows_from_seconds(seconds: list[float]) -> list[list[float]]:
 
 @pytest.mark.parametrize("cost", [0.05, 0.0])
 def test_a_cost_on_even_steps_is_their_parity_gap(cost):
-    """Steps of 1 s, each parity's noise +-0.02 s in turn (mean 0, known variance), `cost` more on even
-    steps; two 30 s warm-up steps left out. even - odd is the cost exactly; Welch's SE from the noise:
-    each parity's sample variance 0.02^2 n/(n-1), so SE^2 = 2 * 0.02^2 / (n-1); the fraction is both
-    over the mean step 1 + cost/2. The control (no cost) gives 0 with the same SE."""
+    """Steps of 1 s, each parity's noise +-0.02 s in turn (mean 0, known variance), `cost` more on the
+    steps that send an even version (timeline row s sends s + 1); two 30 s warm-up steps left out.
+    even - odd is the cost exactly; Welch's SE from the noise: each parity's sample variance
+    0.02^2 n/(n-1), so SE^2 = 2 * 0.02^2 / (n-1); the fraction is both over the mean step 1 + cost/2.
+    The control (no cost) gives 0 with the same SE."""
     n = 12  # measured steps of each parity
     noise = [0.02 if (i // 2) % 2 == 0 else -0.02 for i in range(2 * n)]  # steps 2,3 +; 4,5 -; ...
-    seconds = [30.0, 30.0] + [1.0 + (cost if i % 2 == 0 else 0.0) + e for i, e in enumerate(noise)]
+    seconds = [30.0, 30.0] + [1.0 + (cost if i % 2 == 1 else 0.0) + e for i, e in enumerate(noise)]  # rows 3, 5, ...
     out = steady_state({"timeline": named(rows_from_seconds(seconds))}, [], warmup=2)
     assert out["step_s_even_n"] == n and out["step_s_odd_n"] == n
     assert out["step_s_even_mean"] == pytest.approx(1.0 + cost)

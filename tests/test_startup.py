@@ -76,6 +76,9 @@ def test_the_compile_record_reads_dynamos_counters(monkeypatch):
                       "fx_cache_miss": 1, "aot_cache_hit": 2, "aot_cache_miss": 0}
     assert compile_line(record) == ("colocate: learner compile: 4 graphs, 12.3 s, 8.1 s tracing (inductor cache "
                                     "3 hit / 1 miss, AOTAutograd cache 2 hit / 0 miss)")
+    monkeypatch.setattr(utils, "calculate_time_spent", lambda: {})  # a torch that times nothing: no seconds, no NaN
+    assert "compile_s" not in compile_record()
+    assert compile_line(compile_record()).startswith("colocate: learner compile: 4 graphs (inductor cache 3 hit")
 
 
 def test_a_mark_keeps_its_first_time_and_unknown_marks_are_refused():

@@ -177,13 +177,13 @@ def import_early(entry: EngineEntry) -> None:
     will take when CUDA works: else the rank's engine is another one, or fails to start on its own);
     a module that fails to import is raised again by the build's own import."""
     import torch
-    if not entry.available(on_device("cuda" if torch.cuda.is_available() else "cpu")):
-        return
-    for name in entry.imports:
-        try:
+    try:
+        if not entry.available(on_device("cuda" if torch.cuda.is_available() else "cpu")):
+            return
+        for name in entry.imports:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the build's import raises it again, on the rank's thread
-            pass
+    except Exception:  # noqa: BLE001 - a head start only: the build raises it again on the rank's thread
+        pass
 
 
 def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
@@ -204,8 +204,7 @@ def check_engine_keys(cfg, *, outside_world: bool = True) -> None:
     kind = cfg.engine.kind
     if kind == "auto" and outside_world:  # device_count asks NVML: the check's process leaves CUDA unstarted
         import torch
-        here = SimpleNamespace(device=torch.device("cuda" if torch.cuda.device_count() > 0 else "cpu"))
-        kind = resolve_kind(kind, here)
+        kind = resolve_kind(kind, on_device("cuda" if torch.cuda.device_count() > 0 else "cpu"))
     if kind in ENGINES and not ENGINES[kind].fp8_kv_cache:
         raise fp8_kv_refused(kind)
 
