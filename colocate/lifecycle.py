@@ -25,6 +25,7 @@ advantages change sign from step S on: the policy unlearns, a reward collapse on
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import gc
@@ -241,6 +242,34 @@ def freeze_heap() -> None:
 @functools.cache
 def _unfreeze_at_exit() -> None:
     atexit.register(gc.unfreeze)
+
+
+MAIN_ATTRIBUTES = ("__spec__", "__file__")
+"""What multiprocessing's `spawn` reads off `__main__` to run it again in a child."""
+
+
+@contextlib.contextmanager
+def spawn_without_main():
+    """Processes spawned meanwhile do not run the main module again (restored afterwards).
+
+    `spawn` runs the parent's main module again in every child, as `__mp_main__`, so that the child
+    can unpickle what it defines. A rank's main module is `colocate.train`, whose imports are the
+    learner's stack; vLLM's engine core and the env's copies (`envs.processes`) need none of it
+    (their targets and arguments are named by their own modules), and importing it only delayed
+    their start.
+    """
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in MAIN_ATTRIBUTES if k in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        for k in MAIN_ATTRIBUTES:
+            if k in saved:
+                main.__dict__[k] = saved[k]
+            else:
+                main.__dict__.pop(k, None)
 
 
 def leave(code: int) -> None:

@@ -17,8 +17,9 @@ oversampled groups (rollout.oversample_groups > 0, L >= 2) batch k is sampled wi
 max(0, k - L + 1): a group carried over to batch k + 1 is then trained exactly L steps after its
 version (`config.sampling_lag`).
 
-Kept under `if __name__ == "__main__"`: a spawned process (env.processes' copies) runs the main
-module again (docs/design.md, "Traps").
+Kept under `if __name__ == "__main__"`: a spawned process runs the main module again unless it is
+hidden (`lifecycle.spawn_without_main`, as vLLM's engine core and the env's copies are started;
+docs/design.md, "Traps").
 """
 from __future__ import annotations
 

@@ -625,3 +625,26 @@ def test_a_tool_using_agent_plays_whole_episodes_in_copies():
         assert sum(scored) >= 2 * 3 * cfg.rollout.group_size and sum(scored) % cfg.rollout.group_size == 0, scored
     finally:
         env.close()
+
+
+def test_copies_of_an_importable_env_do_not_run_the_main_module_again(monkeypatch, tmp_path):
+    """A rank's main module (`colocate.train`, here a stand-in that leaves a mark when run) is not run
+    again in the env's copies when the env class lives in a module of its own
+    (`lifecycle.spawn_without_main`); the rank's `__main__` is left as it was."""
+    import importlib
+    import sys
+    marker = tmp_path / "imported"
+    (tmp_path / "colocate_fake_rank_main.py").write_text(f"open({str(marker)!r}, 'a').write('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    main = importlib.import_module("colocate_fake_rank_main")
+    marker.unlink()
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    env = EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=1)  # returns once the copy has built its env
+    try:
+        env.start_group(0)
+        env.settle()
+        assert len(env.requests()) == 2
+    finally:
+        env.close()
+    assert not marker.exists()
+    assert main.__spec__.name == "colocate_fake_rank_main" and sys.modules["__main__"] is main

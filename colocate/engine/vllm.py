@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -54,6 +53,7 @@ from colocate.engine.vllm_settings import (VLLMSettings, engine_settings, llm_ar
                                             merged_memory_share)
 from colocate.engine.vllm_trie import PAYLOAD_KEY, trie_payload
 from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID, AdapterReceipt
+from colocate.lifecycle import spawn_without_main
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
 TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -94,33 +94,6 @@ def engine_environment(gpu: int | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-MAIN_ATTRIBUTES = ("__spec__", "__file__")
-"""What multiprocessing's `spawn` reads off `__main__` to run it again in a child."""
-
-
-@contextlib.contextmanager
-def spawn_without_main():
-    """Processes spawned meanwhile do not run the main module again (restored afterwards).
-
-    `spawn` runs the parent's main module again in every child, as `__mp_main__`, so that the child
-    can unpickle what it defines. A rank's main module is `colocate.train`, whose imports are the
-    learner's stack; the engine core needs none of it (its target, its arguments and the worker
-    extension are named by their own modules), and importing it only delayed the engine's start.
-    """
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__[k] for k in MAIN_ATTRIBUTES if k in main.__dict__}
-    main.__spec__ = None
-    main.__dict__.pop("__file__", None)
-    try:
-        yield
-    finally:
-        for k in MAIN_ATTRIBUTES:
-            if k in saved:
-                main.__dict__[k] = saved[k]
-            else:
-                main.__dict__.pop(k, None)
 
 
 def lora_spec_for(cfg, tokenizer) -> LoraSpec:

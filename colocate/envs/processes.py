@@ -38,6 +38,7 @@ from colocate.config_checks import ConfigError
 from colocate.data import Completion, Request, Sample
 from colocate.envs.base import Env, ResumeError
 from colocate.envs.protocol import is_keyed_request
+from colocate.lifecycle import spawn_without_main
 
 
 STATE_KEY = "env_processes"
@@ -210,7 +211,10 @@ class EnvProcesses(Env):
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_serve, args=(theirs, env_type, cfg, tokenizer, seed * num + i),
                                    name=f"colocate-env-{i}", daemon=True)
-                with stop_signals_blocked():  # a Ctrl-C while the copy starts up is the rank's to handle
+                # a Ctrl-C while the copy starts up is the rank's to handle; a class defined in the
+                # main module needs that module run again in the copy, any other does not
+                with stop_signals_blocked(), \
+                        spawn_without_main() if env_type.__module__ != "__main__" else contextlib.nullcontext():
                     proc.start()
                 theirs.close()
                 self._conns.append(ours)
