@@ -455,22 +455,35 @@ def test_a_resume_with_another_env_processes_is_refused_before_launch():
         check_same_env(cfg, saved_in_process, "ckpt")
 
 
-def test_a_script_without_a_main_guard_is_told_why_its_copies_died(tmp_path):
-    """Spawned copies import the main module again; one that starts the env at import time makes
-    each copy try to spawn its own and die: the rank names the cause instead of only the exit code."""
+def unguarded_script(tmp_path, lines: str):
+    """Run a script that starts an env's copies at import time (no main guard) -> the finished process."""
     import os
     import subprocess
     import sys
     script = tmp_path / "unguarded.py"
     script.write_text("from colocate.config import Config\nfrom colocate.envs.processes import EnvProcesses\n"
-                      "from tests.test_env_processes import OneRoundEnv\n"
-                      "EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=1).close()\n")
+                      "from tests.test_env_processes import OneRoundEnv\n" + lines)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": repo})
+    return subprocess.run([sys.executable, str(script)], cwd=repo, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": repo})
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_copies_died(tmp_path):
+    """A copy of an env class the script itself defines runs the script again (spawn), which starts
+    the env again while the copy is still starting and kills it: the script is told the cause
+    instead of only the exit code."""
+    out = unguarded_script(tmp_path, "class ScriptEnv(OneRoundEnv):\n    pass\n\n"
+                                     "EnvProcesses(ScriptEnv, Config(), None, seed=0, num=1).close()\n")
     assert out.returncode != 0
-    assert "EnvProcessError: env process 0 (OneRoundEnv) is gone" in out.stderr, out.stderr[-2000:]
+    assert "EnvProcessError: env process 0 (ScriptEnv) is gone" in out.stderr, out.stderr[-2000:]
     assert 'under `if __name__ == "__main__":`' in out.stderr.splitlines()[-1], out.stderr[-2000:]
+
+
+def test_an_importable_env_needs_no_main_guard(tmp_path):
+    """An env class from a module of its own: its copies do not run the script again
+    (`lifecycle.spawn_without_main`), so even a script without a main guard works."""
+    out = unguarded_script(tmp_path, "EnvProcesses(OneRoundEnv, Config(), None, seed=0, num=1).close()\n")
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def run_script(tmp_path, body: str, timeout: float = 120, **popen):
