@@ -159,3 +159,22 @@ def test_without_cuda_a_rank_imports_nothing_early(fake_vllm, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     table.preimport("vllm:0", 0).join()
     assert "vllm" not in sys.modules
+
+
+def test_the_vllm_entry_takes_the_adapter_layout_from_the_ranks_own_model(monkeypatch, tiny_cfg, tiny_tokenizer):
+    """The inference rank's meta model gives the engine the learner's adapter layout: the same as a
+    model built for it (`lora_spec_for`), without building a second one."""
+    from colocate.engine import vllm, vllm_channel
+    from colocate.models import build_policy
+    seen = {}
+    monkeypatch.setattr(vllm.VLLMEngine, "from_config", classmethod(
+        lambda cls, cfg, topo, tokenizer, spec, **facts: seen.update(spec=spec, facts=facts) or "engine"))
+    monkeypatch.setattr(vllm_channel, "VLLMIpcReceiver", lambda engine, topo, verify: "receiver")
+    monkeypatch.setattr(vllm, "lora_spec_for", lambda *a: pytest.fail("a second model was built"))
+    parts = table.EngineParts(build_policy(tiny_cfg, tiny_tokenizer, "meta"), tiny_tokenizer,
+                              {"prompt_bound": 8, "requests_per_group": 2})
+    topo = types.SimpleNamespace(shared_gpu=True)
+    assert table.build_vllm(tiny_cfg, topo, parts) == ("engine", "receiver")
+    assert seen["facts"] == {"prompt_bound": 8, "requests_per_group": 2}
+    monkeypatch.undo()
+    assert seen["spec"] == vllm.lora_spec_for(tiny_cfg, tiny_tokenizer)

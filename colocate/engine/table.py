@@ -89,12 +89,14 @@ def build_vllm(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     """A vLLM engine; its workers receive adapters on their own NCCL group (or by CUDA IPC)."""
     from colocate.engine import vllm_channel
     from colocate.engine.vllm import VLLMEngine
+    from colocate.models import lora_state
+    spec = LoraSpec.of(lora_state(parts.model))  # the rank's meta model: the learner's layout, not built again
     if topo.shared_gpu:  # learner rank 0 shares its buffer once the engine is up
-        engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, **parts.env_facts)
+        engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, spec, **parts.env_facts)
         mark("engine_constructed")  # before the receiver, which waits for learner rank 0
         return engine, vllm_channel.VLLMIpcReceiver(engine, topo, verify=cfg.sync.check_checksum)
     endpoint = vllm_channel.receive_endpoint(topo)  # learner rank 0 publishes it, then waits for the engines
-    engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, **parts.env_facts)
+    engine = VLLMEngine.from_config(cfg, topo, parts.tokenizer, spec, **parts.env_facts)
     mark("engine_constructed")
     return engine, vllm_channel.join_receiver(cfg, topo, engine, endpoint)
 

@@ -230,16 +230,18 @@ class VLLMEngine(Engine):
         return {k: sum(c[k] for c in counts) for k in ("ours", "vllm")}
 
     @classmethod
-    def from_config(cls, cfg, topo, tokenizer, *, prompt_bound: int, requests_per_group: int) -> "VLLMEngine":
+    def from_config(cls, cfg, topo, tokenizer, spec: LoraSpec, *, prompt_bound: int,
+                    requests_per_group: int) -> "VLLMEngine":
         """The engine of an inference rank of a torchrun job (its adapter channel is joined after:
-        `vllm_channel.join_receiver`); the env's facts size it (`colocate.envs.env_facts`)."""
+        `vllm_channel.join_receiver`) for the learner's adapter layout `spec` (`lora_spec_for`, or the
+        rank's own meta model's); the env's facts size it (`colocate.envs.env_facts`)."""
         from colocate.metrics import engine_profile_dir
         model_dir = ensure_model_dir(cfg, tokenizer, topo.device, is_writer=topo.role_rank == 0)
         settings = engine_settings(cfg, topo.num_inference, seed=cfg.rollout.seed * 1000 + topo.rank,
                                    prompt_bound=prompt_bound, requests_per_group=requests_per_group)
         settings = settings.replace(profile_dir=engine_profile_dir(cfg.metrics) if topo.role_rank == 0 else "",
                                     profile_steps=cfg.metrics.profile_engine_steps)
-        return cls(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, settings, gpu=topo.device.index)
+        return cls(model_dir, spec, tokenizer.eos_token_id, settings, gpu=topo.device.index)
 
     def _init_adapter(self, lora_rank: int, scaling: float) -> dict:
         """The worker's adapter: the pinned LoRA slot, or W0 kept for merging (`vllm_worker.py`)."""
