@@ -33,8 +33,9 @@ if __name__ == "__main__":  # a rank: a stop signal during the imports below end
     from colocate.handover import watch
     watch(sys.argv[1:])  # `colocate train`'s checks run meanwhile: a refusal ends this rank mid-import
     # Every rank builds a tokenizer and a model with an adapter (`run_rank`): their libraries are
-    # imported now, while the launcher checks the config, not after it. Here, not at the top: the
-    # env's worker processes (env.processes, spawned) run this module again and need none of them.
+    # imported now, while the launcher checks the config, not after it. Here, not at the top: what
+    # imports this module otherwise (a test, a process spawned with the main module showing, where it
+    # runs as `__mp_main__`) needs none of them.
     import peft  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
     import transformers.tokenization_utils_fast  # noqa: F401
