@@ -48,7 +48,7 @@ from colocate.kernels import LossBatch, grpo_loss, restrict_to_allowed, token_lo
 from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
 from colocate.learner.loss import loss_spec
-from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches,
+from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches, one_sequence,
                                       resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
 from colocate.learner.warmup import Snapshot, synthetic_batch
@@ -206,12 +206,8 @@ class Learner:
         the work queued before it (a pageable host-to-device copy synchronizes the stream)."""
         key = tuple(token_ids)
         if self._probe is None or self._probe[0] != key:
-            n = len(token_ids)
-            one = functools.partial(torch.tensor, dtype=torch.int32)
-            probe = TrajectoryBatch(tokens=one(token_ids), seq_lens=one([n]), prompt_lens=one([1]),
-                                    behaviour_logprobs=torch.zeros(n - 1), advantages=torch.zeros(1),
-                                    rewards=torch.zeros(1), versions=one([0]))
-            ((_, _, mb),) = layout(probe, n, self.cfg.learner.prefix_sharing, self.device, self.attention)
+            ((_, _, mb),) = layout(one_sequence(token_ids), len(token_ids), self.cfg.learner.prefix_sharing,
+                                   self.device, self.attention)
             self._probe = (key, mb)
         return self._probe[1]
 

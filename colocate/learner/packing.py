@@ -21,6 +21,7 @@ with an index tensor): logits [N, V], N = completion tokens.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -149,12 +150,19 @@ def layout_micro_batches(batch: TrajectoryBatch, token_budget: int, prefix_shari
     return [(sub, mb) for _, sub, mb in layout(batch, token_budget, prefix_sharing, device, attention)]
 
 
+def one_sequence(tokens: list[int]) -> TrajectoryBatch:
+    """A batch of one sequence whose first token is its prompt (version 0, nothing to train on): the
+    canary's probe (`Learner.score_probe`), and the dummy that lets a rank join FSDP's collectives."""
+    n = len(tokens)
+    ints = functools.partial(torch.tensor, dtype=torch.int32)
+    return TrajectoryBatch(tokens=ints(tokens), seq_lens=ints([n]), prompt_lens=ints([1]),
+                           behaviour_logprobs=torch.zeros(n - 1), advantages=torch.zeros(1), rewards=torch.zeros(1),
+                           versions=ints([0]))
+
+
 def dummy_micro_batch(device, attention: str) -> MicroBatch:
     """Two tokens, one completion token: lets a rank with fewer micro-batches join FSDP's collectives."""
-    one = TrajectoryBatch(tokens=torch.zeros(2, dtype=torch.int32), seq_lens=torch.tensor([2], dtype=torch.int32),
-                          prompt_lens=torch.tensor([1], dtype=torch.int32),
-                          behaviour_logprobs=torch.zeros(1), advantages=torch.zeros(1), rewards=torch.zeros(1),
-                          versions=torch.zeros(1, dtype=torch.int32))
+    one = one_sequence([0, 0])
     mb = tree_micro_batch(one, device, attention, "tree") if attention in TREE_ATTENTIONS \
         else packed_micro_batch(one, device, attention)
     mb.num_tokens = 0
