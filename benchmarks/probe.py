@@ -252,24 +252,29 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
 
 def timed(fn, iters: int, warmup: int, cuda: bool, before=None):
     """`fn()` warmup + iters times, the GPU idle before each (or running what `before()` queued) ->
-    (the last result, device ms between CUDA events around each timed call ([] off the GPU), host ms
-    of each (no sync inside))."""
+    (the last result, device ms between CUDA events around each timed call, by the run's own
+    instrument (`DeviceTimer`: the run's `canary_learner_device_ms`; [] off the GPU), host ms of
+    each (no sync inside))."""
+    from colocate.learner.loop import DeviceTimer
+    timer = DeviceTimer(torch.device("cuda" if cuda else "cpu"))
     device, host, out = [], [], None
+
+    def clocked():  # the host's time on the call alone, inside the events
+        t0 = time.perf_counter()
+        result = fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        return result
     for i in range(warmup + iters):
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
         if before:
             before()
-        if events:
-            events[0].record()
-        t0 = time.perf_counter()
-        out = fn()
-        took = (time.perf_counter() - t0) * 1e3
-        if events:
-            events[1].record()
-            events[1].synchronize()
-        if i >= warmup:
-            host.append(took)
-            device += [events[0].elapsed_time(events[1])] if events else []
+        out = timer.around(clocked)
+        if cuda:
+            torch.cuda.synchronize()
+        ms = timer.done_ms()
+        if i < warmup:
+            host.pop()
+        elif ms is not None:
+            device.append(ms)
     return out, device, host
 
 
