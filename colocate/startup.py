@@ -14,8 +14,8 @@ for its ranks); a rank started by plain torchrun counts from the earliest proces
 
 Caches: `compile_cache_env` puts vLLM's compile cache, inductor's and Triton's under one directory
 (`model.compile_cache_dir`), set in each rank's environment before any of them compiles (vLLM
-reads its variable when its engine core starts), so a second launch finds what the first one compiled. A variable
-the user set already is kept.
+reads its variable when its engine core starts), so a second launch finds what the first one
+compiled. A variable the user set already is kept.
 """
 from __future__ import annotations
 
