@@ -227,6 +227,7 @@ def trace_call(fn, cuda: bool, trace_out: str = "", host: bool = False) -> dict:
     events = prof.events()
     kernels = profiler_gpu_work(events)
     if trace_out:
+        os.makedirs(os.path.dirname(trace_out) or ".", exist_ok=True)
         prof.export_chrome_trace(trace_out)  # torch gzips it when the name ends in .gz
     summary = {**kernel_summary(kernels, wall_us), "gc": gc_pauses.summary()}
     if host:  # on CPU there are no GPU gaps to explain: an empty list

@@ -238,6 +238,7 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
             figures[f"cotenant_replays_per_s_{name}"] = rate
             figures[f"cotenant_ms_lost_per_probe_{name}"] = max(0.0, 1 - rate / figures[
                 "cotenant_replays_per_s_idle"]) * window * 1e3 / (args.iters + args.warmup)
+        put(figures, key, probe_device_ms=device, probe_host_ms=host)  # kept should the trace fail
         if bench.cuda:
             trace_out = os.path.join(args.trace_dir, f"probe-{key}.json.gz") if args.trace_dir else ""
             summary = trace_call(lambda: learner.score_probe(bench.probe), True, trace_out, host=True)
@@ -245,7 +246,7 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
             figures[f"probe_gpu_busy_ms_{key}"] = summary["gpu_busy_ms"]
         steps = train_steps(learner, args.train_steps, bench.cuda) if name != "eager" else ([], [])
     bench.outputs.setdefault(name, (out[0].float().cpu(), float(out[1])))
-    put(figures, key, probe_device_ms=device, probe_host_ms=host, train_step_ms=steps[0], train_step_host_ms=steps[1])
+    put(figures, key, train_step_ms=steps[0], train_step_host_ms=steps[1])
     print(f"[probe-bench] {key}: " + ", ".join(f"{m} {figures[f'{m}_{key}']:.2f}" for m in (*COMPARED, "probe_gpu_busy_ms")
                                                if f"{m}_{key}" in figures), flush=True)
 

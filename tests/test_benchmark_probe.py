@@ -36,3 +36,14 @@ def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, t
     assert figures["probe_gap_as_run"] == 0.0
     for name in ran:
         assert figures[f"probe_gap_{name}"] <= figures["probe_gap_bound"], name
+
+
+def test_a_trace_goes_into_a_folder_made_for_it(tmp_path):
+    """`--trace-dir` may name a folder that does not exist yet (the session script's does not): the
+    trace is written there instead of failing the variant after its figures were timed."""
+    import torch
+
+    from benchmarks.common import trace_call
+    out = tmp_path / "traces" / "probe-as_run.json"
+    summary = trace_call(lambda: torch.ones(4).sum(), False, str(out))
+    assert out.exists() and json.loads(out.read_text())["traceEvents"] and "gc" in summary
