@@ -40,15 +40,16 @@ Over the measured steps, per quantity X: the means of its even and odd values (X
 with counts _n), their difference X_even_minus_odd with Welch's standard error sqrt(var_e/n_e + var_o/n_o)
 (_se), and X_parity_gap_frac: that difference (and its SE) over X's mean over all of them. X is
   step_s            each measured step's seconds, from the step before's step_end to its own (their mean is
-                    seconds_per_step), by the version the step sends (timeline row s sends version s+1 and
-                    probes it): even = probed
+                    seconds_per_step), by the version the step probes: timeline row s starts from version s,
+                    whose probe rides its first forward (`canary_rode`), and sends s+1 (with LoRA dropout
+                    the probe of s+1 gets a forward of its own after the send): even = probed
   rollout_collect_s each window batch's collect seconds, and rollout_step_ms its ms per engine step, by the
                     version that sampled it (the batch record's `version`): even = probed (vLLM runs the
                     probe beside the batch; an engine that scores at once, HF's, before it: only step_s sees it)
 Arithmetic: a cost c at each probed step and none at the others makes that parity's mean c larger; every=1
 pays c at every step, so |gap_frac| = c / mean step is its cost fraction f (low by a relative f/2: the every=2
 mean holds c/2; f as on/off - 1). Caveat: which parity pays depends on the side (the learner's probe of version
-v is in the step that sends v; the engine's lengthens batch v, trained at step v + `config.sampling_lag`, which
+v is in the step that starts from v; the engine's lengthens batch v, trained at step v + `config.sampling_lag`, which
 sends v + lag + 1: even for lag 1, as on gpu-1-gsm8k) and on one GPU's overlap, and costs on opposite parities
 cancel: compare the signed gap with a canary_every=0 job's (0 within its SE). The SE takes steps as
 independent; a step that ends late shortens the next, so it understates.
@@ -225,10 +226,12 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
 
 
 def step_seconds(rows: list[TimelineRow], warmup: int, t0: float) -> list[tuple[int, float]]:
-    """(the version the step sends, seconds) of each measured step, from the end of the step before (t0
-    for the first): timeline row s trains batch s and sends version s + 1, whose probe it runs."""
+    """(the version the step probes, seconds) of each measured step, from the end of the step before
+    (t0 for the first): timeline row s starts from version s and sends s + 1; the probe rides its
+    forward (version s) or, in a run with LoRA dropout (no row rode), follows the send (s + 1)."""
     ends = [t0, *(r.step_end for r in rows[warmup:])]
-    return [(warmup + i + 1, b - a) for i, (a, b) in enumerate(zip(ends, ends[1:]))]
+    after = 0 if any(r.canary_rode for r in rows) else 1
+    return [(warmup + i + after, b - a) for i, (a, b) in enumerate(zip(ends, ends[1:]))]
 
 
 def batch_parity(batches: list[dict]) -> dict:
@@ -264,7 +267,8 @@ def canary_figures(measured: list[TimelineRow], batches: list[dict]) -> dict:
     sides = {"learner": [1e3 * r.canary_s for r in measured if r.canary_s > 0],
              "learner_device": [r.canary_device_ms for r in measured if r.canary_device_ms > 0],
              "engine": [b["canary_ms"] for b in batches if "canary_ms" in b]}
-    out = {"canary_probes": len(sides["learner"]), "canary_engine_probes": len(sides["engine"])}
+    out = {"canary_probes": len(sides["learner"]) + sum(r.canary_rode for r in measured),
+           "canary_engine_probes": len(sides["engine"])}
     for side, ms in sides.items():
         if ms:
             out.update({f"canary_{side}_ms_mean": statistics.fmean(ms), f"canary_{side}_ms_median": statistics.median(ms)})

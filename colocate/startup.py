@@ -41,8 +41,9 @@ engine_constructed  (inference) the engine is built, with the engine's own warm-
                     KV cache, CUDA graphs) and our kernels' (engine/vllm_*.py)
 engine_warm         (inference) the adapter channel (which waits for learner rank 0) and the env
                     are up too: the first rollout starts
-learner_probe_warm  (learner) the warm-up's canary probe forward is done (with the canary on): its
-                    compile, apart from the update's
+learner_probe_warm  (learner) the warm-up's canary probe forward is done (with the canary on and LoRA
+                    dropout: its compile, apart from the update's; without dropout the probe rides the
+                    update, as it rides each step's first forward, and this mark is not made)
 learner_warm        (learner) the synthetic warm-up update is done (`learner.prewarm`)
 first_batch         (inference) its first batch is queued; (learner) its first shards arrived
 first_step_end      (learner) the end of its first step (step 1, or the first after a resume)"""

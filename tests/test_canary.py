@@ -272,7 +272,7 @@ def test_a_healthy_run_never_alerts_and_its_gap_stays_under_the_bound(learning_r
     # each side's time on a probe, where the e2e benchmark reads them: every version the learner
     # scored, every probe the engine read (one inference rank: one per check)
     summary = json.loads((learning_run.run_dir / "summary.json").read_text())
-    assert all(row["canary_s"] > 0 for row in summary["timeline"])
+    assert all(row["canary_rode"] and row["canary_s"] == 0 for row in summary["timeline"])  # no forward of its own
     batches = json.loads((learning_run.run_dir / "inference-rank0.json").read_text())["batches"]
     assert sum(b.get("canary_ms", 0) > 0 for b in batches) == len(gaps)
     # each batch's record names the version that sampled it (lag 1: batch k, version k - 1), which

@@ -127,9 +127,10 @@ def test_learner_rank_0_gathers_every_ranks_marks_in_any_world(tmp_path):
 
 
 def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, tiny_cfg, tiny_tokenizer):
-    """With learner.compile the canary's probe keeps autograd on: its forward is the training one, so
-    after the warm-up neither a step nor a probe compiles anything new (a gradient-free probe compiles
-    graphs of its own: a `requires_grad` guard fails on every block). Dynamo frames counted, no inductor."""
+    """With learner.compile the canary's probe rides the warm-up's update as it rides each step's first
+    forward, so after the warm-up a step with the probe compiles nothing new; a probe of its own (LoRA
+    dropout's) keeps autograd on, so its graphs are the training ones, while a gradient-free probe
+    compiles graphs of its own (a `requires_grad` guard fails on every block). Dynamo frames counted."""
     from torch._dynamo.testing import CompileCounter
     from colocate.learner import fsdp
     from colocate.topology import Topology
@@ -145,12 +146,15 @@ def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, 
     warmed = counter.frame_count
     batch = random_batch(vocab, SHAPES, seed=0)
     batch.versions[:] = learner.version
-    learner.train_step(batch)
+    learner.train_step(batch, probe)
+    assert warmed > 0 and counter.frame_count == warmed and learner.probe_scored is not None
+    learner.score_probe(probe)  # its own shape: at most the frames of one more length
+    own = counter.frame_count
     learner.score_probe(probe)
-    assert warmed > 0 and counter.frame_count == warmed
+    assert counter.frame_count == own
     monkeypatch.setattr(learner.cfg.learner, "compile", False)  # the probe without gradients: graphs of its own
     learner.score_probe(probe)
-    assert counter.frame_count > warmed
+    assert counter.frame_count > own
     torch._dynamo.reset()
 
 
@@ -182,7 +186,8 @@ def test_a_run_writes_its_timeline_in_order_and_reports_busy_shares_from_step_2(
     assert {row["role"] for row in record["ranks"].values()} == {"inference", "learner"}
     for rank, row in record["ranks"].items():
         names = [m for m in MARKS if m in row]
-        assert names == list(ROLE_MARKS[row["role"]]), rank  # every mark of its role, learner_warm included
+        # every mark of its role, learner_warm included; the probe rides the warm-up's update (no dropout)
+        assert names == [m for m in ROLE_MARKS[row["role"]] if m != "learner_probe_warm"], rank
         seconds = [row[m] for m in names]
         assert seconds == sorted(seconds) and seconds[0] >= 0, (rank, row)
     lines = [line for line in learning_run.stdout.splitlines() if "colocate: first step after" in line]
@@ -260,8 +265,9 @@ def blocks_compiled_with(backend):
 
 
 def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3, probes: bool = False) -> dict:
-    """`steps` train steps with or without a warm-up first (and with `probes`, the canary's probe
-    forward after each, as the learner loop runs it) -> adapter, optimizer state, RNG after them."""
+    """`steps` train steps with or without a warm-up first (and with `probes`, the canary's probe as
+    the learner loop runs it: riding each step's first forward, or with LoRA dropout a forward of its
+    own after the step) -> adapter, optimizer state, RNG after them."""
     from tests.test_packing import random_batch
     learner, vocab = _learner(cache_dir, extra, topo)
     torch.manual_seed(7)
@@ -276,8 +282,8 @@ def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3, prob
     for i in range(steps):
         batch = random_batch(vocab, SHAPES, seed=i)
         batch.versions[:] = learner.version
-        learner.train_step(batch)
-        if probes:
+        learner.train_step(batch, list(range(2, 40)) if probes else None)
+        if probes and not learner.rides_probe:
             learner.score_probe(list(range(2, 40)))
     return {"adapter": {n: t.clone() for n, t in learner.lora_state().items()},
             "optimizer": learner.optimizer.state_dict(), "rng": torch.get_rng_state()}

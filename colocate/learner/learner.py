@@ -85,6 +85,14 @@ def lm_head_frozen(model) -> bool:
     return not any(p.requires_grad for p in model.get_output_embeddings().parameters())
 
 
+def probe_terms(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canary's reference from the probe's [R, V] logits and [R] targets: float32 log-probs at
+    temperature 1, no mask, and the logits' RMS (the bound's scale, 0-dim), detached, on their device."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    return logp.detach(), logits.detach().pow(2).mean().sqrt()
+
+
 def mini_batch_seed(rollout_seed: int, version: int) -> int:
     """The seed of one batch's mini-batch split: fixed by the run's seed and the batch's version."""
     return rollout_seed * 1_000_003 + version
@@ -132,6 +140,10 @@ class Learner:
         self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
         self._probe: tuple[tuple[int, ...], MicroBatch] | None = None  # the canary probe's inputs (`score_probe`)
+        # the canary's probe rides the step's first forward (`train_step`) unless dropout makes that
+        # forward differ from the reference's; then the loop scores it apart (`score_probe`)
+        self.rides_probe = cfg.lora.dropout == 0
+        self.probe_scored: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, log-probs, RMS)
 
     # ---- collectives over the learner group -------------------------------------------------------
 
@@ -166,11 +178,14 @@ class Learner:
 
     # ---- micro-batches ----------------------------------------------------------------------------
 
-    def micro_batches(self, batch: TrajectoryBatch) -> list[tuple[TrajectoryBatch, MicroBatch]]:
+    def micro_batches(self, batch: TrajectoryBatch,
+                      rider: list[int] | None = None) -> list[tuple[TrajectoryBatch, MicroBatch]]:
         """Micro-batches of at most `learner.micro_batch_tokens` forwarded tokens: whole sequences
-        packed, or prefix trees (`learner.prefix_sharing`) -> (sub-batch, its model inputs) per micro-batch."""
+        packed, or prefix trees (`learner.prefix_sharing`) -> (sub-batch, its model inputs) per
+        micro-batch; a `rider` (the canary's probe) in the first one's inputs (`packing.with_rider`)."""
         lc = self.cfg.learner
-        return layout_micro_batches(batch, lc.micro_batch_tokens, lc.prefix_sharing, self.device, self.attention)
+        return layout_micro_batches(batch, lc.micro_batch_tokens, lc.prefix_sharing, self.device, self.attention,
+                                    rider)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: MicroBatch, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -196,9 +211,7 @@ class Learner:
         if dropout:  # else train mode computes the same, and compiled blocks keep their graphs
             self.model.eval()  # the step's forward sets train() again
         with torch.set_grad_enabled(self.cfg.learner.compile and not dropout):
-            logits = micro_batch_logits(self.model, mb).float()  # [T-1, V]
-            logp = torch.log_softmax(logits, dim=-1).gather(1, mb.targets.unsqueeze(1)).squeeze(1)
-            return logp.detach(), logits.detach().pow(2).mean().sqrt()
+            return probe_terms(micro_batch_logits(self.model, mb), mb.targets)
 
     def _probe_inputs(self, token_ids: list[int]) -> MicroBatch:
         """The probe's model inputs on the device, laid out once and kept: the probe never changes,
@@ -237,13 +250,13 @@ class Learner:
         return out
 
     def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
-                          num_tokens: float) -> Passes | None:
+                          num_tokens: float, rider: list[int] | None = None) -> Passes | None:
         """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
-        rank runs as many passes as the busiest one) -> its stats on the device (None for a dummy).
-        Nothing here reads a value back to the host, so the host queues the next micro-batch while
-        the GPU runs this one."""
+        rank runs as many passes as the busiest one, carrying `rider`) -> its stats on the device (None
+        for a dummy). A rider in the inputs is scored on the way (`probe_scored`). Nothing here reads
+        a value back to the host, so the host queues the next micro-batch while the GPU runs this one."""
         if item is None:
-            logits = micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
+            logits = self._logits(dummy_micro_batch(self.device, self.attention, rider))
             (logits.sum() * 0.0).backward()
             return None
         sub, mb = item
@@ -254,7 +267,7 @@ class Learner:
         row_scale = None  # [N] dL/dlogp, filled by the loss, applied to the lm_head input's gradient
         if self.defer_row_scale and mb.row_index is None and self.spec.objective.needs_logprobs_first(old is not None):
             row_scale = torch.empty(mb.targets.shape[0], dtype=torch.float32, device=self.device)
-        logits = micro_batch_logits(self.model, mb, grad_row_scale=row_scale)
+        logits = self._logits(mb, grad_row_scale=row_scale)
         # an episode's env spans (tool results, observations) are out of the loss: mask 0 (data.py)
         mask = sub.loss_mask.to(self.device) if sub.loss_mask is not None \
             else torch.ones_like(mb.targets, dtype=torch.bool)
@@ -270,6 +283,15 @@ class Learner:
                  "mis_masked_seqs": stats["mis_masked_seqs"].float(), "entropy": stats["entropy"] * n}
         return Passes(torch.stack([micro[k] for k in MICRO_BATCH_STATS]), stats["ratio_max"].float(), mb.num_tokens)
 
+    def _logits(self, mb: MicroBatch, grad_row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The training forward's [N, V] logits; a rider in `mb` is scored on the way, as the canary's
+        reference of the current version (`probe_scored`)."""
+        riders = [] if mb.rider is not None else None
+        logits = micro_batch_logits(self.model, mb, grad_row_scale=grad_row_scale, rider_logits=riders)
+        if riders:
+            self.probe_scored = (self.version, *probe_terms(riders[0], mb.rider))
+        return logits
+
     # ---- the step ---------------------------------------------------------------------------------
 
     def warm_up(self, probe: list[int] | None = None) -> None:
@@ -277,10 +299,11 @@ class Learner:
         (the counts' all-reduce, packing, FSDP's all-gathers and reduce-scatters, compile, attention,
         the loss kernel, the grad-norm clip, AdamW's first step and its state), before the first
         batch: those first-call costs are paid while the engines start. With the canary's `probe`,
-        its forward first (`score_probe`, its own shape), marked `learner_probe_warm` once done on
-        the device (the start-up timeline tells its compile from the update's). Then the adapter,
-        AdamW's state, the gradients, the RNG and the module mode are put back exactly (`Snapshot`),
-        and the version is untouched: the run trains bit for bit as without it. Every learner calls it."""
+        the update carries it as the step does (`rides_probe`); else its own forward comes first
+        (`score_probe`, its own shape), marked `learner_probe_warm` once done on the device (the
+        start-up timeline tells its compile from the update's). Then the adapter, AdamW's state, the
+        gradients, the RNG and the module mode are put back exactly (`Snapshot`), and the version is
+        untouched: the run trains bit for bit as without it. Every learner calls it."""
         lc = self.cfg.learner
         # ids the embedding holds: a saved model's tokenizer may count more tokens than its embedding rows
         vocab = min(self.vocab_size, self.model.config.vocab_size)
@@ -288,23 +311,28 @@ class Learner:
                                 self.cfg.rollout.group_size, self.version)
         saved = Snapshot.capture(self)
         try:
-            if probe:
+            if probe and not self.rides_probe:
                 self.score_probe(probe)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 mark("learner_probe_warm")
+            rider = probe if probe and self.rides_probe else None
             counts = by_name(self._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # all-reduce
             if lc.updates_per_batch > 1:
                 batch.old_logprobs = self.start_logprobs(batch)
-            self._update(self.micro_batches(batch), counts["tokens"], int(counts["sequences"]))
+            self._update(self.micro_batches(batch, rider), counts["tokens"], int(counts["sequences"]), rider)
         finally:
             saved.restore(self)
+            self.probe_scored = None
 
-    def train_step(self, batch: TrajectoryBatch) -> dict[str, float]:
+    def train_step(self, batch: TrajectoryBatch, probe: list[int] | None = None) -> dict[str, float]:
         """One batch: `updates_per_batch` optimizer steps. Every learner rank calls it, and every rank
         runs the same collectives in the same order whatever its share of the batch (which ones:
-        the comments)."""
+        the comments). With the canary's `probe` (and `rides_probe`), the probe rides the first
+        forward: `probe_scored` holds the current version's reference after the step (else None)."""
         t0 = time.perf_counter()
+        self.probe_scored = None
+        rider = probe if probe and self.rides_probe else None
         batch, lag_sum, dropped = self._drop_stale(batch)
         k = self.cfg.learner.updates_per_batch
         counts = by_name(self._global_counts(batch, lag_sum, dropped), BATCH_COUNTS)  # all-reduce
@@ -315,22 +343,22 @@ class Learner:
             group["lr"] = lr
         if k == 1:
             with record_function("learner/pack"):  # annotations name the step's parts in profiler traces
-                work = self.micro_batches(batch) if batch.num_sequences else []
-            updates, gap = [self._update(work, counts["tokens"], int(counts["sequences"]))], {}
+                work = self.micro_batches(batch, rider) if batch.num_sequences else []
+            updates, gap = [self._update(work, counts["tokens"], int(counts["sequences"]), rider)], {}
         else:
             with record_function("learner/start_logprobs"):
                 batch.old_logprobs = self.start_logprobs(batch)  # FSDP: all-reduce (max), all-gathers
             gap = self._sampler_gap(batch)  # all-reduce
             updates = []
             seed = mini_batch_seed(self.cfg.rollout.seed, self.version)
-            for idx in mini_batch_indices(batch.num_sequences, k, seed):
-                mini = batch.select(idx)
+            for j, idx in enumerate(mini_batch_indices(batch.num_sequences, k, seed)):
+                mini, ride = batch.select(idx), rider if j == 0 else None  # the first update's version
                 with record_function("learner/pack"):
-                    work = self.micro_batches(mini) if mini.num_sequences else []
+                    work = self.micro_batches(mini, ride) if mini.num_sequences else []
                 # the mini-batch's own global normalizers: all-reduce
                 tokens, seqs = self._all_reduce(torch.tensor(
                     [float(mini.num_trained_tokens), float(mini.num_sequences)], device=self.device)).tolist()
-                updates.append(self._update(work, tokens, int(seqs)))
+                updates.append(self._update(work, tokens, int(seqs), ride))
         self.version += 1
         return {**step_stats(counts, updates, t0), **gap, "lr": lr}
 
@@ -351,12 +379,15 @@ class Learner:
         return {"sampler_gap_tokens": tokens, **({"sampler_logprob_gap": gap / tokens} if tokens else {})}
 
     def _update(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_tokens: float,
-                num_seqs: int) -> UpdateResult:
+                num_seqs: int, rider: list[int] | None = None) -> UpdateResult:
         """Forward/backward over `work` normalized by the global trained tokens and sequences, then
-        one optimizer step."""
+        one optimizer step. With the canary's probe as `rider` (in `work`'s first micro-batch, built
+        by `micro_batches`), the first pass scores it; with no pass at all, a forward of its own does."""
         num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
+        if rider and not num_micro:  # every rank's share is empty: the same on every rank
+            self.probe_scored = (self.version, *self.score_probe(rider))
         # FSDP: all-gathers and reduce-scatters per micro-batch
-        passes = self._forward_backward(work, num_micro, num_seqs, num_tokens)
+        passes = self._forward_backward(work, num_micro, num_seqs, num_tokens, rider)
         self._sum_gradients_without_fsdp()  # no FSDP, several ranks: one all-reduce per adapter tensor
         with record_function("learner/optimizer"):
             # FSDP: the grad norm's all-reduce; then the stats' all-reduces
@@ -389,15 +420,17 @@ class Learner:
                                     op=dist.ReduceOp.MAX).item())
 
     def _forward_backward(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_micro: int, num_seqs: int,
-                          num_tokens: float) -> Passes:
-        """`num_micro` passes (dummies past this rank's own) -> their stats, on the device."""
+                          num_tokens: float, rider: list[int] | None = None) -> Passes:
+        """`num_micro` passes (dummies past this rank's own) -> their stats, on the device. `rider`:
+        what the first pass carries when it is a dummy (`work`'s first micro-batch already does)."""
         self.model.train()
         totals = torch.zeros(len(MICRO_BATCH_STATS), device=self.device)
         ratio_max = torch.zeros((), device=self.device)
         model_tokens = 0
         for i in range(num_micro):
             with record_function("learner/micro_batch"):
-                one = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens)
+                one = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens,
+                                             rider if i == 0 else None)
             if one is not None:
                 totals += one.sums
                 ratio_max = torch.maximum(ratio_max, one.ratio_max)

@@ -1,10 +1,12 @@
 """The learner role loop: receive trajectory shards, train, send the adapter, checkpoint.
 
 Per step s: receive one shard from every inference rank (with the engines' canary scores of the
-version that sampled it, checked against the learner's: `colocate.canary`) -> `Learner.train_step`
--> the learner's canary reference of version s + 1 (every learner: one probe forward) -> every
-learner joins the adapter gather -> the adapter sender puts version s + 1 on the wire with
-run-control flags -> (on schedule, at the end or on a stop) a checkpoint. A non-finite loss skips
+version that sampled it) -> `Learner.train_step`, whose first forward carries the canary's probe:
+the learner's reference of version s, against which the engines' scores are then checked
+(`colocate.canary`) -> every learner joins the adapter gather -> the adapter sender puts version
+s + 1 on the wire with run-control flags -> (on schedule, at the end or on a stop) a checkpoint.
+With LoRA dropout the training forward is not the reference's: the probe then gets a forward of its
+own after the send (`record_canary`). A non-finite loss skips
 the update (the Learner does that) and `metrics.max_nonfinite_steps` in a row end the run; a
 canary mismatch stops it after the step (`metrics.stop_on_mismatch`). This module never
 imports an engine: how adapters reach the engines is the `AdapterSender` the composition root
@@ -80,6 +82,8 @@ class TimelineRow:
     send_s: float       # the adapter send
     canary_s: float = 0.0  # the learner's canary probe (`record_canary`); 0: the version was not scored
     canary_device_ms: float = 0.0  # an earlier probe's device time, read at this step (`DeviceTimer`); 0: none
+    canary_rode: bool = False  # the probe rode this step's first forward (the version it started from): its
+    # cost is inside the train time, no time of its own
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -108,6 +112,8 @@ class LearnerRank:
                                   num_layers=shape.num_hidden_layers, every=cfg.sync.canary_every,
                                   fp8_parts=fp8_parts(cfg.engine.quantization, cfg.engine.kv_cache_dtype))
         self.canary_gap: float | None = None  # this step's canary gap (step line)
+        self.scores: list = []  # the engines' canary scores received this step (`check_canary`)
+        self.canary_rode = False  # this step's first forward scored the probe (the timeline's canary_rode)
         self.probe_timer = DeviceTimer(topo.device)  # the probe's device time, read a step later
         self.canary_device_ms = 0.0  # the device ms read this step (the timeline's canary_device_ms)
         self.mismatch = False  # this step's canary failed
@@ -133,7 +139,7 @@ class LearnerRank:
         busy = [s.busy for s in received if s.busy is not None]
         waits = {"t0": t0, "u0": u0, "wait_s": time.perf_counter() - t0, "send_wait_s": send_wait_s,
                  "inference_busy": sum(busy) / len(busy) if busy else None}
-        self.check_canary([s.canary for s in received if s.canary is not None], step)
+        self.scores = [s.canary for s in received if s.canary is not None]  # checked after the step's forward
         return TrajectoryBatch.concat([s.batch for s in received]), any(s.flags & RunFlags.STOP for s in received), waits
 
     def first_shards(self) -> None:
@@ -178,7 +184,8 @@ class LearnerRank:
                               f"{result.bound:.3g}): it samples another policy than the one trained{stopping}", step)
 
     def record_canary(self, step: int | None) -> float:
-        """The learner's probe log-probs of its current version, when that version is scored (every
+        """With LoRA dropout (`Learner.rides_probe` false; else the step's first forward scored it):
+        the learner's probe log-probs of its current version, when that version is scored (every
         learner: one forward, queued, never waited for here), and `sync/canary_learner_ms`, the
         learner thread's own time on it, at `step`, the step that made the version (trackers take
         steps in order: W&B drops older ones); None (the version a run starts with): not logged.
@@ -189,7 +196,7 @@ class LearnerRank:
         self.canary_device_ms = done or 0.0
         if done is not None and step is not None:
             self.writer.scalars("sync", {"canary_learner_device_ms": done}, step)
-        if not self.canary.due(self.learner.version):
+        if self.learner.rides_probe or not self.canary.due(self.learner.version):  # the step's forward scored it
             return 0.0
         t0 = time.perf_counter()
         self.canary.record(self.learner.version, *self.probe_timer.around(lambda: self.learner.score_probe(self.probe)))
@@ -204,9 +211,14 @@ class LearnerRank:
         lags = (self.learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
         self.writer.histogram("learner/policy_lag", lags, step)
         t_train, waits["u_train"] = time.perf_counter(), time.time()
+        due = self.canary.due(self.learner.version)
         with record_function("learner/train_step"):
-            stats = self.learner.train_step(batch)
+            stats = self.learner.train_step(batch, self.probe if due else None)
         self.busy_s += time.perf_counter() - t_train
+        self.canary_rode = self.learner.probe_scored is not None  # the version the step started from
+        if self.canary_rode:
+            self.canary.record(*self.learner.probe_scored)
+        self.check_canary(self.scores, step)
         waits["u_trained"] = time.time()
         self.dropped += stats["dropped_stale"]
         # Model FLOPs utilization of the decoder-block GEMMs (forward + input-gradient: 4 x params x
@@ -269,7 +281,8 @@ class LearnerRank:
                               f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{busy_text(waits)}{self.canary_text()}"
                               f"{self.eta.text(step)}")
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
-                                         stats["policy_lag_mean"], gather_s, sync_s, canary_s, self.canary_device_ms))
+                                         stats["policy_lag_mean"], gather_s, sync_s, canary_s, self.canary_device_ms,
+                                         self.canary_rode))
         self.writer.flush()
 
     def canary_text(self) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,11 @@ class MicroBatch:
     attention: str = "sdpa"
     """Attention implementation the layout needs (VARLEN or sdpa)."""
     num_tokens: int = 0
-    """Real (non-padding) tokens in the micro-batch."""
+    """Real (non-padding) tokens in the micro-batch, a rider's not counted."""
+    rider: torch.Tensor | None = None
+    """[R] int64 targets of a rider: a sequence outside the loss (the canary's probe) forwarded as
+    this micro-batch's last (`with_rider`). Its R rows follow the N completion rows at the lm_head's
+    input, where `completion_logits` splits them off: the loss sees the same N rows as without it."""
 
 
 def packed_micro_batch(mb: TrajectoryBatch, device, attention: str) -> MicroBatch:
@@ -125,29 +129,59 @@ def _tree_micro_batch(prompts: list[list[int]], completions: list[list[int]], de
                       attention=attention, num_tokens=layout.num_tokens)
 
 
-def layout(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, device,
-           attention: str) -> list[tuple[list[int], TrajectoryBatch, MicroBatch]]:
+def layout(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, device, attention: str,
+           rider: list[int] | None = None) -> list[tuple[list[int], TrajectoryBatch, MicroBatch]]:
     """A batch -> (its sequence indices, sub-batch, model inputs) per micro-batch of at most
     `token_budget` forwarded tokens. prefix_sharing off: whole sequences first-fit-decreasing
     (`pack_by_budget`); tree or group: prefix trees split at node boundaries
     (`prefix_tree.split_by_budget`). Either way a micro-batch's N completion rows come in the flat
-    layout's order, so they map back to the batch by sequence."""
+    layout's order, so they map back to the batch by sequence. A `rider` (token ids) rides in the
+    first micro-batch's inputs (`with_rider`), outside the budget and the sub-batch."""
     if not batch.num_sequences:
         return []
     if prefix_sharing == "off":
         groups = pack_by_budget(batch.seq_lens.tolist(), token_budget)
         subs = [batch.select(g) for g in groups]
-        return [(g, sub, packed_micro_batch(sub, device, attention)) for g, sub in zip(groups, subs)]
+        return [(g, sub, with_rider(sub, rider if i == 0 else None, device, attention, prefix_sharing))
+                for i, (g, sub) in enumerate(zip(groups, subs))]
     prompts, completions = split_prompts(batch)  # host lists, split once for every micro-batch
     groups = split_by_budget(prompts, [len(c) for c in completions], prefix_sharing, token_budget)
-    return [(g, batch.select(g), _tree_micro_batch([prompts[i] for i in g], [completions[i] for i in g], device,
-                                                   attention, prefix_sharing)) for g in groups]
+    out = []
+    for i, g in enumerate(groups):
+        extra = rider if i == 0 and rider else None
+        tree = _tree_micro_batch([prompts[j] for j in g] + ([extra[:1]] if extra else []),
+                                 [completions[j] for j in g] + ([extra[1:]] if extra else []), device, attention,
+                                 prefix_sharing)
+        out.append((g, batch.select(g), _carrying(tree, extra)))
+    return out
+
+
+def with_rider(sub: TrajectoryBatch, rider: list[int] | None, device, attention: str,
+               prefix_sharing: str = "off") -> MicroBatch:
+    """`sub`'s model inputs in its layout (packed, or one prefix tree per `prefix_sharing`) with the
+    `rider` token ids forwarded as one more sequence after its own (None: none). Attention keeps
+    the rider to itself, so `sub`'s rows compute what they would without it, up to the order of
+    float roundings (other shapes); the loss's view (targets, seq_ids, num_tokens) is `sub`'s."""
+    both = TrajectoryBatch.concat([sub, one_sequence(rider)]) if rider else sub
+    mb = packed_micro_batch(both, device, attention) if prefix_sharing == "off" else \
+        tree_micro_batch(both, device, attention, prefix_sharing)
+    return _carrying(mb, rider)
+
+
+def _carrying(mb: MicroBatch, rider: list[int] | None) -> MicroBatch:
+    """A micro-batch built with `rider` as its last sequence -> the loss's view of it: the rider's
+    R = len(rider) - 1 rows, last in the flat order, split off its targets and seq_ids."""
+    if not rider:
+        return mb
+    r = len(rider) - 1
+    return replace(mb, targets=mb.targets[:-r], seq_ids=mb.seq_ids[:-r], rider=mb.targets[-r:],
+                   num_tokens=mb.num_tokens - len(rider))
 
 
 def layout_micro_batches(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, device,
-                         attention: str) -> list[tuple[TrajectoryBatch, MicroBatch]]:
+                         attention: str, rider: list[int] | None = None) -> list[tuple[TrajectoryBatch, MicroBatch]]:
     """A batch -> (sub-batch, its model inputs) per micro-batch (`layout`)."""
-    return [(sub, mb) for _, sub, mb in layout(batch, token_budget, prefix_sharing, device, attention)]
+    return [(sub, mb) for _, sub, mb in layout(batch, token_budget, prefix_sharing, device, attention, rider)]
 
 
 def one_sequence(tokens: list[int]) -> TrajectoryBatch:
@@ -160,13 +194,11 @@ def one_sequence(tokens: list[int]) -> TrajectoryBatch:
                            versions=ints([0]))
 
 
-def dummy_micro_batch(device, attention: str) -> MicroBatch:
-    """Two tokens, one completion token: lets a rank with fewer micro-batches join FSDP's collectives."""
-    one = one_sequence([0, 0])
-    mb = tree_micro_batch(one, device, attention, "tree") if attention in TREE_ATTENTIONS \
-        else packed_micro_batch(one, device, attention)
-    mb.num_tokens = 0
-    return mb
+def dummy_micro_batch(device, attention: str, rider: list[int] | None = None) -> MicroBatch:
+    """Two tokens, one completion token: lets a rank with fewer micro-batches join FSDP's collectives
+    (and carries a `rider` when its pass is the step's first)."""
+    mb = with_rider(one_sequence([0, 0]), rider, device, attention, "tree" if attention in TREE_ATTENTIONS else "off")
+    return replace(mb, num_tokens=0)
 
 
 _REGISTERED: set[str] = set()  # our attentions registered with transformers in this process (`set_attention`)
@@ -187,27 +219,45 @@ def set_attention(model, name: str) -> None:
     model.config._attn_implementation = name
 
 
-def completion_logits(model, mb: MicroBatch, grad_row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def completion_logits(model, mb: MicroBatch, grad_row_scale: torch.Tensor | None = None,
+                      rider_logits: list | None = None) -> torch.Tensor:
     """[N, V] logits at completion positions; the lm_head runs on (about) those rows only.
     `grad_row_scale` [N]: the lm_head input's gradient rows are multiplied by it in backward (the
-    loss's deferred per-row scale, `colocate.kernels.deferred`; the lm_head's rows are the N rows)."""
+    loss's deferred per-row scale, `colocate.kernels.deferred`; the lm_head's rows are the N rows).
+    A rider's rows (`mb.rider`) are split off the lm_head's input before it runs: their [R, V]
+    logits, computed without gradient, are appended to `rider_logits` (None: dropped)."""
     current = model.config._attn_implementation
     if current != mb.attention:
         raise ValueError(f"this micro-batch needs attention {mb.attention!r}, the model uses {current!r} "
                          f"(packing.set_attention)")
-    hook = None
+    head, hooks = model.get_output_embeddings(), []
+    if mb.rider is not None:  # registered first: the row scale below sees the N rows only
+        hooks.append(head.register_forward_pre_hook(_rider_split(mb.rider.numel(), rider_logits)))
     if grad_row_scale is not None:
         if mb.row_index is not None:
             raise ValueError("a deferred row scale needs the lm_head's rows to be the completion rows (row_index None)")
-        hook = model.get_output_embeddings().register_forward_pre_hook(
-            lambda _module, args: (scale_grad_rows(args[0], grad_row_scale), *args[1:]))
+        hooks.append(head.register_forward_pre_hook(
+            lambda _module, args: (scale_grad_rows(args[0], grad_row_scale), *args[1:])))
     try:
         logits = model(**mb.inputs, use_cache=False).logits
     finally:
-        if hook is not None:
+        for hook in hooks:
             hook.remove()
     logits = logits.reshape(-1, logits.shape[-1])  # [R, V]
     return logits if mb.row_index is None else logits[mb.row_index]
+
+
+def _rider_split(rows: int, out: list | None):
+    """A forward pre-hook for the lm_head: its input's last `rows` rows (a rider's) go through the
+    head's own forward without gradient (no hooks: the parameters are already gathered), into
+    `out`; the head then runs on the others, so no [N + R, V] logits or gradient is ever formed."""
+    def split(module, args):
+        hidden = args[0]
+        if out is not None:
+            with torch.no_grad():
+                out.append(module.forward(hidden[..., -rows:, :].detach()).reshape(rows, -1))
+        return (hidden[..., :-rows, :], *args[1:])
+    return split
 
 
 # ---- varlen attention -------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The canary's probe rides the step's first forward (`Learner.train_step`, `packing.with_rider`): it
+scores what a forward of its own scores, at the version the step started from, and the step trains
+as it would without it."""
+import math
+
+import pytest
+import torch
+
+from colocate.canary import canary_bound
+from colocate.topology import Topology
+from tests.test_packing import random_batch
+from tests.test_startup import SHAPES, _learner
+
+PROBE = list(range(2, 40))  # 38 ids: a length no sequence of SHAPES has
+LAYOUTS = [{"learner": {"prefix_sharing": "off"}}, {"learner": {"prefix_sharing": "tree"}},
+           {"learner": {"prefix_sharing": "tree", "updates_per_batch": 2}, "loss": {"beta": 0.04}}]
+IDS = ["flat", "tree", "tree_two_updates_kl"]
+
+
+def cpu_learner(cache_dir: str, extra: dict):
+    topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
+                    device=torch.device("cpu"), backend="gloo")
+    torch.manual_seed(7)
+    return _learner(cache_dir, extra, topo)
+
+
+def bound_of(learner, scale: float) -> float:
+    """The canary's own fp32 bound (two implementations, same dtype) at the probe's logit scale: what
+    another layout of the same forward may move a mean log-prob by."""
+    shape = learner.model.config
+    return canary_bound(torch.float32, reduction=max(shape.hidden_size, shape.intermediate_size),
+                        num_layers=shape.num_hidden_layers, logit_scale=scale)
+
+
+@pytest.mark.parametrize("extra", LAYOUTS, ids=IDS)
+def test_the_riding_probe_scores_the_version_the_step_started_from(tiny_cfg, extra):
+    learner, vocab = cpu_learner(tiny_cfg.model.cache_dir, extra)
+    for seed in range(2):
+        own, own_scale = learner.score_probe(PROBE)  # its own forward, before the step
+        version = learner.version
+        batch = random_batch(vocab, SHAPES, seed=seed)
+        batch.versions[:] = version
+        learner.train_step(batch, PROBE)
+        scored_version, logp, scale = learner.probe_scored
+        assert scored_version == version and learner.version == version + 1
+        assert logp.shape == own.shape and float(scale) == pytest.approx(float(own_scale), rel=1e-5)
+        assert float((logp - own).abs().mean()) <= bound_of(learner, float(own_scale))
+    learner.train_step(batch)  # no probe asked: nothing scored
+    assert learner.probe_scored is None
+
+
+@pytest.mark.parametrize("extra", LAYOUTS, ids=IDS)
+def test_a_step_with_the_riding_probe_trains_as_one_without(tiny_cfg, extra):
+    """The loss sees the same rows; only the forward's float roundings may differ (other shapes):
+    per layer a K-term fp32 sum's relative error, over L layers (the canary bound's arithmetic)."""
+    runs = []
+    for rider in (None, PROBE):
+        learner, vocab = cpu_learner(tiny_cfg.model.cache_dir, extra)
+        batch = random_batch(vocab, SHAPES, seed=3)
+        batch.versions[:] = learner.version
+        stats = learner.train_step(batch, rider)
+        runs.append((stats, learner.lora_state()))
+    (plain, adapter), (ridden, adapter_ridden) = runs
+    shape = learner.model.config
+    rel = 4 * (1 + math.sqrt(max(shape.hidden_size, shape.intermediate_size))) * 2 ** -24 \
+        * math.sqrt(shape.num_hidden_layers)
+    for key in ("loss", "entropy", "ratio", "kl", "tokens"):
+        assert ridden[key] == pytest.approx(plain[key], rel=rel, abs=1e-12), key
+    assert ridden["model_tokens"] == plain["model_tokens"]  # the rider is not trained on
+    if extra["learner"]["prefix_sharing"] == "off":  # packed: rows grouped by length, each computed alone
+        assert all(torch.equal(adapter[n], adapter_ridden[n]) for n in adapter)
+
+
+def test_a_rank_without_work_carries_the_probe_in_its_dummy_pass_or_scores_it_alone(tiny_cfg):
+    """A rank whose share is empty still runs the busiest rank's passes (dummies): the first carries the
+    probe. With no pass at all anywhere, the probe gets a forward of its own, before the update."""
+    learner, vocab = cpu_learner(tiny_cfg.model.cache_dir, LAYOUTS[1])
+    own, scale = learner.score_probe(PROBE)
+    learner._forward_backward([], 1, 1, 1.0, PROBE)
+    version, logp, _ = learner.probe_scored
+    assert version == learner.version and float((logp - own).abs().mean()) <= bound_of(learner, float(scale))
+    learner.optimizer.zero_grad(set_to_none=True)
+    stale = random_batch(vocab, SHAPES, seed=0)
+    stale.versions[:] = learner.version - learner.cfg.learner.max_policy_lag - 1  # every sequence dropped
+    learner.train_step(stale, PROBE)
+    version, logp, _ = learner.probe_scored
+    assert version == learner.version - 1 and torch.equal(logp, own)
