@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 LAUNCH_ENV = "COLOCATE_LAUNCH_TIME"
-"""Unix time the `colocate train` command started, for its ranks (cli.py sets it)."""
+"""Unix time the `colocate train` command started, for its ranks (launcher.py sets it)."""
 
 MARKS = ("rank_start", "launch_checked", "checks_done", "ranks_up", "model_ready", "engine_constructed", "engine_warm",
          "learner_probe_warm", "learner_warm", "first_batch", "first_step_end")

@@ -161,12 +161,12 @@ def end_rows() -> list[str]:
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from colocate import cli, run_dir
+    from colocate import launcher, run_dir
     from colocate.config import ConfigError, load_config
     from colocate.learner.loop import stop_line
     from colocate.lifecycle import tell_launcher
     with tempfile.TemporaryDirectory() as tmp:
-        job = cli.Job(f"{tmp}/run", ("inference", "learner"), checkpoints=True, single_node=True)
+        job = launcher.Job(f"{tmp}/run", ("inference", "learner"), checkpoints=True, single_node=True)
         os.makedirs(f"{tmp}/run/checkpoints/step-000040")
 
         def failure(exitcode: int, said: str | None) -> ProcessFailure:
@@ -188,19 +188,19 @@ def end_rows() -> list[str]:
         rows = [("a live run holds `metrics.run_dir` (`colocate train`, `--overwrite`, `--resume`, `colocate check`)",
                  "2", held),
                 ("a rank killed by a signal (kill -9, the out-of-memory killer, a crash)", "128 + N",
-                 cli.failed_rank({0: failure(-9, None), 1: failure(1, "peer")}, job)[2]),
+                 launcher.failed_rank({0: failure(-9, None), 1: failure(1, "peer")}, job)[2]),
                 ("a rank leaving without an error (`os._exit(C)` in user code or a library)", "C",
-                 cli.failed_rank({1: failure(7, None), 0: failure(1, "peer")}, job)[2]),
+                 launcher.failed_rank({1: failure(7, None), 0: failure(1, "peer")}, job)[2]),
                 ("every rank of this node only lost a peer (the one that ended is on another node, or left with 0)",
-                 "1", cli.failed_rank({0: failure(1, "peer"), 1: failure(1, "peer")}, job)[2]),
+                 "1", launcher.failed_rank({0: failure(1, "peer"), 1: failure(1, "peer")}, job)[2]),
                 ("SIGINT / SIGTERM / SIGHUP to `colocate train` once the ranks run", "128 + N",
-                 cli.stopped_line(job, signal.SIGINT)),
+                 launcher.stopped_line(job, signal.SIGINT)),
                 ("the learner's line at that stop, with checkpoints off", "",
                  stop_line(cfg, [], signal.SIGINT, 12, checkpointed=False)),
                 ("SIGINT / SIGTERM / SIGHUP to `colocate train` while it checks (its ranks wait for the checks)",
-                 "128 + N", cli.stopped_line(None, signal.SIGINT)),
+                 "128 + N", launcher.stopped_line(None, signal.SIGINT)),
                 ("Ctrl-C while `colocate train` parses the config, before torchrun starts", "130",
-                 cli.interrupted_line("train"))]
+                 launcher.interrupted_line("train"))]
     return [f"| {case} | {code} | {line.replace(tmp, '<tmp>').replace(socket.gethostname(), 'HOST')} |"
             for case, code, line in rows]
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from colocate import cli
+from colocate import cli, launcher
 from colocate.config import ConfigError, load_config, parse_overrides
 from tests.conftest import REPO
 
@@ -98,7 +98,7 @@ def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, 
     def fake_torchrun(args, launch):
         calls.append((args, *handed_over(args), handover.read_record(args[-1].partition("=")[2])))
         return 0
-    monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
+    monkeypatch.setattr(launcher, "run_torchrun", fake_torchrun)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     args = ["--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"]
     assert cli.main(["train", *args]) == 0
@@ -128,7 +128,7 @@ def test_every_bad_input_through_colocate_train_is_one_line_and_no_torchrun(monk
     def fake_torchrun(args, launch):
         ranks.append(handed_over(args)[1])
         return 2
-    monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
+    monkeypatch.setattr(launcher, "run_torchrun", fake_torchrun)
     for case_id, text, overrides, expected in CASES:
         case_dir = tmp_path / case_id.replace(" ", "_")
         case_dir.mkdir()
@@ -299,7 +299,7 @@ def test_a_run_that_takes_the_directory_during_the_checks_refuses_the_launch(mon
         raise ConfigError(f"metrics.run_dir={path!r} is in use by another run")
     monkeypatch.setattr(run_dir, "hold", taken)
     ranks = []
-    monkeypatch.setattr(cli, "run_torchrun", lambda args, launch: ranks.append(handed_over(args)[1]) or 2)
+    monkeypatch.setattr(launcher, "run_torchrun", lambda args, launch: ranks.append(handed_over(args)[1]) or 2)
     assert cli.main(["train", "--config", TINY, f"--metrics.run_dir={tmp_path / 'run'}",
                      f"--model.cache_dir={tmp_path / 'cache'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -378,9 +378,9 @@ def failure(tmp_path, monkeypatch, name: str, exitcode: int, said: str | None):
 
 
 def test_the_rank_that_ended_the_job_is_named_when_it_said_nothing(tmp_path, monkeypatch):
-    """`cli.failed_rank`: the first failed rank that did not only lose a peer ended the job; a line
+    """`launcher.failed_rank`: the first failed rank that did not only lose a peer ended the job; a line
     for it unless it printed its own (an error, exit 2 or 3); ranks that followed never count."""
-    from colocate.cli import Job, failed_rank
+    from colocate.launcher import Job, failed_rank
     job = Job("/r", ("inference", "learner"), checkpoints=False, single_node=True)
 
     def case(**ranks):

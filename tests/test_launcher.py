@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from colocate import cli, launch, rank_config
+from colocate import cli, launch, launcher, rank_config
 from tests.conftest import REPO
 from tests.test_cli import handed_over
 from tests.test_engine_table import fake_vllm  # noqa: F401 - a fixture
@@ -85,7 +85,7 @@ def train(monkeypatch, tmp_path, *args: str) -> tuple[int, list]:
         if text is not None:  # the checks passed: the ranks start
             started.append((argv, text.decode()))
         return 0
-    monkeypatch.setattr(cli, "run_torchrun", fake_torchrun)
+    monkeypatch.setattr(launcher, "run_torchrun", fake_torchrun)
     code = cli.main(["train", *args, f"--model.cache_dir={tmp_path / 'cache'}"])
     return code, started
 
@@ -290,11 +290,11 @@ def test_colocate_train_names_the_ranks_that_import_their_engine_early(tmp_path)
     def parsed(*overrides):
         return launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
                                     f"--metrics.run_dir={tmp_path / 'run'}", *overrides], 4)[0]
-    assert cli.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1"
-    assert cli.engine_imports(parsed("--engine.kind=vllm", "--topology.placement=interleaved"), 4, 2) == "vllm:0,2"
-    assert cli.engine_imports(parsed(), 4, 4) == ""  # cpu-tiny's engine.kind=hf
-    assert cli.engine_imports(parsed("--engine.kind=vllm"), None, 4) == ""
-    assert cli.engine_imports(parsed("--engine.kind=vllm"), 4, 3) == ""  # not a whole number of nodes
+    assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1"
+    assert launcher.engine_imports(parsed("--engine.kind=vllm", "--topology.placement=interleaved"), 4, 2) == "vllm:0,2"
+    assert launcher.engine_imports(parsed(), 4, 4) == ""  # cpu-tiny's engine.kind=hf
+    assert launcher.engine_imports(parsed("--engine.kind=vllm"), None, 4) == ""
+    assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 3) == ""  # not a whole number of nodes
 
 
 SLOW_CHECKS = """import sys, time
@@ -409,14 +409,14 @@ def launcher_case(source: str, tmp: str) -> int:
         f.write(source)
     sys.modules.pop("user_launch_case", None)
     sys.path.insert(0, tmp)
-    saved = cli.run_torchrun, {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
-    cli.run_torchrun = lambda args, job: 0
+    saved = launcher.run_torchrun, {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK") if k in os.environ}
+    launcher.run_torchrun = lambda args, job: 0
     data = [os.path.join(REPO, "examples", "data", f"addition-{s}.jsonl") for s in ("train", "eval")]
     try:
         return cli.main(["train", "--config", DATASET, "--env.reward=user_launch_case:score", f"--env.data_files={data[0]}",
                          f"--env.eval_files={data[1]}", f"--metrics.run_dir={tmp}/run", f"--model.cache_dir={tmp}/cache"])
     finally:
-        cli.run_torchrun = saved[0]
+        launcher.run_torchrun = saved[0]
         os.environ.update(saved[1])
         sys.path.remove(tmp)
 

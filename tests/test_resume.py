@@ -100,11 +100,11 @@ def test_resume_without_a_checkpoint_is_refused_in_one_line(monkeypatch, tmp_pat
     """`--resume` where no checkpoint exists stops before the ranks get a config (as HF Trainer's
     resume_from_checkpoint=True does), saying where it looked and how to start afresh, and leaves
     the directory as it was."""
-    from colocate import cli
+    from colocate import cli, launcher
     from tests.test_cli import handed_over, no_torchrun_env
     no_torchrun_env(monkeypatch)
     ranks = []  # torchrun starts beside the checks; its ranks must get no config
-    monkeypatch.setattr(cli, "run_torchrun", lambda args, launch: ranks.append(handed_over(args)[1]) or 2)
+    monkeypatch.setattr(launcher, "run_torchrun", lambda args, launch: ranks.append(handed_over(args)[1]) or 2)
     run = tmp_path / "run"
     run.mkdir()
     if earlier:  # what a run with checkpoints off leaves

@@ -160,16 +160,16 @@ def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, 
 
 def test_colocate_train_gives_its_ranks_the_launch_and_its_pid_then_takes_them_back(monkeypatch):
     import time
-    from colocate import cli, handover
+    from colocate import handover, launcher
     seen = {}
-    launch = cli.Launch(0, cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"])
-    monkeypatch.setattr(cli, "train_command", lambda argv: launch)
-    monkeypatch.setattr(cli, "run_torchrun", lambda args, job: seen.update(os.environ) or 0)
+    launch = launcher.Launch(0, cmd=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"])
+    monkeypatch.setattr(launcher, "train_command", lambda argv: launch)
+    monkeypatch.setattr(launcher, "run_torchrun", lambda args, job: seen.update(os.environ) or 0)
     monkeypatch.delenv(LAUNCH_ENV, raising=False)
     saved = dict(os.environ)  # the ranks' environment (launch_env) stays in this process after a launch
     before = time.time()
     try:
-        assert cli.train(["--config", "x.yaml"]) == 0
+        assert launcher.train(["--config", "x.yaml"]) == 0
         assert LAUNCH_ENV not in os.environ and handover.LAUNCHER_ENV not in os.environ
     finally:
         os.environ.clear()

@@ -151,7 +151,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, when):
 def test_under_nohup_torchrun_leaves_sighup_alone(monkeypatch):
     """`nohup colocate train ...`: SIGHUP ignored in the launcher, so torchrun is not told to stop the
     job on it (it handles SIGHUP by default); otherwise torchrun's default set stands."""
-    from colocate.cli import launch_env
+    from colocate.launcher import launch_env
     monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
