@@ -1,11 +1,15 @@
-"""Benchmark profile `probe`: what the sync canary's learner-side probe (`Learner.score_probe`) costs,
-and why. The learner is built as a run of `--config` builds it, as one learner (world 1 in this
-process), and warmed up with the probe (`Learner.warm_up`). Per variant: `--iters` probes after
-`--warmup` untimed ones, the GPU idle before each (`probe_device_ms_<v>`: CUDA events around the
-call; `probe_host_ms_<v>`: the call's own time; median, and `_mean_`); one probe under
-torch.profiler (`traces`: GPU busy time, idle gaps, what the host did in them); `--train-steps`
-steps of the warm-up's synthetic batch for scale (put back after, so every variant scores the same
-adapter); the probe's mean |log-prob - as_run's| (`probe_gap_<v>`) beside the canary's bound.
+"""Benchmark profile `probe`: what the sync canary's learner-side probe costs, and why: riding the
+step's first forward, as a run scores it (`Learner.train_step`), and as a forward of its own
+(`Learner.score_probe`, LoRA dropout's path). The learner is built as a run of `--config` builds it,
+as one learner (world 1 in this process), and warmed up with the probe (`Learner.warm_up`). Per
+variant: `--iters` probes of their own after `--warmup` untimed ones, the GPU idle before each
+(`probe_device_ms_<v>`: CUDA events around the call; `probe_host_ms_<v>`: the call's own time;
+median, and `_mean_`); one probe under torch.profiler (`traces`: GPU busy time, idle gaps, what the
+host did in them); `--train-steps` steps of the warm-up's synthetic batch, alternated with the same
+step carrying the probe (`train_step_ms_<v>`, `train_step_rider_ms_<v>`; `rider_ms_<v>`, their
+difference: what the riding probe costs the learner's step; put back after, so every variant
+scores the same adapter); the probe's mean |log-prob - as_run's| (`probe_gap_<v>`) beside the
+canary's bound.
 Variants (`--variants`):
   as_run      the config as it is;
   eager       as_run's learner, compiled blocks run eagerly (compiler stance force_eager), the probe
@@ -39,7 +43,7 @@ from colocate.jsonfile import write_atomic
 BUILDS = {"as_run": {}, "no_compile": {"compile": False}, "no_fsdp": {"fsdp": False}, "flat": {"prefix_sharing": "off"}}
 """Learner builds in run order (the cheapest answers first): variant -> learner settings beyond the config's."""
 VARIANTS = ("as_run", "eager", "no_compile", "no_fsdp", "flat")
-COMPARED = ("probe_device_ms", "probe_host_ms", "train_step_ms", "train_step_host_ms")
+COMPARED = ("probe_device_ms", "probe_host_ms", "train_step_ms", "train_step_host_ms", "train_step_rider_ms")
 TRACE_KEYS = ("wall_ms", "gpu_busy_ms", "num_kernels", "family_ms", "gaps_over_100us", "longest_gaps_ms", "host_gaps", "gc")
 
 
@@ -244,9 +248,19 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
             summary = trace_call(lambda: learner.score_probe(bench.probe), True, trace_out, host=True)
             bench.record["traces"][key] = {k: summary[k] for k in TRACE_KEYS}
             figures[f"probe_gpu_busy_ms_{key}"] = summary["gpu_busy_ms"]
-        steps = train_steps(learner, args.train_steps, bench.cuda) if name != "eager" else ([], [])
+        steps, ridden = ([], []), ([], [])
+        for _ in range(args.train_steps if name != "eager" else 0):  # alternated, each after one untimed
+            for times, rider in ((steps, None), (ridden, bench.probe)):
+                device_ms, host_ms = train_steps(learner, 1, bench.cuda, rider)
+                times[0].extend(device_ms)
+                times[1].extend(host_ms)
     bench.outputs.setdefault(name, (out[0].float().cpu(), float(out[1])))
-    put(figures, key, train_step_ms=steps[0], train_step_host_ms=steps[1])
+    put(figures, key, train_step_ms=steps[0], train_step_host_ms=steps[1], train_step_rider_ms=ridden[0],
+        train_step_rider_host_ms=ridden[1])
+    for unit in ("", "host_"):  # what the probe riding the step's first forward adds to the step
+        plain, rode = figures.get(f"train_step_{unit}ms_{key}"), figures.get(f"train_step_rider_{unit}ms_{key}")
+        if plain and rode:
+            figures[f"rider_{unit}ms_{key}"] = rode - plain
     print(f"[probe-bench] {key}: " + ", ".join(f"{m} {figures[f'{m}_{key}']:.2f}" for m in (*COMPARED, "probe_gpu_busy_ms")
                                                if f"{m}_{key}" in figures), flush=True)
 
@@ -291,7 +305,7 @@ def spin(ms: float):
     return lambda: torch.cuda._sleep(cycles)
 
 
-def train_steps(learner, steps: int, cuda: bool) -> tuple[list[float], list[float]]:
+def train_steps(learner, steps: int, cuda: bool, rider: list[int] | None = None) -> tuple[list[float], list[float]]:
     """`steps` train steps of the warm-up's synthetic batch (after one untimed), then the adapter,
     AdamW, the RNG and the version put back -> (device ms, host ms)."""
     from colocate.learner.warmup import Snapshot, synthetic_batch
@@ -302,7 +316,7 @@ def train_steps(learner, steps: int, cuda: bool) -> tuple[list[float], list[floa
 
     def step():
         batch.versions[:] = learner.version  # on policy: nothing dropped as stale
-        return learner.train_step(batch)
+        return learner.train_step(batch, rider)
     try:
         return timed(step, steps, 1, cuda)[1:]
     finally:

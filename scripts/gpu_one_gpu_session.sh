@@ -36,12 +36,16 @@
 #            variant (as run, eager, no FSDP, no compile, flat), each beside a busy second CUDA context too;
 #            5-8 min (no build starts after PROBE_LIMIT_S, default 540); PROBE_ARGS adds arguments, e.g.
 #            "--variants as_run,eager,no_compile --iters 20" (2-3 min)
+#   pyc      whether the bundle's modules import from cached bytecode (a pip install writes it; the bundle is
+#            unpacked wheels): a fresh `import vllm` twice, `compileall` of the bundle, twice again, and the
+#            slowest imports (pyc.log); run it first: what follows then imports from bytecode, as a user's would
 #   startupgsm  the startup profile on configs/gpu-1-gsm8k.yaml as shipped: a cold launch (fresh compile cache),
 #            then a warm one, STARTUP_STEPS steps each (default 6), timelines side by side (startupgsm.json);
 #            startup7b the same on configs/gpu-1-7b.yaml; STARTUP_SET adds overrides (k=v ...); startupgsm:K=V
 #            (or startup7b:K=V) the same with one more override, e.g. startupgsm:learner.compile=false (no comma:
 #            ONE_STEPS splits on commas)
-#            (startupgsm-learner-compile-false.json): each about 4 min on gpu-1-gsm8k.yaml; STARTUP_ARGS adds
+#            (startupgsm-learner-compile-false.json; each launch's log and startup.json under NAME-runs/): each
+#            about 4 min on gpu-1-gsm8k.yaml; STARTUP_ARGS adds
 #            profile arguments, e.g. STARTUP_ARGS=--importtime (every process's imports, vLLM's engine core too)
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
 #            only with engine.constraint_masks=ours)
@@ -116,6 +120,30 @@ startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on S
   [ ${#sets[@]} -gt 0 ] && args=(--set "${sets[@]}")
   with_memory "$2" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" --nproc 2 \
     --steps "${STARTUP_STEPS:-6}" --out "$GS/$2.json" ${STARTUP_ARGS:-} ${args[@]+"${args[@]}"}
+  local d  # each launch's log and startup.json come back with the chain's results
+  for d in /tmp/colocate-startup-*; do
+    [ -d "$d" ] || continue
+    mkdir -p "$GS/$2-runs"
+    (cd "$d" && find . -maxdepth 2 \( -name '*.log' -o -name startup.json \) -exec cp --parents {} "$GS/$2-runs/" \;)
+    rm -rf "$d"
+  done
+}
+
+pyc_check() {  # whether the bundle's modules import from cached bytecode, and what a fresh import of vLLM costs
+  local site
+  site=$(python3 -c "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))" 2>/dev/null)
+  [ -n "$site" ] || { echo "pyc: vLLM does not import" >> "$GS/chain.log"; return; }
+  {
+    echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset} site=$site"
+    echo "vllm __pycache__ dirs: $(find "$site/vllm" -name __pycache__ -type d | wc -l)"
+    local i TIMEFORMAT
+    for i in 1 2; do TIMEFORMAT="import vllm, fresh process $i: %R s"; time python3 -c "import vllm"; done
+    TIMEFORMAT="compileall of $site: %R s"; time python3 -m compileall -q -j 0 "$site" > /dev/null
+    echo "vllm __pycache__ dirs: $(find "$site/vllm" -name __pycache__ -type d | wc -l)"
+    for i in 1 2; do TIMEFORMAT="import vllm after compileall $i: %R s"; time python3 -c "import vllm"; done
+    python3 -X importtime -c "import vllm" 2>&1 | sort -t'|' -k2 -n | tail -15
+  } > "$GS/pyc.log" 2>&1
+  grep -E "import vllm|compileall|pycache|DONTWRITE" "$GS/pyc.log" >> "$GS/chain.log"
 }
 
 step() {  # one step of the chain, by name
@@ -152,6 +180,7 @@ step() {  # one step of the chain, by name
     tree) with_memory tree timeout 600 python3 scripts/benchmark.py --profile trainer --num-gpus 1 \
             --seqs-per-rank 448 --group-size 2 --budgets 16384 --prefix-sharing tree,group --padded-batch 0 \
             --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
+    pyc) pyc_check ;;
     startupgsm|startup7b) startup_profile "$1" "$1" ;;
     startupgsm:*|startup7b:*) startup_profile "${1%%:*}" "${1%%:*}-$(printf %s "${1#*:}" | tr -c 'A-Za-z0-9' '-')" "${1#*:}" ;;
     probe) with_memory probe timeout 900 python3 scripts/benchmark.py --profile probe --config configs/gpu-1-gsm8k.yaml \
@@ -231,7 +260,7 @@ chain() {
   [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   echo "chain done" >> "$GS/chain.log"
 }
-export -f chain step with_memory e2e_jobs startup_profile
+export -f chain step with_memory e2e_jobs startup_profile pyc_check
 export GS
 
 table() {  # the e2e records so far: one row per config and mode

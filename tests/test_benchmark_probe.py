@@ -24,6 +24,7 @@ def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, t
     for name in ran:
         assert figures[f"probe_host_ms_{name}"] > 0 and f"probe_device_ms_{name}" not in figures
         assert (f"train_step_host_ms_{name}" in figures) == (name != "eager")  # eager: the probe only
+        assert (f"rider_host_ms_{name}" in figures) == (name != "eager")  # the step with the probe riding, beside
         assert f"probe_host_ms_{name}_vs_as_run" in record["ratios"] or name == "as_run"
     assert not [k for k in figures if "cotenant" in k or "device" in k] and not record["traces"]
     assert set(json.loads((tmp_path / "partial.json").read_text())["figures"]) <= set(figures)  # each build's
