@@ -6,19 +6,20 @@ an adapter written into the wrong slot or with the wrong scale, a merged copy le
 So both sides score one fixed probe sequence (`probe_ids`: a sentence through the run's tokenizer,
 `PROBE_TOKENS` long) with the same adapter version:
 
-  * the learner, right after each step has sent its adapter (so the engines never wait for the
-    probe), with the version it just sent (`Learner.score_probe`: one forward of the probe, through
-    the training forward's graphs when the blocks are compiled, its outputs detached;
-    every learner rank runs it, FSDP needs them all), and keeps the log-probs and the logits' scale
-    on the device, unread (`CanaryCheck.record`): nothing waits for that forward until the engines'
-    scores of the version arrive with a later batch, long after it ran;
+  * the learner, in each step's first forward, with the version the step starts from (the one the
+    engines got at the end of the step before): the probe rides that forward as one more sequence
+    the loss never sees (`Learner.train_step`, `packing.with_rider`; every learner rank carries it
+    in its own first pass), so it costs its tokens in a forward that runs anyway instead of a
+    forward of its own (with LoRA dropout, which the training forward applies, it still gets one
+    after each send: `Learner.score_probe`); the log-probs and the logits' scale stay on the
+    device, unread (`CanaryCheck.record`) until the engines' scores of the version are checked;
   * each inference rank, before it samples a batch with a version it has not scored yet
     (`Engine.score`: the HF engine's forward, vLLM's `prompt_logprobs`), and ships the log-probs
     with that batch's trajectories (`wire.ProbeScore` in the shard header: one direction, on the
     existing transport, no extra message or collective).
 
-The learner compares them (`CanaryCheck.check`) when the batch arrives, i.e. before it trains on
-anything that version sampled: the gap is the mean |engine - learner| log-prob over the probe's
+The learner compares them (`CanaryCheck.check`) in the step whose shards bring the engines' scores,
+after that step's forward (so its own reference of the version is there): the gap is the mean |engine - learner| log-prob over the probe's
 tokens (nats), `sync/canary_gap` in TensorBoard and `canary` on the step line; past `bound` it is
 an `ALERT canary_mismatch`, and `metrics.stop_on_mismatch` ends the run (exit 3).
 
