@@ -66,8 +66,11 @@ class PaddedLearner(Learner):
         self.attention = "sdpa" if padded_batch else attention
         set_attention(self.model, self.attention)
 
-    def micro_batches(self, batch: TrajectoryBatch) -> list[tuple[TrajectoryBatch, MicroBatch]]:
+    def micro_batches(self, batch: TrajectoryBatch,
+                      rider: list[int] | None = None) -> list[tuple[TrajectoryBatch, MicroBatch]]:
         if not self.padded_batch:
-            return super().micro_batches(batch)
+            return super().micro_batches(batch, rider)
+        if rider:
+            raise ValueError("padded micro-batches carry no canary probe (the trainer benchmark scores none)")
         chunks = chunk_sequences(batch.num_sequences, self.padded_batch)
         return [(sub, padded_micro_batch(sub, self.pad_id, self.device)) for sub in (batch.select(c) for c in chunks)]

@@ -232,16 +232,19 @@ def colocate_train(tmp_path, *args, fault: str = "", steps: int = 4, timeout: in
 
 
 @pytest.mark.slow
-def test_a_sync_fault_stops_the_run_before_its_samples_train_further(tmp_path):
+@pytest.mark.parametrize("dropout", [0.0, 0.05], ids=["probe_rides_the_step", "probe_apart_with_dropout"])
+def test_a_sync_fault_stops_the_run_before_its_samples_train_further(tmp_path, dropout):
     """From version 1 on the engine skips each update. cpu-tiny (lag 1) samples batch 2 with
     version 1: that batch's canary fails, the learner alerts at step 3, checkpoints, names step 2
     (trained only on version 0's samples, which passed) as the last good checkpoint although
     checkpoint.keep=1, and `colocate train` exits 3. One fault is enough here: the learner's check,
     alert and stop are the same code whatever the engine got wrong, and that the slot and scale
     faults (written by the same `faulty_tensors`) move the gap far past the bound is
-    test_engine_and_learner_agree_on_one_adapter_and_every_fault_shows's claim."""
+    test_engine_and_learner_agree_on_one_adapter_and_every_fault_shows's claim. Both ways the learner
+    scores the probe: riding each step's first forward, and (LoRA dropout) a forward of its own after
+    each send."""
     proc = colocate_train(tmp_path, "--checkpoint.enabled=true", "--checkpoint.every=1", "--checkpoint.keep=1",
-                          fault="skip", steps=6)
+                          f"--lora.dropout={dropout}", fault="skip", steps=6)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-4000:]
     assert out.count("ALERT canary_mismatch: adapter version 1:") == 1, out[-4000:]

@@ -271,6 +271,17 @@ def test_a_cost_on_even_steps_is_their_parity_gap(cost):
     assert out["step_s_parity_gap_frac_se"] == pytest.approx(se / (1.0 + cost / 2))
 
 
+def test_steps_whose_forward_carried_the_probe_are_keyed_by_the_version_they_started_from():
+    """Without LoRA dropout the probe rides a step's first forward (`canary_rode`): row s probes version
+    s, the one it starts from, so with `sync.canary_every=2` the rows that rode are the even rows; a
+    cost on them is the even parity's."""
+    n, cost = 12, 0.05
+    seconds = [30.0, 30.0] + [1.0 + (cost if i % 2 == 0 else 0.0) for i in range(2 * n)]  # rows 2, 4, ...
+    rows = [row + [0.0, 0.0, s % 2 == 0] for s, row in enumerate(rows_from_seconds(seconds))]
+    out = steady_state({"timeline": named(rows)}, [], warmup=2)
+    assert out["step_s_even_minus_odd"] == pytest.approx(cost, abs=1e-12) and out["canary_probes"] == n
+
+
 def test_batch_parity_is_by_the_version_that_sampled_the_batch():
     """Window batches keyed by their record's version (even: probed): 2 s of collect plus 0.1 s on even
     versions, 100 engine steps each; a warm-up batch outside the window and a record without a version

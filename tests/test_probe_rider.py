@@ -85,3 +85,62 @@ def test_a_rank_without_work_carries_the_probe_in_its_dummy_pass_or_scores_it_al
     learner.train_step(stale, PROBE)
     version, logp, _ = learner.probe_scored
     assert version == learner.version - 1 and torch.equal(logp, own)
+
+
+def test_a_probe_whose_first_token_opens_the_prompts_adds_only_what_it_forwards(tiny_cfg):
+    """In a prefix tree the probe's one-token prompt merges into a node the prompts already hold (tree
+    mode: a common first token; group mode: a whole one-token prompt): the step's forwarded-token count
+    still matches the step without it."""
+    for mode in ("tree", "group"):
+        counts = []
+        for rider in (None, PROBE):
+            learner, vocab = cpu_learner(tiny_cfg.model.cache_dir, {"learner": {"prefix_sharing": mode}})
+            batch = random_batch(vocab, [(1, 4), *SHAPES], seed=5)  # one prompt of one token
+            starts = torch.cumsum(batch.seq_lens, 0) - batch.seq_lens
+            batch.tokens[starts.long()] = PROBE[0]  # every prompt opens with the probe's first token
+            batch.versions[:] = learner.version
+            counts.append(learner.train_step(batch, rider)["model_tokens"])
+        assert counts[0] == counts[1], mode
+
+
+def test_models_that_transform_their_logits_after_the_head_score_the_probe_apart():
+    from types import SimpleNamespace
+
+    from colocate.learner.learner import head_is_last
+    assert head_is_last(SimpleNamespace(model_type="qwen2"))
+    assert head_is_last(SimpleNamespace(final_logit_softcapping=None, logits_scaling=1.0))
+    assert not head_is_last(SimpleNamespace(final_logit_softcapping=30.0))  # Gemma 2
+    assert not head_is_last(SimpleNamespace(logit_scale=0.0625))  # Cohere
+    nested = SimpleNamespace(get_text_config=lambda: SimpleNamespace(final_logit_softcapping=30.0))
+    assert not head_is_last(nested)  # Gemma 3: the text model's config
+
+
+def _verdict_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from colocate.canary import CanaryResult
+    from colocate.learner.loop import LearnerRank
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    topo = Topology(rank=rank, world_size=2, local_rank=rank, num_inference=0, num_learners=2,
+                    device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0, 1]))
+    rank_state = LearnerRank.__new__(LearnerRank)  # only the collective is under test
+    rank_state.topo = topo
+    mine = [CanaryResult(3, 0.010, 0.012), CanaryResult(3, float("nan"), 0.011)][rank]
+    got = rank_state.one_verdict(mine)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{got.gap} {got.bound} {got.failed}")
+    dist.destroy_process_group()
+
+
+def test_learners_whose_references_differ_reach_one_verdict(tmp_path):
+    """Each learner's reference rode its own first pass: the gap is the largest over the learners (a
+    NaN, infinite), the bound the smallest, the same on every rank."""
+    import torch.multiprocessing as mp
+
+    from tests.conftest import free_port
+    out = str(tmp_path / "verdict")
+    mp.start_processes(_verdict_worker, args=(free_port(), out), nprocs=2, join=True, start_method="fork")
+    assert [open(f"{out}.{r}").read() for r in (0, 1)] == ["inf 0.011 True"] * 2

@@ -108,7 +108,7 @@ def test_every_tracker_holds_every_step_of_a_run_with_the_canary_on(learning_run
         run, = client.search_runs([client.get_experiment_by_name("colocate").experiment_id])
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "learner/reward")]
         assert sorted(steps) == list(range(LEARNING_STEPS))
-        assert client.get_metric_history(run.info.run_id, "sync/canary_learner_ms")
+        assert client.get_metric_history(run.info.run_id, "sync/canary_gap")
         checked += 1
     databases = glob.glob(str(root / "trackio" / "**" / "*.db"), recursive=True)
     if databases:

@@ -85,6 +85,19 @@ def lm_head_frozen(model) -> bool:
     return not any(p.requires_grad for p in model.get_output_embeddings().parameters())
 
 
+POST_HEAD_LOGITS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+"""Model config keys of a transform transformers applies to the logits after the lm_head (Gemma 2/3's
+soft-capping, Granite's and Cohere's scales)."""
+
+
+def head_is_last(config) -> bool:
+    """Whether the model's logits are its lm_head's output as it is: then a rider's rows, split off at
+    the head's input and put through the head alone (`packing.completion_logits`), get the logits the
+    model gives. A scale of 1 changes nothing."""
+    configs = [config, *([config.get_text_config()] if hasattr(config, "get_text_config") else [])]
+    return all(getattr(c, key, None) in (None, 1, 1.0) for c in configs for key in POST_HEAD_LOGITS)
+
+
 def probe_terms(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The canary's reference from the probe's [R, V] logits and [R] targets: float32 log-probs at
     temperature 1, no mask, and the logits' RMS (the bound's scale, 0-dim), detached, on their device."""
@@ -142,7 +155,7 @@ class Learner:
         self._probe: tuple[tuple[int, ...], MicroBatch] | None = None  # the canary probe's inputs (`score_probe`)
         # the canary's probe rides the step's first forward (`train_step`) unless dropout makes that
         # forward differ from the reference's; then the loop scores it apart (`score_probe`)
-        self.rides_probe = cfg.lora.dropout == 0
+        self.rides_probe = cfg.lora.dropout == 0 and head_is_last(model.config)
         self.probe_scored: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, log-probs, RMS)
 
     # ---- collectives over the learner group -------------------------------------------------------
@@ -384,7 +397,7 @@ class Learner:
         one optimizer step. With the canary's probe as `rider` (in `work`'s first micro-batch, built
         by `micro_batches`), the first pass scores it; with no pass at all, a forward of its own does."""
         num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
-        if rider and not num_micro:  # every rank's share is empty: the same on every rank
+        if rider and not num_micro:  # this rank runs no pass (under FSDP: no rank does)
             self.probe_scored = (self.version, *self.score_probe(rider))
         # FSDP: all-gathers and reduce-scatters per micro-batch
         passes = self._forward_backward(work, num_micro, num_seqs, num_tokens, rider)

@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ import yaml
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
-from colocate.canary import CanaryCheck, compute_dtype, fp8_parts
+from colocate.canary import CanaryCheck, CanaryResult, compute_dtype, fp8_parts
 from colocate.channel import AdapterSender
 from colocate.config import Config, eval_enabled, sampling_lag, to_dict
 from colocate.data import TrajectoryBatch
@@ -129,7 +129,8 @@ class LearnerRank:
 
     def receive(self, step: int) -> tuple[TrajectoryBatch, bool, dict]:
         """One shard from every inference rank -> (batch, a stop was requested there, wait times);
-        the engines' canary scores that came with them are checked."""
+        the engines' canary scores that came with them are kept for `check_canary`, after the step's
+        forward (which scores the learner's own reference of the version the step starts from)."""
         t0, u0 = time.perf_counter(), time.time()
         received = [recv_batch(src, self.topo.transport_group) for src in self.topo.inference_ranks]
         # the last adapter's sends to the engines count as waiting, not training
@@ -173,6 +174,8 @@ class LearnerRank:
     def check_canary(self, scores: list, step: int) -> None:
         """The engines' probe log-probs against the learner's of the same version (`colocate.canary`)."""
         result = self.canary.check(scores)
+        if result is not None and self.topo.num_learners > 1:
+            result = self.one_verdict(result)
         self.canary_gap, self.mismatch = (result.gap, result.failed) if result is not None else (None, False)
         if result is None:
             return
@@ -182,6 +185,16 @@ class LearnerRank:
             self.writer.alert("canary_mismatch", f"adapter version {result.version}: the engine's log-probs of the "
                               f"canary probe differ from the learner's by {result.gap:.3g} nats on average (bound "
                               f"{result.bound:.3g}): it samples another policy than the one trained{stopping}", step)
+
+    def one_verdict(self, result: CanaryResult) -> CanaryResult:
+        """Each learner's reference rode its own first pass (other shapes: other roundings), so each
+        rank's gap and bound differ a little: the largest gap and the smallest bound over the learners
+        (a NaN gap counts as infinite), so every rank reaches the same verdict. Every learner checks
+        in the same step: each receives every engine's score."""
+        gap = result.gap if not math.isnan(result.gap) else math.inf
+        both = torch.tensor([gap, -result.bound], dtype=torch.float64, device=self.topo.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.topo.learner_group)
+        return replace(result, gap=float(both[0]), bound=-float(both[1]))
 
     def record_canary(self, step: int | None) -> float:
         """With LoRA dropout (`Learner.rides_probe` false; else the step's first forward scored it):

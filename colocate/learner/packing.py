@@ -148,11 +148,11 @@ def layout(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, devic
     groups = split_by_budget(prompts, [len(c) for c in completions], prefix_sharing, token_budget)
     out = []
     for i, g in enumerate(groups):
-        extra = rider if i == 0 and rider else None
-        tree = _tree_micro_batch([prompts[j] for j in g] + ([extra[:1]] if extra else []),
+        extra, own = (rider if i == 0 and rider else None), [prompts[j] for j in g]
+        tree = _tree_micro_batch(own + ([extra[:1]] if extra else []),
                                  [completions[j] for j in g] + ([extra[1:]] if extra else []), device, attention,
                                  prefix_sharing)
-        out.append((g, batch.select(g), _carrying(tree, extra)))
+        out.append((g, batch.select(g), _carrying(tree, extra, _shares_a_node(own, extra, prefix_sharing))))
     return out
 
 
@@ -163,19 +163,30 @@ def with_rider(sub: TrajectoryBatch, rider: list[int] | None, device, attention:
     the rider to itself, so `sub`'s rows compute what they would without it, up to the order of
     float roundings (other shapes); the loss's view (targets, seq_ids, num_tokens) is `sub`'s."""
     both = TrajectoryBatch.concat([sub, one_sequence(rider)]) if rider else sub
-    mb = packed_micro_batch(both, device, attention) if prefix_sharing == "off" else \
-        tree_micro_batch(both, device, attention, prefix_sharing)
-    return _carrying(mb, rider)
+    if prefix_sharing == "off":
+        return _carrying(packed_micro_batch(both, device, attention), rider)
+    shared = _shares_a_node(split_prompts(sub)[0], rider, prefix_sharing)
+    return _carrying(tree_micro_batch(both, device, attention, prefix_sharing), rider, shared)
 
 
-def _carrying(mb: MicroBatch, rider: list[int] | None) -> MicroBatch:
+def _shares_a_node(prompts: list[list[int]], rider: list[int] | None, mode: str) -> bool:
+    """Whether a rider's one-token prompt merges into a node of these prompts' tree (`prefix_tree`:
+    tree mode shares any common prefix, group mode whole prompts); its completion is a leaf, never."""
+    if not rider or mode == "off":
+        return False
+    return any(p[:1] == rider[:1] for p in prompts) if mode == "tree" else any(p == rider[:1] for p in prompts)
+
+
+def _carrying(mb: MicroBatch, rider: list[int] | None, shared: bool = False) -> MicroBatch:
     """A micro-batch built with `rider` as its last sequence -> the loss's view of it: the rider's
-    R = len(rider) - 1 rows, last in the flat order, split off its targets and seq_ids."""
+    R = len(rider) - 1 rows, last in the flat order, split off its targets and seq_ids, and the
+    tokens it added (its prompt's one token only where no node of the others already held it) off
+    the forwarded count."""
     if not rider:
         return mb
     r = len(rider) - 1
     return replace(mb, targets=mb.targets[:-r], seq_ids=mb.seq_ids[:-r], rider=mb.targets[-r:],
-                   num_tokens=mb.num_tokens - len(rider))
+                   num_tokens=mb.num_tokens - len(rider) + shared)
 
 
 def layout_micro_batches(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, device,
