@@ -26,7 +26,9 @@ timeline of learner rank 0 (`summary.json`) and the per-batch records of each in
                     inference ranks can run ahead during warm-up), and seconds_per_step is then faster
                     than the steady state.
   canary_*          the sync canary's own cost in the window (`canary_figures`): the probes the learner
-                    scored, and mean and median ms of each side's time on one probe, the learner's
+                    scored (riding a step's first forward, `canary_rode`: no time of their own; with LoRA
+                    dropout a forward of their own), and mean and median ms of each side's time on one
+                    probe, the learner's forward of its own
                     (`sync/canary_learner_ms`, the timeline's canary_s: host time to queue the forward;
                     on a GPU its kernels run later, in the next step's time; learner_device: their
                     device time, CUDA events read a step later, `canary_device_ms`) and the engines'
