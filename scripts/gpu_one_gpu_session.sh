@@ -267,6 +267,14 @@ table() {  # the e2e records so far: one row per config and mode
   python3 - "$GS" <<'PY'
 import glob, json, os, sys
 paths = sorted(glob.glob(os.path.join(sys.argv[1], "e2e*.json")))
+
+
+def learner_probe(r):  # a forward of its own (LoRA dropout; older trees) or riding the step's first forward
+    if "canary_learner_ms_mean" in r:
+        return f"{r['canary_learner_ms_mean']:.1f}"
+    return "rode" if r.get("canary_probes") else "nan"
+
+
 if paths:
     print(f"{'config':<22} {'job':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8} {'step ms':>8} "
           f"{'canary learner/engine ms':>25}")
@@ -279,7 +287,7 @@ for path in paths:
         print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} {r['seconds_per_step']:>7.2f} "
               f"{100 * r['learner_busy_fraction']:>12.0f}% {'' if util is None else f'{100 * util:.0f}%':>9} "
               f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f} "
-              f"{r.get('canary_learner_ms_mean', float('nan')):>12.1f}/{r.get('canary_engine_ms_mean', float('nan')):<12.1f}")
+              f"{learner_probe(r):>12}/{r.get('canary_engine_ms_mean', float('nan')):<12.1f}")
     for key, v in record.get("figures", {}).items():  # two jobs alternating: their pairs (e2e benchmark)
         if key.endswith(("_pairs", "_pair_mean", "_pair_se", "_pooled", "_parity_gap_frac", "_parity_gap_frac_se")):
             print(f"{'':<22} {key:<60} {v}")
