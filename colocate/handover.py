@@ -6,9 +6,10 @@ file that does not exist yet, in a private directory the launcher made (`place`)
 (`wait`) before it does anything else. When the checks pass the launcher writes the config's record
 (its SHA-256, the time of the handover, the ends of the checks' phases: `startup.CHECK_PHASES`) and
 then renames the config into place (`hand_over`): a rank that sees the config finds the record
-beside it, and refuses a config that changed after the checks. When they refuse, the launcher leaves a refusal marker instead (`refuse`): every waiting rank
-exits quietly with code 2, the launcher with the check's code and its one line. A rank watches for
-the refusal from its first line (`watch`), so a refused launch does not wait for its imports.
+beside it, and refuses a config that changed after the checks. When they refuse, the launcher
+leaves a refusal marker instead (`refuse`): every waiting rank exits quietly with code 2, the
+launcher with the check's code and its one line. A rank watches for the refusal from its first line
+(`watch`), so a refused launch does not wait for its imports.
 
 Standard library only, and of colocate only `jsonfile` (standard library too): a rank imports this
 first, before its own imports.
