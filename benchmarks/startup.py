@@ -1,8 +1,9 @@
 """Start-up profile: one preset launched twice as a user launches it (`colocate train`), first with a
 fresh compile cache directory (`model.compile_cache_dir`: vLLM's, inductor's and Triton's caches),
 then again with the cache the first run left; both runs' start-up timelines (`startup.json`:
-seconds since the launch, each mark at the last rank to reach it) side by side, and the phases of
-the step-1 line (checks, engine, learner warm-up, waiting for the first batch, step 1).
+seconds since the launch, each mark at the last rank to reach it) side by side, the phases of
+the step-1 line (checks, engine, learner warm-up, waiting for the first batch, step 1), and the
+launcher's own, launch -> `launch_checked` (`launcher_phases`: `startup.CHECK_PHASES`).
 
 With `--baseline-tree DIR` (another commit's source tree: `git worktree add DIR COMMIT`, or an
 export) the same preset runs from both trees, alternately, in one benchmark run: each tree cold (a
@@ -32,7 +33,7 @@ import tempfile
 import time
 
 from benchmarks.common import job_env
-from colocate.startup import MARKS
+from colocate.startup import CHECK_PHASES, MARKS
 
 RUNS = ("cold", "warm")
 COMPARED = ("checks_done", "first_step_end")
@@ -127,6 +128,7 @@ def side_by_side(records: dict[str, dict]) -> list[str]:
     """The table: one row per mark and per phase, one column per run."""
     rows = [f"{'':28s}" + "".join(f"{name:>12s}" for name in records)]
     for section, label, keys in (("marks", "mark", MARKS), ("since_command", "command ->", CLOCKED),
+                                 ("launcher_phases", "launcher", CHECK_PHASES),
                                  ("phases", "phase", ("checks", "engine", "learner_warmup", "first_batch_wait",
                                                       "step_1", "first_step", "median_step", "step_1_over_median"))):
         for key in keys:
@@ -204,6 +206,8 @@ def run(args) -> dict:
         print(line)
     figures = {f"{name.replace(' ', '_')}_{key}": value for name, record in records.items()
                for key, value in record["phases"].items()}
+    figures.update({f"{name.replace(' ', '_')}_launcher_{key}": value for name, record in records.items()
+                    for key, value in record.get("launcher_phases", {}).items()})
     figures.update({f"{name.replace(' ', '_')}_command_wall_s": record["command_wall_s"]
                     for name, record in records.items()})
     result = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "cache_dir": ", ".join(caches.values()),

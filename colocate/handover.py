@@ -4,11 +4,12 @@
 checks it: the ranks import their modules meanwhile. Each rank gets `--resolved-config=PATH` for a
 file that does not exist yet, in a private directory the launcher made (`place`), and waits for it
 (`wait`) before it does anything else. When the checks pass the launcher writes the config's record
-(its SHA-256, the time of the handover) and then renames the config into place (`hand_over`): a rank
-that sees the config finds the record beside it, and refuses a config that changed after the
-checks. When they refuse, the launcher leaves a refusal marker instead (`refuse`): every waiting rank
-exits quietly with code 2, the launcher with the check's code and its one line. A rank watches for
-the refusal from its first line (`watch`), so a refused launch does not wait for its imports.
+(its SHA-256, the time of the handover, the ends of the checks' phases: `startup.CHECK_PHASES`) and
+then renames the config into place (`hand_over`): a rank that sees the config finds the record
+beside it, and refuses a config that changed after the checks. When they refuse, the launcher
+leaves a refusal marker instead (`refuse`): every waiting rank exits quietly with code 2, the
+launcher with the check's code and its one line. A rank watches for the refusal from its first line
+(`watch`), so a refused launch does not wait for its imports.
 
 Standard library only, and of colocate only `jsonfile` (standard library too): a rank imports this
 first, before its own imports.
@@ -49,11 +50,11 @@ def place() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="colocate-launch-"), "config.yaml")
 
 
-def hand_over(path: str, text: str) -> None:
-    """The checked config's record, then the config at `path`, each renamed into place: a rank that
-    sees the config finds the record."""
+def hand_over(path: str, text: str, phase_ends: dict[str, float] | None = None) -> None:
+    """The checked config's record (with `phase_ends`, the checks' phases, unix seconds, in order),
+    then the config at `path`, each renamed into place: a rank that sees the config finds the record."""
     data = text.encode()
-    write_atomic(path + RECORD, {"sha256": digest(data), "checked_unix": time.time()})
+    write_atomic(path + RECORD, {"sha256": digest(data), "checked_unix": time.time(), "phase_ends": phase_ends or {}})
     with open(path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(path + ".tmp", path)

@@ -23,6 +23,7 @@ from colocate import run_dir
 from colocate.child import Child, Ended, finish_child, start_child
 from colocate.config import Config, ConfigError, load_config, parse_overrides, to_dict
 from colocate.jsonfile import write_atomic
+from colocate.startup import check_phase, check_phase_ends
 from colocate.trackers import check_loggers
 
 PATH_KEYS = (("model", "path"), ("model", "cache_dir"), ("env", "state_cache"), ("env", "data_files"),
@@ -216,6 +217,7 @@ def check_parsed(c: Checked) -> None:
     if one_process and plan.estimates_gib:  # the launcher, or rank 0 of a GPU run checking for itself
         # each rank's estimated peak, which the learners' summary sets beside the measured ones
         write_atomic(os.path.join(cfg.metrics.run_dir, "memory_plan.json"), plan.estimates_gib)
+    check_phase("claim")
     if check_only:
         echo_check(cfg, plan.lines)
 
@@ -245,6 +247,7 @@ def checked(c: Checked) -> dict | None:
     check_parsed(c)
     resume = load_resume(c.cfg, c.resume)  # one process checks a launch: it names the skipped checkpoints once
     c.cfg.checkpoint.resume = resume["path"] if resume else ""
+    check_phase("resume")
     return resume
 
 
@@ -308,21 +311,30 @@ def import_frozen(module: str) -> None:
             gc.enable()
 
 
-def checks_result(ended: Ended) -> tuple[int, str]:
-    """How the checking child ended -> (exit code, the resolved config's text); on a code other than
-    0 the line has been printed (by the child, or here for one that ended without a result)."""
-    if ended.own_end:  # the config, or the refusal's line printed there
-        return ended.code, ended.result or ""
+def checks_result(ended: Ended) -> tuple[int, str, dict[str, float]]:
+    """How the checking child ended -> (exit code, the resolved config's text, the phases' ends:
+    `startup.CHECK_PHASES`, unix seconds); on a code other than 0 the line has been printed (by the
+    child, or here for one that ended without a result)."""
+    if ended.own_end and ended.result is not None:
+        ends, _, text = ended.result.partition("\n")
+        return ended.code, text, {name: float(end) for name, _, end in (e.partition("=") for e in ends.split())}
+    if ended.own_end:  # the refusal's line printed there
+        return ended.code, "", {}
     code, line = ended_early(ended.code)
     print(line, file=sys.stderr, flush=True)
-    return code, ""
+    return code, "", {}
 
 
 def checked_text(c: Checked) -> str:
     """The checking child's work (`resolved_text`), the meta model's imports made first, frozen (a
-    no-op where the launcher made them before the fork)."""
+    no-op where the launcher made them before the fork) -> its result: a line of the phases' ends
+    (`startup.CHECK_PHASES`, `name=unix` each), then the resolved config's text."""
     import_frozen("transformers.modeling_utils")
-    return resolved_text(c)
+    check_phase("child_imports")
+    text = resolved_text(c)
+    check_phase("resolved_config")
+    # written by hand, not by json: the user's code the checks called may have patched it
+    return " ".join(f"{name}={end!r}" for name, end in check_phase_ends().items()) + "\n" + text
 
 
 def start_checks(c: Checked) -> Child:
@@ -339,4 +351,4 @@ def check_in_child(argv: list[str], world: int | None = None, local_world: int |
     # The checks' heaviest imports (the meta model's) are made here, before the fork: a second check
     # in this process (a test's) starts warm.
     import_frozen("transformers.modeling_utils")
-    return checks_result(finish_child(start_checks(c)))
+    return checks_result(finish_child(start_checks(c)))[:2]

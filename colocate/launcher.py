@@ -104,8 +104,9 @@ class Checks:
             if self.launch.job is None:  # the waiting ranks go
                 handover.refuse(self.launch.resolved)
 
-    def _take(self, code: int, text: str) -> int:
-        """The checks' outcome -> the launch's code; on 0 the ranks have the config."""
+    def _take(self, code: int, text: str, phase_ends: dict[str, float]) -> int:
+        """The checks' outcome (with their phases' ends, `startup.CHECK_PHASES`) -> the launch's code;
+        on 0 the ranks have the config."""
         if code:
             return code
         try:
@@ -115,7 +116,9 @@ class Checks:
         except ConfigError as e:  # a live run holds the directory
             print(f"colocate: config error: {e}", file=sys.stderr, flush=True)
             return 2
-        handover.hand_over(self.launch.resolved, text)
+        from colocate.startup import check_phase, check_phase_ends
+        check_phase("handover")  # after the child's phases; this process's own first ones are the same
+        handover.hand_over(self.launch.resolved, text, {**phase_ends, **check_phase_ends()})
         self.launch.job = job
         return 0
 
@@ -219,6 +222,7 @@ def train_command(argv: list[str]) -> Launch:
     a live run holding the directory); the caller closes the `Launch`."""
     from colocate import run_dir
     from colocate.launch import parse_request, start_checks
+    from colocate.startup import check_phase
     nproc, torchrun, ours, world, single = launch_shape(argv)
     c = parse_request(ours, world, nproc)
     hold = functools.partial(run_dir.hold, c.cfg.metrics.run_dir, by="colocate train") if single else None
@@ -227,6 +231,7 @@ def train_command(argv: list[str]) -> Launch:
     launch = Launch(0, lock=hold() if hold and c.overwrite else None)
     try:
         launch.resolved = handover.place()
+        check_phase("parse")
         child = start_checks(c)  # forked before any thread of this process (the checks' own, torchrun's)
         launch.cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                       *(["--standalone"] if single and "--standalone" not in torchrun else []), *torchrun,
@@ -256,8 +261,9 @@ def train(argv: list[str]) -> int:
     """`colocate train`: torchrun starts as soon as the config is parsed, its ranks importing while
     the checks run (`train_command`) -> the checks' code when they refused (their line printed, the
     ranks gone quietly), else the job's (`run_torchrun`)."""
-    from colocate.startup import LAUNCH_ENV, process_start
+    from colocate.startup import LAUNCH_ENV, begin_checks, process_start
     launched_at = repr(process_start())  # the command's start: the ranks' timeline counts from it
+    begin_checks()
     launch = train_command(argv)
     try:
         nproc = int(launch.cmd[3].partition("=")[2])  # cmd[3] is --nproc-per-node=N

@@ -16,6 +16,7 @@ import tempfile
 
 from colocate.config import Config, ConfigError
 from colocate.jsonfile import read_object
+from colocate.startup import check_phase
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -159,15 +160,23 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     # the launcher takes before the config is parsed: a bad key is refused before torch is imported)
     from colocate.engine.table import check_engine_keys, check_engine_kind
     from colocate.envs import check_env
+    check_phase("check_imports")  # each phase's end: the launcher's record of where its checks' seconds go
     gpus = gpu_count(cfg)
+    check_phase("gpu_count")
     check_placement(cfg, world, local_world, gpus)
     check_run_dir(cfg.metrics.run_dir)
     check_model_dir(cfg.model.path)
+    check_phase("paths")
     check_env(cfg)  # the env's own rules and what they point at (its `check` and `preflight` hooks)
+    check_phase("env")
     # the engine table's entry; `--gpu-memory` plans for another machine, whose packages are not this one's
     check_engine_kind(cfg.engine.kind, outside_world=card is None)
     check_engine_keys(cfg, outside_world=card is None)
+    check_phase("engine")
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)
     check_model_len(cfg, model)
-    return plan_memory(cfg, model, world, local_world, card, gpus, show_plan)
+    check_phase("meta_model")
+    plan = plan_memory(cfg, model, world, local_world, card, gpus, show_plan)
+    check_phase("memory_plan")
+    return plan

@@ -51,7 +51,8 @@ def resolved_args(argv: list[str]) -> tuple[str, str | None] | None:
 
 def await_checked(path: str) -> str:
     """Wait for `colocate train`'s checks (`handover.wait`) -> the checked config's SHA-256; the
-    launch's `launch_checked` mark is the handover's time. A refusal (the launcher printed why)
+    launch's `launch_checked` mark is the handover's time, and the rank's timeline keeps the checks'
+    phases (`startup.CHECK_PHASES`) for startup.json. A refusal (the launcher printed why)
     exits quietly with code 2; a launcher gone exits with code 1."""
     from colocate.lifecycle import exit_quietly, launcher_gone
     status = handover.wait(path, handover.launcher(), handover.WAIT_S)
@@ -68,7 +69,10 @@ def await_checked(path: str) -> str:
         raise ConfigError(f"{RESOLVED_FLAGS[0]}={path}: its record cannot be read ({e}); start the run again "
                           "with `colocate train`") from None
     from colocate.startup import process_timeline
-    process_timeline().mark("launch_checked", float(record.get("checked_unix", time.time())))
+    timeline = process_timeline()
+    timeline.mark("launch_checked", float(record.get("checked_unix", time.time())))
+    ends = record.get("phase_ends")
+    timeline.checks = {str(k): float(v) for k, v in ends.items()} if isinstance(ends, dict) else {}
     return str(record.get("sha256", ""))
 
 

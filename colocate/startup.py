@@ -48,6 +48,55 @@ learner_warm        (learner) the synthetic warm-up update is done (`learner.pre
 first_batch         (inference) its first batch is queued; (learner) its first shards arrived
 first_step_end      (learner) the end of its first step (step 1, or the first after a resume)"""
 
+CHECK_PHASES = ("launcher_imports", "parse", "child_imports", "check_imports", "gpu_count", "paths", "env", "engine",
+                "meta_model", "memory_plan", "claim", "resume", "resolved_config", "handover")
+"""The launcher's work from the launch to `launch_checked`, in order; each phase ends where the next begins:
+launcher_imports  the interpreter's start and `colocate train`'s imports
+parse             the config parsed over the world (a world from the GPUs: torch), the handover's directory
+child_imports     the checking child's fork and the meta model's imports (transformers, torch)
+check_imports     the checks' imports: the envs and the engine table
+gpu_count         the GPUs counted through NVML (`preflight.gpu_count`)
+paths             the placement, the run directory and the model directory checked
+env               the env's checks (the dataset env loads its files; the user's code it names)
+engine            the engine's keys and packages
+meta_model        the model built on the meta device, its LoRA targets and positions checked
+memory_plan       each GPU's memory plan (NVML's memory), or the host's on CPUs
+claim             the loggers, the run directory claimed, memory_plan.json written
+resume            the checkpoint to resume found and validated
+resolved_config   the resolved config's YAML, the child's result
+handover          the launcher: the result read, the job described, the run directory held, the record
+                  written (`handover.hand_over`)
+Only `colocate train` passes them (plain torchrun has no launcher): startup.json's `launcher_phases`."""
+
+_CHECKS: dict[str, float] = {}
+
+
+def begin_checks() -> None:
+    """`colocate train` starts its checks: the phases' ends so far forgotten, `launcher_imports` ends now."""
+    _CHECKS.clear()
+    check_phase("launcher_imports")
+
+
+def check_phase(name: str) -> None:
+    """The launcher's checks (or its forked child, which inherits the ends before the fork) end `name` now."""
+    if name not in CHECK_PHASES:
+        raise ValueError(f"unknown check phase {name!r}; phases: {', '.join(CHECK_PHASES)}")
+    _CHECKS[name] = time.time()
+
+
+def check_phase_ends() -> dict[str, float]:
+    """{phase: its end, unix seconds} so far, in the order they ended."""
+    return dict(_CHECKS)
+
+
+def check_seconds(ends: dict[str, float], origin: float) -> dict[str, float]:
+    """The phases' ends (unix) -> each phase's seconds, in order, the first counted from `origin` (the launch)."""
+    out, start = {}, origin
+    for name, end in ends.items():
+        out[name], start = round(end - start, 3), end
+    return out
+
+
 CACHE_VARIABLES = (("VLLM_CACHE_ROOT", "vllm"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))
 """The libraries' cache variables and their folder under `model.compile_cache_dir`."""
 
@@ -79,6 +128,8 @@ class Timeline:
     """One rank's start-up marks, unix seconds; `origin` is the launch as this rank knows it."""
     origin: float
     marks: dict[str, float] = field(default_factory=dict)
+    checks: dict[str, float] = field(default_factory=dict)
+    """The launcher's check phases' ends, unix seconds (`CHECK_PHASES`, from its handover; {}: no launcher)."""
 
     def mark(self, name: str, at: float | None = None) -> None:
         """Record `name` now (or `at`); a mark keeps its first time."""
@@ -87,11 +138,12 @@ class Timeline:
         self.marks.setdefault(name, time.time() if at is None else at)
 
     def to_json(self) -> dict:
-        return {"origin": self.origin, "marks": dict(self.marks)}
+        return {"origin": self.origin, "marks": dict(self.marks), "checks": dict(self.checks)}
 
     @classmethod
     def from_json(cls, data: dict) -> "Timeline":
-        return cls(float(data["origin"]), {k: float(v) for k, v in data["marks"].items()})
+        return cls(float(data["origin"]), {k: float(v) for k, v in data["marks"].items()},
+                   {k: float(v) for k, v in data.get("checks", {}).items()})
 
 
 _PROCESS: Timeline | None = None
@@ -119,14 +171,17 @@ def mark(name: str) -> None:
 def merge(ranks: dict[int, tuple[str, Timeline]]) -> dict:
     """{global rank: (role, timeline)} -> startup.json's record: the origin (the earliest launch any
     rank knows), each rank's marks in seconds since it, each mark's latest rank (the one the run
-    waited for), and the phases of `first_step_line`."""
+    waited for), the phases of `first_step_line`, and where a rank had them the launcher's check
+    phases in seconds (`launcher_phases`: `colocate train` only)."""
     origin = min(t.origin for _, t in ranks.values())
     per_rank = {str(r): {"role": role, **{m: round(t.marks[m] - origin, 3) for m in MARKS if m in t.marks}}
                 for r, (role, t) in sorted(ranks.items())}
     latest = {m: max(row[m] for row in per_rank.values() if m in row) for m in MARKS
               if any(m in row for row in per_rank.values())}
+    checks = next((t.checks for _, t in ranks.values() if t.checks), {})  # the same handover on every rank
     return {"launch": "colocate train" if os.environ.get(LAUNCH_ENV) else "first process start",
-            "origin_unix": origin, "marks": latest, "ranks": per_rank, "phases": phases(per_rank)}
+            "origin_unix": origin, "marks": latest, "ranks": per_rank, "phases": phases(per_rank),
+            **({"launcher_phases": check_seconds(checks, origin)} if checks else {})}
 
 
 def _longest(rows: list[dict], end: str, start: str) -> float:

@@ -106,6 +106,13 @@ def test_train_checks_then_runs_torchrun_with_the_world_it_checked(monkeypatch, 
     assert cmd[:3] == ["--nproc-per-node=2", "--standalone", "-m"] and os.environ["OMP_NUM_THREADS"].isdigit()
     assert cmd[3:] == ["colocate.train", f"--resolved-config={resolved}"]
     assert record["sha256"] == hashlib.sha256(data).hexdigest()
+    # the checks' phases, launch -> handover: each of them in order, none negative, none past the handover
+    from colocate.startup import CHECK_PHASES, check_seconds, process_start
+    assert list(record["phase_ends"]) == list(CHECK_PHASES)
+    launched = process_start()  # the launch: this process's start, as `launcher.train` counts it
+    seconds = check_seconds(record["phase_ends"], launched)
+    assert min(seconds.values()) >= 0 and record["phase_ends"]["handover"] <= record["checked_unix"]
+    assert sum(seconds.values()) <= record["checked_unix"] - launched + 0.0005 * len(seconds)  # each rounded
     cfg = yaml.safe_load(data)
     assert cfg["learner"]["lr"] == 3e-3 and cfg["metrics"]["run_dir"] == str(tmp_path / "run")
     assert not os.path.exists(resolved)

@@ -233,7 +233,7 @@ def test_a_rank_of_colocate_train_waits_for_the_handover_and_marks_its_time(tmp_
                                   f"--metrics.run_dir={tmp_path / 'run'}", "--learner.lr=3e-3"], 2)
     path = handover.place()
     timeline = startup.begin({})
-    later = threading.Timer(0.2, handover.hand_over, (path, launch.config_text(cfg)))
+    later = threading.Timer(0.2, handover.hand_over, (path, launch.config_text(cfg), {"parse": 1.0, "env": 2.0}))
     later.start()
     try:
         got, resume, _ = rank_config.configure([f"--resolved-config={path}"])
@@ -241,6 +241,7 @@ def test_a_rank_of_colocate_train_waits_for_the_handover_and_marks_its_time(tmp_
         later.join()
     assert got.learner.lr == 3e-3 and resume is None and not (tmp_path / "run").exists()
     assert timeline.marks["launch_checked"] == handover.read_record(path)["checked_unix"] > timeline.marks["rank_start"]
+    assert list(timeline.checks.items()) == [("parse", 1.0), ("env", 2.0)]  # the check phases, for startup.json
     handover.remove(path)
 
 
@@ -323,6 +324,9 @@ def test_the_ranks_start_before_the_checks_end_and_a_refusal_stops_them_quietly(
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads((run / "startup.json").read_text())["ranks"]
     assert len(ranks) == 2 and all(r["rank_start"] < r["launch_checked"] <= r["checks_done"] for r in ranks.values())
+    from colocate.startup import CHECK_PHASES
+    phases = json.loads((run / "startup.json").read_text())["launcher_phases"]  # the slowed checks, ahead of preflight
+    assert list(phases) == list(CHECK_PHASES) and phases["check_imports"] >= 3.0
     before = sorted(os.listdir(run))
     refused = subprocess.run(common, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     err = refused.stderr.strip().splitlines()

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from colocate.startup import (MARKS, LAUNCH_ENV, Timeline, cache_line, compile_cache_env, compile_line, compile_record,
-                              first_step_line, merge)
+from colocate.startup import (CHECK_PHASES, MARKS, LAUNCH_ENV, Timeline, cache_line, compile_cache_env, compile_line,
+                              compile_record, first_step_line, merge)
 from tests.conftest import REPO, free_port
 
 ROLE_MARKS = {"inference": ("rank_start", "checks_done", "ranks_up", "model_ready", "engine_constructed",
@@ -55,6 +55,20 @@ def test_without_a_warm_up_the_wait_counts_from_the_model():
                                            "first_step_end": 13.0}))}
     p = merge(ranks)["phases"]
     assert (p["learner_warmup"], p["first_batch_wait"]) == (0.0, 7.5)
+
+
+def test_the_launchers_check_phases_are_seconds_in_order_and_absent_without_a_launcher():
+    """startup.json's `launcher_phases`: from the handover's phase ends (unix) on any rank, each phase's
+    seconds since the one before, the first since the launch; they add up to the handover's time. A
+    run without `colocate train` (no rank had them) has none."""
+    assert "launcher_phases" not in merge(four_ranks())
+    ranks = four_ranks()
+    ends = {name: 1000.0 + 0.5 * (i + 1) for i, name in enumerate(CHECK_PHASES)}
+    ranks[1][1].checks.update(ends)
+    ranks[1][1].mark("launch_checked", ends["handover"])
+    record = merge({r: (role, Timeline.from_json(t.to_json())) for r, (role, t) in ranks.items()})  # as sent
+    assert list(record["launcher_phases"].items()) == [(name, 0.5) for name in CHECK_PHASES]
+    assert sum(record["launcher_phases"].values()) == record["marks"]["launch_checked"] == 0.5 * len(CHECK_PHASES)
 
 
 def test_the_compile_record_reads_dynamos_counters(monkeypatch):
@@ -183,6 +197,7 @@ def test_a_run_writes_its_timeline_in_order_and_reports_busy_shares_from_step_2(
     record = json.loads((learning_run.run_dir / "startup.json").read_text())
     summary = json.loads((learning_run.run_dir / "summary.json").read_text())
     assert summary["startup"] == record and summary["busy_from_step"] == 2
+    assert "launcher_phases" not in record  # plain torchrun: no launcher, no checks of its own
     assert {row["role"] for row in record["ranks"].values()} == {"inference", "learner"}
     for rank, row in record["ranks"].items():
         names = [m for m in MARKS if m in row]

@@ -95,9 +95,13 @@ def test_runs_are_compared_on_the_benchmarks_clock_whatever_origin_a_tree_counts
     exact = {"origin_unix": 1000.0, "marks": {"rank_start": 1.3, "checks_done": 5.0, "first_step_end": 9.0}}
     assert since_command(early, 999.9) == since_command(exact, 999.9) == {"checks_done": 5.1, "first_step_end": 9.1}
     rows = side_by_side({"base": {**early, "since_command": since_command(early, 999.9), "phases": {}},
-                         "ours": {**exact, "since_command": since_command(exact, 999.9), "phases": {}}})
+                         "ours": {**exact, "since_command": since_command(exact, 999.9), "phases": {},
+                                  "launcher_phases": {"parse": 0.25, "env": 1.5}}})
     assert [r.split()[:3] for r in rows if r.startswith("command")] == [["command", "->", "checks_done"],
                                                                       ["command", "->", "first_step_end"]]
+    # the launcher's check phases in their order, where a run has them (the base's tree had none)
+    assert [r.split() for r in rows if r.startswith("launcher")] == [["launcher", "parse", "-", "0.25"],
+                                                                    ["launcher", "env", "-", "1.50"]]
 
 
 def test_the_launch_clock_is_the_process_start_to_a_clock_tick():
