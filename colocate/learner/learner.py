@@ -153,8 +153,8 @@ class Learner:
         self.version = 0  # adapter version == batches trained (updates_per_batch optimizer steps each)
         self._gather = None  # fsdp.LoraGather, built on first use
         self._probe: tuple[tuple[int, ...], MicroBatch] | None = None  # the canary probe's inputs (`score_probe`)
-        # the canary's probe rides the step's first forward (`train_step`) unless dropout makes that
-        # forward differ from the reference's; then the loop scores it apart (`score_probe`)
+        # the canary's probe rides the step's first forward (`train_step`) unless dropout, or a logit
+        # transform after the head, makes it differ from the reference; then the loop scores it apart
         self.rides_probe = cfg.lora.dropout == 0 and head_is_last(model.config)
         self.probe_scored: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (version, log-probs, RMS)
 
