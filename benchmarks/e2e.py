@@ -45,6 +45,9 @@ with counts _n), their difference X_even_minus_odd with Welch's standard error s
                     seconds_per_step), by the version the step probes: timeline row s starts from version s,
                     whose probe rides its first forward (`canary_rode`), and sends s+1 (with LoRA dropout
                     the probe of s+1 gets a forward of its own after the send): even = probed
+  train_s           each measured step's train time (the timeline's train_end - train_start), keyed as
+                    step_s: a probe riding the first forward costs the learner its gap here, apart from
+                    the wait for the batch that pays a longer step back on one GPU
   rollout_collect_s each window batch's collect seconds, and rollout_step_ms its ms per engine step, by the
                     version that sampled it (the batch record's `version`): even = probed (vLLM runs the
                     probe beside the batch; an engine that scores at once, HF's, before it: only step_s sees it)
@@ -223,6 +226,8 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         **per_engine_step(means),
         **canary_figures(measured, batches),
         **parity_figures("step_s", step_seconds(rows, warmup, t0)),
+        **parity_figures("train_s", [(v, r.train_end - r.train_start)
+                                     for (v, _), r in zip(step_seconds(rows, warmup, t0), rows[warmup:])]),
         **batch_parity(batches),
     }
 

@@ -280,6 +280,9 @@ def test_steps_whose_forward_carried_the_probe_are_keyed_by_the_version_they_sta
     rows = [row + [0.0, 0.0, s % 2 == 0] for s, row in enumerate(rows_from_seconds(seconds))]
     out = steady_state({"timeline": named(rows)}, [], warmup=2)
     assert out["step_s_even_minus_odd"] == pytest.approx(cost, abs=1e-12) and out["canary_probes"] == n
+    # rows_from_seconds trains from a step's middle to its last tenth, 0.4 of its length: a cost c in
+    # the step is 0.4 c in its train time, on the same parity
+    assert out["train_s_even_minus_odd"] == pytest.approx(0.4 * cost, abs=1e-12)
 
 
 def test_batch_parity_is_by_the_version_that_sampled_the_batch():
