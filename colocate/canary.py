@@ -19,9 +19,10 @@ So both sides score one fixed probe sequence (`probe_ids`: a sentence through th
     existing transport, no extra message or collective).
 
 The learner compares them (`CanaryCheck.check`) in the step whose shards bring the engines' scores,
-after that step's forward (so its own reference of the version is there): the gap is the mean |engine - learner| log-prob over the probe's
-tokens (nats), `sync/canary_gap` in TensorBoard and `canary` on the step line; past `bound` it is
-an `ALERT canary_mismatch`, and `metrics.stop_on_mismatch` ends the run (exit 3).
+after that step's forward (so its own reference of the version is there): the gap is the mean
+|engine - learner| log-prob over the probe's tokens (nats), `sync/canary_gap` in TensorBoard and
+`canary` on the step line; past `bound` it is an `ALERT canary_mismatch`, and
+`metrics.stop_on_mismatch` ends the run (exit 3).
 
 The bound comes from the arithmetic, not from measurements (`canary_bound`, docs/design.md):
 each side's logits carry a relative error eps = u + sqrt(K) * 2^-24 (one rounding of a GEMM's

@@ -113,7 +113,6 @@ class LearnerRank:
                                   fp8_parts=fp8_parts(cfg.engine.quantization, cfg.engine.kv_cache_dtype))
         self.canary_gap: float | None = None  # this step's canary gap (step line)
         self.scores: list = []  # the engines' canary scores received this step (`check_canary`)
-        self.canary_rode = False  # this step's first forward scored the probe (the timeline's canary_rode)
         self.probe_timer = DeviceTimer(topo.device)  # the probe's device time, read a step later
         self.canary_device_ms = 0.0  # the device ms read this step (the timeline's canary_device_ms)
         self.mismatch = False  # this step's canary failed
@@ -228,8 +227,7 @@ class LearnerRank:
         with record_function("learner/train_step"):
             stats = self.learner.train_step(batch, self.probe if due else None)
         self.busy_s += time.perf_counter() - t_train
-        self.canary_rode = self.learner.probe_scored is not None  # the version the step started from
-        if self.canary_rode:
+        if self.learner.probe_scored is not None:  # the version the step started from
             self.canary.record(*self.learner.probe_scored)
         self.check_canary(self.scores, step)
         waits["u_trained"] = time.time()
@@ -295,7 +293,7 @@ class LearnerRank:
                               f"{self.eta.text(step)}")
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
                                          stats["policy_lag_mean"], gather_s, sync_s, canary_s, self.canary_device_ms,
-                                         self.canary_rode))
+                                         self.learner.probe_scored is not None))
         self.writer.flush()
 
     def canary_text(self) -> str:

@@ -146,14 +146,9 @@ def layout(batch: TrajectoryBatch, token_budget: int, prefix_sharing: str, devic
                 for i, (g, sub) in enumerate(zip(groups, subs))]
     prompts, completions = split_prompts(batch)  # host lists, split once for every micro-batch
     groups = split_by_budget(prompts, [len(c) for c in completions], prefix_sharing, token_budget)
-    out = []
-    for i, g in enumerate(groups):
-        extra, own = (rider if i == 0 and rider else None), [prompts[j] for j in g]
-        tree = _tree_micro_batch(own + ([extra[:1]] if extra else []),
-                                 [completions[j] for j in g] + ([extra[1:]] if extra else []), device, attention,
-                                 prefix_sharing)
-        out.append((g, batch.select(g), _carrying(tree, extra, _shares_a_node(own, extra, prefix_sharing))))
-    return out
+    return [(g, batch.select(g), _tree_with_rider([prompts[j] for j in g], [completions[j] for j in g],
+                                                  rider if i == 0 else None, device, attention, prefix_sharing))
+            for i, g in enumerate(groups)]
 
 
 def with_rider(sub: TrajectoryBatch, rider: list[int] | None, device, attention: str,
@@ -162,19 +157,22 @@ def with_rider(sub: TrajectoryBatch, rider: list[int] | None, device, attention:
     `rider` token ids forwarded as one more sequence after its own (None: none). Attention keeps
     the rider to itself, so `sub`'s rows compute what they would without it, up to the order of
     float roundings (other shapes); the loss's view (targets, seq_ids, num_tokens) is `sub`'s."""
-    both = TrajectoryBatch.concat([sub, one_sequence(rider)]) if rider else sub
     if prefix_sharing == "off":
+        both = TrajectoryBatch.concat([sub, one_sequence(rider)]) if rider else sub
         return _carrying(packed_micro_batch(both, device, attention), rider)
-    shared = _shares_a_node(split_prompts(sub)[0], rider, prefix_sharing)
-    return _carrying(tree_micro_batch(both, device, attention, prefix_sharing), rider, shared)
+    return _tree_with_rider(*split_prompts(sub), rider, device, attention, prefix_sharing)
 
 
-def _shares_a_node(prompts: list[list[int]], rider: list[int] | None, mode: str) -> bool:
-    """Whether a rider's one-token prompt merges into a node of these prompts' tree (`prefix_tree`:
-    tree mode shares any common prefix, group mode whole prompts); its completion is a leaf, never."""
-    if not rider or mode == "off":
-        return False
-    return any(p[:1] == rider[:1] for p in prompts) if mode == "tree" else any(p == rider[:1] for p in prompts)
+def _tree_with_rider(prompts: list[list[int]], completions: list[list[int]], rider: list[int] | None, device,
+                     attention: str, mode: str) -> MicroBatch:
+    """The prefix tree (`mode` tree or group) of these sequences with the rider as one more, its
+    first token its prompt. That one-token prompt merges into a node the others already hold (tree
+    mode: any common first token; group mode: a whole one-token prompt); its completion is a leaf."""
+    if not rider:
+        return _tree_micro_batch(prompts, completions, device, attention, mode)
+    shared = any(p[:1] == rider[:1] for p in prompts) if mode == "tree" else any(p == rider[:1] for p in prompts)
+    tree = _tree_micro_batch(prompts + [rider[:1]], completions + [rider[1:]], device, attention, mode)
+    return _carrying(tree, rider, shared)
 
 
 def _carrying(mb: MicroBatch, rider: list[int] | None, shared: bool = False) -> MicroBatch:
