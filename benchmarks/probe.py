@@ -6,9 +6,10 @@ variant: `--iters` probes of their own after `--warmup` untimed ones, the GPU id
 (`probe_device_ms_<v>`: CUDA events around the call; `probe_host_ms_<v>`: the call's own time;
 median, and `_mean_`); one probe under torch.profiler (`traces`: GPU busy time, idle gaps, what the
 host did in them); `--train-steps` steps of the warm-up's synthetic batch, alternated with the same
-step carrying the probe (`train_step_ms_<v>`, `train_step_rider_ms_<v>`; `rider_ms_<v>`, their
-difference: what the riding probe costs the learner's step; put back after, so every variant
-scores the same adapter); the probe's mean |log-prob - as_run's| (`probe_gap_<v>`) beside the
+step carrying the probe in ABBA order (`train_step_ms_<v>`, `train_step_rider_ms_<v>`; `rider_ms_<v>`
+and `rider_ms_se_<v>`: the pairs' mean difference, what the riding probe costs the learner's step;
+on a GPU `rider_gpu_busy_ms_<v>`, the GPU work it adds in one traced step of each; put back after,
+so every variant scores the same adapter); the probe's mean |log-prob - as_run's| (`probe_gap_<v>`) beside the
 canary's bound.
 Variants (`--variants`):
   as_run      the config as it is;
@@ -54,7 +55,7 @@ def add_args(parser) -> None:
                         help="comma separated, of " + ", ".join(VARIANTS))
     parser.add_argument("--iters", type=int, default=0, help="timed probes per variant (default 30, --quick 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed probes before them")
-    parser.add_argument("--train-steps", type=int, default=0, help="timed train steps per variant (default 3, --quick 1)")
+    parser.add_argument("--train-steps", type=int, default=0, help="pairs of timed train steps (plain, with the probe riding) per variant (default 20, --quick 1)")
     parser.add_argument("--cotenant", action=argparse.BooleanOptionalAction, default=None,
                         help="each variant again beside a busy second CUDA context (default: on a GPU)")
     parser.add_argument("--cotenant-chain", type=int, default=16, help="4096^2 bf16 matmuls per cotenant replay")
@@ -96,7 +97,7 @@ def run(args) -> dict:
     from colocate.canary import probe_ids
     from colocate.envs import env_corpus
     from colocate.models import load_tokenizer
-    args.iters, args.train_steps = args.iters or (3 if args.quick else 30), args.train_steps or (1 if args.quick else 3)
+    args.iters, args.train_steps = args.iters or (3 if args.quick else 30), args.train_steps or (1 if args.quick else 20)
     cfg = load(args)
     key, corpus = env_corpus(cfg)
     tokenizer = load_tokenizer(cfg.model, corpus, key)
@@ -225,7 +226,7 @@ def stance(learner, name: str):
 
 def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> None:
     """One variant's figures: the probe timed (and the cotenant's replays meanwhile, while it is
-    busy), one probe traced (GPU), the train steps timed."""
+    busy), one probe traced (GPU), the train steps with and without the rider timed (`time_rider`)."""
     figures, key, args = bench.record["figures"], name + ("_cotenant" if cotenant else ""), bench.args
     gc.collect()
     with cotenant.busy() if cotenant else contextlib.nullcontext():
@@ -248,21 +249,40 @@ def measure(bench: _Bench, learner, name: str, cotenant: Cotenant | None) -> Non
             summary = trace_call(lambda: learner.score_probe(bench.probe), True, trace_out, host=True)
             bench.record["traces"][key] = {k: summary[k] for k in TRACE_KEYS}
             figures[f"probe_gpu_busy_ms_{key}"] = summary["gpu_busy_ms"]
-        steps, ridden = ([], []), ([], [])
-        for _ in range(args.train_steps if name != "eager" else 0):  # alternated, each after one untimed
-            for times, rider in ((steps, None), (ridden, bench.probe)):
-                device_ms, host_ms = train_steps(learner, 1, bench.cuda, rider)
-                times[0].extend(device_ms)
-                times[1].extend(host_ms)
+        if name != "eager":  # eager: the probe only
+            time_rider(bench, learner, key)
     bench.outputs.setdefault(name, (out[0].float().cpu(), float(out[1])))
-    put(figures, key, train_step_ms=steps[0], train_step_host_ms=steps[1], train_step_rider_ms=ridden[0],
-        train_step_rider_host_ms=ridden[1])
-    for unit in ("", "host_"):  # what the probe riding the step's first forward adds to the step
-        plain, rode = figures.get(f"train_step_{unit}ms_{key}"), figures.get(f"train_step_rider_{unit}ms_{key}")
-        if plain and rode:
-            figures[f"rider_{unit}ms_{key}"] = rode - plain
     print(f"[probe-bench] {key}: " + ", ".join(f"{m} {figures[f'{m}_{key}']:.2f}" for m in (*COMPARED, "probe_gpu_busy_ms")
                                                if f"{m}_{key}" in figures), flush=True)
+
+
+def time_rider(bench: _Bench, learner, key: str) -> None:
+    """`--train-steps` pairs of train steps, one plain and one carrying the probe, in ABBA order (a
+    drift over the pairs cancels) -> the steps' medians, and what the rider adds to a step as the mean
+    of the pairs' differences with its standard error (`rider_ms_<key>`, `rider_ms_se_<key>`; host
+    ms the same). On a GPU one step of each, traced: the GPU work the rider adds (`rider_gpu_busy_ms`),
+    which the timings' noise (host-bound steps) cannot resolve at a few ms."""
+    figures, times, diffs = bench.record["figures"], {False: ([], []), True: ([], [])}, ([], [])
+    for i in range(bench.args.train_steps):
+        for rode in ((False, True) if i % 2 == 0 else (True, False)):
+            for unit, got in zip(times[rode], train_steps(learner, 1, bench.cuda, bench.probe if rode else None)):
+                unit.extend(got)
+        for unit in (0, 1):
+            if times[True][unit]:
+                diffs[unit].append(times[True][unit][-1] - times[False][unit][-1])
+    put(figures, key, train_step_ms=times[False][0], train_step_host_ms=times[False][1],
+        train_step_rider_ms=times[True][0], train_step_rider_host_ms=times[True][1])
+    for unit, got in zip(("", "host_"), diffs):
+        if got:
+            figures[f"rider_{unit}ms_{key}"] = statistics.fmean(got)
+            if len(got) > 1:
+                figures[f"rider_{unit}ms_se_{key}"] = statistics.stdev(got) / len(got) ** 0.5
+    if bench.cuda and bench.args.train_steps:
+        with synthetic_steps(learner) as step:
+            step(None)
+            busy = [trace_call(lambda r=r: step(r), True)["gpu_busy_ms"] for r in (None, bench.probe)]
+        figures.update({f"train_step_gpu_busy_ms_{key}": busy[0], f"train_step_rider_gpu_busy_ms_{key}": busy[1],
+                        f"rider_gpu_busy_ms_{key}": busy[1] - busy[0]})
 
 
 def timed(fn, iters: int, warmup: int, cuda: bool, before=None):
@@ -305,23 +325,30 @@ def spin(ms: float):
     return lambda: torch.cuda._sleep(cycles)
 
 
-def train_steps(learner, steps: int, cuda: bool, rider: list[int] | None = None) -> tuple[list[float], list[float]]:
-    """`steps` train steps of the warm-up's synthetic batch (after one untimed), then the adapter,
-    AdamW, the RNG and the version put back -> (device ms, host ms)."""
+@contextlib.contextmanager
+def synthetic_steps(learner):
+    """`step(rider)`: one train step of the warm-up's synthetic batch, on policy; the adapter, AdamW,
+    the RNG and the version put back after, so every variant scores the same adapter."""
     from colocate.learner.warmup import Snapshot, synthetic_batch
     cfg = learner.cfg
     batch = synthetic_batch(min(learner.vocab_size, learner.model.config.vocab_size),
                             int(cfg.learner.micro_batch_tokens), cfg.engine.max_new_tokens, cfg.rollout.group_size, 0)
     saved, version = Snapshot.capture(learner), learner.version
 
-    def step():
+    def step(rider: list[int] | None):
         batch.versions[:] = learner.version  # on policy: nothing dropped as stale
         return learner.train_step(batch, rider)
     try:
-        return timed(step, steps, 1, cuda)[1:]
+        yield step
     finally:
         saved.restore(learner)
         learner.version = version
+
+
+def train_steps(learner, steps: int, cuda: bool, rider: list[int] | None = None) -> tuple[list[float], list[float]]:
+    """`steps` timed train steps of the synthetic batch after one untimed -> (device ms, host ms)."""
+    with synthetic_steps(learner) as step:
+        return timed(lambda: step(rider), steps, 1, cuda)[1:]
 
 
 def put(figures: dict, key: str, **values: list[float]) -> None:

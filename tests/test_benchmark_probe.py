@@ -14,7 +14,7 @@ def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, t
     probe.add_args(parser)
     # prefix trees on, so the flat variant is a build of its own; cpu-tiny has compile off: no_compile is as_run
     args = parser.parse_args(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"), "--iters", "2",
-                              "--warmup", "1", "--train-steps", "1",
+                              "--warmup", "1", "--train-steps", "2",
                               "--set", f"model.cache_dir={tiny_cfg.model.cache_dir}", "model.compile_cache_dir=",
                               "learner.prefix_sharing=tree", "--partial", str(tmp_path / "partial.json")])
     args.quick = True
@@ -25,6 +25,7 @@ def test_probe_profile_times_each_variant_and_scores_the_probe_alike(tiny_cfg, t
         assert figures[f"probe_host_ms_{name}"] > 0 and f"probe_device_ms_{name}" not in figures
         assert (f"train_step_host_ms_{name}" in figures) == (name != "eager")  # eager: the probe only
         assert (f"rider_host_ms_{name}" in figures) == (name != "eager")  # the step with the probe riding, beside
+        assert (f"rider_host_ms_se_{name}" in figures) == (name != "eager")  # two pairs: a standard error
         assert f"probe_host_ms_{name}_vs_as_run" in record["ratios"] or name == "as_run"
     assert not [k for k in figures if "cotenant" in k or "device" in k] and not record["traces"]
     assert set(json.loads((tmp_path / "partial.json").read_text())["figures"]) <= set(figures)  # each build's
