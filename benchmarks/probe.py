@@ -8,7 +8,7 @@ median, and `_mean_`); one probe under torch.profiler (`traces`: GPU busy time, 
 host did in them); `--train-steps` steps of the warm-up's synthetic batch, alternated with the same
 step carrying the probe in ABBA order (`train_step_ms_<v>`, `train_step_rider_ms_<v>`; `rider_ms_<v>`
 and `rider_ms_se_<v>`: the pairs' mean difference, what the riding probe costs the learner's step;
-on a GPU `rider_gpu_busy_ms_<v>`, the GPU work it adds in one traced step of each; put back after,
+on a GPU `rider_gpu_busy_ms_<v>`, the GPU work it adds over 3 traced pairs of steps; put back after,
 so every variant scores the same adapter); the probe's mean |log-prob - as_run's| (`probe_gap_<v>`) beside the
 canary's bound.
 Variants (`--variants`):
@@ -45,6 +45,8 @@ BUILDS = {"as_run": {}, "no_compile": {"compile": False}, "no_fsdp": {"fsdp": Fa
 """Learner builds in run order (the cheapest answers first): variant -> learner settings beyond the config's."""
 VARIANTS = ("as_run", "eager", "no_compile", "no_fsdp", "flat")
 COMPARED = ("probe_device_ms", "probe_host_ms", "train_step_ms", "train_step_host_ms", "train_step_rider_ms")
+TRACED_PAIRS = 3
+"""Pairs of traced train steps (plain, ridden) per variant on a GPU: the rider's GPU work, their median difference."""
 TRACE_KEYS = ("wall_ms", "gpu_busy_ms", "num_kernels", "family_ms", "gaps_over_100us", "longest_gaps_ms", "host_gaps", "gc")
 
 
@@ -261,7 +263,7 @@ def time_rider(bench: _Bench, learner, key: str) -> None:
     drift over the pairs cancels) -> the steps' medians, and what the rider adds to a step as the mean
     of the pairs' differences with its standard error (`rider_ms_<key>`, `rider_ms_se_<key>`; host
     ms the same). On a GPU one step of each, traced: the GPU work the rider adds (`rider_gpu_busy_ms`),
-    which the timings' noise (host-bound steps) cannot resolve at a few ms."""
+    which the timings' noise (host-bound steps) cannot resolve at a few ms (`traced_pairs`)."""
     figures, times, diffs = bench.record["figures"], {False: ([], []), True: ([], [])}, ([], [])
     for i in range(bench.args.train_steps):
         for rode in ((False, True) if i % 2 == 0 else (True, False)):
@@ -278,11 +280,22 @@ def time_rider(bench: _Bench, learner, key: str) -> None:
             if len(got) > 1:
                 figures[f"rider_{unit}ms_se_{key}"] = statistics.stdev(got) / len(got) ** 0.5
     if bench.cuda and bench.args.train_steps:
-        with synthetic_steps(learner) as step:
-            step(None)
-            busy = [trace_call(lambda r=r: step(r), True)["gpu_busy_ms"] for r in (None, bench.probe)]
-        figures.update({f"train_step_gpu_busy_ms_{key}": busy[0], f"train_step_rider_gpu_busy_ms_{key}": busy[1],
-                        f"rider_gpu_busy_ms_{key}": busy[1] - busy[0]})
+        busy = traced_pairs(learner, bench.probe, TRACED_PAIRS, True)
+        figures.update({f"train_step_gpu_busy_ms_{key}": statistics.median(busy[0]),
+                        f"train_step_rider_gpu_busy_ms_{key}": statistics.median(busy[1]),
+                        f"rider_gpu_busy_ms_{key}": statistics.median(r - p for p, r in zip(*busy))})
+
+
+def traced_pairs(learner, probe: list[int], pairs: int, cuda: bool) -> tuple[list[float], list[float]]:
+    """`pairs` pairs of train steps (plain, with the probe riding; ABBA) each traced -> the GPU busy
+    ms of each step, plain and ridden."""
+    busy = ([], [])
+    with synthetic_steps(learner) as step:
+        step(None)
+        for i in range(pairs):
+            for rode in ((0, 1) if i % 2 == 0 else (1, 0)):
+                busy[rode].append(trace_call(lambda: step(probe if rode else None), cuda)["gpu_busy_ms"])
+    return busy
 
 
 def timed(fn, iters: int, warmup: int, cuda: bool, before=None):

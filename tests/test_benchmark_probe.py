@@ -49,3 +49,22 @@ def test_a_trace_goes_into_a_folder_made_for_it(tmp_path):
     out = tmp_path / "traces" / "probe-as_run.json"
     summary = trace_call(lambda: torch.ones(4).sum(), False, str(out))
     assert out.exists() and json.loads(out.read_text())["traceEvents"] and "gc" in summary
+
+
+def test_traced_pairs_trace_each_step_and_leave_the_adapter_as_it_was(tiny_cfg, tiny_tokenizer):
+    """The rider's GPU work comes from traced pairs of train steps (plain, ridden): each step traced
+    once, and the steps put the adapter back (every variant scores the same one). On the CPU there is
+    no GPU work to sum: 0 ms each."""
+    import torch
+
+    from colocate.canary import probe_ids
+    from colocate.learner.learner import Learner
+    from colocate.models import build_policy
+    with probe.one_learner(False) as topo:
+        learner = Learner(tiny_cfg, topo, build_policy(tiny_cfg, tiny_tokenizer, "meta"), tiny_tokenizer)
+        adapter = [p for p in learner.model.parameters() if p.requires_grad]
+        before = [p.full_tensor().clone() for p in adapter]
+        plain, ridden = probe.traced_pairs(learner, probe_ids(tiny_tokenizer), 2, cuda=False)
+        same = all(torch.equal(p.full_tensor(), b) for p, b in zip(adapter, before))
+    assert plain == [0.0, 0.0] and ridden == [0.0, 0.0]
+    assert same
