@@ -44,6 +44,7 @@ import gc
 import os
 import socket
 import sys
+import threading
 
 import torch.distributed as dist
 
@@ -91,11 +92,22 @@ def warm_up_learner(cfg: Config, learner: Learner, probe: list[int]) -> None:
         mark("learner_warm")
 
 
-def run_rank(cfg: Config, resume: dict | None, stop: StopSignal, caches: dict[str, str]) -> int | None:
+def join_imports(early: threading.Thread | None) -> None:
+    """Wait for the engine's early imports (`engine.table.preimport`), if this rank started them."""
+    if early is not None:
+        early.join()
+
+
+def run_rank(cfg: Config, resume: dict | None, stop: StopSignal, caches: dict[str, str],
+             early: threading.Thread | None = None) -> int | None:
     """Topology, tokenizer, model, then this rank's role loop -> (learners) the step whose collapse
-    stopped the run (metrics.stop_on_collapse), or None."""
+    stopped the run (metrics.stop_on_collapse), or None. An inference rank joins the world while its
+    engine's early imports (`early`) still run, so the learners form their groups and go on to their
+    model and warm-up without waiting for them; it waits for them right after, before it imports
+    anything else (two threads importing modules that import each other can deadlock)."""
     topo = build_topology(cfg)
     mark("ranks_up")
+    join_imports(early)
     if topo.role_rank == 0:  # where each role runs, once per role (several nodes: which node)
         print(f"colocate: {topo.role} rank 0 is global rank {topo.rank} on node {os.environ.get('GROUP_RANK', '0')} "
               f"({socket.gethostname()})", flush=True)
@@ -144,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     early = preimport(os.environ.get(ENGINE_IMPORTS_ENV, ""), int(os.environ.get("RANK", "-1")))
     try:
         cfg, resume, check_only = configure(sys.argv[1:] if argv is None else argv)
-    finally:
-        if early is not None:
-            early.join()
+    except BaseException:
+        join_imports(early)
+        raise
     if check_only:  # `--check`: `launch.echo_check` printed the resolved config and its plan
+        join_imports(early)
         return 0
     timeline.mark("checks_done")
     caches = compile_cache_env(cfg.model.compile_cache_dir)  # before vLLM, inductor or Triton compile anything
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopSignal().install()
     quiet_thread_peer_failures()
     try:
-        collapse_step = run_rank(cfg, resume, stop, caches)
+        collapse_step = run_rank(cfg, resume, stop, caches, early)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:

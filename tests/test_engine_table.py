@@ -178,3 +178,28 @@ def test_the_vllm_entry_takes_the_adapter_layout_from_the_ranks_own_model(monkey
     assert seen["facts"] == {"prompt_bound": 8, "requests_per_group": 2}
     monkeypatch.undo()
     assert seen["spec"] == vllm.lora_spec_for(tiny_cfg, tiny_tokenizer)
+
+
+def test_an_inference_rank_joins_the_world_before_it_waits_for_its_early_imports(monkeypatch, tiny_cfg):
+    """The learners' process groups form without waiting for an inference rank's engine imports
+    (they run on, beside the groups' forming); the rank waits for them before anything else it does."""
+    from colocate import train
+    calls = []
+
+    class Imports:  # the early-import thread
+        def join(self):
+            calls.append("imports joined")
+
+    class Stop(Exception):
+        pass
+
+    def first_step_after(cfg):  # the rank's next step after the world is formed
+        calls.append("corpus")
+        raise Stop
+    topo = types.SimpleNamespace(rank=1, role_rank=1)  # no rank-0 lines
+    monkeypatch.setattr(train, "build_topology", lambda cfg: calls.append("world formed") or topo)
+    monkeypatch.setattr(train, "mark", calls.append)
+    monkeypatch.setattr(train, "env_corpus", first_step_after)
+    with pytest.raises(Stop):
+        train.run_rank(tiny_cfg, None, None, {}, Imports())
+    assert calls == ["world formed", "ranks_up", "imports joined", "corpus"]

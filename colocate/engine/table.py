@@ -163,8 +163,8 @@ def preimport_ranks(kind: str, roles: list[str], gpus: int) -> str:
 def preimport(word: str, rank: int) -> threading.Thread | None:
     """On a rank the launcher's `word` (`preimport_ranks`) names: its engine's `imports` on a daemon
     thread, started while the rank waits for the launcher's checks, so the engine's build finds them
-    imported -> the thread (join it before the rank imports anything else: two threads importing
-    modules that import each other can deadlock), else None (a learner never imports an engine's
+    imported -> the thread (`train.run_rank` joins it once the world is formed, before the rank imports
+    anything else: two threads importing modules that import each other can deadlock), else None (a learner never imports an engine's
     modules). A refused launch ends the rank mid-import; a failed import is the build's to raise."""
     kind, _, ranks = word.partition(":")
     if kind not in ENGINES or str(rank) not in ranks.split(","):
