@@ -36,7 +36,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 
 from colocate.lifecycle import STOP_SIGNALS, spawn_without_main
@@ -143,14 +143,17 @@ def start_server(preload: tuple[str, ...]) -> Server:
     with the stop signals blocked in it (blocked here for the moment of its start, not lost)."""
     global _SERVER
     server = Server(tuple(preload), os.environ.get("CUDA_VISIBLE_DEVICES"))
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    old = None
     try:
+        resource_tracker.ensure_running()  # its own start, as with spawn: outside the signals' block
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         forkserver.set_forkserver_preload(list(preload))
         forkserver.ensure_running()
     except (OSError, ValueError) as e:
         server.error = f"{type(e).__name__}: {e}"
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
     _SERVER = server
     return server
 
