@@ -53,8 +53,9 @@ VLLM_PRELOAD = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vll
 """What the engine core imports (vLLM 0.25, TP=1): its process's module, the one-process executor,
 the GPU worker, both model runners (V2 is vLLM's default for dense models, V1 its fallback), the
 Qwen2 model (the embedded shapes; another architecture's module is imported by the engine core),
-and our worker extension. None of them initialises CUDA at import; one that fails to import is
-left to the engine core (Python's forkserver skips it)."""
+and our worker extension. None of them is meant to initialise CUDA at import (read in vLLM 0.25's
+sources; the server's first child checks it); one that fails to import is left to the engine core
+(Python's forkserver skips it; the line names it)."""
 
 
 # ---------------------------------------------------------------------------------- environment
