@@ -142,6 +142,13 @@ class EngineConfig:
     (vLLM's kv_cache_dtype, scale 1: half the bytes per token, so about twice the tokens in the same
     pool). Like quantization it changes the sampler's log-probs, so it needs the same correction;
     the HF engine has no FP8 cache (refused with engine.kind=hf)."""
+    prestart: bool = True
+    """vLLM: start vLLM's engine core from a forkserver that each inference rank starts at its own
+    start, which imports vLLM while the rank waits for the checks and builds its model: the engine
+    core is then forked with its imports done instead of spawned to import them again (seconds of
+    the engine's start-up; on a cold cache also vLLM's model inspection, another fresh process).
+    false: vLLM spawns it. Whatever keeps the server from serving falls back to the spawn, with one
+    line (`colocate/engine/prestart.py`)."""
 
 
 @dataclass

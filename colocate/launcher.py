@@ -209,7 +209,8 @@ def engine_imports(cfg, world: int | None, nproc: int) -> str:
     from colocate.preflight import gpu_count
     from colocate.topology import place_roles
     try:
-        return preimport_ranks(cfg.engine.kind, place_roles(cfg, world, nproc), gpu_count(cfg))
+        return preimport_ranks(cfg.engine.kind, place_roles(cfg, world, nproc), gpu_count(cfg),
+                               prestart=cfg.engine.prestart)
     except Exception:  # noqa: BLE001 - an unchecked config; the checking child reports it
         return ""
 

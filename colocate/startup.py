@@ -27,16 +27,21 @@ from dataclasses import dataclass, field
 LAUNCH_ENV = "COLOCATE_LAUNCH_TIME"
 """Unix time the `colocate train` command started, for its ranks (launcher.py sets it)."""
 
-MARKS = ("rank_start", "launch_checked", "checks_done", "ranks_up", "model_ready", "engine_constructed", "engine_warm",
-         "learner_probe_warm", "learner_warm", "first_batch", "first_step_end")
+MARKS = ("rank_start", "engine_prestart", "launch_checked", "checks_done", "ranks_up", "model_ready",
+         "engine_core_started", "engine_constructed", "engine_warm", "learner_probe_warm", "learner_warm",
+         "first_batch", "first_step_end")
 """What a rank marks, in the order it passes them (each role marks a subsequence):
 rank_start          the rank's process started (`colocate train` starts torchrun once the config is
                     parsed: the rank's imports overlap the launcher's checks)
+engine_prestart     (inference, `engine.prestart`) the engine core's forkserver started at the rank's
+                    start (`colocate train`'s ranks; engine/prestart.py)
 launch_checked      `colocate train` handed its ranks the config it checked (`handover`; its ranks
                     only; they wait for it after their imports)
 checks_done         the rank's config checks passed (`rank_config.configure`)
 ranks_up            the process groups are formed (`build_topology`)
 model_ready         tokenizer and model built; a learner's sharded and materialized (`Learner`)
+engine_core_started (inference, `engine.prestart`) vLLM's engine core forked from that server: its
+                    imports done, its own start-up begins
 engine_constructed  (inference) the engine is built, with the engine's own warm-up (vLLM: compile,
                     KV cache, CUDA graphs) and our kernels' (engine/vllm_*.py)
 engine_warm         (inference) the adapter channel (which waits for learner rank 0) and the env

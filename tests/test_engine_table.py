@@ -6,6 +6,7 @@ trains cpu-tiny end to end."""
 import ast
 import json
 import os
+import sys
 import types
 
 import pytest
@@ -132,6 +133,26 @@ def test_the_launcher_names_the_ranks_that_build_an_engine_with_imports(monkeypa
     assert table.preimport_ranks("hf", roles, gpus=1) == "" and table.preimport_ranks("auto", roles, gpus=0) == ""
     monkeypatch.setattr(table, "vllm_installed", lambda: True)
     assert table.preimport_ranks("auto", roles, gpus=1) == "vllm:0,2"  # auto resolved as the checks do
+    assert table.preimport_ranks("vllm", roles, gpus=1, prestart=True) == "vllm:0,2:prestart"  # engine.prestart
+    assert table.preimport_ranks("hf", roles, gpus=1, prestart=True) == ""
+
+
+def test_the_launchers_word_starts_the_engines_server_on_its_inference_ranks_first(fake_vllm, monkeypatch):
+    """`:prestart` in the word: the entry's `prestart` runs on the rank's own thread before the
+    imports' thread starts; without it, or on a learner, it does not."""
+    import dataclasses
+    import threading
+    started = []
+    entry = dataclasses.replace(table.ENGINES["vllm"], prestart=lambda rank: started.append(
+        (rank, threading.current_thread() is threading.main_thread(), "vllm" in sys.modules)))
+    monkeypatch.setitem(table.ENGINES, "vllm", entry)
+    assert table.preimport("vllm:0,2:prestart", 1) is None and started == []
+    table.preimport("vllm:0,2", 0).join()
+    assert started == []
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    table.preimport("vllm:0,2:prestart", 2).join()
+    assert started == [(2, True, False)]  # before vLLM's imports
 
 
 def test_an_inference_rank_imports_vllm_early_and_a_learner_never(fake_vllm):
@@ -203,3 +224,21 @@ def test_an_inference_rank_joins_the_world_before_it_waits_for_its_early_imports
     with pytest.raises(Stop):
         train.run_rank(tiny_cfg, None, None, {}, Imports())
     assert calls == ["world formed", "ranks_up", "imports joined", "corpus"]
+
+
+def test_the_vllm_entrys_head_start_is_the_server_for_the_gpu_its_topology_gives(monkeypatch):
+    """`topology.rank_devices`' rule (local rank % GPUs): rank 3 of 4 on a node of 2 GPUs gets GPU 1;
+    without CUDA (or vLLM) nothing starts."""
+    from colocate.engine import prestart
+    started = []
+    monkeypatch.setattr(prestart, "start_engine_server", started.append)
+    monkeypatch.setattr(table, "vllm_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    table.prestart_vllm(3)
+    assert started == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    table.prestart_vllm(3)
+    assert started == [1]

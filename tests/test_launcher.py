@@ -291,8 +291,10 @@ def test_colocate_train_names_the_ranks_that_import_their_engine_early(tmp_path)
     def parsed(*overrides):
         return launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
                                     f"--metrics.run_dir={tmp_path / 'run'}", *overrides], 4)[0]
-    assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1"
-    assert launcher.engine_imports(parsed("--engine.kind=vllm", "--topology.placement=interleaved"), 4, 2) == "vllm:0,2"
+    assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1:prestart"  # engine.prestart
+    assert launcher.engine_imports(parsed("--engine.kind=vllm", "--engine.prestart=false"), 4, 4) == "vllm:0,1"
+    assert launcher.engine_imports(parsed("--engine.kind=vllm", "--engine.prestart=false",
+                                          "--topology.placement=interleaved"), 4, 2) == "vllm:0,2"
     assert launcher.engine_imports(parsed(), 4, 4) == ""  # cpu-tiny's engine.kind=hf
     assert launcher.engine_imports(parsed("--engine.kind=vllm"), None, 4) == ""
     assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 3) == ""  # not a whole number of nodes

@@ -61,6 +61,10 @@ class EngineEntry:
     imports: tuple[str, ...] = ()
     """Modules its `build` imports that take long (vLLM's): an inference rank of `colocate train`
     imports them while it waits for the launcher's checks (`preimport`)."""
+    prestart: Callable[[int], None] | None = None
+    """(global rank) -> what the build will use started now, where the launcher says the config
+    wants it (vLLM: the engine core's forkserver, `engine.prestart`): on the rank's main thread,
+    before the imports' thread (`preimport`)."""
 
 
 def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
@@ -112,13 +116,29 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def prestart_vllm(rank: int) -> None:
+    """The engine core's forkserver (`prestart.start_engine_server`) for the GPU the rank's topology
+    will give it (`topology.rank_devices`), where vLLM can run here."""
+    import os
+
+    import torch
+    if not (torch.cuda.is_available() and vllm_installed()):
+        return
+    from colocate.engine.prestart import start_engine_server
+    from colocate.topology import rank_devices
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    devices = rank_devices(world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), torch.cuda.device_count())
+    start_engine_server(devices[rank][1])
+
+
 ENGINES: dict[str, EngineEntry] = {
     "hf": EngineEntry(build=build_hf, sender=broadcast_sender),
     "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
                         installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
                         sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0, fp8_kv_cache=True,
-                        imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel")),
+                        imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel"),
+                        prestart=prestart_vllm),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
 
@@ -150,25 +170,34 @@ def on_device(kind: str) -> SimpleNamespace:
     return SimpleNamespace(device=torch.device(kind))
 
 
-def preimport_ranks(kind: str, roles: list[str], gpus: int) -> str:
+def preimport_ranks(kind: str, roles: list[str], gpus: int, prestart: bool = False) -> str:
     """What `colocate train` tells its ranks (`handover.ENGINE_IMPORTS_ENV`): `KIND:RANK,RANK,...`,
     engine.kind (`auto` resolved as the checks resolve it, for the `gpus` the ranks will use) and
-    the ranks of `roles` that infer; "" when that engine has nothing to import early."""
+    the ranks of `roles` that infer, then `:prestart` when the engine has a `prestart` and the config
+    wants it (`engine.prestart`); "" when that engine has nothing to import early."""
     kind = resolve_kind(kind, on_device("cuda" if gpus else "cpu"))
     if kind not in ENGINES or not ENGINES[kind].imports:
         return ""
-    return kind + ":" + ",".join(str(r) for r, role in enumerate(roles) if role == "inference")
+    flag = ":prestart" if prestart and ENGINES[kind].prestart is not None else ""
+    return kind + ":" + ",".join(str(r) for r, role in enumerate(roles) if role == "inference") + flag
 
 
 def preimport(word: str, rank: int) -> threading.Thread | None:
-    """On a rank the launcher's `word` (`preimport_ranks`) names: its engine's `imports` on a daemon
-    thread, started while the rank waits for the launcher's checks, so the engine's build finds them
-    imported -> the thread (`train.run_rank` joins it once the world is formed, before the rank imports
-    anything else: two threads importing modules that import each other can deadlock), else None (a learner never imports an engine's
+    """On a rank the launcher's `word` (`preimport_ranks`) names: its engine's `prestart` first, when
+    the word asks for it, then its `imports` on a daemon thread, started while the rank waits for
+    the launcher's checks, so the engine's build finds them imported -> the thread (`train.run_rank`
+    joins it once the world is formed, before the rank imports anything else: two threads importing
+    modules that import each other can deadlock), else None (a learner never imports an engine's
     modules). A refused launch ends the rank mid-import; a failed import is the build's to raise."""
-    kind, _, ranks = word.partition(":")
+    kind, _, rest = word.partition(":")
+    ranks, _, flag = rest.partition(":")
     if kind not in ENGINES or str(rank) not in ranks.split(","):
         return None
+    if flag == "prestart" and ENGINES[kind].prestart is not None:
+        try:
+            ENGINES[kind].prestart(rank)
+        except Exception:  # noqa: BLE001 - a head start only: the build starts it again and says what fails
+            pass
     thread = threading.Thread(target=import_early, args=(ENGINES[kind],), name="colocate-engine-imports", daemon=True)
     thread.start()
     return thread

@@ -29,16 +29,15 @@ What it does beyond `LLM.generate`:
     temperature) and skips prefix-cache reads for such a request, so the probe is computed anew by
     the weights the engine holds;
   * start-up inside a torchrun rank: the engine core is a child process that sees only this rank's
-    GPU and none of torchrun's variables (`engine_environment`), and is spawned without running the
-    rank's main module again (`spawn_without_main`; `train.py` keeps its entry guarded all the same:
-    docs/design.md, Traps).
+    GPU and none of torchrun's variables (`prestart.engine_environment`), and is started without
+    running the rank's main module again (`spawn_without_main`; `train.py` keeps its entry guarded
+    all the same: docs/design.md, Traps); with `engine.prestart` it is forked from a server that
+    imported vLLM while the rank started (`prestart.py`), else spawned by vLLM.
 
 Deliberately absent: tensor parallelism, several adapters, sleep mode, speculative decoding.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Callable
 
@@ -47,6 +46,7 @@ import torch
 from colocate.data import Completion, Request
 from colocate.engine.base import Engine
 from colocate.engine.model_dir import ensure_model_dir
+from colocate.engine.prestart import engine_core_start, engine_environment
 from colocate.engine.vllm_grammar import (constraint_grammar, replay_allowed,
                                           skip_client_grammar_validation)
 from colocate.engine.vllm_settings import (VLLMSettings, engine_settings, llm_arguments, merged_copy_bytes,
@@ -56,45 +56,11 @@ from colocate.engine.vllm_worker import IN_MEMORY_PATH, SLOT_ID, AdapterReceipt
 from colocate.lifecycle import spawn_without_main
 from colocate.wire import LoraSpec, flatten_lora, unflatten_lora
 
-TORCHRUN_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                      "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COUNTERS = ("requests", "walk_failures", "eos_appended", "engine_errors", "host_s", "generate_s",
             "prompt_tokens", "cached_prompt_tokens", "out_tokens", "steps")
 
 
 # ---------------------------------------------------------------------------------- start-up
-
-def visible_device(gpu: int) -> str:
-    """The physical GPU of this process's CUDA index `gpu`, honouring a CUDA_VISIBLE_DEVICES already set."""
-    current = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return current.split(",")[gpu] if current else str(gpu)
-
-
-@contextlib.contextmanager
-def engine_environment(gpu: int | None):
-    """The environment the engine core is spawned with (restored afterwards).
-
-    Without torchrun's variables the child's own process group cannot join torchrun's agent store
-    (it hung there); CUDA_VISIBLE_DEVICES gives it this rank's GPU as cuda:0.
-    """
-    keys = TORCHRUN_VARIABLES + ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "NCCL_CUMEM_ENABLE")
-    saved = {k: os.environ.get(k) for k in keys}
-    try:
-        if gpu is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(gpu)
-        for k in TORCHRUN_VARIABLES:
-            os.environ.pop(k, None)
-        os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
-        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # as the learner's side; mixed settings hang
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 def lora_spec_for(cfg, tokenizer) -> LoraSpec:
     """The learner's adapter layout (names, shapes, dtype), from a model built on the meta device."""
@@ -197,7 +163,7 @@ class VLLMEngine(Engine):
         if not s.validate_grammars:
             skip_client_grammar_validation()
         t0 = time.perf_counter()
-        with engine_environment(gpu), spawn_without_main():
+        with engine_environment(gpu), spawn_without_main(), engine_core_start(s.prestart):
             self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self.logprob_kernel = "vllm"

@@ -60,6 +60,8 @@ class VLLMSettings:
     """none or fp8 (config `engine.quantization`): vLLM's online FP8 of the base weights."""
     kv_cache_dtype: str = _E.kv_cache_dtype
     """auto or fp8 (config `engine.kv_cache_dtype`)."""
+    prestart: bool = _E.prestart
+    """Fork the engine core from the pre-started server (config `engine.prestart`, `prestart.py`)."""
 
     def replace(self, **changes) -> "VLLMSettings":
         return dataclasses.replace(self, **changes)
@@ -129,7 +131,8 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
                 cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
                 logprob_kernel=cfg.engine.logprob_kernel, constraint_masks=cfg.engine.constraint_masks,
-                quantization=cfg.engine.quantization, kv_cache_dtype=cfg.engine.kv_cache_dtype)
+                quantization=cfg.engine.quantization, kv_cache_dtype=cfg.engine.kv_cache_dtype,
+                prestart=cfg.engine.prestart)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
