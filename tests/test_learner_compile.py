@@ -9,11 +9,10 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from tests.test_startup import SHAPES, _learner, _trained, blocks_compiled_with
+from tests.test_startup import SHAPES, _learner, blocks_compiled_with
 
-BLOCK_GRAPHS = 4
-"""The decoder block's graphs, one set for every block: its decoder layer's frame and its attention's,
-each cut in two at the attention call."""
+BLOCK_GRAPHS = 2
+"""The decoder block's graphs, one set for every block: before the attention call and after it."""
 
 
 def dense_flex(query, key, value, block_mask=None, scale=None, enable_gqa=False):
@@ -26,8 +25,8 @@ def dense_flex(query, key, value, block_mask=None, scale=None, enable_gqa=False)
 @pytest.fixture
 def tree_flex_on_cpu(monkeypatch):
     """Learners built now take the GPU's tree attention (TREE_FLEX, `dense_flex` inside) and compile
-    their blocks with `aot_eager`; the attention registry, the float specialization and Dynamo's
-    caches are put back after."""
+    their blocks with `aot_eager`; the attention registry, Dynamo's config and its caches are put
+    back after."""
     from transformers import AttentionInterface
     from colocate.learner import fsdp, packing, tree_attention
     from colocate.learner import learner as learner_module
@@ -37,8 +36,9 @@ def tree_flex_on_cpu(monkeypatch):
     monkeypatch.setattr(learner_module, "resolve_attention", lambda *args: tree_attention.TREE_FLEX)
     monkeypatch.setattr(fsdp, "apply_compile", blocks_compiled_with("aot_eager"))
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(specialize_float=torch._dynamo.config.specialize_float):  # apply_compile's
-        yield
+    config = torch._dynamo.config
+    with config.patch(specialize_float=config.specialize_float, nested_graph_breaks=config.nested_graph_breaks):
+        yield  # apply_compile sets both
     torch._dynamo.reset()
 
 
@@ -56,11 +56,12 @@ def _compiled() -> tuple[int, int, int]:
 
 
 def test_the_warm_up_compiles_each_block_graph_once_for_every_block(tree_flex_on_cpu, tiny_cfg, tiny_tokenizer):
-    """The warm-up (the canary's probe riding it) compiles the block's graphs once for all blocks: the
-    first block's input requires grad as the others' do (no `requires_grad` guard gives it graphs of
-    its own), and no AOTAutograd trace is abandoned (LoRA's float scale traced as a symbol restarted
-    every graph holding a projection). A step after it, micro-batches of other lengths and the probe
-    riding, compiles nothing."""
+    """The warm-up (the canary's probe riding it) compiles the block's graphs once for all blocks: one
+    on each side of the attention call (Dynamo resumes after the break where it happened: no graphs
+    of the frames above it), the first block's input requires grad as the others' do (no
+    `requires_grad` guard gives it graphs of its own), and no AOTAutograd trace is abandoned (LoRA's
+    float scale traced as a symbol restarted every graph holding a projection). A step after it,
+    micro-batches of other lengths and the probe riding, compiles nothing."""
     from tests.test_packing import random_batch
     learner, vocab = _learner(tiny_cfg.model.cache_dir, {"learner": {"compile": True, "prefix_sharing": "tree"}},
                               _single_rank())

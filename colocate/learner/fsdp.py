@@ -50,7 +50,7 @@ def apply_ac(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor", nested_breaks: bool = False) -> None:
     """torch.compile each decoder block (inductor fuses the LoRA epilogues, norms, rotary, SiLU).
 
     Dynamic shapes: every micro-batch has another token count. Apply after `apply_ac`, before
@@ -62,9 +62,15 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
       * the first block's input requires grad as the others' do when autograd is on
         (`_input_requires_grad`): the frozen embedding's output does not, and the `requires_grad`
         guard on it gave the first block graphs of its own. Its backward then computes that
-        input's gradient too (HF's `enable_input_require_grads`), one block's share of the step.
+        input's gradient too (HF's `enable_input_require_grads`), one block's share of the step;
+      * `nested_breaks` (the tree's FlexAttention: a graph break inside every block) resumes tracing
+        after the break in the frame where it happened (Dynamo's `nested_graph_breaks`), one graph
+        on each side of it; else Dynamo traced every frame above it again to the break
+        (transformers' wrappers, the layer, the attention), and each kept graphs of its own. Only
+        there: torch 2.11's failed on the CPU's grouped varlen attention (data-dependent breaks).
     `backend`: inductor; tests count graphs with a cheaper one."""
     torch._dynamo.config.specialize_float = True
+    torch._dynamo.config.nested_graph_breaks = nested_breaks
     model.get_input_embeddings().register_forward_hook(_input_requires_grad)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
