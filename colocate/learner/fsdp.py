@@ -61,8 +61,8 @@ def apply_compile(model: nn.Module, backend: str = "inductor", nested_breaks: bo
         projection was then traced twice, its first AOTAutograd entry abandoned, never cached;
       * the first block's input requires grad as the others' do when autograd is on
         (`_input_requires_grad`): the frozen embedding's output does not, and the `requires_grad`
-        guard on it gave the first block graphs of its own. Its backward then computes that
-        input's gradient too (HF's `enable_input_require_grads`), one block's share of the step;
+        guard on it gave the first block graphs of its own (HF's `enable_input_require_grads`). Its
+        backward then also runs the input-gradient GEMMs that every other block runs anyway;
       * `nested_breaks` (the tree's FlexAttention: a graph break inside every block) resumes tracing
         after the break in the frame where it happened (Dynamo's `nested_graph_breaks`), one graph
         on each side of it; else Dynamo traced every frame above it again to the break
