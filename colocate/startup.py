@@ -225,9 +225,10 @@ its code generation, and the wait for its kernel compiles (Triton's on a GPU).""
 
 def compile_record() -> dict:
     """This process's torch.compile so far (learner rank 0 at the end of step 1): graphs compiled,
-    seconds in Dynamo's frame compiles (inductor's included), and the hits and misses of inductor's
-    FX graph cache and AOTAutograd's cache, the two that make a warm start's compile cheap. {} when
-    nothing was compiled (torch._dynamo not imported, or no frame)."""
+    seconds in Dynamo's frame compiles (inductor's included), the hits and misses of inductor's
+    FX graph cache and AOTAutograd's cache, the two that make a warm start's compile cheap, and the
+    AOTAutograd traces abandoned. {} when nothing was compiled (torch._dynamo not imported, or no
+    frame)."""
     import sys
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
@@ -250,7 +251,10 @@ def compile_record() -> dict:
             "fx_cache_hit": int(inductor.get("fxgraph_cache_hit", 0)),
             "fx_cache_miss": int(inductor.get("fxgraph_cache_miss", 0)),
             "aot_cache_hit": int(aot.get("autograd_cache_hit", 0)),
-            "aot_cache_miss": int(aot.get("autograd_cache_miss", 0))}
+            "aot_cache_miss": int(aot.get("autograd_cache_miss", 0)),
+            # AOTAutograd traces begun and not finished: Dynamo restarted the frame (traced it again),
+            # and the abandoned trace's cache entry was never saved
+            "aot_abandoned": int(aot.get("total", 0)) - int(aot.get("ok", 0))}
 
 
 def compile_line(record: dict) -> str:
@@ -260,7 +264,8 @@ def compile_line(record: dict) -> str:
         took += f", {total - backend:.1f} s tracing"
     return (f"colocate: learner compile: {record['graphs']} graphs{took} (inductor cache "
             f"{record['fx_cache_hit']} hit / {record['fx_cache_miss']} miss, AOTAutograd cache "
-            f"{record['aot_cache_hit']} hit / {record['aot_cache_miss']} miss)")
+            f"{record['aot_cache_hit']} hit / {record['aot_cache_miss']} miss, {record['aot_abandoned']} traces "
+            f"abandoned)")
 
 
 # ---------------------------------------------------------------------------------- the exchange

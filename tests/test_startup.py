@@ -72,8 +72,9 @@ def test_the_launchers_check_phases_are_seconds_in_order_and_absent_without_a_la
 
 
 def test_the_compile_record_reads_dynamos_counters(monkeypatch):
-    """startup.json's `learner_compile`: graphs, compile seconds and both caches' hits and misses, as
-    Dynamo counted them; nothing when no graph was compiled."""
+    """startup.json's `learner_compile`: graphs, compile seconds, both caches' hits and misses and the
+    AOTAutograd traces begun but not finished, as Dynamo counted them; nothing when no graph was
+    compiled."""
     from collections import Counter, defaultdict
     import torch._dynamo.utils as utils
     counters = defaultdict(Counter)
@@ -84,12 +85,12 @@ def test_the_compile_record_reads_dynamos_counters(monkeypatch):
     counters["stats"]["unique_graphs"] = 4
     counters["frames"]["total"] = 7
     counters["inductor"].update(fxgraph_cache_hit=3, fxgraph_cache_miss=1)
-    counters["aot_autograd"].update(autograd_cache_hit=2)
+    counters["aot_autograd"].update(autograd_cache_hit=2, total=5, ok=4)
     record = compile_record()
     assert record == {"graphs": 4, "frames": 7, "compile_s": 12.346, "backend_compile_s": 4.25, "fx_cache_hit": 3,
-                      "fx_cache_miss": 1, "aot_cache_hit": 2, "aot_cache_miss": 0}
+                      "fx_cache_miss": 1, "aot_cache_hit": 2, "aot_cache_miss": 0, "aot_abandoned": 1}
     assert compile_line(record) == ("colocate: learner compile: 4 graphs, 12.3 s, 8.1 s tracing (inductor cache "
-                                    "3 hit / 1 miss, AOTAutograd cache 2 hit / 0 miss)")
+                                    "3 hit / 1 miss, AOTAutograd cache 2 hit / 0 miss, 1 traces abandoned)")
     monkeypatch.setattr(utils, "calculate_time_spent", lambda: {})  # a torch that times nothing: no seconds, no NaN
     assert "compile_s" not in compile_record()
     assert compile_line(compile_record()).startswith("colocate: learner compile: 4 graphs (inductor cache 3 hit")
@@ -270,13 +271,9 @@ def _learner(cache_dir: str, extra: dict, topo):
 
 def blocks_compiled_with(backend):
     """`fsdp.apply_compile` with another Dynamo backend (no inductor: a CPU test's seconds)."""
+    import functools
     from colocate.learner import fsdp
-
-    def apply(model):
-        layers = fsdp.decoder_layers(model)
-        for i, layer in enumerate(layers):
-            layers[i] = torch.compile(layer, dynamic=True, backend=backend)
-    return apply
+    return functools.partial(fsdp.apply_compile, backend=backend)
 
 
 def _trained(cache_dir: str, extra: dict, topo, warm: bool, steps: int = 3, probes: bool = False) -> dict:

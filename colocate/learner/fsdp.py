@@ -50,14 +50,38 @@ def apply_ac(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor", nested_breaks: bool = False) -> None:
     """torch.compile each decoder block (inductor fuses the LoRA epilogues, norms, rotary, SiLU).
 
     Dynamic shapes: every micro-batch has another token count. Apply after `apply_ac`, before
-    `apply_fsdp` (FSDP's hooks then stay outside the compiled region, as in torchtitan)."""
+    `apply_fsdp` (FSDP's hooks then stay outside the compiled region, as in torchtitan). Every block
+    runs the same graphs, traced once (`tests/test_learner_compile.py` counts them):
+      * floats are specialized: Dynamo's default traces a module's float attributes as symbols, and
+        peft's LoRA scale reaches addmm's alpha, which takes a number; every graph holding a LoRA
+        projection was then traced twice, its first AOTAutograd entry abandoned, never cached;
+      * the first block's input requires grad as the others' do when autograd is on
+        (`_input_requires_grad`): the frozen embedding's output does not, and the `requires_grad`
+        guard on it gave the first block graphs of its own (HF's `enable_input_require_grads`). Its
+        backward then also runs the input-gradient GEMMs that every other block runs anyway;
+      * `nested_breaks` (the tree's FlexAttention: a graph break inside every block) resumes tracing
+        after the break in the frame where it happened (Dynamo's `nested_graph_breaks`), one graph
+        on each side of it; else Dynamo traced every frame above it again to the break
+        (transformers' wrappers, the layer, the attention), and each kept graphs of its own. Only
+        there: torch 2.11's failed on the CPU's grouped varlen attention (data-dependent breaks).
+    `backend`: inductor; tests count graphs with a cheaper one."""
+    torch._dynamo.config.specialize_float = True
+    torch._dynamo.config.nested_graph_breaks = nested_breaks
+    model.get_input_embeddings().register_forward_hook(_input_requires_grad)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
-        layers[i] = torch.compile(layer, dynamic=True)
+        layers[i] = torch.compile(layer, dynamic=True, backend=backend)
+
+
+def _input_requires_grad(module: nn.Module, args, output: torch.Tensor) -> None:
+    """Forward hook on the input embeddings: their output requires grad when autograd is on (a
+    gradient-free pass keeps every block's input free of it, so its graphs are shared too)."""
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
 
 
 def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = None,

@@ -51,6 +51,7 @@ from colocate.learner.loss import loss_spec
 from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches, one_sequence,
                                       resolve_attention, set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
+from colocate.learner.tree_attention import TREE_FLEX
 from colocate.learner.warmup import Snapshot, synthetic_batch
 from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, UpdateResult, by_name,
                                     signal_fraction, step_stats)
@@ -133,7 +134,7 @@ class Learner:
         if lc.activation_checkpointing:
             fsdp.apply_ac(model)
         if lc.compile:
-            fsdp.apply_compile(model)
+            fsdp.apply_compile(model, nested_breaks=self.attention == TREE_FLEX)
         self.use_fsdp = lc.fsdp
         self.fsdp_modules = []
         if self.use_fsdp:

@@ -104,21 +104,19 @@ def _flex(compiled: bool):
     return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
 
 
+@torch.compiler.disable
 def tree_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
                         tree_mask=None, flex=None, **kwargs):
     """FlexAttention: query [1, Hq, T, D], key/value [1, Hkv, T, D], tree_mask a BlockMask -> [1, T, Hq, D].
-    `flex` is bound at registration (`_flex`): nothing is compiled or imported inside a compiled block."""
+    `flex` is bound at registration (`_flex`): nothing is compiled or imported inside a compiled block.
+
+    A decoder block compiled whole (`learner.compile`) breaks its graph at this call and runs it
+    eagerly, the separately compiled `flex` inside: inductor fails to lower the tree's mask_mod
+    inside a dynamic-shape block graph (profiles/HISTORY.md). The whole function, not its kernel call
+    alone: a break inside it left two small graphs of its own (the checks, the transpose)."""
     _check(query, tree_mask, TREE_FLEX)
-    out = _flex_outside_compile(flex, query, key, value, tree_mask, scaling, query.shape[1] != key.shape[1])
+    out = flex(query, key, value, block_mask=tree_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
-
-
-@torch.compiler.disable
-def _flex_outside_compile(flex, query, key, value, block_mask, scale, enable_gqa):
-    """A decoder block compiled whole (`learner.compile`) breaks its graph here and runs the separately
-    compiled `flex`: inductor fails to lower the tree's mask_mod inside a dynamic-shape block graph
-    (profiles/HISTORY.md)."""
-    return flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def register_tree_attention() -> None:
