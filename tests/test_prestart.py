@@ -6,6 +6,7 @@ fallbacks. One server serves most tests (it imports colocate, hence torch: about
 cores); another dies in its imports at once."""
 import signal
 import sys
+import time
 import types
 from multiprocessing import forkserver
 
@@ -197,3 +198,11 @@ def test_a_vllm_without_the_names_keeps_its_own_spawn(monkeypatch, capsys):
         assert utils.get_mp_context() == "spawn context"
     assert capsys.readouterr().out == ("colocate: engine.prestart: this vLLM has no vllm.model_executor.models."
                                        "registry._run_in_subprocess; vLLM spawns the engine core\n")
+
+
+def test_a_child_that_never_answers_is_killed_and_its_call_fails(server, monkeypatch):
+    """A server whose imports hang must not hang the engine's build: past the limit the child is
+    killed and the call fails as any failed child's (the engine core then spawns)."""
+    monkeypatch.setattr(prestart, "CHILD_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match="no answer in 0.5 s"):
+        prestart.call_in_child(time.sleep, 30)

@@ -152,6 +152,8 @@ def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, 
     from tests.test_packing import random_batch
     counter = CompileCounter()
     monkeypatch.setattr(fsdp, "apply_compile", blocks_compiled_with(counter))
+    for key in ("specialize_float", "nested_graph_breaks"):  # apply_compile sets them process-wide: put back after
+        monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
     torch._dynamo.reset()
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")

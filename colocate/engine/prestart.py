@@ -169,6 +169,11 @@ def start_engine_server(gpu: int) -> Server:
     return server
 
 
+CHILD_TIMEOUT_S = 300
+"""How long a child of the server may take to answer (the first one waits for the server's imports,
+seconds): past it the child is killed and its call fails (the engine core then spawns)."""
+
+
 def call_in_child(target, *args):
     """target(*args) in a child of the server -> its result. An exception there, or a child that
     ends without an answer, is one RuntimeError here naming it (as vLLM's `_run_in_subprocess`)."""
@@ -182,11 +187,13 @@ def call_in_child(target, *args):
     finally:
         child_end.close()
     try:
-        kind, value = answer.recv()
+        kind, value = answer.recv() if answer.poll(CHILD_TIMEOUT_S) else ("error", f"no answer in {CHILD_TIMEOUT_S} s")
     except EOFError:
         kind, value = "error", None
     finally:
         answer.close()
+        if child.exitcode is None and kind == "error":
+            child.kill()  # a server whose imports hang: the build goes on without it
         child.join()
     if kind == "ok":
         return value
