@@ -4,6 +4,7 @@ with, the parent's main module left alone), `call_in_child` and the model-inspec
 their errors, the swap of vLLM's names around a construction against stand-in modules, and the
 fallbacks. One server serves most tests (it imports colocate, hence torch: about a second on 2
 cores); another dies in its imports at once."""
+import os
 import signal
 import sys
 import time
@@ -49,7 +50,7 @@ def start_probe_server(folder, extra: str = "") -> Server:
 
 @pytest.fixture
 def dying_server(tmp_path, monkeypatch):
-    """A server whose preload raises (first in this file: Python's forkserver is one per process)."""
+    """A server whose preloaded module raises (first in this file: Python's forkserver is one per process)."""
     monkeypatch.setattr(prestart, "_SERVER", None)
     yield start_probe_server(tmp_path, extra="raise RuntimeError('no driver')")
     forkserver._forkserver._stop()
@@ -73,11 +74,14 @@ def server(probe_server, monkeypatch):
     return prestart._SERVER
 
 
-def test_a_server_that_died_in_its_imports_leaves_the_engine_to_vllms_spawn(dying_server, capsys):
-    """A preloaded module that raises something else than ImportError ends the server (Python's
-    forkserver skips only ImportError): its first child fails, one line, vLLM's own spawn."""
-    assert usable_server() is None
-    assert "the engine core's forkserver is not used: its first child failed" in capsys.readouterr().out
+def test_a_preload_that_raises_is_named_in_the_line_and_the_server_still_serves(dying_server, capsys):
+    """A preloaded module that raises something else than ImportError would end Python's forkserver
+    with a traceback (it skips only ImportError): the server's one preload keeps the failure by name
+    instead, the server serves, and the rank's one line names the module and why."""
+    assert usable_server() is not None
+    line = capsys.readouterr().out
+    assert "forks from the server" in line and "not preloaded: colocate_prestart_probe (RuntimeError: no driver)" in line
+    assert "Traceback" not in line
 
 
 def test_a_child_finds_the_preload_imported_and_runs_as_a_spawned_one(server, monkeypatch, tmp_path):
@@ -206,3 +210,40 @@ def test_a_child_that_never_answers_is_killed_and_its_call_fails(server, monkeyp
     monkeypatch.setattr(prestart, "CHILD_TIMEOUT_S", 0.5)
     with pytest.raises(RuntimeError, match="no answer in 0.5 s"):
         prestart.call_in_child(time.sleep, 30)
+
+
+def test_the_server_ends_with_the_process_that_started_it_even_mid_import(tmp_path):
+    """A refused launch ends the rank while its server still imports vLLM (seconds; the stop signals
+    blocked there): the server is killed with the rank, not left importing on."""
+    import subprocess
+    (tmp_path / "slow_probe.py").write_text("import time\ntime.sleep(60)\n")
+    script = ("import os, sys\nfrom multiprocessing import forkserver\nfrom colocate.engine import prestart\n"
+              "prestart.start_server(('slow_probe',))\nprint(forkserver._forkserver._forkserver_pid, flush=True)\n"
+              "os._exit(0)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), prestart.REPO_ROOT])}
+    pid = int(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                             timeout=60, check=True).stdout.split()[0])
+    deadline = time.time() + 20
+    while time.time() < deadline and alive(pid):
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_server_and_its_preload_name_the_same_variables():
+    """prestart.py cannot import the preload module (importing it runs the preload): both spell the
+    variables out, and they agree."""
+    import ast
+    tree = ast.parse(open(os.path.join(prestart.REPO_ROOT, "colocate", "engine", "prestart_preload.py")).read())
+    values = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+    assert (values["PRELOAD_ENV"], values["PARENT_ENV"]) == (prestart.PRELOAD_ENV, prestart.PARENT_ENV)
+    assert prestart.PRELOAD_MODULE == "colocate.engine.prestart_preload"

@@ -139,20 +139,32 @@ _SERVER: Server | None = None
 """Python's forkserver is one per process, and so is this record of it."""
 
 
+PRELOAD_MODULE = "colocate.engine.prestart_preload"
+"""The server's one preload: it ends with this process, then imports the modules it is given, each
+failure kept by name (`prestart_preload`)."""
+PRELOAD_ENV, PARENT_ENV = "COLOCATE_PRESTART_PRELOAD", "COLOCATE_PRESTART_PARENT"
+"""`prestart_preload`'s (not imported here: importing that module runs the preload)."""
+
+
 def start_server(preload: tuple[str, ...]) -> Server:
-    """Start the forkserver in this process's environment, importing `preload` (never `__main__`),
-    with the stop signals blocked in it (blocked here for the moment of its start, not lost)."""
+    """Start the forkserver in this process's environment, importing `preload` (never `__main__`;
+    through `PRELOAD_MODULE`), with the stop signals blocked in it (blocked here for the moment of
+    its start, not lost)."""
     global _SERVER
     server = Server(tuple(preload), os.environ.get("CUDA_VISIBLE_DEVICES"))
     old = None
     try:
         resource_tracker.ensure_running()  # its own start, as with spawn: outside the signals' block
         old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        forkserver.set_forkserver_preload(list(preload))
+        os.environ[PRELOAD_ENV] = ",".join(preload)  # read by the server's one preload, at its start
+        os.environ[PARENT_ENV] = str(os.getpid())
+        forkserver.set_forkserver_preload([PRELOAD_MODULE])
         forkserver.ensure_running()
     except (OSError, ValueError) as e:
         server.error = f"{type(e).__name__}: {e}"
     finally:
+        for key in (PRELOAD_ENV, PARENT_ENV):
+            os.environ.pop(key, None)
         if old is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
     _SERVER = server
@@ -214,8 +226,8 @@ def _answer(conn, target, args) -> None:
 def server_state(preload: tuple[str, ...]) -> dict:
     """In a child of the server: the preloaded modules it lacks, whether torch had initialised CUDA in
     the server (a forked child then cannot use it) and the server's threads (fork copies only one)."""
-    cuda = sys.modules.get("torch.cuda")
-    return {"missing": [m for m in preload if m not in sys.modules],
+    cuda, failed = sys.modules.get("torch.cuda"), getattr(sys.modules.get(PRELOAD_MODULE), "FAILED", {})
+    return {"missing": [f"{m} ({failed[m]})" if m in failed else m for m in preload if m not in sys.modules],
             "cuda": bool(cuda is not None and cuda._is_in_bad_fork()),
             "threads": len(os.listdir(f"/proc/{os.getppid()}/task")) if os.path.isdir("/proc") else 0}
 

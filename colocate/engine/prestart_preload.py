@@ -1,0 +1,41 @@
+"""The one module the engine core's forkserver preloads (`engine/prestart.py`): the server first
+ends with the rank that started it (a refused or failed launch must not leave it importing on, deaf
+to the stop signals it blocks), then imports the modules `PRELOAD_ENV` names, each failure kept by
+name in `FAILED` for the server's first child to report in the rank's one line. Python's forkserver
+skips only an ImportError among its preloads; anything else would end the server with a traceback
+and leave multiprocessing to start another one, silently, at the first child."""
+import ctypes
+import importlib
+import os
+import signal
+import sys
+
+PRELOAD_ENV = "COLOCATE_PRESTART_PRELOAD"
+"""Comma-separated modules to import, set in the environment the server starts with."""
+PARENT_ENV = "COLOCATE_PRESTART_PARENT"
+"""The pid of the process that started the server."""
+PR_SET_PDEATHSIG = 1
+
+FAILED: dict[str, str] = {}
+"""Module -> why it did not import, in the server (its children inherit it)."""
+
+
+def die_with_parent() -> None:
+    """SIGKILL at the starting thread's end (Linux `prctl`), and an end now if it ended already (while
+    this package's imports ran; its pid is `PARENT_ENV`); elsewhere the server ends with its last
+    client, after its imports."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):
+            os._exit(0)
+
+
+die_with_parent()
+for name in [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]:
+    try:
+        importlib.import_module(name)
+    except BaseException as e:  # noqa: BLE001 - reported by the server's first child, not here
+        FAILED[name] = f"{type(e).__name__}: {e}"[:200]
