@@ -80,7 +80,8 @@ def test_a_preload_that_raises_is_named_in_the_line_and_the_server_still_serves(
     instead, the server serves, and the rank's one line names the module and why."""
     assert usable_server() is not None
     line = capsys.readouterr().out
-    assert "forks from the server" in line and "not preloaded: colocate_prestart_probe (RuntimeError: no driver)" in line
+    assert "forks from the server" in line
+    assert "not preloaded: colocate_prestart_probe (RuntimeError: no driver)" in line
     assert "Traceback" not in line
 
 
