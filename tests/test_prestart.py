@@ -238,13 +238,3 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
 
-
-def test_the_server_and_its_preload_name_the_same_variables():
-    """prestart.py cannot import the preload module (importing it runs the preload): both spell the
-    variables out, and they agree."""
-    import ast
-    tree = ast.parse(open(os.path.join(prestart.REPO_ROOT, "colocate", "engine", "prestart_preload.py")).read())
-    values = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-              if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
-    assert (values["PRELOAD_ENV"], values["PARENT_ENV"]) == (prestart.PRELOAD_ENV, prestart.PARENT_ENV)
-    assert prestart.PRELOAD_MODULE == "colocate.engine.prestart_preload"

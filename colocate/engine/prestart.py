@@ -143,7 +143,8 @@ PRELOAD_MODULE = "colocate.engine.prestart_preload"
 """The server's one preload: it ends with this process, then imports the modules it is given, each
 failure kept by name (`prestart_preload`)."""
 PRELOAD_ENV, PARENT_ENV = "COLOCATE_PRESTART_PRELOAD", "COLOCATE_PRESTART_PARENT"
-"""`prestart_preload`'s (not imported here: importing that module runs the preload)."""
+"""Set in the environment the server starts with, for its preload: the modules to import
+(comma-separated) and this process's pid."""
 
 
 def start_server(preload: tuple[str, ...]) -> Server:

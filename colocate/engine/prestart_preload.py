@@ -10,10 +10,8 @@ import os
 import signal
 import sys
 
-PRELOAD_ENV = "COLOCATE_PRESTART_PRELOAD"
-"""Comma-separated modules to import, set in the environment the server starts with."""
-PARENT_ENV = "COLOCATE_PRESTART_PARENT"
-"""The pid of the process that started the server."""
+from colocate.engine.prestart import PARENT_ENV, PRELOAD_ENV
+
 PR_SET_PDEATHSIG = 1
 
 FAILED: dict[str, str] = {}
