@@ -238,3 +238,11 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
 
+
+def test_an_engine_for_another_gpu_does_not_fork_from_a_server_already_in_use(server, monkeypatch, capsys):
+    """The server was started for one GPU; a later engine in the same process for another one (the
+    suite builds several) gets vLLM's spawn and the line, not the context the first engine got."""
+    assert usable_server() is not None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    assert usable_server() is None
+    assert "the engine core gets 7; vLLM spawns the engine core" in capsys.readouterr().out.splitlines()[-1]

@@ -251,10 +251,11 @@ def usable_server(preload: tuple[str, ...] = VLLM_PRELOAD) -> EngineCoreContext 
     engine core from (started now when the rank did not start it early), else None after one line.
     Its first child waits for the server's imports; the line says how long."""
     server = _SERVER or start_server(preload)
-    if server.checked:
+    reason = unusable(server, None)  # every engine: another one in this process may want another GPU
+    if server.checked and not reason:
         return server.context
     server.checked = True
-    reason, state, t0 = unusable(server, None), None, time.time()
+    state, t0 = None, time.time()
     if not reason:
         try:
             state = call_in_child(server_state, server.preload)
