@@ -262,28 +262,33 @@ def time_rider(bench: _Bench, learner, key: str) -> None:
     """`--train-steps` pairs of train steps, one plain and one carrying the probe, in ABBA order (a
     drift over the pairs cancels) -> the steps' medians, and what the rider adds to a step as the mean
     of the pairs' differences with its standard error (`rider_ms_<key>`, `rider_ms_se_<key>`; host
-    ms the same). On a GPU one step of each, traced: the GPU work the rider adds (`rider_gpu_busy_ms`),
-    which the timings' noise (host-bound steps) cannot resolve at a few ms (`traced_pairs`)."""
-    figures, times, diffs = bench.record["figures"], {False: ([], []), True: ([], [])}, ([], [])
-    for i in range(bench.args.train_steps):
-        for rode in ((False, True) if i % 2 == 0 else (True, False)):
-            for unit, got in zip(times[rode], train_steps(learner, 1, bench.cuda, bench.probe if rode else None)):
+    ms the same). On a GPU `TRACED_PAIRS` pairs traced: the GPU work the rider adds
+    (`rider_gpu_busy_ms`), which the timings' noise (host-bound steps) cannot resolve at a few ms."""
+    figures, times = bench.record["figures"], {False: ([], []), True: ([], [])}  # rode -> (device, host) ms
+    with synthetic_steps(learner) as step:
+        step(None)  # untimed
+        for rode in abba(bench.args.train_steps):
+            for unit, got in zip(times[rode], timed(lambda: step(bench.probe if rode else None), 1, 0, bench.cuda)[1:]):
                 unit.extend(got)
-        for unit in (0, 1):
-            if times[True][unit]:
-                diffs[unit].append(times[True][unit][-1] - times[False][unit][-1])
     put(figures, key, train_step_ms=times[False][0], train_step_host_ms=times[False][1],
         train_step_rider_ms=times[True][0], train_step_rider_host_ms=times[True][1])
-    for unit, got in zip(("", "host_"), diffs):
-        if got:
-            figures[f"rider_{unit}ms_{key}"] = statistics.fmean(got)
-            if len(got) > 1:
-                figures[f"rider_{unit}ms_se_{key}"] = statistics.stdev(got) / len(got) ** 0.5
+    for unit, name in ((0, ""), (1, "host_")):
+        diffs = [rode - plain for plain, rode in zip(times[False][unit], times[True][unit])]  # pair by pair
+        if diffs:
+            figures[f"rider_{name}ms_{key}"] = statistics.fmean(diffs)
+            if len(diffs) > 1:
+                figures[f"rider_{name}ms_se_{key}"] = statistics.stdev(diffs) / len(diffs) ** 0.5
     if bench.cuda and bench.args.train_steps:
         busy = traced_pairs(learner, bench.probe, TRACED_PAIRS, True)
         figures.update({f"train_step_gpu_busy_ms_{key}": statistics.median(busy[0]),
                         f"train_step_rider_gpu_busy_ms_{key}": statistics.median(busy[1]),
                         f"rider_gpu_busy_ms_{key}": statistics.median(r - p for p, r in zip(*busy))})
+
+
+def abba(pairs: int):
+    """Whether each step carries the probe, `pairs` pairs in ABBA order: F T, T F, F T, ..."""
+    for i in range(pairs):
+        yield from (False, True) if i % 2 == 0 else (True, False)
 
 
 def traced_pairs(learner, probe: list[int], pairs: int, cuda: bool) -> tuple[list[float], list[float]]:
@@ -292,9 +297,8 @@ def traced_pairs(learner, probe: list[int], pairs: int, cuda: bool) -> tuple[lis
     busy = ([], [])
     with synthetic_steps(learner) as step:
         step(None)
-        for i in range(pairs):
-            for rode in ((0, 1) if i % 2 == 0 else (1, 0)):
-                busy[rode].append(trace_call(lambda: step(probe if rode else None), cuda)["gpu_busy_ms"])
+        for rode in abba(pairs):
+            busy[rode].append(trace_call(lambda: step(probe if rode else None), cuda)["gpu_busy_ms"])
     return busy
 
 
@@ -356,12 +360,6 @@ def synthetic_steps(learner):
     finally:
         saved.restore(learner)
         learner.version = version
-
-
-def train_steps(learner, steps: int, cuda: bool, rider: list[int] | None = None) -> tuple[list[float], list[float]]:
-    """`steps` timed train steps of the synthetic batch after one untimed -> (device ms, host ms)."""
-    with synthetic_steps(learner) as step:
-        return timed(lambda: step(rider), steps, 1, cuda)[1:]
 
 
 def put(figures: dict, key: str, **values: list[float]) -> None:
