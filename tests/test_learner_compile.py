@@ -37,8 +37,10 @@ def tree_flex_on_cpu(monkeypatch):
     monkeypatch.setattr(fsdp, "apply_compile", blocks_compiled_with("aot_eager"))
     torch._dynamo.reset()
     config = torch._dynamo.config
-    with config.patch(specialize_float=config.specialize_float, nested_graph_breaks=config.nested_graph_breaks):
-        yield  # apply_compile sets both
+    inductor = torch._inductor.config
+    with config.patch(specialize_float=config.specialize_float, nested_graph_breaks=config.nested_graph_breaks), \
+            inductor.patch(compile_threads=inductor.compile_threads):
+        yield  # apply_compile sets all three
     torch._dynamo.reset()
 
 
@@ -105,3 +107,18 @@ def test_compiled_tree_blocks_compute_the_eager_loss_and_gradients(tree_flex_on_
     assert grads_c.keys() == grads.keys() and all(float(g.abs().max()) > 0 for g in grads.values())
     for name, g in grads.items():
         torch.testing.assert_close(grads_c[name], g, rtol=1e-5, atol=1e-6 * scale, msg=name)
+
+
+def test_the_learner_compiles_with_its_share_of_the_cores_unless_the_environment_says(monkeypatch):
+    """`fsdp.compile_workers`: inductor's workers are the rank's intra-op threads (its share of the
+    host's cores, `topology.split_cpu_threads`), not every core; TORCHINDUCTOR_COMPILE_THREADS wins."""
+    from colocate.learner import fsdp
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert fsdp.compile_workers() == 3
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")
+        assert fsdp.compile_workers() == 5
+    finally:
+        torch.set_num_threads(threads)

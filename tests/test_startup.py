@@ -154,6 +154,7 @@ def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, 
     monkeypatch.setattr(fsdp, "apply_compile", blocks_compiled_with(counter))
     for key in ("specialize_float", "nested_graph_breaks"):  # apply_compile sets them process-wide: put back after
         monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", torch._inductor.config.compile_threads)
     torch._dynamo.reset()
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
