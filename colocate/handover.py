@@ -29,8 +29,9 @@ from colocate.jsonfile import read_object, write_atomic
 LAUNCHER_ENV = "COLOCATE_LAUNCHER_PID"
 """The launcher's pid, for its ranks: a rank waits only while this process is its parent."""
 ENGINE_IMPORTS_ENV = "COLOCATE_ENGINE_IMPORTS"
-"""The launcher's word to its ranks, from the config it parsed (`engine.table.preimport_ranks`): which
-ones will build which engine, so that they import its modules while they wait (`engine.table.preimport`)."""
+"""The launcher's word to its ranks, from the config it parsed (`engine.table.preimport_ranks`, an
+`engine.headstart.EngineWord`): which ones will build which engine, so that they import its modules
+while they wait (`engine.table.preimport`), and the GPU of the server each starts first (`head_start`)."""
 RECORD, REFUSAL = ".record.json", ".refused"
 """Beside the config: its record (`hand_over`), or the refusal marker (`refuse`)."""
 POLL_S = 0.02

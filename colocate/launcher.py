@@ -200,9 +200,9 @@ def launch_shape(argv: list[str]) -> tuple[int, list[str], list[str], int | None
 
 def engine_imports(cfg, world: int | None, nproc: int) -> str:
     """`handover.ENGINE_IMPORTS_ENV` for the ranks of a launch of `cfg`, parsed and not yet checked: the
-    roles as `place_roles` will place them, the GPUs as the checks count them (NVML); "" for an
-    elastic world or a layout the checks will refuse. Only a head start: whatever fails here is "",
-    and the checks name what is wrong."""
+    roles as `place_roles` will place them, the GPUs per node as the checks count them (NVML, under
+    the CUDA_VISIBLE_DEVICES the ranks inherit); "" for an elastic world or a layout the checks will
+    refuse. Only a head start: whatever fails here is "", and the checks name what is wrong."""
     if world is None:
         return ""
     from colocate.engine.table import preimport_ranks
@@ -210,7 +210,7 @@ def engine_imports(cfg, world: int | None, nproc: int) -> str:
     from colocate.topology import place_roles
     try:
         return preimport_ranks(cfg.engine.kind, place_roles(cfg, world, nproc), gpu_count(cfg),
-                               prestart=cfg.engine.prestart)
+                               prestart=cfg.engine.prestart, local_world=nproc)
     except Exception:  # noqa: BLE001 - an unchecked config; the checking child reports it
         return ""
 

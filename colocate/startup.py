@@ -33,8 +33,8 @@ MARKS = ("rank_start", "engine_prestart", "launch_checked", "checks_done", "rank
 """What a rank marks, in the order it passes them (each role marks a subsequence):
 rank_start          the rank's process started (`colocate train` starts torchrun once the config is
                     parsed: the rank's imports overlap the launcher's checks)
-engine_prestart     (inference, `engine.prestart`) the engine core's forkserver started at the rank's
-                    start (`colocate train`'s ranks; engine/prestart.py)
+engine_prestart     (inference, `engine.prestart`) the engine core's forkserver started as the rank's
+                    first act, before its imports (`colocate train`'s ranks; engine/headstart.py)
 launch_checked      `colocate train` handed its ranks the config it checked (`handover`; its ranks
                     only; they wait for it after their imports)
 checks_done         the rank's config checks passed (`rank_config.configure`)
@@ -152,13 +152,20 @@ class Timeline:
 
 
 _PROCESS: Timeline | None = None
+_BEFORE: dict[str, float] = {}
+"""Marks made before this process had a timeline (the rank's head start, before its imports and
+`main`): its first timeline keeps them."""
 
 
 def begin(environ=os.environ) -> Timeline:
-    """A fresh timeline for this process (a rank's `main`), marked `rank_start` at its process start."""
+    """A fresh timeline for this process (a rank's `main`), marked `rank_start` at its process start,
+    with the marks made before the process had one."""
     global _PROCESS
     _PROCESS = Timeline(launch_time(environ))
     _PROCESS.mark("rank_start", process_start())
+    for name, at in _BEFORE.items():
+        _PROCESS.mark(name, at)
+    _BEFORE.clear()
     return _PROCESS
 
 
@@ -168,7 +175,11 @@ def process_timeline() -> Timeline:
 
 
 def mark(name: str) -> None:
-    process_timeline().mark(name)
+    """`name` now, on this process's timeline; before it has one, kept for it (`begin`)."""
+    if _PROCESS is None:
+        Timeline(0.0, _BEFORE).mark(name)  # checked and kept as a timeline keeps it, into `_BEFORE`
+    else:
+        _PROCESS.mark(name)
 
 
 # ---------------------------------------------------------------------------------- the record

@@ -32,10 +32,11 @@ if __name__ == "__main__":  # a rank: a stop signal during the imports below end
     import sys
     from colocate.handover import watch
     watch(sys.argv[1:])  # `colocate train`'s checks run meanwhile: a refusal ends this rank mid-import
-    # Every rank builds a tokenizer and a model with an adapter (`run_rank`): their libraries are
-    # imported now, while the launcher checks the config, not after it. Here, not at the top: what
-    # imports this module otherwise (a test, a process spawned with the main module showing, where it
-    # runs as `__mp_main__`) needs none of them.
+    from colocate.engine.headstart import head_start
+    head_start()  # an inference rank's engine server (vLLM's imports there) starts before any import of its own
+    # Every rank builds a tokenizer and a model with an adapter (`run_rank`): their libraries are imported
+    # now, while the launcher checks the config. Here, not at the top: what imports this module otherwise
+    # (a test, a process spawned with the main module showing: `__mp_main__`) needs none of them.
     import peft  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
     import transformers.tokenization_utils_fast  # noqa: F401

@@ -133,26 +133,83 @@ def test_the_launcher_names_the_ranks_that_build_an_engine_with_imports(monkeypa
     assert table.preimport_ranks("hf", roles, gpus=1) == "" and table.preimport_ranks("auto", roles, gpus=0) == ""
     monkeypatch.setattr(table, "vllm_installed", lambda: True)
     assert table.preimport_ranks("auto", roles, gpus=1) == "vllm:0,2"  # auto resolved as the checks do
-    assert table.preimport_ranks("vllm", roles, gpus=1, prestart=True) == "vllm:0,2:prestart"  # engine.prestart
+    assert table.preimport_ranks("vllm", roles, gpus=1, prestart=True) == "vllm:0,2:prestart=0,0"  # engine.prestart
+    assert table.preimport_ranks("vllm", roles, gpus=0, prestart=True) == "vllm:0,2"  # no GPU: no server
     assert table.preimport_ranks("hf", roles, gpus=1, prestart=True) == ""
 
 
-def test_the_launchers_word_starts_the_engines_server_on_its_inference_ranks_first(fake_vllm, monkeypatch):
-    """`:prestart` in the word: the entry's `prestart` runs on the rank's own thread before the
-    imports' thread starts; without it, or on a learner, it does not."""
-    import dataclasses
-    import threading
+@pytest.mark.parametrize("roles, gpus, local_world, servers", [
+    (["inference", "learner"], 1, None, {0: 0}),  # one GPU shared: the engine's is GPU 0
+    (["inference", "inference", "learner", "learner"], 4, None, {0: 0, 1: 1}),
+    (["inference", "learner", "inference", "learner"], 2, 4, {0: 0, 2: 0}),  # 4 processes on 2 GPUs: round-robin
+    (["inference", "learner", "inference", "learner"], 2, 2, {0: 0, 2: 0}),  # 2 nodes: global rank 2 is node 1's 0
+    (["learner", "inference", "learner", "inference", "learner", "inference"], 2, 3, {1: 1, 3: 0, 5: 0}),
+])
+def test_the_launchers_word_gives_each_inference_rank_the_gpu_its_topology_will(roles, gpus, local_world, servers):
+    """The word round-trips (`preimport_ranks` formats it, `headstart.EngineWord` parses it): each
+    inference rank reads, without torch, the GPU index `topology.rank_devices` gives it at build time."""
+    from colocate.engine.headstart import EngineWord
+    from colocate.topology import rank_devices
+    text = table.preimport_ranks("vllm", roles, gpus=gpus, prestart=True, local_world=local_world)
+    word = EngineWord.parse(text)
+    assert str(word) == text and word.kind == "vllm" and word.ranks == tuple(servers)
+    devices = rank_devices(len(roles), local_world or len(roles), gpus)
+    assert {r: word.server_gpu(r) for r in range(len(roles)) if word.server_gpu(r) is not None} == servers
+    assert all(devices[r][1] == gpu for r, gpu in servers.items())
+
+
+def test_a_malformed_word_starts_nothing_early():
+    from colocate.engine.headstart import EngineWord
+    for text in ("", "vllm:0,x", "vllm:0,2:prestart", "vllm:0,2:prestart=0", "vllm:0:other=1"):
+        assert EngineWord.parse(text) == EngineWord() and table.preimport(text, 0) is None, text
+
+
+def test_the_head_start_starts_the_server_for_its_rank_only(monkeypatch):
+    """`head_start` (the rank's first act) starts the word's server on the inference ranks it names,
+    for their GPU; a learner, a word without `prestart=`, or a server that fails start nothing more
+    (the build starts it again)."""
+    from colocate import handover
+    from colocate.engine import headstart
     started = []
-    entry = dataclasses.replace(table.ENGINES["vllm"], prestart=lambda rank: started.append(
-        (rank, threading.current_thread() is threading.main_thread(), "vllm" in sys.modules)))
-    monkeypatch.setitem(table.ENGINES, "vllm", entry)
-    assert table.preimport("vllm:0,2:prestart", 1) is None and started == []
-    table.preimport("vllm:0,2", 0).join()
+    monkeypatch.setitem(headstart.SERVERS, "vllm", started.append)
+    env = {handover.ENGINE_IMPORTS_ENV: "vllm:0,2:prestart=0,1"}
+    for rank in ("1", "2", "0"):
+        headstart.head_start({**env, "RANK": rank})
+    headstart.head_start({handover.ENGINE_IMPORTS_ENV: "vllm:0,2", "RANK": "0"})
+    headstart.head_start({"RANK": "0"})  # plain torchrun: no word
+    assert started == [1, 0]
+    monkeypatch.setitem(headstart.SERVERS, "vllm", lambda gpu: 1 / 0)
+    headstart.head_start({**env, "RANK": "0"})  # a head start only: nothing raised
+
+
+def test_the_vllm_server_starts_only_where_vllm_is_installed(monkeypatch):
+    from colocate.engine import headstart, prestart
+    started = []
+    monkeypatch.setattr(prestart, "start_engine_server", started.append)
+    monkeypatch.setattr(headstart.importlib.util, "find_spec", lambda name: None)
+    headstart.start_vllm_server(1)
     assert started == []
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-        monkeypatch.delitem(sys.modules, name)
-    table.preimport("vllm:0,2:prestart", 2).join()
-    assert started == [(2, True, False)]  # before vLLM's imports
+    monkeypatch.setattr(headstart.importlib.util, "find_spec", lambda name: object())
+    headstart.start_vllm_server(1)
+    assert started == [1]
+
+
+def test_the_rank_starts_its_server_before_it_imports_torch(tmp_path):
+    """`train.py`'s `__main__` head, run up to its head start in a fresh interpreter (with a stand-in
+    server), has imported no torch (nor transformers, vLLM) when the server starts: its imports run
+    beside the rank's own."""
+    import subprocess
+    from colocate import handover
+    source = open(os.path.join(REPO, "colocate", "train.py")).read()
+    head = next(n for n in ast.parse(source).body if isinstance(n, ast.If))  # `if __name__ == "__main__":`
+    upto = next(i for i, n in enumerate(head.body) if "head_start()" in ast.unparse(n))
+    script = ("import sys\nfrom colocate.engine import headstart\n"
+              "headstart.SERVERS['vllm'] = lambda gpu: print(gpu, sorted(m for m in ('torch', 'transformers', "
+              "'vllm', 'peft') if m in sys.modules))\n" + "\n".join(ast.unparse(n) for n in head.body[:upto + 1]))
+    env = {**os.environ, "PYTHONPATH": REPO, handover.ENGINE_IMPORTS_ENV: "vllm:0,1:prestart=0,1", "RANK": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "1 []\n"), out.stderr
+    assert "import peft" in "\n".join(ast.unparse(n) for n in head.body[upto:])  # the heavy imports come after
 
 
 def test_an_inference_rank_imports_vllm_early_and_a_learner_never(fake_vllm):
@@ -224,21 +281,3 @@ def test_an_inference_rank_joins_the_world_before_it_waits_for_its_early_imports
     with pytest.raises(Stop):
         train.run_rank(tiny_cfg, None, None, {}, Imports())
     assert calls == ["world formed", "ranks_up", "imports joined", "corpus"]
-
-
-def test_the_vllm_entrys_head_start_is_the_server_for_the_gpu_its_topology_gives(monkeypatch):
-    """`topology.rank_devices`' rule (local rank % GPUs): rank 3 of 4 on a node of 2 GPUs gets GPU 1;
-    without CUDA (or vLLM) nothing starts."""
-    from colocate.engine import prestart
-    started = []
-    monkeypatch.setattr(prestart, "start_engine_server", started.append)
-    monkeypatch.setattr(table, "vllm_installed", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    table.prestart_vllm(3)
-    assert started == []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    table.prestart_vllm(3)
-    assert started == [1]

@@ -284,14 +284,21 @@ def test_an_inference_rank_imports_its_engine_while_it_waits_for_the_checks(fake
     assert seen == [False, False, True, True]
 
 
-def test_colocate_train_names_the_ranks_that_import_their_engine_early(tmp_path):
+def test_colocate_train_names_the_ranks_that_import_their_engine_early(tmp_path, monkeypatch):
     """From the parsed config, before the checks: the inference ranks as `place_roles` places them
     and the engine they build; nothing for an engine without early imports, an elastic world or a
     layout the checks refuse."""
+    from colocate import preflight
+
     def parsed(*overrides):
         return launch.parse_config(["--config", os.path.join(REPO, "configs", "cpu-tiny.yaml"),
                                     f"--metrics.run_dir={tmp_path / 'run'}", *overrides], 4)[0]
-    assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1:prestart"  # engine.prestart
+    assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1"  # no GPU: no server
+    monkeypatch.setattr(preflight, "gpu_count", lambda cfg: 2)
+    # engine.prestart: each inference rank's server on its engine's GPU, counted per node (2 nodes of 2 below)
+    assert launcher.engine_imports(parsed("--engine.kind=vllm"), 4, 4) == "vllm:0,1:prestart=0,1"
+    assert launcher.engine_imports(parsed("--engine.kind=vllm", "--topology.placement=interleaved"),
+                                   4, 2) == "vllm:0,2:prestart=0,0"
     assert launcher.engine_imports(parsed("--engine.kind=vllm", "--engine.prestart=false"), 4, 4) == "vllm:0,1"
     assert launcher.engine_imports(parsed("--engine.kind=vllm", "--engine.prestart=false",
                                           "--topology.placement=interleaved"), 4, 2) == "vllm:0,2"

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -104,6 +105,21 @@ def test_a_mark_keeps_its_first_time_and_unknown_marks_are_refused():
     assert Timeline.from_json(json.loads(json.dumps(t.to_json()))) == t
     with pytest.raises(ValueError, match="unknown start-up mark 'engine_ready'"):
         t.mark("engine_ready")
+
+
+def test_a_mark_made_before_the_rank_has_a_timeline_is_kept_by_its_first(monkeypatch):
+    """The rank's head start marks `engine_prestart` before `main` begins the timeline: `begin`
+    keeps it (once: a later timeline of the process starts without it)."""
+    from colocate import startup
+    monkeypatch.setattr(startup, "_PROCESS", None)
+    monkeypatch.setattr(startup, "_BEFORE", {})
+    startup.mark("engine_prestart")
+    with pytest.raises(ValueError, match="unknown start-up mark"):
+        startup.mark("engine_ready")
+    first = startup.begin({})
+    assert list(first.marks) == ["rank_start", "engine_prestart"] and first.marks["engine_prestart"] <= time.time()
+    startup.mark("checks_done")
+    assert list(startup.begin({}).marks) == ["rank_start"] and "checks_done" in first.marks
 
 
 def _exchange_worker(rank: int, port: int, out: str) -> None:

@@ -5,9 +5,10 @@ A process that imports vLLM spends seconds in the imports (torch, Dynamo, vLLM) 
 line. vLLM spawns its engine core from our rank (CUDA is initialised there, so it must not fork
 it), and on a cold `VLLM_CACHE_ROOT` it inspects the model class in one more fresh interpreter
 first (`vllm.model_executor.models.registry._run_in_subprocess`). Instead, the rank starts one
-multiprocessing forkserver at its start (`start_engine_server`, from the engine table's head start
-beside the rank's own early vLLM import), which imports `VLLM_PRELOAD` while the rank waits for the
-launcher and builds its model; CUDA is never initialised in it. While `vllm.LLM` is built
+multiprocessing forkserver as its first act (`start_engine_server`, from `headstart.head_start` in
+`train.py`'s `__main__`, before the rank imports torch), which imports `VLLM_PRELOAD` while the rank
+makes its own imports, waits for the launcher and builds its model; CUDA is never initialised in it.
+This module imports nothing heavy for that reason. While `vllm.LLM` is built
 (`engine_core_start`), vLLM's engine core and its model inspection are children of that server:
 forked, not spawned, their imports done. vLLM's own API server does the same
 (`VLLM_WORKER_MULTIPROC_METHOD=forkserver`); our rank cannot ask for it that way, since vLLM
@@ -173,9 +174,9 @@ def start_server(preload: tuple[str, ...]) -> Server:
 
 
 def start_engine_server(gpu: int) -> Server:
-    """The inference rank's head start (the engine table's `prestart`): the server for GPU `gpu`,
-    in the engine core's environment. On the rank's main thread, before any other thread reads
-    the environment this sets for a moment."""
+    """The inference rank's head start (`headstart.SERVERS`): the server for GPU `gpu`, in the engine
+    core's environment. On the rank's main thread, before any other thread reads the environment
+    this sets for a moment (the launcher's watch reads none)."""
     with engine_environment(gpu):
         server = start_server(VLLM_PRELOAD)
     mark("engine_prestart")

@@ -5,6 +5,9 @@ here (`engine.kind: auto` takes the first entry of `AUTO_ORDER` that can). `trai
 `preflight.py` look entries up here and never branch on a kind.
 
 vLLM is imported only inside the vLLM entry's functions (it is not installed on CPU machines).
+An engine whose rank starts a server early (vLLM's engine core forkserver, `engine.prestart`)
+registers it in `headstart.SERVERS` too: the rank starts it before it imports torch (which this
+table imports); the launcher's word (`preimport_ranks`) names the GPU.
 Ranks that share a GPU always move adapters by CUDA IPC (`channel.IpcSender`), whichever engine.
 """
 from __future__ import annotations
@@ -20,7 +23,9 @@ from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver,
                               IpcSender, NoSender)
 from colocate.config_checks import ConfigError, nearest_key
 from colocate.engine.base import Engine
+from colocate.engine.headstart import SERVERS, EngineWord
 from colocate.startup import mark
+from colocate.topology import rank_devices
 from colocate.wire import LoraSpec
 
 
@@ -61,10 +66,6 @@ class EngineEntry:
     imports: tuple[str, ...] = ()
     """Modules its `build` imports that take long (vLLM's): an inference rank of `colocate train`
     imports them while it waits for the launcher's checks (`preimport`)."""
-    prestart: Callable[[int], None] | None = None
-    """(global rank) -> what the build will use started now, where the launcher says the config
-    wants it (vLLM: the engine core's forkserver, `engine.prestart`): on the rank's main thread,
-    before the imports' thread (`preimport`)."""
 
 
 def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
@@ -116,29 +117,13 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def prestart_vllm(rank: int) -> None:
-    """The engine core's forkserver (`prestart.start_engine_server`) for the GPU the rank's topology
-    will give it (`topology.rank_devices`), where vLLM can run here."""
-    import os
-
-    import torch
-    if not (torch.cuda.is_available() and vllm_installed()):
-        return
-    from colocate.engine.prestart import start_engine_server
-    from colocate.topology import rank_devices
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    devices = rank_devices(world, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), torch.cuda.device_count())
-    start_engine_server(devices[rank][1])
-
-
 ENGINES: dict[str, EngineEntry] = {
     "hf": EngineEntry(build=build_hf, sender=broadcast_sender),
     "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
                         installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
                         sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0, fp8_kv_cache=True,
-                        imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel"),
-                        prestart=prestart_vllm),
+                        imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel")),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
 
@@ -170,35 +155,36 @@ def on_device(kind: str) -> SimpleNamespace:
     return SimpleNamespace(device=torch.device(kind))
 
 
-def preimport_ranks(kind: str, roles: list[str], gpus: int, prestart: bool = False) -> str:
-    """What `colocate train` tells its ranks (`handover.ENGINE_IMPORTS_ENV`): `KIND:RANK,RANK,...`,
-    engine.kind (`auto` resolved as the checks resolve it, for the `gpus` the ranks will use) and
-    the ranks of `roles` that infer, then `:prestart` when the engine has a `prestart` and the config
-    wants it (`engine.prestart`); "" when that engine has nothing to import early."""
+def preimport_ranks(kind: str, roles: list[str], gpus: int, prestart: bool = False,
+                    local_world: int | None = None) -> str:
+    """What `colocate train` tells its ranks (`handover.ENGINE_IMPORTS_ENV`, an `EngineWord`):
+    engine.kind (`auto` resolved as the checks resolve it, for the `gpus` per node the ranks will
+    use) and the ranks of `roles` (the world, `local_world` ranks per node; None: one node) that
+    infer, with the GPU index of each one's engine (`topology.rank_devices`) when that engine
+    starts a server early (`headstart.SERVERS`), the config wants it (`engine.prestart`) and there
+    are GPUs; "" when that engine has nothing to import early."""
     kind = resolve_kind(kind, on_device("cuda" if gpus else "cpu"))
     if kind not in ENGINES or not ENGINES[kind].imports:
         return ""
-    flag = ":prestart" if prestart and ENGINES[kind].prestart is not None else ""
-    return kind + ":" + ",".join(str(r) for r, role in enumerate(roles) if role == "inference") + flag
+    ranks = tuple(r for r, role in enumerate(roles) if role == "inference")
+    devices = rank_devices(len(roles), local_world or len(roles), gpus)
+    servers = tuple(devices[r][1] for r in ranks) if prestart and gpus and kind in SERVERS else ()
+    return str(EngineWord(kind, ranks, servers))
 
 
 def preimport(word: str, rank: int) -> threading.Thread | None:
-    """On a rank the launcher's `word` (`preimport_ranks`) names: its engine's `prestart` first, when
-    the word asks for it, then its `imports` on a daemon thread, started while the rank waits for
-    the launcher's checks, so the engine's build finds them imported -> the thread (`train.run_rank`
-    joins it once the world is formed, before the rank imports anything else: two threads importing
-    modules that import each other can deadlock), else None (a learner never imports an engine's
-    modules). A refused launch ends the rank mid-import; a failed import is the build's to raise."""
-    kind, _, rest = word.partition(":")
-    ranks, _, flag = rest.partition(":")
-    if kind not in ENGINES or str(rank) not in ranks.split(","):
+    """On a rank the launcher's `word` (`preimport_ranks`) names: its engine's `imports` on a daemon
+    thread, started while the rank waits for the launcher's checks, so the engine's build finds them
+    imported -> the thread (`train.run_rank` joins it once the world is formed, before the rank
+    imports anything else: two threads importing modules that import each other can deadlock),
+    else None (a learner never imports an engine's modules). The engine's server, where the word
+    names one, the rank started already (`headstart.head_start`). A refused launch ends the rank
+    mid-import; a failed import is the build's to raise."""
+    parsed = EngineWord.parse(word)
+    if parsed.kind not in ENGINES or rank not in parsed.ranks:
         return None
-    if flag == "prestart" and ENGINES[kind].prestart is not None:
-        try:
-            ENGINES[kind].prestart(rank)
-        except Exception:  # noqa: BLE001 - a head start only: the build starts it again and says what fails
-            pass
-    thread = threading.Thread(target=import_early, args=(ENGINES[kind],), name="colocate-engine-imports", daemon=True)
+    thread = threading.Thread(target=import_early, args=(ENGINES[parsed.kind],), name="colocate-engine-imports",
+                              daemon=True)
     thread.start()
     return thread
 
