@@ -23,10 +23,10 @@ def dense_flex(query, key, value, block_mask=None, scale=None, enable_gqa=False)
 
 
 @pytest.fixture
-def tree_flex_on_cpu(monkeypatch):
+def tree_flex_on_cpu(monkeypatch, compile_configs):
     """Learners built now take the GPU's tree attention (TREE_FLEX, `dense_flex` inside) and compile
-    their blocks with `aot_eager`; the attention registry, Dynamo's config and its caches are put
-    back after."""
+    their blocks with `aot_eager`; the attention registry, the compile configs (`compile_configs`) and
+    Dynamo's caches are put back after."""
     from transformers import AttentionInterface
     from colocate.learner import fsdp, packing, tree_attention
     from colocate.learner import learner as learner_module
@@ -36,11 +36,7 @@ def tree_flex_on_cpu(monkeypatch):
     monkeypatch.setattr(learner_module, "resolve_attention", lambda *args: tree_attention.TREE_FLEX)
     monkeypatch.setattr(fsdp, "apply_compile", blocks_compiled_with("aot_eager"))
     torch._dynamo.reset()
-    config = torch._dynamo.config
-    inductor = torch._inductor.config
-    with config.patch(specialize_float=config.specialize_float, nested_graph_breaks=config.nested_graph_breaks), \
-            inductor.patch(compile_threads=inductor.compile_threads):
-        yield  # apply_compile sets all three
+    yield
     torch._dynamo.reset()
 
 

@@ -157,7 +157,8 @@ def test_learner_rank_0_gathers_every_ranks_marks_in_any_world(tmp_path):
     assert got["launch"] == "colocate train"
 
 
-def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, tiny_cfg, tiny_tokenizer):
+def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, compile_configs, tiny_cfg,
+                                                                   tiny_tokenizer):
     """With learner.compile the canary's probe rides the warm-up's update as it rides each step's first
     forward, so after the warm-up a step with the probe compiles nothing new; a probe of its own (LoRA
     dropout's) keeps autograd on, so its graphs are the training ones, while a gradient-free probe
@@ -168,9 +169,6 @@ def test_compiled_blocks_run_the_probe_through_the_training_graphs(monkeypatch, 
     from tests.test_packing import random_batch
     counter = CompileCounter()
     monkeypatch.setattr(fsdp, "apply_compile", blocks_compiled_with(counter))
-    for key in ("specialize_float", "nested_graph_breaks"):  # apply_compile sets them process-wide: put back after
-        monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", torch._inductor.config.compile_threads)
     torch._dynamo.reset()
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
