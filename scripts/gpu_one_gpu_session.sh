@@ -47,6 +47,10 @@
 #            (startupgsm-learner-compile-false.json; each launch's log and startup.json under NAME-runs/): each
 #            about 4 min on gpu-1-gsm8k.yaml; STARTUP_ARGS adds
 #            profile arguments, e.g. STARTUP_ARGS=--importtime (every process's imports, vLLM's engine core too)
+#   startupab  the startup profile on configs/gpu-1-gsm8k.yaml, this tree against a base tree in one run: each
+#            cold in its own fresh cache, then STARTUP_PAIRS (default 1) rounds of warm runs base, ours, ours,
+#            base (startupab.json, ~8 min); BASE_TGZ: `git archive --format=tar.gz` of the base commit, carried
+#            with the call that starts the chain (e.g. carry .baseline, BASE_TGZ=.baseline/base-COMMIT.tar.gz)
 #   learn    the GPU learning test: cpu-tiny on vLLM reaches 0.9 with drain and with inflight (learnmask:
 #            only with engine.constraint_masks=ours)
 #   flame    py-spy flame graphs of configs/gpu-1.yaml's (or FLAME_CONFIG's) ranks and vLLM engine core,
@@ -182,6 +186,10 @@ step() {  # one step of the chain, by name
             --sdpa-budget 0 --ac-budget 0 --time-limit-s 480 --out "$GS/trainer-tree.json" ;;
     pyc) pyc_check ;;
     startupgsm|startup7b) startup_profile "$1" "$1" ;;
+    startupab) rm -rf /tmp/base-tree && mkdir -p /tmp/base-tree \
+            && tar xzf "${BASE_TGZ:?BASE_TGZ: the base tree as a git archive}" -C /tmp/base-tree \
+            && STARTUP_ARGS="${STARTUP_ARGS:-} --baseline-tree /tmp/base-tree --pairs ${STARTUP_PAIRS:-1}" \
+              startup_profile startupgsm startupab ;;
     startupgsm:*|startup7b:*) startup_profile "${1%%:*}" "${1%%:*}-$(printf %s "${1#*:}" | tr -c 'A-Za-z0-9' '-')" "${1#*:}" ;;
     probe) with_memory probe timeout 900 python3 scripts/benchmark.py --profile probe --config configs/gpu-1-gsm8k.yaml \
       ${gsm_model[@]:+--set "${gsm_model[@]}"} --time-limit-s "${PROBE_LIMIT_S:-540}" ${PROBE_ARGS:-} \
