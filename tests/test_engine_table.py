@@ -196,15 +196,16 @@ def test_the_vllm_server_starts_only_where_vllm_is_installed(monkeypatch):
 
 def test_the_rank_starts_its_server_before_it_imports_torch(tmp_path):
     """`train.py`'s `__main__` head, run up to its head start in a fresh interpreter (with a stand-in
-    server), has imported no torch (nor transformers, vLLM) when the server starts: its imports run
-    beside the rank's own."""
+    server that imports the real one's module, `prestart`, as `start_vllm_server` does), has imported
+    no torch (nor transformers, vLLM) when the server starts: its imports run beside the rank's own."""
     import subprocess
     from colocate import handover
     source = open(os.path.join(REPO, "colocate", "train.py")).read()
     head = next(n for n in ast.parse(source).body if isinstance(n, ast.If))  # `if __name__ == "__main__":`
     upto = next(i for i, n in enumerate(head.body) if "head_start()" in ast.unparse(n))
     script = ("import sys\nfrom colocate.engine import headstart\n"
-              "headstart.SERVERS['vllm'] = lambda gpu: print(gpu, sorted(m for m in ('torch', 'transformers', "
+              "headstart.SERVERS['vllm'] = lambda gpu: __import__('colocate.engine.prestart') and "
+              "print(gpu, sorted(m for m in ('torch', 'transformers', "
               "'vllm', 'peft') if m in sys.modules))\n" + "\n".join(ast.unparse(n) for n in head.body[:upto + 1]))
     env = {**os.environ, "PYTHONPATH": REPO, handover.ENGINE_IMPORTS_ENV: "vllm:0,1:prestart=0,1", "RANK": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)

@@ -2,8 +2,8 @@
 server preloading a tiny module, its children (what they find imported, the environment they run
 with, the parent's main module left alone), `call_in_child` and the model-inspection stand-in with
 their errors, the swap of vLLM's names around a construction against stand-in modules, and the
-fallbacks. One server serves most tests (it imports colocate, hence torch: about a second on 2
-cores); another dies in its imports at once."""
+fallbacks. One server serves most tests (its preload imports colocate's prestart module, no torch:
+the rank's head start needs none); another dies in its imports at once."""
 import os
 import signal
 import sys
@@ -58,7 +58,7 @@ def dying_server(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def probe_server(tmp_path_factory):
-    """One server for the tests below (it imports torch with colocate: about two seconds here)."""
+    """One server for the tests below."""
     folder = tmp_path_factory.mktemp("probe")
     server = start_probe_server(folder)
     yield server, folder

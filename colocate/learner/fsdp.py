@@ -84,12 +84,13 @@ def apply_compile(model: nn.Module, backend: str = "inductor", nested_breaks: bo
 def compile_workers() -> int:
     """Inductor's compile workers for this process: TORCHINDUCTOR_COMPILE_THREADS when set, else the
     intra-op threads this rank was given (`topology.split_cpu_threads`: its share of the host's
-    cores). Inductor's default is every core for each process: a learner compiling cold beside its
-    engine (vLLM's compile, then its kernels' JIT: the start-up's critical path) took the cores from
-    it."""
+    cores), never more than inductor's own default. That default is every core of the process's
+    affinity up to a cap, for each process: a learner compiling cold beside its engine (vLLM's
+    compile, then its kernels' JIT: the start-up's critical path) took the cores from it. A host
+    with many cores per rank keeps the cap (each worker is a process that imports torch)."""
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
         return int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
-    return max(1, torch.get_num_threads())
+    return max(1, min(torch.get_num_threads(), torch._inductor.config.decide_compile_threads()))
 
 
 def _input_requires_grad(module: nn.Module, args, output: torch.Tensor) -> None:
