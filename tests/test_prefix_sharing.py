@@ -293,7 +293,7 @@ def test_bf16_tree_log_probs_and_gradients_match_flat_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_blocks_with_trees_equal_eager_on_gpu(tiny_cfg, tiny_tokenizer):
+def test_compiled_blocks_with_trees_equal_eager_on_gpu(compile_configs, tiny_cfg, tiny_tokenizer):
     """`learner.compile` with prefix trees (FlexAttention runs outside the compiled block graphs;
     inside them inductor failed to lower the tree's mask): the loss and the LoRA gradients equal the
     eager learner's, fp32, on trees cut over several micro-batches."""
