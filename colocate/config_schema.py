@@ -143,8 +143,9 @@ class EngineConfig:
     pool). Like quantization it changes the sampler's log-probs, so it needs the same correction;
     the HF engine has no FP8 cache (refused with engine.kind=hf)."""
     prestart: bool = True
-    """vLLM: start vLLM's engine core from a forkserver that each inference rank starts at its own
-    start, which imports vLLM while the rank waits for the checks and builds its model: the engine
+    """vLLM: start vLLM's engine core from a forkserver that each inference rank of `colocate train`
+    starts as its first act (under a plain torchrun, when its engine is built), which imports vLLM
+    while the rank makes its own imports, waits for the checks and builds its model: the engine
     core is then forked with its imports done instead of spawned to import them again (seconds of
     the engine's start-up; on a cold cache also vLLM's model inspection, another fresh process).
     false: vLLM spawns it. Whatever keeps the server from serving falls back to the spawn, with one

@@ -9,8 +9,8 @@ engine gets (`topology.rank_devices`, as the rank's topology computes it later).
 starts that server from the first lines of `train.py`'s `__main__`, seconds before the rank's own
 imports are done: the server's imports (vLLM's) run beside them.
 
-Standard library only, and of colocate only `handover` (and `engine.prestart` when the server
-starts): a rank imports this before torch. The word is only a head start: a malformed or missing
+Standard library only, and of colocate only `handover` (with its `jsonfile`; `engine.prestart` when
+the server starts): a rank imports this before torch. The word is only a head start: a malformed or missing
 one starts nothing early, and the engine's build does it all.
 """
 from __future__ import annotations
