@@ -46,7 +46,12 @@ class WandbTracker:
         self.run.log(values, step=step)
 
     def close(self) -> None:
+        """The run finished, then W&B's service torn down: `finish` only tells the service, which
+        writes the run's records (the offline `.wandb` file, the uploads) after it returns; `teardown`
+        waits for them, since a rank ends without the interpreter's `atexit` hooks that would."""
+        import wandb
         self.run.finish()
+        wandb.teardown()
 
 
 class MlflowTracker:
