@@ -173,6 +173,15 @@ def pytest_runtest_makereport(item, call):
     setattr(item, f"rep_{report.when}", report)
 
 
+@pytest.fixture(autouse=True)
+def fresh_startup_timeline(monkeypatch):
+    """Each test starts with no start-up timeline in the process and no mark waiting for one
+    (`startup.mark` before `begin` keeps it for the next timeline begun: another test's)."""
+    from colocate import startup
+    monkeypatch.setattr(startup, "_PROCESS", None)
+    monkeypatch.setattr(startup, "_BEFORE", {})
+
+
 @pytest.fixture()
 def compile_configs():
     """`fsdp.apply_compile` sets Dynamo's and inductor's configs for the process: a test that compiles
