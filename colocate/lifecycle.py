@@ -286,17 +286,23 @@ def leave(code: int) -> None:
 PR_SET_PDEATHSIG = 1
 
 
+def kill_at_parent_death() -> bool:
+    """Linux: the kernel sends this process SIGKILL when the thread that started it ends (`prctl`)
+    -> whether it took the request (False elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+
+
 def die_with_parent() -> None:
     """End this rank when its launcher dies (a supervisor's kill -9 of torchrun must not leave ranks
     training on): the kernel sends SIGKILL at the parent's death (Linux `prctl`), elsewhere a
     thread polls the parent pid. A parent that died before the call is caught by the pid check."""
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent:
-                os._exit(1)
-            return
+    if kill_at_parent_death():
+        if os.getppid() != parent:
+            os._exit(1)
+        return
     threading.Thread(target=_watch_parent, args=(parent,), name="colocate-parent-watch", daemon=True).start()
 
 

@@ -4,27 +4,24 @@ to the stop signals it blocks), then imports the modules `PRELOAD_ENV` names, ea
 name in `FAILED` for the server's first child to report in the rank's one line. Python's forkserver
 skips only an ImportError among its preloads; anything else would end the server with a traceback
 and leave multiprocessing to start another one, silently, at the first child."""
-import ctypes
 import importlib
 import os
-import signal
 import sys
 
 from colocate.engine.prestart import PARENT_ENV, PRELOAD_ENV
-
-PR_SET_PDEATHSIG = 1
+from colocate.lifecycle import kill_at_parent_death
 
 FAILED: dict[str, str] = {}
 """Module -> why it did not import, in the server (its children inherit it)."""
 
 
 def die_with_parent() -> None:
-    """SIGKILL at the starting thread's end (Linux `prctl`), and an end now if it ended already (while
-    this package's imports ran; its pid is `PARENT_ENV`); elsewhere the server ends with its last
-    client, after its imports."""
+    """SIGKILL at the starting thread's end (`lifecycle.kill_at_parent_death`), and an end now if it
+    ended already (while this package's imports ran; its pid is `PARENT_ENV`); elsewhere the server
+    ends with its last client, after its imports."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            kill_at_parent_death()
         except (OSError, AttributeError):
             return
         if str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):
