@@ -184,13 +184,11 @@ def fresh_startup_timeline(monkeypatch):
 
 @pytest.fixture()
 def compile_configs():
-    """`fsdp.apply_compile` sets Dynamo's and inductor's configs for the process: a test that compiles
+    """`fsdp.apply_compile` sets Dynamo's configs for the process: a test that compiles
     gets them back as they were after it, through the configs' own `patch` (a monkeypatch's undo
     deletes a config module's key, which hides it from every later reader)."""
-    import torch._inductor.config
-    dynamo, inductor = torch._dynamo.config, torch._inductor.config
-    with dynamo.patch(specialize_float=dynamo.specialize_float, nested_graph_breaks=dynamo.nested_graph_breaks), \
-            inductor.patch(compile_threads=inductor.compile_threads):
+    dynamo = torch._dynamo.config
+    with dynamo.patch(specialize_float=dynamo.specialize_float, nested_graph_breaks=dynamo.nested_graph_breaks):
         yield
 
 

@@ -103,23 +103,3 @@ def test_compiled_tree_blocks_compute_the_eager_loss_and_gradients(tree_flex_on_
     assert grads_c.keys() == grads.keys() and all(float(g.abs().max()) > 0 for g in grads.values())
     for name, g in grads.items():
         torch.testing.assert_close(grads_c[name], g, rtol=1e-5, atol=1e-6 * scale, msg=name)
-
-
-def test_the_learner_compiles_with_its_share_of_the_cores_unless_the_environment_says(monkeypatch):
-    """`fsdp.compile_workers`: inductor's workers are the rank's intra-op threads (its share of the
-    host's cores, `topology.split_cpu_threads`), not every core, nor more than inductor's own default
-    (its cap, on a host of many cores per rank); TORCHINDUCTOR_COMPILE_THREADS wins."""
-    from colocate.learner import fsdp
-    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(torch._utils, "cpu_count", lambda: 256)  # the cores inductor's default sees
-    cap = torch._inductor.config.decide_compile_threads()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        assert fsdp.compile_workers() == 3
-        torch.set_num_threads(cap + 8)  # many cores per rank: inductor's own cap holds
-        assert fsdp.compile_workers() == cap < 256
-        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")
-        assert fsdp.compile_workers() == 5
-    finally:
-        torch.set_num_threads(threads)

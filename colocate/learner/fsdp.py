@@ -16,8 +16,6 @@ Left out: tensor/context parallelism, CPU offload.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,7 +63,6 @@ def apply_compile(model: nn.Module, backend: str = "inductor", nested_breaks: bo
         (`_input_requires_grad`): the frozen embedding's output does not, and the `requires_grad`
         guard on it gave the first block graphs of its own (HF's `enable_input_require_grads`). Its
         backward then also runs the input-gradient GEMMs that every other block runs anyway;
-      * inductor compiles with this rank's share of the host's cores (`compile_workers`);
       * `nested_breaks` (the tree's FlexAttention: a graph break inside every block) resumes tracing
         after the break in the frame where it happened (Dynamo's `nested_graph_breaks`), one graph
         on each side of it; else Dynamo traced every frame above it again to the break
@@ -73,24 +70,11 @@ def apply_compile(model: nn.Module, backend: str = "inductor", nested_breaks: bo
         there: torch 2.11's failed on the CPU's grouped varlen attention (data-dependent breaks).
     `backend`: inductor; tests count graphs with a cheaper one."""
     torch._dynamo.config.specialize_float = True
-    torch._inductor.config.compile_threads = compile_workers()
     torch._dynamo.config.nested_graph_breaks = nested_breaks
     model.get_input_embeddings().register_forward_hook(_input_requires_grad)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         layers[i] = torch.compile(layer, dynamic=True, backend=backend)
-
-
-def compile_workers() -> int:
-    """Inductor's compile workers for this process: TORCHINDUCTOR_COMPILE_THREADS when set, else the
-    intra-op threads this rank was given (`topology.split_cpu_threads`: its share of the host's
-    cores), never more than inductor's own default. That default is every core of the process's
-    affinity up to a cap, for each process: a learner compiling cold beside its engine (vLLM's
-    compile, then its kernels' JIT: the start-up's critical path) took the cores from it. A host
-    with many cores per rank keeps the cap (each worker is a process that imports torch)."""
-    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
-        return int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
-    return max(1, min(torch.get_num_threads(), torch._inductor.config.decide_compile_threads()))
 
 
 def _input_requires_grad(module: nn.Module, args, output: torch.Tensor) -> None:
