@@ -85,7 +85,7 @@ import tempfile
 import time
 
 from benchmarks.common import job_env
-from colocate.learner.loop import TimelineRow
+from colocate.learner.step_report import TimelineRow
 
 
 def add_args(parser) -> None:

@@ -307,7 +307,7 @@ def timed(fn, iters: int, warmup: int, cuda: bool, before=None):
     (the last result, device ms between CUDA events around each timed call, by the run's own
     instrument (`DeviceTimer`: the run's `canary_learner_device_ms`; [] off the GPU), host ms of
     each (no sync inside))."""
-    from colocate.learner.loop import DeviceTimer
+    from colocate.learner.rank_canary import DeviceTimer
     timer = DeviceTimer(torch.device("cuda" if cuda else "cpu"))
     device, host, out = [], [], None
 

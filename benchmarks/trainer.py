@@ -406,7 +406,7 @@ def _select_layout(run: _Run, learner, kind: str, budget: int) -> None:
     from dataclasses import replace
 
     from colocate.kernels import Objective
-    from colocate.learner.learner import lm_head_frozen
+    from colocate.learner.passes import lm_head_frozen
     from colocate.learner.loss import loss_spec
     from colocate.learner.packing import resolve_attention
     from colocate.models import set_fused_lora

@@ -411,9 +411,10 @@ def learner_loss_and_grads(learner, batch, mode: str):
     set_attention(learner.model, learner.attention)
     learner.model.zero_grad(set_to_none=True)
     work = learner.micro_batches(batch)
+    from colocate.learner.passes import forward_backward
     from colocate.learner.stats import BATCH_COUNTS, MICRO_BATCH_STATS, by_name
     counts = by_name(learner._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # the step's own normalizers
-    passes = learner._forward_backward(work, len(work), batch.num_sequences, counts["tokens"])
+    passes = forward_backward(learner, work, len(work), batch.num_sequences, counts["tokens"])
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
     return passes.sums[MICRO_BATCH_STATS.index("loss")], grads, passes.model_tokens
 
@@ -461,6 +462,7 @@ def test_sampler_gap_counts_only_trained_choices_of_the_current_version(tiny_cfg
     sequences: the gap is 0.25 (to fp32 rounding of log-probs near -5)."""
     from colocate.config import load_config
     from colocate.learner.learner import Learner
+    from colocate.learner.passes import start_logprobs
     from colocate.topology import Topology
     from colocate.models import build_policy
     from tests.test_prefix_sharing import randomize_adapter
@@ -480,7 +482,7 @@ def test_sampler_gap_counts_only_trained_choices_of_the_current_version(tiny_cfg
     allowed[choice, 1] = ((targets[choice] + 1) % len(tiny_tokenizer)).int()
     batch.allowed_ids = allowed
     batch.versions = torch.tensor([3, 3, 3, 2, 2, 2], dtype=torch.int32)  # group 1: the previous version
-    own = learner.start_logprobs(batch)
+    own = start_logprobs(learner, batch)
     seq = torch.repeat_interleave(torch.arange(batch.num_sequences), batch.completion_lens)
     current = seq < 3
     counted = current & batch.loss_mask & choice

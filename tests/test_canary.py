@@ -289,7 +289,7 @@ def test_a_healthy_run_never_alerts_and_its_gap_stays_under_the_bound(learning_r
 def test_the_probes_device_time_is_read_once_its_kernels_are_done(monkeypatch):
     """`DeviceTimer`: CUDA events around the probe, read later without waiting (None while the end
     event is pending), each reading taken once; off the GPU there is nothing to read."""
-    from colocate.learner.loop import DeviceTimer
+    from colocate.learner.rank_canary import DeviceTimer
 
     class FakeEvent:
         clock = {"now": 0.0, "done": False}

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from benchmarks.e2e import steady_state
-from colocate.learner.loop import TimelineRow
+from colocate.learner.step_report import TimelineRow
 
 
 def named(rows: list[list[float]]) -> list[dict]:

@@ -161,6 +161,7 @@ def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, t
     from colocate.kernels import LossBatch, LossSpec, grpo_loss
     from colocate.learner.learner import Learner
     from colocate.learner.packing import completion_logits, packed_micro_batch
+    from colocate.learner.passes import reference_logprobs
     from colocate.topology import Topology
     from colocate.models import build_policy
     cfg, tok = _setup(tiny_cfg.model.cache_dir, {"fsdp": False})
@@ -172,7 +173,7 @@ def test_step_stats_over_micro_batches_equal_one_pass_over_the_batch(tiny_cfg, t
     assert len(learner.micro_batches(batch)) >= 3  # the budget (32 tokens) splits it
     whole = packed_micro_batch(batch, learner.device, learner.attention)
     with torch.no_grad():
-        ref = learner.reference_logprobs(whole, None)
+        ref = reference_logprobs(learner, whole, None)
         loss, stats = grpo_loss(
             completion_logits(learner.model, whole),
             LossBatch(whole.targets, torch.ones_like(whole.targets, dtype=torch.bool), batch.behaviour_logprobs,

@@ -75,10 +75,11 @@ def test_the_warm_up_compiles_each_block_graph_once_for_every_block(tree_flex_on
 
 def _loss_and_grads(learner, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The step's forward/backward over its micro-batches -> (loss, {canonical name: LoRA gradient})."""
+    from colocate.learner.passes import forward_backward
     from colocate.models import canonical_name
     learner.model.zero_grad(set_to_none=True)
     work = learner.micro_batches(batch)
-    passes = learner._forward_backward(work, len(work), batch.num_sequences, float(batch.num_completion_tokens))
+    passes = forward_backward(learner, work, len(work), batch.num_sequences, float(batch.num_completion_tokens))
     return passes.sums[0], {canonical_name(n): p.grad.clone() for n, p in learner.model.named_parameters()
                             if p.requires_grad}
 

@@ -275,7 +275,7 @@ def test_two_updates_per_batch_equal_two_single_steps_by_hand(tiny_cfg, tiny_tok
         num_completion_tokens * eps * |g|;
       * the weights after step t equal torch's AdamW applied to the recorded gradient: the same
         operations on the same fp32 values, so within one ulp (rtol = eps)."""
-    from colocate.learner.learner import mini_batch_indices, mini_batch_seed
+    from colocate.learner.schedule import mini_batch_indices, mini_batch_seed
     from tests.test_packing import random_batch
     cfg, learner = _learner(tiny_cfg, tiny_tokenizer, 2)
     _, hand = _learner(tiny_cfg, tiny_tokenizer, 1)  # the same seeded adapter, its gradient taken by hand
@@ -339,9 +339,9 @@ def test_learner_defers_the_row_scale_exactly(tiny_cfg, tiny_tokenizer, monkeypa
     CPU: the reference loss; CUDA: the fused kernel (one unit pass against two passes)."""
     from dataclasses import replace
 
-    from colocate.learner import learner as learner_mod
+    from colocate.learner import passes
     from tests.test_packing import random_batch
-    steps, real = {}, learner_mod.grpo_loss
+    steps, real = {}, passes.grpo_loss
     for defer in (True, False):
         cfg, learner = _learner(tiny_cfg, tiny_tokenizer, 1, device)
         eps_low, eps_high = (0.05, 0.06) if ratio_level == "sequence" else (0.2, 0.28)
@@ -352,7 +352,7 @@ def test_learner_defers_the_row_scale_exactly(tiny_cfg, tiny_tokenizer, monkeypa
         # SGD: the step is the gradient itself (Adam's first step, g / |g|, amplifies rounding in g ~ 0)
         learner.optimizer = torch.optim.SGD(learner.params, lr=1.0)
         seen = []
-        monkeypatch.setattr(learner_mod, "grpo_loss", lambda *a, **k: seen.append(k["row_scale"] is not None)
+        monkeypatch.setattr(passes, "grpo_loss", lambda *a, **k: seen.append(k["row_scale"] is not None)
                             or real(*a, **k))
         batch = random_batch(len(tiny_tokenizer), SHAPES, seed=5)
         with torch.no_grad():
@@ -370,7 +370,7 @@ def test_one_update_per_batch_runs_no_extra_forward(tiny_cfg, tiny_tokenizer, mo
     from tests.test_packing import random_batch
     _, learner = _learner(tiny_cfg, tiny_tokenizer, 1)
     calls = []
-    monkeypatch.setattr(learner_mod.Learner, "start_logprobs", lambda self, b: calls.append(b))
+    monkeypatch.setattr(learner_mod, "start_logprobs", lambda learner, b: calls.append(b))
     forwards = []
     learner.model.register_forward_hook(lambda *a: forwards.append(1))
     stats = learner.train_step(random_batch(len(tiny_tokenizer), SHAPES, seed=1))

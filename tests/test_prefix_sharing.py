@@ -11,6 +11,7 @@ import torch
 from benchmarks.trainer_workload import diplomacy_like_batch
 from colocate.data import TrajectoryBatch
 from colocate.learner.packing import completion_logits, resolve_attention, set_attention, tree_micro_batch
+from colocate.learner.passes import forward_backward, start_logprobs
 from colocate.learner.tree_attention import TREE_FLEX, TREE_SDPA, register_tree_attention
 from colocate.models import lora_state
 from tests.test_packing import randomize_adapter
@@ -63,7 +64,7 @@ def _loss_and_grads(learner, batch: TrajectoryBatch, mode: str, budget: int):
     set_attention(learner.model, learner.attention)
     learner.model.zero_grad(set_to_none=True)
     work = learner.micro_batches(batch)
-    passes = learner._forward_backward(work, len(work), batch.num_sequences, float(batch.num_completion_tokens))
+    passes = forward_backward(learner, work, len(work), batch.num_sequences, float(batch.num_completion_tokens))
     grads = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.requires_grad}
     return passes.sums[0], grads, len(work), passes.model_tokens
 
@@ -131,7 +132,7 @@ def test_start_of_batch_logprobs_in_trees_equal_flat(tiny_cfg, tiny_tokenizer, m
         hook = learner.model.register_forward_pre_hook(
             lambda _m, _a, kw: forwards.append((kw["input_ids"].shape[1], "tree_mask" in kw)), with_kwargs=True)
         try:
-            return learner.start_logprobs(batch), forwards
+            return start_logprobs(learner, batch), forwards
         finally:
             hook.remove()
     flat, flat_forwards = start("off", 100_000)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from colocate.canary import canary_bound
+from colocate.learner.passes import forward_backward
 from colocate.topology import Topology
 from tests.test_packing import random_batch
 from tests.test_startup import SHAPES, _learner
@@ -76,7 +77,7 @@ def test_a_rank_without_work_carries_the_probe_in_its_dummy_pass_or_scores_it_al
     probe. With no pass at all anywhere, the probe gets a forward of its own, before the update."""
     learner, vocab = cpu_learner(tiny_cfg.model.cache_dir, LAYOUTS[1])
     own, scale = learner.score_probe(PROBE)
-    learner._forward_backward([], 1, 1, 1.0, PROBE)
+    forward_backward(learner, [], 1, 1, 1.0, PROBE)
     version, logp, _ = learner.probe_scored
     assert version == learner.version and float((logp - own).abs().mean()) <= bound_of(learner, float(scale))
     learner.optimizer.zero_grad(set_to_none=True)
@@ -121,12 +122,12 @@ def _verdict_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from colocate.canary import CanaryResult
-    from colocate.learner.loop import LearnerRank
+    from colocate.learner.rank_canary import RankCanary
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     topo = Topology(rank=rank, world_size=2, local_rank=rank, num_inference=0, num_learners=2,
                     device=torch.device("cpu"), backend="gloo", learner_group=dist.new_group([0, 1]))
-    rank_state = LearnerRank.__new__(LearnerRank)  # only the collective is under test
+    rank_state = RankCanary.__new__(RankCanary)  # only the collective is under test
     rank_state.topo = topo
     mine = [CanaryResult(3, 0.010, 0.012), CanaryResult(3, float("nan"), 0.011)][rank]
     got = rank_state.one_verdict(mine)

@@ -7,15 +7,11 @@ root (`learner.fsdp`; bf16 compute, fp32 gradient reduction on GPU) -> `models.m
 rank fills only its shards, from `model.path` or a per-parameter seeded init -> AdamW over the
 adapter parameters only.
 
-One step = drop trajectories staler than `max_policy_lag` -> pack whole sequences into micro-batches
-of at most `micro_batch_tokens` tokens (no padding; `packing.py`) -> every rank runs as many
-micro-batches as the busiest one (FSDP's collectives must match; the extra ones are 2-token dummies
-with zero loss) -> per micro-batch: (beta > 0) an adapter-disabled no-grad pass for reference
-log-probs -> policy forward, logits at completion positions only -> `colocate.kernels.grpo_loss` ->
-backward (FSDP reduce-scatters the adapter gradients after every micro-batch, in fp32, into fp32
-shards: the adapter is ~0.5 % of the model, and deferring the sync would accumulate in bf16) -> clip
-the global grad norm -> AdamW (skipped on every rank when the loss or grad norm is not finite) ->
-version += 1.
+One step = drop trajectories staler than `max_policy_lag` (`schedule.py`, as is the learning rate)
+-> pack whole sequences into micro-batches of at most `micro_batch_tokens` tokens (no padding;
+`packing.py`) -> forward, loss and backward of each, every rank running as many as the busiest one
+(`passes.py`) -> clip the global grad norm -> AdamW (skipped on every rank when the loss or grad norm
+is not finite) -> version += 1.
 
 With `learner.updates_per_batch` = K > 1, one no-grad pass first gives every completion token's
 log-prob under the adapter at the start of the step (`old_logprobs`, the policy the clip is taken
@@ -34,9 +30,7 @@ FSDP the adapter gradients are all-reduced (summed) by hand.
 from __future__ import annotations
 
 import functools
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,46 +38,19 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from colocate.data import TrajectoryBatch
-from colocate.kernels import LossBatch, grpo_loss, restrict_to_allowed, token_logprobs
-from colocate.kernels.reference import per_token_logprobs
 from colocate.learner import fsdp
 from colocate.learner.loss import loss_spec
-from colocate.learner.packing import (MicroBatch, dummy_micro_batch, layout, layout_micro_batches, one_sequence,
-                                      resolve_attention, set_attention)
+from colocate.learner.packing import (MicroBatch, layout, layout_micro_batches, one_sequence, resolve_attention,
+                                      set_attention)
 from colocate.learner.packing import completion_logits as micro_batch_logits
+from colocate.learner.passes import Passes, forward_backward, lm_head_frozen, probe_terms, start_logprobs
+from colocate.learner.schedule import drop_stale, lr_factor, mini_batch_indices, mini_batch_seed
+from colocate.learner.stats import BATCH_COUNTS, STEP_STATS, UpdateResult, by_name, signal_fraction, step_stats
 from colocate.learner.tree_attention import TREE_FLEX
 from colocate.learner.warmup import Snapshot, synthetic_batch
-from colocate.learner.stats import (BATCH_COUNTS, MICRO_BATCH_STATS, STEP_STATS, UpdateResult, by_name,
-                                    signal_fraction, step_stats)
 from colocate.models import base_identity, materialize
 from colocate.startup import mark
 from colocate.wire import unflatten_lora
-
-
-def mini_batch_indices(num_sequences: int, k: int, seed: int) -> list[list[int]]:
-    """K shuffled mini-batches of sequence indices (sizes differ by at most one), each in batch
-    order; the same seed gives the same split (a resumed run repeats it)."""
-    perm = torch.randperm(num_sequences, generator=torch.Generator().manual_seed(seed)).tolist()
-    bounds = [round(i * num_sequences / k) for i in range(k + 1)]
-    return [sorted(perm[bounds[i]: bounds[i + 1]]) for i in range(k)]
-
-
-def lr_factor(step: int, lc) -> float:
-    """The learning rate of batch `step` (0-based) as a fraction of `learner.lr`: a linear warm-up
-    over `warmup_steps`, then constant or half a cosine down to `min_lr_ratio` at the last step.
-    A function of the step alone, so a resumed run (which restores the version) continues it."""
-    if step < lc.warmup_steps:
-        return (step + 1) / lc.warmup_steps
-    if lc.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - lc.warmup_steps) / max(lc.num_steps - 1 - lc.warmup_steps, 1))
-    return lc.min_lr_ratio + (1.0 - lc.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def lm_head_frozen(model) -> bool:
-    """Whether no lm_head parameter trains: then GSPO and TIS/MIS against the current policy take one
-    fused loss pass, their per-row scale applied at the lm_head's input (`kernels.deferred`)."""
-    return not any(p.requires_grad for p in model.get_output_embeddings().parameters())
 
 
 POST_HEAD_LOGITS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
@@ -97,27 +64,6 @@ def head_is_last(config) -> bool:
     model gives. A scale of 1 changes nothing."""
     configs = [config, *([config.get_text_config()] if hasattr(config, "get_text_config") else [])]
     return all(getattr(c, key, None) in (None, 1, 1.0) for c in configs for key in POST_HEAD_LOGITS)
-
-
-def probe_terms(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The canary's reference from the probe's [R, V] logits and [R] targets: float32 log-probs at
-    temperature 1, no mask, and the logits' RMS (the bound's scale, 0-dim), detached, on their device."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
-    return logp.detach(), logits.detach().pow(2).mean().sqrt()
-
-
-def mini_batch_seed(rollout_seed: int, version: int) -> int:
-    """The seed of one batch's mini-batch split: fixed by the run's seed and the batch's version."""
-    return rollout_seed * 1_000_003 + version
-
-
-@dataclass(frozen=True)
-class Passes:
-    """One rank's forward/backward passes of an update (`Learner._forward_backward`), on the device."""
-    sums: torch.Tensor        # [MICRO_BATCH_STATS] summed over the passes
-    ratio_max: torch.Tensor   # [] the largest ratio over them
-    model_tokens: int         # tokens the model ran
 
 
 class Learner:
@@ -190,7 +136,7 @@ class Learner:
         """Full adapter tensors by canonical name: views of `lora_flat()` (valid until the next call)."""
         return unflatten_lora(self.lora_flat(), self.lora_spec)
 
-    # ---- micro-batches ----------------------------------------------------------------------------
+    # ---- micro-batches and the canary's probe -----------------------------------------------------
 
     def micro_batches(self, batch: TrajectoryBatch,
                       rider: list[int] | None = None) -> list[tuple[TrajectoryBatch, MicroBatch]]:
@@ -200,16 +146,6 @@ class Learner:
         lc = self.cfg.learner
         return layout_micro_batches(batch, lc.micro_batch_tokens, lc.prefix_sharing, self.device, self.attention,
                                     rider)
-
-    @torch.no_grad()
-    def reference_logprobs(self, mb: MicroBatch, allowed: torch.Tensor | None) -> torch.Tensor:
-        """[N] log-probs of the adapter-disabled model (same temperature and constraint mask)."""
-        with self.model.disable_adapter():
-            logits = micro_batch_logits(self.model, mb)
-        targets = mb.targets
-        if allowed is not None:
-            logits, targets = restrict_to_allowed(logits, targets, allowed)
-        return per_token_logprobs(logits, targets, self.spec.temperature)
 
     def score_probe(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The sync canary's reference (`colocate.canary`): [T-1] float32 log-probs of the probe under
@@ -238,74 +174,6 @@ class Learner:
             self._probe = (key, mb)
         return self._probe[1]
 
-    @torch.no_grad()
-    def start_logprobs(self, batch: TrajectoryBatch) -> torch.Tensor:
-        """[N] log-probs of every completion token under the current adapter, in batch order (the
-        policy at the start of the step), from the loss kernel's forward-only pass, in the step's own
-        layout (packed or prefix trees: their rows map back to the batch by sequence). FSDP: every
-        rank runs as many forwards as the busiest one."""
-        lc = self.cfg.learner
-        work = layout(batch, lc.micro_batch_tokens, lc.prefix_sharing, self.device, self.attention)
-        num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
-        comp_lens = batch.completion_lens.tolist()
-        starts = (torch.cumsum(batch.completion_lens, 0) - batch.completion_lens).tolist()
-        out = torch.zeros(batch.num_completion_tokens, dtype=torch.float32)
-        self.model.train()  # the mode the loss's forward runs in
-        for i in range(num_micro):
-            if i >= len(work):
-                micro_batch_logits(self.model, dummy_micro_batch(self.device, self.attention))
-                continue
-            group, sub, mb = work[i]
-            allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
-            logp = token_logprobs(micro_batch_logits(self.model, mb), mb.targets,
-                                  temperature=self.spec.temperature, allowed_ids=allowed, impl=self.spec.impl)
-            rows = torch.cat([torch.arange(starts[j], starts[j] + comp_lens[j]) for j in group])
-            out[rows] = logp.float().cpu()
-        return out
-
-    def _micro_batch_step(self, item: tuple[TrajectoryBatch, MicroBatch] | None, num_seqs: int,
-                          num_tokens: float, rider: list[int] | None = None) -> Passes | None:
-        """Forward, loss and backward of one micro-batch (None: a 2-token dummy with zero loss, so this
-        rank runs as many passes as the busiest one, carrying `rider`) -> its stats on the device (None
-        for a dummy). A rider in the inputs is scored on the way (`probe_scored`). Nothing here reads
-        a value back to the host, so the host queues the next micro-batch while the GPU runs this one."""
-        if item is None:
-            logits = self._logits(dummy_micro_batch(self.device, self.attention, rider))
-            (logits.sum() * 0.0).backward()
-            return None
-        sub, mb = item
-        allowed = sub.allowed_ids.to(self.device) if sub.allowed_ids is not None else None
-        ref = self.reference_logprobs(mb, allowed) if self.spec.beta > 0 else None
-        old = sub.old_logprobs.to(self.device) if sub.old_logprobs is not None else None
-        adv_tok = sub.advantages.to(self.device)[mb.seq_ids]
-        row_scale = None  # [N] dL/dlogp, filled by the loss, applied to the lm_head input's gradient
-        if self.defer_row_scale and mb.row_index is None and self.spec.objective.needs_logprobs_first(old is not None):
-            row_scale = torch.empty(mb.targets.shape[0], dtype=torch.float32, device=self.device)
-        logits = self._logits(mb, grad_row_scale=row_scale)
-        # an episode's env spans (tool results, observations) are out of the loss: mask 0 (data.py)
-        mask = sub.loss_mask.to(self.device) if sub.loss_mask is not None \
-            else torch.ones_like(mb.targets, dtype=torch.bool)
-        # grpo/dr_grpo weights: each micro-batch holds whole sequences, global count of them
-        batch = LossBatch(mb.targets, mask, sub.behaviour_logprobs.to(self.device), adv_tok, ref, seq_ids=mb.seq_ids,
-                          old_logprobs=old, allowed_ids=allowed, num_seqs=num_seqs, num_tokens=num_tokens)
-        loss, stats = grpo_loss(logits, batch, self.spec, row_scale=row_scale)
-        loss.backward()
-        del logits
-        n = stats["num_tokens"].float()
-        micro = {"loss": loss.detach().float(), "clipped": stats["clip_fraction"] * n, "kl": stats["kl"] * n,
-                 "ratio": stats["ratio"] * n, "tokens": n, "is_weight": stats["is_weight"] * n,
-                 "mis_masked_seqs": stats["mis_masked_seqs"].float(), "entropy": stats["entropy"] * n}
-        return Passes(torch.stack([micro[k] for k in MICRO_BATCH_STATS]), stats["ratio_max"].float(), mb.num_tokens)
-
-    def _logits(self, mb: MicroBatch, grad_row_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """The training forward's [N, V] logits; a rider in `mb` is scored on the way, as the canary's
-        reference of the current version (`probe_scored`)."""
-        riders = [] if mb.rider is not None else None
-        logits = micro_batch_logits(self.model, mb, grad_row_scale=grad_row_scale, rider_logits=riders)
-        if riders:
-            self.probe_scored = (self.version, *probe_terms(riders[0], mb.rider))
-        return logits
-
     # ---- the step ---------------------------------------------------------------------------------
 
     def warm_up(self, probe: list[int] | None = None) -> None:
@@ -333,7 +201,7 @@ class Learner:
             rider = probe if probe and self.rides_probe else None
             counts = by_name(self._global_counts(batch, 0.0, 0), BATCH_COUNTS)  # all-reduce
             if lc.updates_per_batch > 1:
-                batch.old_logprobs = self.start_logprobs(batch)
+                batch.old_logprobs = start_logprobs(self, batch)
             self._update(self.micro_batches(batch, rider), counts["tokens"], int(counts["sequences"]), rider)
         finally:
             saved.restore(self)
@@ -347,7 +215,7 @@ class Learner:
         t0 = time.perf_counter()
         self.probe_scored = None
         rider = probe if probe and self.rides_probe else None
-        batch, lag_sum, dropped = self._drop_stale(batch)
+        batch, lag_sum, dropped = drop_stale(batch, self.version, self.cfg.learner.max_policy_lag)
         k = self.cfg.learner.updates_per_batch
         counts = by_name(self._global_counts(batch, lag_sum, dropped), BATCH_COUNTS)  # all-reduce
         lr = self.cfg.learner.lr * lr_factor(self.version, self.cfg.learner)
@@ -361,7 +229,7 @@ class Learner:
             updates, gap = [self._update(work, counts["tokens"], int(counts["sequences"]), rider)], {}
         else:
             with record_function("learner/start_logprobs"):
-                batch.old_logprobs = self.start_logprobs(batch)  # FSDP: all-reduce (max), all-gathers
+                batch.old_logprobs = start_logprobs(self, batch)  # FSDP: all-reduce (max), all-gathers
             gap = self._sampler_gap(batch)  # all-reduce
             updates = []
             seed = mini_batch_seed(self.cfg.rollout.seed, self.version)
@@ -397,24 +265,15 @@ class Learner:
         """Forward/backward over `work` normalized by the global trained tokens and sequences, then
         one optimizer step. With the canary's probe as `rider` (in `work`'s first micro-batch, built
         by `micro_batches`), the first pass scores it; with no pass at all, a forward of its own does."""
-        num_micro = self._num_micro_batches(len(work))  # FSDP: all-reduce (max)
+        num_micro = self.num_micro_batches(len(work))  # FSDP: all-reduce (max)
         if rider and not num_micro:  # this rank runs no pass (under FSDP: no rank does)
             self.probe_scored = (self.version, *self.score_probe(rider))
         # FSDP: all-gathers and reduce-scatters per micro-batch
-        passes = self._forward_backward(work, num_micro, num_seqs, num_tokens, rider)
+        passes = forward_backward(self, work, num_micro, num_seqs, num_tokens, rider)
         self._sum_gradients_without_fsdp()  # no FSDP, several ranks: one all-reduce per adapter tensor
         with record_function("learner/optimizer"):
             # FSDP: the grad norm's all-reduce; then the stats' all-reduces
             return self._optimizer_step(passes, num_micro)
-
-    def _drop_stale(self, batch: TrajectoryBatch) -> tuple[TrajectoryBatch, float, int]:
-        """Drop sequences sampled more than `max_policy_lag` versions ago -> (the kept batch, the sum
-        of the kept sequences' lags, how many were dropped)."""
-        lag = self.version - batch.versions.long()
-        keep = (lag <= self.cfg.learner.max_policy_lag).nonzero().flatten().tolist()
-        dropped = batch.num_sequences - len(keep)
-        lag_sum = float(lag[keep].float().sum()) if keep else 0.0
-        return (batch.select(keep) if dropped else batch), lag_sum, dropped
 
     def _global_counts(self, batch: TrajectoryBatch, lag_sum: float, dropped: int) -> torch.Tensor:
         """[BATCH_COUNTS] summed over the learner ranks (a zero advantage: a group whose rewards are
@@ -425,31 +284,13 @@ class Learner:
                  "reward_errors": float(batch.reward_errors.sum()) if batch.reward_errors is not None else 0.0}
         return self._all_reduce(torch.tensor([float(local[k]) for k in BATCH_COUNTS], device=self.device))
 
-    def _num_micro_batches(self, local: int) -> int:
+    def num_micro_batches(self, local: int) -> int:
         """Under FSDP every rank must run the same number of forward/backward passes: the busiest
         rank's count."""
         if not self.use_fsdp:
             return local
         return int(self._all_reduce(torch.tensor([float(local)], device=self.device),
                                     op=dist.ReduceOp.MAX).item())
-
-    def _forward_backward(self, work: list[tuple[TrajectoryBatch, MicroBatch]], num_micro: int, num_seqs: int,
-                          num_tokens: float, rider: list[int] | None = None) -> Passes:
-        """`num_micro` passes (dummies past this rank's own) -> their stats, on the device. `rider`:
-        what the first pass carries when it is a dummy (`work`'s first micro-batch already does)."""
-        self.model.train()
-        totals = torch.zeros(len(MICRO_BATCH_STATS), device=self.device)
-        ratio_max = torch.zeros((), device=self.device)
-        model_tokens = 0
-        for i in range(num_micro):
-            with record_function("learner/micro_batch"):
-                one = self._micro_batch_step(work[i] if i < len(work) else None, num_seqs, num_tokens,
-                                             rider if i == 0 else None)
-            if one is not None:
-                totals += one.sums
-                ratio_max = torch.maximum(ratio_max, one.ratio_max)
-                model_tokens += one.model_tokens
-        return Passes(totals, ratio_max, model_tokens)
 
     def _sum_gradients_without_fsdp(self) -> None:
         """Without FSDP, sum the adapter gradients over the learner ranks by hand (the loss is already

@@ -6,9 +6,10 @@ the learner's reference of version s, against which the engines' scores are then
 (`colocate.canary`) -> every learner joins the adapter gather -> the adapter sender puts version
 s + 1 on the wire with run-control flags -> (on schedule, at the end or on a stop) a checkpoint.
 With LoRA dropout the training forward is not the reference's: the probe then gets a forward of its
-own after the send (`record_canary`). A non-finite loss skips
-the update (the Learner does that) and `metrics.max_nonfinite_steps` in a row end the run; a
-canary mismatch stops it after the step (`metrics.stop_on_mismatch`). This module never
+own after the send (`RankCanary.score_apart`; the canary's bookkeeping is `rank_canary.py`). A
+non-finite loss skips the update (the Learner does that) and `metrics.max_nonfinite_steps` in a row
+end the run; a canary mismatch stops it after the step (`metrics.stop_on_mismatch`). The step line
+and the timeline row are `step_report.py`'s, checkpoints `checkpointing.py`'s. This module never
 imports an engine: how adapters reach the engines is the `AdapterSender` the composition root
 passes in.
 """
@@ -18,75 +19,25 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
-import yaml
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
-from colocate.canary import CanaryCheck, CanaryResult, compute_dtype, fp8_parts
 from colocate.channel import AdapterSender
-from colocate.config import Config, eval_enabled, sampling_lag, to_dict
+from colocate.config import Config, eval_enabled, sampling_lag
 from colocate.data import TrajectoryBatch
 from colocate.jsonfile import write_atomic
+from colocate.learner.checkpointing import note_last_good, restore_learner, write_checkpoint
+from colocate.learner.rank_canary import RankCanary
+from colocate.learner.step_report import StepClock, TimelineRow, step_line
 from colocate.learner.summary import RunFigures, SteadyState, learner_memory, write_summary
 from colocate.lifecycle import NO_FAULTS, Faults, StopSignal
 from colocate.metrics import CollapseMonitor, MetricsWriter, make_profiler, role_monitors
-from colocate.models import canonical_name
 from colocate.startup import (Timeline, compile_line, compile_record, first_step_line, mark, merge, process_timeline,
                               receive_marks, send_marks)
 from colocate.topology import Topology, gpu_index
 from colocate.wire import RunFlags, recv_batch, recv_json, unflatten_lora
-
-
-class DeviceTimer:
-    """A queued piece of GPU work's device time, read later without waiting: CUDA events around it
-    (`around`), its milliseconds once its kernels are done (`done_ms`), else None. Off the GPU
-    there is nothing to read (the work ran at once: its host time is its time)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.pending: tuple | None = None
-
-    def around(self, work):
-        """`work()` between two events -> its result; an earlier reading not yet taken is dropped."""
-        if not self.cuda:
-            return work()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = work()
-        end.record()
-        self.pending = (start, end)
-        return out
-
-    def done_ms(self) -> float | None:
-        if self.pending is None or not self.pending[1].query():
-            return None
-        start, end = self.pending
-        self.pending = None
-        return start.elapsed_time(end)
-
-
-@dataclass(frozen=True)
-class TimelineRow:
-    """One learner step's times (unix seconds) and sync costs; `summary.json`'s `timeline` holds one
-    per step, as a JSON object, and the e2e benchmark takes its steady-state figures from them."""
-    wait_start: float   # the step began waiting for its shards
-    train_start: float  # they arrived
-    train_end: float    # the train step ended
-    step_end: float     # the adapter was sent and the step logged
-    policy_lag: float   # mean policy lag of the trained sequences
-    gather_s: float     # the adapter gather
-    send_s: float       # the adapter send
-    canary_s: float = 0.0  # the learner's canary probe (`record_canary`); 0: the version was not scored
-    canary_device_ms: float = 0.0  # an earlier probe's device time, read at this step (`DeviceTimer`); 0: none
-    canary_rode: bool = False  # the probe rode this step's first forward (the version it started from): its
-    # cost is inside the train time, no time of its own
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 class LearnerRank:
@@ -95,7 +46,6 @@ class LearnerRank:
     def __init__(self, cfg: Config, topo: Topology, learner, sender: AdapterSender, stop: StopSignal,
                  probe: list[int], start: int = 0):
         self.cfg, self.topo, self.learner, self.sender, self.stop = cfg, topo, learner, sender, stop
-        self.probe = probe  # the canary's token ids (`canary.probe_ids`), the engines score the same
         self.writer = MetricsWriter(cfg.metrics.run_dir, "learner", enabled=topo.role_rank == 0, first_step=start,
                                     tensorboard=cfg.metrics.tensorboard and "tensorboard" in cfg.metrics.loggers)
         if topo.role_rank == 0:  # W&B / MLflow / trackio: the learner's scalars, once per job
@@ -106,16 +56,7 @@ class LearnerRank:
         self.history: dict[str, list[float]] = {"reward": [], "loss": [], "reward_errors": []}
         self.monitor = CollapseMonitor(cfg.metrics)  # same global stats on every learner: same verdicts
         self.collapsed_at: int | None = None  # the step whose reward_drop alert stopped the run
-        shape = learner.model.config
-        self.canary = CanaryCheck(compute_dtype(cfg.model.dtype, topo.device.type == "cuda"),
-                                  reduction=max(shape.hidden_size, shape.intermediate_size),
-                                  num_layers=shape.num_hidden_layers, every=cfg.sync.canary_every,
-                                  fp8_parts=fp8_parts(cfg.engine.quantization, cfg.engine.kv_cache_dtype))
-        self.canary_gap: float | None = None  # this step's canary gap (step line)
-        self.scores: list = []  # the engines' canary scores received this step (`check_canary`)
-        self.probe_timer = DeviceTimer(topo.device)  # the probe's device time, read a step later
-        self.canary_device_ms = 0.0  # the device ms read this step (the timeline's canary_device_ms)
-        self.mismatch = False  # this step's canary failed
+        self.canary = RankCanary(cfg, topo, learner, probe, self.writer)  # `probe`: the canary's token ids
         self.mismatch_at: int | None = None  # the step whose canary mismatch stopped the run
         self.nonfinite_run, self.busy_s, self.dropped = 0, 0.0, 0.0
         self.timeline: list[TimelineRow] = []
@@ -128,7 +69,7 @@ class LearnerRank:
 
     def receive(self, step: int) -> tuple[TrajectoryBatch, bool, dict]:
         """One shard from every inference rank -> (batch, a stop was requested there, wait times);
-        the engines' canary scores that came with them are kept for `check_canary`, after the step's
+        the engines' canary scores that came with them are kept for `RankCanary.verify`, after the step's
         forward (which scores the learner's own reference of the version the step starts from)."""
         t0, u0 = time.perf_counter(), time.time()
         received = [recv_batch(src, self.topo.transport_group) for src in self.topo.inference_ranks]
@@ -139,7 +80,7 @@ class LearnerRank:
         busy = [s.busy for s in received if s.busy is not None]
         waits = {"t0": t0, "u0": u0, "wait_s": time.perf_counter() - t0, "send_wait_s": send_wait_s,
                  "inference_busy": sum(busy) / len(busy) if busy else None}
-        self.scores = [s.canary for s in received if s.canary is not None]  # checked after the step's forward
+        self.canary.scores = [s.canary for s in received if s.canary is not None]  # checked after the forward
         return TrajectoryBatch.concat([s.batch for s in received]), any(s.flags & RunFlags.STOP for s in received), waits
 
     def first_shards(self) -> None:
@@ -170,66 +111,19 @@ class LearnerRank:
         if compiled:
             self.writer.print(compile_line(compiled))
 
-    def check_canary(self, scores: list, step: int) -> None:
-        """The engines' probe log-probs against the learner's of the same version (`colocate.canary`)."""
-        result = self.canary.check(scores)
-        if result is not None and self.topo.num_learners > 1:
-            result = self.one_verdict(result)
-        self.canary_gap, self.mismatch = (result.gap, result.failed) if result is not None else (None, False)
-        if result is None:
-            return
-        self.writer.scalars("sync", {"canary_gap": result.gap, "canary_bound": result.bound}, step)
-        if result.failed:
-            stopping = "; stopping (metrics.stop_on_mismatch)" if self.cfg.metrics.stop_on_mismatch else ""
-            self.writer.alert("canary_mismatch", f"adapter version {result.version}: the engine's log-probs of the "
-                              f"canary probe differ from the learner's by {result.gap:.3g} nats on average (bound "
-                              f"{result.bound:.3g}): it samples another policy than the one trained{stopping}", step)
-
-    def one_verdict(self, result: CanaryResult) -> CanaryResult:
-        """Each learner's reference rode its own first pass (other shapes: other roundings), so each
-        rank's gap and bound differ a little: the largest gap and the smallest bound over the learners
-        (a NaN gap counts as infinite), so every rank reaches the same verdict. Every learner checks
-        in the same step: each receives every engine's score."""
-        gap = result.gap if not math.isnan(result.gap) else math.inf
-        both = torch.tensor([gap, -result.bound], dtype=torch.float64, device=self.topo.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.topo.learner_group)
-        return replace(result, gap=float(both[0]), bound=-float(both[1]))
-
-    def record_canary(self, step: int | None) -> float:
-        """With LoRA dropout (`Learner.rides_probe` false; else the step's first forward scored it):
-        the learner's probe log-probs of its current version, when that version is scored (every
-        learner: one forward, queued, never waited for here), and `sync/canary_learner_ms`, the
-        learner thread's own time on it, at `step`, the step that made the version (trackers take
-        steps in order: W&B drops older ones); None (the version a run starts with): not logged.
-        On a GPU also an earlier probe's device time, once its kernels are done
-        (`sync/canary_learner_device_ms` at this step, the timeline's `canary_device_ms`).
-        -> the host time in seconds (the timeline's `canary_s`), 0 when the version is not scored."""
-        done = self.probe_timer.done_ms()  # an earlier probe's kernels, long done on the GPU
-        self.canary_device_ms = done or 0.0
-        if done is not None and step is not None:
-            self.writer.scalars("sync", {"canary_learner_device_ms": done}, step)
-        if self.learner.rides_probe or not self.canary.due(self.learner.version):  # the step's forward scored it
-            return 0.0
-        t0 = time.perf_counter()
-        self.canary.record(self.learner.version, *self.probe_timer.around(lambda: self.learner.score_probe(self.probe)))
-        took = time.perf_counter() - t0
-        if step is not None:
-            self.writer.scalars("sync", {"canary_learner_ms": took * 1e3}, step)
-        return took
-
     def train(self, batch: TrajectoryBatch, step: int, waits: dict) -> dict[str, float]:
         """`Learner.train_step` -> its stats (+ MFU); the train start and end go into `waits`."""
         self.faults.on_batch(step, batch)
         lags = (self.learner.version - batch.versions.long()).float()  # [B] policy lag of each sequence
         self.writer.histogram("learner/policy_lag", lags, step)
         t_train, waits["u_train"] = time.perf_counter(), time.time()
-        due = self.canary.due(self.learner.version)
+        due = self.canary.check.due(self.learner.version)
         with record_function("learner/train_step"):
-            stats = self.learner.train_step(batch, self.probe if due else None)
+            stats = self.learner.train_step(batch, self.canary.probe if due else None)
         self.busy_s += time.perf_counter() - t_train
         if self.learner.probe_scored is not None:  # the version the step started from
-            self.canary.record(*self.learner.probe_scored)
-        self.check_canary(self.scores, step)
+            self.canary.check.record(*self.learner.probe_scored)
+        self.canary.verify(step)
         waits["u_trained"] = time.time()
         self.dropped += stats["dropped_stale"]
         # Model FLOPs utilization of the decoder-block GEMMs (forward + input-gradient: 4 x params x
@@ -282,22 +176,12 @@ class LearnerRank:
         self.writer.scalars("sync", {"broadcast_ms": sync_s * 1e3, "gather_ms": gather_s * 1e3,
                                      "send_wait_ms": waits["send_wait_s"] * 1e3}, step)
         if step % self.cfg.metrics.log_every == 0 or last:
-            errors = int(stats["reward_errors"])  # samples no reward function scored: say so on the line
-            self.writer.print(f"step {step + 1}/{self.cfg.learner.num_steps} reward {stats['reward']:.3f} "
-                              + (f"({errors} reward errors) " if errors else "") +
-                              f"loss {stats['loss']:+.4f} kl {stats['kl']:.4f} clip {stats['clip_fraction']:.3f} "
-                              f"ent {stats['entropy']:.3f} gnorm {stats['grad_norm']:.3f} "
-                              f"ratio {stats['ratio']:.3f}/{stats['ratio_max']:.2f} zadv {stats['zero_adv_fraction']:.2f} "
-                              f"lag {stats['policy_lag_mean']:.1f} tok/s {stats['tokens_per_s']:.0f} "
-                              f"step {stats['step_s']:.2f}s wait {wait_s:.2f}s{busy_text(waits)}{self.canary_text()}"
-                              f"{self.eta.text(step)}")
+            self.writer.print(step_line(step, self.cfg.learner.num_steps, stats, waits,
+                                        self.canary.text() + self.eta.text(step)))
         self.timeline.append(TimelineRow(waits["u0"], waits["u_train"], waits["u_trained"], time.time(),
-                                         stats["policy_lag_mean"], gather_s, sync_s, canary_s, self.canary_device_ms,
+                                         stats["policy_lag_mean"], gather_s, sync_s, canary_s, self.canary.device_ms,
                                          self.learner.probe_scored is not None))
         self.writer.flush()
-
-    def canary_text(self) -> str:
-        return "" if self.canary_gap is None else f" canary {self.canary_gap:.1e}"
 
     def drain(self, step: int) -> None:
         """After a stop at `step`: batches step+1 .. step+lag were already sampled and sent; receive
@@ -307,17 +191,10 @@ class LearnerRank:
                 recv_batch(src, self.topo.transport_group)
 
 
-def busy_text(waits: dict) -> str:
-    """The step line's inference busy share: the inference ranks' time collecting their last batch
-    over the interval it took them (mean over ranks), beside the learner's `wait`."""
-    busy = waits.get("inference_busy")
-    return "" if busy is None else f" inf {busy:.0%} busy"
-
-
 def stop_reasons(cfg: Config, rank: LearnerRank) -> list[str]:
     """The stop policies this step's flags trigger, the one the lines name first: "mismatch" (the
     canary, metrics.stop_on_mismatch), "collapse" (the reward, metrics.stop_on_collapse)."""
-    flags = {"mismatch": rank.mismatch, "collapse": rank.monitor.collapsed}
+    flags = {"mismatch": rank.canary.mismatch, "collapse": rank.monitor.collapsed}
     return [name for name, raised in flags.items() if raised and getattr(cfg.metrics, f"stop_on_{name}")]
 
 
@@ -349,7 +226,7 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
         stop_requested or last or (cfg.checkpoint.every > 0 and (step + 1) % cfg.checkpoint.every == 0))
     flags = (RunFlags.CHECKPOINT if checkpointing else RunFlags.NONE) | (RunFlags.STOP if stopping else RunFlags.NONE)
     adapter, gather_s, sync_s = rank.publish(flags)
-    canary_s = rank.record_canary(step)  # after the send: the engines take the version without waiting for the probe
+    canary_s = rank.canary.score_apart(step)  # after the send: the engines take the version without waiting
     if checkpointing:
         # a mismatch: the checkpoints written before this step never trained on that engine's samples
         good_step = step if "mismatch" in reasons else rank.monitor.good_step if cfg.metrics.stop_on_collapse else None
@@ -368,23 +245,6 @@ def learner_step(rank: LearnerRank, step: int) -> bool:
     return stopping
 
 
-def note_last_good(cfg: Config, writer: MetricsWriter, good_step: int, step: int, why: str) -> None:
-    """<run_dir>/checkpoints/last_good.json: the newest checkpoint at or before `good_step` (a
-    collapse: the monitor's last step before the drop; a canary mismatch: the step before the
-    engine's samples were trained on), and one line saying which."""
-    from colocate.checkpoint import checkpoint_root, checkpoints
-    root = checkpoint_root(cfg.metrics.run_dir)
-    good = [p for p in checkpoints(root) if checkpoint_step(p) <= good_step]  # newest first
-    path = good[0] if good else None
-    write_atomic(os.path.join(root, "last_good.json"),
-                 {"path": path, "step": checkpoint_step(path) if path else None, f"{why}_step": step})
-    writer.print(f"{why} at step {step}: last good checkpoint {path or 'none (set checkpoint.every)'}")
-
-
-def checkpoint_step(path: str) -> int:
-    return int(os.path.basename(path).rpartition("-")[2])
-
-
 def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, resume: dict | None,
                 stop: StopSignal, probe: list[int], faults: Faults = NO_FAULTS) -> int | None:
     """The learner role: receive shards, train, hand the adapter to the inference ranks -> the step
@@ -397,7 +257,7 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
         restore_learner(learner, resume)
         saved = resume["trainer_state"]["history"]  # older checkpoints kept no reward_errors: none counted
         rank.history = {k: list(saved.get(k, [0.0] * len(saved.get("reward", [])))) for k in rank.history}
-    rank.record_canary(None)  # the version the engines start with
+    rank.canary.score_apart(None)  # the version the engines start with
     sender.ready()  # the engines are up (a failed start is named here, not at the first send)
     monitors = contextlib.ExitStack()  # daemon threads and a profiler window
     role = monitors.enter_context(role_monitors(cfg.metrics, rank.writer, gpu_index=gpu_index(topo),
@@ -428,59 +288,3 @@ def run_learner(cfg: Config, topo: Topology, learner, sender: AdapterSender, *, 
                                                   evaluation, reports, steady))
         rank.writer.close()
     return rank.collapsed_at or rank.mismatch_at
-
-
-class StepClock:
-    """The ETA on a step line: the mean time of the steps since the first one this process logged
-    (the first includes warm-up), times the steps left."""
-
-    def __init__(self, num_steps: int):
-        self.num_steps, self.first = num_steps, None
-
-    def text(self, step: int) -> str:
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = (step, now)
-        done, left = step - self.first[0], self.num_steps - 1 - step
-        if done <= 0 or left <= 0:
-            return ""
-        eta = (now - self.first[1]) / done * left
-        return f" eta {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
-
-
-def restore_learner(learner, resume: dict) -> int:
-    """Adapter, optimizer and RNG from a checkpoint; returns the step to continue from."""
-    from colocate.checkpoint import check_adapter_matches, unflatten_optimizer
-    live = {canonical_name(n): p for n, p in learner.model.named_parameters() if "lora_" in n}
-    check_adapter_matches(resume["adapter"], live, resume["path"])
-    with torch.no_grad():
-        for name, param in live.items():
-            src = resume["adapter"][name]
-            if isinstance(param, DTensor):  # an FSDP2 shard
-                src = distribute_tensor(src.to(param.dtype), param.device_mesh, param.placements)
-            param.copy_(src)
-    params = [p for group in learner.optimizer.param_groups for p in group["params"]]
-    learner.optimizer.load_state_dict(unflatten_optimizer(resume["optimizer_tensors"], resume["optimizer_meta"], params))
-    torch.set_rng_state(resume["rng"]["torch_cpu"])
-    learner.version = resume["trainer_state"]["version"]
-    return resume["trainer_state"]["step"]
-
-
-def write_checkpoint(cfg: Config, topo: Topology, learner, adapter: dict, history: dict, step: int,
-                     faults: Faults, protect_step: int | None = None) -> None:
-    """Every learner joins the optimizer-state gather; learner rank 0 collects the inference ranks'
-    states and writes the checkpoint atomically (with the base model's identity in its manifest)."""
-    from colocate.checkpoint import (CheckpointState, checkpoint_root, flatten_optimizer, peft_config_dict,
-                                     save_checkpoint)
-    # Gathering DTensor optimizer state (FSDP2) is a collective: every learner flattens it.
-    optimizer_state = flatten_optimizer(learner.optimizer.state_dict())
-    if topo.rank != topo.sync_src:
-        return
-    inference = {str(r): recv_json(r, topo.transport_group) for r in topo.inference_ranks}
-    trainer_state = {"step": step, "version": learner.version, "history": history, "inference": inference}
-    state = CheckpointState(adapter, peft_config_dict(learner.model), optimizer_state,
-                            {"torch_cpu": torch.get_rng_state()}, trainer_state,
-                            yaml.safe_dump(to_dict(cfg), sort_keys=False), base=learner.base)
-    path = save_checkpoint(checkpoint_root(cfg.metrics.run_dir), step, state, keep=cfg.checkpoint.keep,
-                           faults=faults, protect_step=protect_step)
-    print(f"[learner] checkpoint written: {path}", flush=True)
