@@ -17,8 +17,8 @@ has one), unconstrained answers up to 500 tokens, temperature 1.
   vllm_fp8  plain vLLM as `vllm`, with vLLM's online FP8 (`quantization="fp8"`: the checkpoint's
          bf16 weights rounded to e4m3 at load, dynamic activation scales): the FP8 baseline
   ours+NAME  ours with the config overrides of `--variant NAME:section.key=value,...` (FP8:
-         engine.quantization=fp8 with engine.lora_mode=slot and a loss correction, which the
-         config check asks for though a rollout trains nothing)
+         engine.quantization=fp8 with engine.lora_mode=slot or merged and a loss correction, which
+         the config check asks for though a rollout trains nothing)
 `--ratios A/B,...` adds each named pair's tokens/s ratio beside those against the first side (the
 issue's FP8 figures come from one run: ours+fp8 against ours and against vllm_fp8).
 Each side runs in its own process on GPU 0 (TP 1), one warm-up round, then `--rounds` timed

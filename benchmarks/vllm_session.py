@@ -303,7 +303,8 @@ def add_session_args(parser, *, others: str) -> None:
     parser.add_argument("--constraint-masks", default=EngineConfig.constraint_masks, choices=CONSTRAINT_MASKS,
                         help="engine.constraint_masks: our automata on the GPU or vLLM's grammars")
     parser.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
-                        help="engine.quantization: fp8 samples from vLLM's online FP8 of the base weights (slot only)")
+                        help="engine.quantization: fp8 samples from vLLM's online FP8 of the base weights (merged: "
+                             "requantized at each update)")
     parser.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                         help="engine.kv_cache_dtype: fp8 keeps vLLM's KV cache in float8 e4m3")
     parser.add_argument("--one-gpu", action="store_true",
@@ -324,8 +325,6 @@ def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: 
         raise SystemExit(f"--also {','.join(unknown)}: --profile {part} runs only {', '.join(parts)}")
     if args.trace_dir and trace is None:
         raise SystemExit(f"--trace-dir: --profile {part} does not trace (the sync profile does)")
-    if args.quantization == "fp8" and args.lora_mode != "slot":
-        raise SystemExit("--quantization fp8 needs --lora-mode slot (engine.quantization=fp8 is refused with merged)")
     order = [part] + also if first else also + [part]
     figures = run_session(shape, {name: parts[name] for name in order}, budget_s=args.budget_s,
                           num_seqs=args.num_seqs, lora_mode=args.lora_mode,

@@ -221,12 +221,9 @@ def check_schedule_and_alerts(cfg: Config) -> None:
 
 def check_fp8(cfg: Config) -> None:
     """An FP8 engine (weights or KV cache) samples from a rounded copy of the trained policy: the loss
-    must correct for it; FP8 weights only beside a LoRA slot. Which engines keep an FP8 KV cache is
-    the engine table's (`engine/table.py`, `check_engine_keys`)."""
+    must correct for it, in either LoRA mode. Which engines keep an FP8 KV cache is the engine
+    table's (`engine/table.py`, `check_engine_keys`)."""
     e = cfg.engine
-    if e.quantization == "fp8" and e.lora_mode == "merged":
-        raise ConfigError("engine.quantization=fp8 needs engine.lora_mode=slot (merged would quantize W0 + BA to "
-                          "FP8 again at every adapter update: not measured yet)")
     fp8 = [f"engine.{k}=fp8" for k in ("quantization", "kv_cache_dtype") if getattr(e, k) == "fp8"]
     corrected = cfg.loss.tis_cap > 0 or cfg.loss.mis_threshold > 0 or cfg.learner.updates_per_batch > 1
     if fp8 and not corrected:

@@ -112,7 +112,9 @@ class EngineConfig:
     """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
     update (no LoRA kernels; keeps a copy of the adapted base weights; bf16 rounds away updates
-    below half an ulp of W0, see engine/vllm_worker.py)."""
+    below half an ulp of W0, see engine/vllm_worker.py). With engine.quantization fp8: slot applies
+    the adapter in bf16 beside the FP8 base; merged keeps W0 in FP8 (one byte a parameter) and
+    requantizes W0 + (alpha/r) B A per tensor at each update (engine/fp8_merge.py)."""
     logprob_kernel: str = "ours"
     """vLLM: what computes the sampled token's log-prob in vLLM's sampler. ours: one read of the
     logits spread over the GPU (`colocate.kernels.sampled_logprob`); vllm: vLLM's own (one program
@@ -130,13 +132,15 @@ class EngineConfig:
     quantization: str = "none"
     """none, or fp8: the inference ranks sample from the base weights rounded to float8 e4m3 (vLLM's
     online FP8 of a bf16 checkpoint: one scale per weight, the linear inputs scaled per token at
-    every call; the HF engine emulates it, `engine/fp8.py`), the LoRA adapter applied beside them
-    in the model's dtype; the learner keeps full precision. The sampler's log-probs are then the
-    FP8 policy's, which the learner's differs from: it needs a correction in the loss (refused
-    without one): loss.tis_cap (truncated importance sampling, e.g. 2.0) or loss.mis_threshold (or
-    learner.updates_per_batch > 1, which turns TIS on). lora_mode slot only (merged would quantize
-    W0 + BA again at every update, not measured yet: refused). The canary's bound widens by e4m3's
-    rounding (`colocate/canary.py`)."""
+    every call; the HF engine emulates it, `engine/fp8.py`); the learner keeps full precision. The
+    adapter, by engine.lora_mode: slot applies it beside the FP8 base in the model's dtype; merged
+    writes W0 (FP8) + (alpha/r) B A into the weights, rounded to e4m3 again with a new per-tensor
+    scale at each update: an update shows only where it moves a weight across a point of e4m3's
+    grid, so the sampler lags the learner by more than in bf16 (the correction below weighs it).
+    The sampler's log-probs are then the FP8 policy's, which the learner's differs from: it needs a
+    correction in the loss (refused without one): loss.tis_cap (truncated importance sampling,
+    e.g. 2.0) or loss.mis_threshold (or learner.updates_per_batch > 1, which turns TIS on). The
+    canary's bound widens by e4m3's rounding (`colocate/canary.py`)."""
     kv_cache_dtype: str = "auto"
     """vLLM: auto keeps the KV cache in the model's dtype; fp8 stores keys and values as float8 e4m3
     (vLLM's kv_cache_dtype, scale 1: half the bytes per token, so about twice the tokens in the same

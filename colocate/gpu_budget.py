@@ -2,8 +2,8 @@
 
 Each GPU holds an inference rank (vLLM), a learner rank, or both (one GPU, CUDA IPC). A vLLM engine
 takes `engine.gpu_memory_utilization` of its card for its weights (twice over in merged mode: the
-adapted copy beside W0), CUDA graphs and KV cache; the rank's own process needs a CUDA context
-beside it. A learner's peak is its shard of the base weights (FSDP2 over `num_learners`), the
+adapted copy beside W0; with FP8 weights W0 in e4m3 and an fp32 buffer), CUDA graphs and KV
+cache; the rank's own process needs a CUDA context beside it. A learner's peak is its shard of the base weights (FSDP2 over `num_learners`), the
 weights FSDP2 holds gathered (the root's embeddings and head between forward and backward, the
 block in flight and the one prefetched, the last block), the adapter with its AdamW state, the
 activations one micro-batch keeps for backward and the logits at its completion positions.
@@ -33,6 +33,7 @@ from fractions import Fraction
 import torch
 
 from colocate.config import Config, ConfigError
+from colocate.engine.fp8_merge import SCRATCH_BYTES as FP8_SCRATCH_BYTES
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -136,18 +137,41 @@ def learner_parts(cfg: Config, shape: ModelShape, num_learners: int, tokens: int
 def engine_weight_bytes(cfg: Config, shape: ModelShape) -> int:
     """vLLM's weights: with engine.quantization fp8 the decoder blocks in one byte a parameter (their
     norms too: a few KiB counted short), embeddings and LM head in the model's dtype; lora_mode
-    merged keeps a second copy (W0)."""
+    merged adds its copy (`merged_copy_bytes`)."""
+    own = vllm_weight_bytes(cfg, shape)
+    return own + merged_copy_bytes(cfg, shape, own)
+
+
+def vllm_weight_bytes(cfg: Config, shape: ModelShape) -> int:
+    """The weights vLLM loads (one copy)."""
     blocks = shape.block_params * shape.num_layers
     block_bytes = 1 if cfg.engine.quantization == "fp8" else shape.dtype_bytes
-    weights = (shape.num_params - blocks) * shape.dtype_bytes + blocks * block_bytes
-    return weights * (2 if cfg.engine.lora_mode == "merged" else 1)
+    return (shape.num_params - blocks) * shape.dtype_bytes + blocks * block_bytes
+
+
+def merged_copy_bytes(cfg: Config, shape: ModelShape, own: int) -> int:
+    """What lora_mode merged keeps beside vLLM's `own` weights (0 in slot mode). bf16: a second copy
+    of them (W0; the adapted weights are most of them). fp8: W0 of the decoder blocks in e4m3, one
+    byte a parameter, and the fp32 scratch the largest fused weight is requantized in: gate_up
+    (2 x intermediate x hidden) or qkv (q taken as wide as the hidden size), `engine/fp8_merge.py`."""
+    if cfg.engine.lora_mode != "merged":
+        return 0
+    if cfg.engine.quantization != "fp8":
+        return own
+    largest = shape.hidden * max(2 * shape.intermediate, shape.hidden + 2 * shape.kv)
+    return shape.block_params * shape.num_layers + FP8_SCRATCH_BYTES * largest
 
 
 def engine_parts(cfg: Config, shape: ModelShape, total: int) -> dict[str, int]:
-    """An inference rank's use of its card: vLLM's pool and the rank's own process."""
-    pool = int(cfg.engine.gpu_memory_utilization * total)
-    weights = engine_weight_bytes(cfg, shape)
-    return {"vLLM": pool, "of which weights": weights, "context": CONTEXT_BYTES}
+    """An inference rank's use of its card: vLLM's pool (its weights, merged mode's copy among them)
+    and the rank's own process."""
+    own = vllm_weight_bytes(cfg, shape)
+    copy = merged_copy_bytes(cfg, shape, own)
+    parts = {"vLLM": int(cfg.engine.gpu_memory_utilization * total), "of which weights": own + copy,
+             "context": CONTEXT_BYTES}
+    if copy:
+        parts["of which the merged copy"] = copy
+    return parts
 
 
 @dataclass(frozen=True)
@@ -239,19 +263,19 @@ def check_plan(cfg: Config, plans: list[GpuPlan], total: int) -> None:
                     f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} gives vLLM "
                     f"{parts['vLLM'] / GIB:.1f} GiB of a {total / GIB:.1f} GiB card, less than its weights "
                     f"({parts['of which weights'] / GIB:.1f} GiB, engine.lora_mode={cfg.engine.lora_mode}) plus room "
-                    f"for a KV cache; {engine_remedy(cfg, parts['of which weights'], total)}")
+                    f"for a KV cache; {engine_remedy(cfg, parts, total)}")
         if plan.used() > total:
             raise ConfigError(f"GPU {plan.gpu[1]} (ranks {', '.join(map(str, plan.ranks))}) cannot hold "
                               f"{describe(cfg, plan)}: ~{plan.used() / GIB:.1f} GiB of {total / GIB:.1f} GiB; "
                               f"{remedy(cfg, plan)}")
 
 
-def engine_remedy(cfg: Config, weights: int, total: int) -> str:
-    """What frees an engine whose weights its share of the card cannot hold."""
-    merged = cfg.engine.lora_mode == "merged"
+def engine_remedy(cfg: Config, parts: dict, total: int) -> str:
+    """What frees an engine whose weights (`engine_parts`) its share of the card cannot hold."""
+    weights, copy = parts["of which weights"], parts.get("of which the merged copy", 0)
     if weights + CONTEXT_BYTES < total:
-        return "raise it" + (", or use engine.lora_mode=slot" if merged else "")
-    if merged and weights // 2 + CONTEXT_BYTES < total:
+        return "raise it" + (", or use engine.lora_mode=slot" if copy else "")
+    if copy and weights - copy + CONTEXT_BYTES < total:
         return "no share of one card holds them: use engine.lora_mode=slot (one copy of the weights)"
     return "no share of one card holds them: the model needs a tensor-parallel engine, not built yet"
 
@@ -267,12 +291,22 @@ def remedy(cfg: Config, plan: GpuPlan) -> str:
     return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
 
 
+def merged_words(cfg: Config, parts: dict) -> str:
+    """How an engine's weights split in merged mode ("" otherwise), after their figure."""
+    weights, copy = parts["of which weights"], parts.get("of which the merged copy", 0)
+    if not copy:
+        return ""
+    if cfg.engine.quantization != "fp8":
+        return f" = 2 x {weights / 2 / GIB:.1f}, W0 and its merged copy (engine.lora_mode=merged)"
+    return (f" = {(weights - copy) / GIB:.1f} + {copy / GIB:.1f}, vLLM's and W0 in e4m3 with the fp32 buffer the "
+            "merge is requantized in (engine.lora_mode=merged, engine.quantization=fp8)")
+
+
 def describe(cfg: Config, plan: GpuPlan) -> str:
     words = []
     for role, parts in zip(plan.roles, plan.parts):
-        body = ", ".join(f"{k} {v / GIB:.1f}" + (f" = 2 x {v / 2 / GIB:.1f}, W0 and its merged copy (engine.lora_mode="
-                                                 "merged)" if k == "of which weights" and cfg.engine.lora_mode == "merged"
-                                                 else "") for k, v in parts.items())
+        body = ", ".join(f"{k} {v / GIB:.1f}" + (merged_words(cfg, parts) if k == "of which weights" else "")
+                         for k, v in parts.items() if k != "of which the merged copy")
         if role == "learner":
             words.append(f"a learner at {plan.micro_batch_tokens} tokens ({body})")
         else:

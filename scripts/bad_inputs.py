@@ -106,6 +106,10 @@ config (a resume, an evaluation):
   the tokenizer trained on its env's text: evaluate with the training run's config and env (--run RUN)`.
 - a reward function that keeps failing at run time: `RewardError: reward NAME gave no usable value for
   N samples in a row (env.max_reward_errors=M); the last raised ValueError: ... (rollout/reward_errors/raised)`.
+- `engine.quantization=fp8` with `engine.lora_mode=merged` on a GPU whose vLLM FP8 kernel keeps
+  another layout than cutlass's per-tensor one (Marlin's repacked weights before Ada, per-channel
+  scales): the engine's start stops with `engine.lora_mode=merged with engine.quantization=fp8: an FP8
+  linear holds ... not vLLM's per-tensor e4m3 layout this merge writes: use engine.lora_mode=slot`.
 """
 
 

@@ -96,14 +96,16 @@ def job_table(root: Path, total_bytes: int) -> dict:
         jobs.append(Job(name, torchrun_train("configs/cpu-tiny.yaml", root / name, f"--rollout.update={update}",
                                              f"--engine.constraint_masks={masks}", *share), 900, expected_s=260))
     fp8 = ["--engine.quantization=fp8", "--loss.tis_cap=2.0"]  # vLLM's online FP8, corrected by TIS
-    jobs.append(Job("learn-fp8", torchrun_train("configs/cpu-tiny.yaml", root / "learn-fp8", *fp8, *share), 900,
-                    expected_s=260))
+    fp8_merged = [*fp8, "--engine.lora_mode=merged"]  # the adapter requantized into the FP8 weights
+    for name, engine in (("learn-fp8", fp8), ("learn-fp8-merged", fp8_merged)):
+        jobs.append(Job(name, torchrun_train("configs/cpu-tiny.yaml", root / name, *engine, *share), 900,
+                        expected_s=260))
     jobs.append(Job("agent-parity", torchrun_train(
         "configs/cpu-calculator-agent.yaml", root / "agent-parity", "--learner.updates_per_batch=2",
         "--learner.max_policy_lag=0", "--learner.num_steps=8", *share), 480, expected_s=150))
-    for mode in ("slot", "merged", "fp8"):
+    for mode in ("slot", "merged", "fp8", "fp8-merged"):
         name = f"canary-{mode}"
-        engine = fp8 if mode == "fp8" else [f"--engine.lora_mode={mode}"]  # fp8: slot mode
+        engine = {"fp8": fp8, "fp8-merged": fp8_merged}.get(mode, [f"--engine.lora_mode={mode}"])  # fp8: slot mode
         cmd = [sys.executable, "-m", "colocate.cli", "train", "--config", "configs/cpu-tiny.yaml", "--nproc", "2",
                "--engine.kind=vllm", *engine, "--learner.num_steps=200",
                f"--model.cache_dir={root / name / 'cache'}", f"--metrics.run_dir={root / name / 'run'}", *share]

@@ -76,8 +76,8 @@ CONFIG_CASES = [
     ("fp8 without a loss correction", None, ["--engine.quantization=fp8"], "loss.tis_cap"),
     ("FP8 KV cache without a loss correction", None, ["--engine.kv_cache_dtype=fp8"],
      "engine.kv_cache_dtype=fp8 samples from a rounded copy"),
-    ("fp8 with merged LoRA", None, ["--engine.quantization=fp8", "--engine.lora_mode=merged", "--loss.tis_cap=2"],
-     "engine.lora_mode=slot"),
+    ("fp8 merged without a loss correction", None, ["--engine.quantization=fp8", "--engine.lora_mode=merged"],
+     "loss.tis_cap"),
     ("fp8 KV cache on the HF engine", None, ["--engine.kv_cache_dtype=fp8", "--loss.tis_cap=2"],
      "engine.kv_cache_dtype=fp8 is not kept by the hf engine"),
     # env

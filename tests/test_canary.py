@@ -143,8 +143,10 @@ def test_the_learner_lays_the_probe_out_once_and_scores_each_version_afresh(tiny
     assert len(calls) == 2
 
 
-def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure: int = 0) -> tuple[list, list[float]]:
-    """cpu-tiny in one process, synchronous (lag 0), with an FP8 HF engine and TIS (tis_cap 2): per
+def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure: int = 0,
+            lora_mode: str = "slot") -> tuple[list, list[float]]:
+    """cpu-tiny in one process, synchronous (lag 0), with an FP8 HF engine (the adapter beside the
+    FP8 base, or merged into it at each load: `lora_mode`) and TIS (tis_cap 2): per
     version, the canary's check (the learner's probe against the engine's), then a batch sampled
     and trained, then the adapter loaded into the engine -> (results, mean reward per batch); with
     `after_failure` it ends that many versions after the first failed check. `fault` is a
@@ -157,13 +159,14 @@ def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure
     from colocate.topology import Topology
     from colocate.train import build_policy
     cfg = load_config(os.path.join(REPO, "configs", "cpu-tiny.yaml"),
-                      {"model": {"cache_dir": tiny_cfg.model.cache_dir}, "engine": {"quantization": "fp8"},
+                      {"model": {"cache_dir": tiny_cfg.model.cache_dir},
+                       "engine": {"quantization": "fp8", "lora_mode": lora_mode},
                        "loss": {"tis_cap": 2.0}, "learner": {"fsdp": False, "max_policy_lag": 0}})
     topo = Topology(rank=0, world_size=1, local_rank=0, num_inference=0, num_learners=1,
                     device=torch.device("cpu"), backend="gloo")
     learner = Learner(cfg, topo, build_policy(cfg, tiny_tokenizer, "meta"), tiny_tokenizer)
     engine = HFEngine(build_policy(cfg, tiny_tokenizer, torch.device("cpu")), tiny_tokenizer,
-                      quantization=cfg.engine.quantization)
+                      quantization=cfg.engine.quantization, lora_mode=cfg.engine.lora_mode)
     if fault:
         sys.path.insert(0, FAULTS_DIR)
         try:
@@ -191,10 +194,12 @@ def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure
     return results, rewards
 
 
-def test_a_healthy_fp8_run_with_tis_stays_under_its_bound_and_learns(tiny_cfg, tiny_tokenizer):
+@pytest.mark.parametrize("lora_mode", ["slot", "merged"])
+def test_a_healthy_fp8_run_with_tis_stays_under_its_bound_and_learns(tiny_cfg, tiny_tokenizer, lora_mode):
     """FP8 sampling corrected by TIS: every version's gap is FP8's rounding (far above fp32's bound,
-    so the emulation is on) and under the FP8 bound, by a margin; the reward rises as without FP8."""
-    results, rewards = fp8_run(tiny_cfg, tiny_tokenizer, steps=20)
+    so the emulation is on) and under the FP8 bound, by a margin; the reward rises as without FP8.
+    merged: the adapter requantized into the FP8 weights at each load (vLLM's merged FP8)."""
+    results, rewards = fp8_run(tiny_cfg, tiny_tokenizer, steps=20, lora_mode=lora_mode)
     # the same check's bound without the FP8 term (its logit scale cancels): what fp32 arithmetic
     # alone can explain, which an FP8 engine's gap must pass
     without = canary_bound(torch.float32, reduction=128, num_layers=2, logit_scale=1.0) / \
@@ -208,13 +213,14 @@ def test_a_healthy_fp8_run_with_tis_stays_under_its_bound_and_learns(tiny_cfg, t
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > 3 * 0.5 * (2 / n) ** 0.5, rewards
 
 
-def test_an_fp8_engine_that_skips_updates_is_still_caught(tiny_cfg, tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("lora_mode", ["slot", "merged"])
+def test_an_fp8_engine_that_skips_updates_is_still_caught(tiny_cfg, tiny_tokenizer, monkeypatch, lora_mode):
     """The engine takes no update from version 1 on (tests/canary_faults' skip): its gap grows with
     every step the learner moves away, past the FP8 bound within 30 versions (one stale version
-    alone hides in FP8's rounding: colocate/canary.py)."""
+    alone hides in FP8's rounding: colocate/canary.py), the adapter beside or merged into the weights."""
     from colocate.engine.hf import HFEngine
     monkeypatch.setattr(HFEngine, "load_lora", HFEngine.load_lora)
-    results, _ = fp8_run(tiny_cfg, tiny_tokenizer, steps=30, fault="skip", after_failure=3)
+    results, _ = fp8_run(tiny_cfg, tiny_tokenizer, steps=30, fault="skip", after_failure=3, lora_mode=lora_mode)
     failed = [r.version for r in results if r.failed]
     assert failed, results
     assert failed == list(range(failed[0], failed[0] + 4))  # once past the bound it stays past it

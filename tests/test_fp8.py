@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from colocate.canary import canary_bound
-from colocate.engine.fp8 import E4M3, E4M3_MAX, amax_scale, base_linears, emulate_fp8, round_rows, round_trip
+from colocate.engine.fp8 import (E4M3, E4M3_MAX, amax_scale, base_linears, emulate_fp8, round_rows, round_trip,
+                                 to_e4m3)
 from colocate.engine.hf import HFEngine
 from colocate.models import lora_state
 from tests.test_packing import randomize_adapter
@@ -37,6 +38,17 @@ def test_round_trip_lands_on_e4m3s_grid_within_its_unit_roundoff():
     for i in range(2):  # one scale per token: the second row's size does not coarsen the first
         assert on_grid(r[i], rows[i].abs().amax() / 448)
         assert torch.isclose(r[i].abs().amax(), rows[i].abs().amax(), rtol=2.0 ** -23, atol=0)
+
+
+def test_weights_are_rounded_by_vllms_per_tensor_rule_and_inputs_by_its_per_token_one():
+    """vLLM's per-tensor kernel (weights, `dynamic_scaled_fp8_quant`) multiplies by the fp32
+    reciprocal of the scale; its per-token one (inputs) divides. Here x / s is 1.1875, e4m3's
+    midpoint between 1.125 and 1.25 (a tie: to the even 1.25), and x * (1 / s) one fp32 step below
+    it (1.125)."""
+    x, s = torch.tensor(1.9072766304016113), torch.tensor(1.6061277389526367)
+    assert x * (1 / s) != x / s
+    assert to_e4m3(x, s).float() == 1.125 and to_e4m3(x, s, divide=True).float() == 1.25
+    assert round_trip(x, s) == (torch.tensor(1.125) * s) and round_trip(x, s, divide=True) == torch.tensor(1.25) * s
 
 
 def test_emulation_rounds_the_decoder_linears_only_with_vllms_fused_scales(tiny_policy):

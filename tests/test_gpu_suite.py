@@ -99,16 +99,19 @@ def test_a_process_that_overwrote_its_environment_is_still_its_runs(tmp_path):
     runner.close()
 
 
-def test_the_fp8_runs_are_slot_mode_with_a_correction_the_config_check_passes(tmp_path):
-    """learn-fp8 and canary-fp8 (tests/test_vllm_gpu.py reads them): vLLM's online FP8 in slot mode
-    with TIS, a config `colocate train` accepts (FP8 without a correction is refused)."""
+def test_the_fp8_runs_take_their_lora_mode_with_a_correction_the_config_check_passes(tmp_path):
+    """learn-fp8, canary-fp8 and their -merged twins (tests/test_vllm_gpu.py reads them): vLLM's
+    online FP8 in slot or merged mode with TIS, a config `colocate train` accepts (FP8 without a
+    correction is refused)."""
     from colocate.config import load_config, parse_overrides
     table = job_table(tmp_path, 139 * 2**30)
-    for name in ("learn-fp8", "canary-fp8"):
+    for name in ("learn-fp8", "canary-fp8", "learn-fp8-merged", "canary-fp8-merged"):
         cmd = table[name].cmd
         keys = [a for a in cmd if a.startswith("--") and "." in a.partition("=")[0]]
         _, overrides, _ = parse_overrides(keys)
         cfg = load_config(os.path.join(REPO, cmd[cmd.index("--config") + 1]), overrides)
+        mode = "merged" if name.endswith("-merged") else "slot"
         assert (cfg.engine.kind, cfg.engine.quantization, cfg.engine.lora_mode, cfg.loss.tis_cap) == \
-            ("vllm", "fp8", "slot", 2.0), name
-    assert table["canary-fp8"].env["CANARY_TEST_FAULT"] == "vllm-skip"
+            ("vllm", "fp8", mode, 2.0), name
+    assert table["canary-fp8"].env["CANARY_TEST_FAULT"] == table["canary-fp8-merged"].env["CANARY_TEST_FAULT"] \
+        == "vllm-skip"

@@ -262,3 +262,21 @@ def test_an_fp8_engine_plans_its_blocks_and_its_kv_cache_at_one_byte(seven_b):
         (line,) = kv_cache_lines(cfg, seven_b, plan)
         per_token[kv] = int(line.split(" KiB a token")[0].rsplit(" ", 1)[1])
     assert per_token == {"auto": 56, "fp8": 28}
+
+
+def test_an_fp8_merged_engine_plans_w0_at_one_byte_and_its_scratch(seven_b, capsys, monkeypatch):
+    """lora_mode merged on FP8 weights keeps W0 in e4m3 (one byte a decoder parameter) and the fp32
+    buffer the largest fused weight is requantized in (gate_up at 7B: 2 x 18944 x 3584), not a
+    second copy of the weights; the plan says how its weights split."""
+    from colocate.gpu_budget import engine_weight_bytes
+    cfg = load_config(None, {"model": {"shape": "qwen2.5-7b", "dtype": "bfloat16"}, "loss": {"tis_cap": 2.0},
+                             "engine": {"quantization": "fp8", "lora_mode": "merged"}})
+    blocks = seven_b.block_params * seven_b.num_layers
+    own, copy = (seven_b.num_params - blocks) * 2 + blocks, blocks + 4 * 2 * 18944 * 3584
+    assert engine_weight_bytes(cfg, seven_b) == own + copy and 6.5 < copy / GIB < 6.7
+    monkeypatch.chdir(REPO)
+    code, err = check(capsys, "--config", "configs/gpu-1-7b.yaml", "--gpu-memory", "80GiB", "--gpus-per-node", "1",
+                      "--engine.quantization=fp8", "--engine.lora_mode=merged", "--loss.tis_cap=2")
+    assert code == 0, err
+    assert (f"of which weights {(own + copy) / GIB:.1f} = {own / GIB:.1f} + {copy / GIB:.1f}, vLLM's and W0 in "
+            "e4m3 with the fp32 buffer the merge is requantized in") in err, err

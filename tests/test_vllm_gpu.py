@@ -16,10 +16,11 @@ module; pytest's stays out of it) and checks what that run wrote:
     an adapter that never reached the engine,
     or reached it wrong under running requests, would leave the reward at chance (1/9); the sync
     canary's gap stays under its bound at every version;
-  * FP8 (one GPU): cpu-tiny with `engine.quantization: fp8` (vLLM's online FP8, slot LoRA) and TIS
-    (`loss.tis_cap: 2`) reaches the same target with the canary under its FP8 bound at every version;
+  * FP8 (one GPU): cpu-tiny with `engine.quantization: fp8` (vLLM's online FP8; the adapter in the
+    LoRA slot, or merged and requantized at each update) and TIS (`loss.tis_cap: 2`) reaches the
+    same target with the canary under its FP8 bound at every version;
   * the canary (one GPU): an engine that never writes its updates (injected from outside the code,
-    `tests/canary_faults`) is caught in both LoRA modes and with FP8 weights, exit 3.
+    `tests/canary_faults`) is caught in both LoRA modes and with FP8 weights in both, exit 3.
 vLLM is never imported here (only `importlib.util.find_spec`).
 """
 import importlib.util
@@ -184,19 +185,22 @@ def test_cpu_tiny_learns_with_vllm_on_one_gpu(gpu_jobs, update, masks):
     assert summary["mismatch_step"] is None
 
 
-@pytest.mark.gpu_job("learn-fp8")
+@pytest.mark.parametrize("lora_mode", [pytest.param("slot", marks=pytest.mark.gpu_job("learn-fp8")),
+                                       pytest.param("merged", marks=pytest.mark.gpu_job("learn-fp8-merged"))])
 @pytest.mark.timeout(1800)
-def test_cpu_tiny_learns_with_vllm_fp8_and_tis_on_one_gpu(gpu_jobs):
+def test_cpu_tiny_learns_with_vllm_fp8_and_tis_on_one_gpu(gpu_jobs, lora_mode):
     """The GPU learning test with an FP8 engine (`engine.quantization: fp8`: vLLM's online FP8 of the
-    base weights, the adapter in slot mode beside them) and its correction (`loss.tis_cap: 2`): the
-    embedded default still reaches env.reward_target in 300 steps, and the canary's gap stays under
-    its FP8 bound (`colocate/canary.py`) at every version: no alert, no stop."""
-    run = gpu_run(gpu_jobs, "learn-fp8")
+    base weights; slot: the adapter beside them in bf16; merged: W0 + BA requantized into them at
+    each update, which shows only the updates that cross e4m3's grid) and its correction
+    (`loss.tis_cap: 2`): the embedded default still reaches env.reward_target in 300 steps, and the
+    canary's gap stays under its FP8 bound (`colocate/canary.py`) at every version: no alert, no stop."""
+    run = gpu_run(gpu_jobs, "learn-fp8" + ("-merged" if lora_mode == "merged" else ""))
     assert run.returncode == 0 and not run.stray, run.tail()
     summary = json.loads((run.dir / "run" / "summary.json").read_text())
     assert summary["steps"] == 300 and summary["reached_target"], {k: summary[k] for k in
                                                                     ("reward_start", "reward_end", "dropped_stale")}
-    assert "quantization: fp8" in (run.dir / "run" / "config.yaml").read_text()
+    config = (run.dir / "run" / "config.yaml").read_text()
+    assert "quantization: fp8" in config and f"lora_mode: {lora_mode}" in config
     learner = tb_scalars(str(run.dir / "run" / "tb" / "learner"))
     gaps, bounds = learner["sync/canary_gap"], learner["sync/canary_bound"]
     assert 299 <= len(gaps) <= 300 and all(g <= b for g, b in zip(gaps, bounds)), (len(gaps), max(gaps), min(bounds))
@@ -205,13 +209,15 @@ def test_cpu_tiny_learns_with_vllm_fp8_and_tis_on_one_gpu(gpu_jobs):
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("lora_mode", [pytest.param(m, marks=pytest.mark.gpu_job(f"canary-{m}"))
-                                       for m in ("slot", "merged", "fp8")])
+                                       for m in ("slot", "merged", "fp8", "fp8-merged")])
 def test_canary_catches_an_engine_that_skips_updates(gpu_jobs, lora_mode):
     """The vLLM worker takes every version but never writes it (`tests/canary_faults`: the LoRA slot,
     or the merged weights, stay at version 0: skipped updates, a stale merged copy). The canary's
     gap grows with the learner's policy until it passes the bf16 bound: ALERT canary_mismatch, and
     `colocate train` exits 3 long before the run's end. fp8: slot mode on FP8 base weights with TIS,
-    caught past the FP8 bound (wider, so later than bf16's, still long before the end)."""
+    caught past the FP8 bound (wider, so later than bf16's, still long before the end); fp8-merged:
+    the FP8 weights never requantized, caught the same way (the honest run of that engine stays
+    under the bound: `test_cpu_tiny_learns_with_vllm_fp8_and_tis_on_one_gpu[merged]`)."""
     run = gpu_run(gpu_jobs, f"canary-{lora_mode}")
     assert run.returncode == 3 and "ALERT canary_mismatch" in run.output and not run.stray, run.tail()
     summary = json.loads((run.dir / "run" / "summary.json").read_text())

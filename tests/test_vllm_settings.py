@@ -83,6 +83,11 @@ def test_merged_mode_takes_its_weight_copy_out_of_the_engine_share(tiny_cfg, tin
     adapted = [m.base_layer.weight for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
     assert adapted and merged_copy_bytes(spec.names, spec.shapes, "bfloat16") == sum(2 * w.numel() for w in adapted)
     assert merged_copy_bytes(spec.names, spec.shapes, "float32") == sum(4 * w.numel() for w in adapted)
+    # FP8 weights: W0 in e4m3 and the fp32 scratch of the largest fused weight (gate and up of a block)
+    mlp = model.base_model.model.model.layers[0].mlp
+    largest = mlp.gate_proj.base_layer.weight.numel() + mlp.up_proj.base_layer.weight.numel()
+    assert merged_copy_bytes(spec.names, spec.shapes, "bfloat16", "fp8") == sum(w.numel() for w in adapted) \
+        + 4 * largest
     gib = 1 << 30
     # the dataset_rollout benchmark's case: 0.95 of an 80 GiB card, a 12 GiB copy -> 0.95 - 13/80
     assert merged_memory_share(0.95, 12 * gib, 80 * gib) == pytest.approx(0.95 - 13 / 80, abs=1e-12)
@@ -106,8 +111,8 @@ def test_a_fixed_kv_cache_reaches_vllm_and_zero_leaves_it_to_vllms_profile(tiny_
 def test_fp8_reaches_vllm_as_online_quantization_and_its_own_kv_cache_key(tiny_cfg):
     """engine.quantization=fp8: vLLM's `quantization="fp8"` (online FP8 of the bf16 checkpoint);
     engine.kv_cache_dtype=fp8: its `kv_cache_dtype`, each on its own; the defaults pass neither, so
-    a bf16 engine's arguments are what they were. FP8 weights with lora_mode merged are refused
-    before vLLM starts (the worker would write bf16 into vLLM's FP8 weights)."""
+    a bf16 engine's arguments are what they were. FP8 weights go with either LoRA mode (merged:
+    requantized at each update, `vllm_worker.MergedFp8Adapter`)."""
     import dataclasses
     from colocate.engine.vllm_settings import check_engine_args, llm_arguments
     from colocate.envs import env_facts
@@ -126,7 +131,8 @@ def test_fp8_reaches_vllm_as_online_quantization_and_its_own_kv_cache_key(tiny_c
     assert arguments(quantization="fp8", kv_cache_dtype="fp8").keys() == plain.keys() | {"quantization", "kv_cache_dtype"}
     check_engine_args("slot", "fp8", "fp8")
     check_engine_args("merged", "none", "fp8")  # an FP8 cache beside merged bf16 weights is fine
-    with pytest.raises(ValueError, match="lora_mode=slot"):
-        check_engine_args("merged", "fp8")
+    check_engine_args("merged", "fp8")
+    merged = arguments(quantization="fp8", lora_mode="merged")
+    assert merged["quantization"] == "fp8" and not merged["enable_lora"]
     with pytest.raises(ValueError, match="quantization='int4'"):
         check_engine_args("slot", "int4")

@@ -17,6 +17,16 @@ the products then run in the model's dtype: beside an FP8 GEMM's fp32 accumulati
 model dtype's own roundings (of the rounded values and of the sums), which the canary's bound counts
 already as the compute dtype's error. The adapter's `lora_A` / `lora_B` see the unrounded input (peft
 calls `base_layer` with it and the adapter beside it), as vLLM's slot mode does.
+
+With `engine.lora_mode: merged` vLLM's worker merges the adapter into the FP8 weights instead
+(`vllm_worker.MergedFp8Adapter`): each adapted weight becomes W0 + scaling * B @ A rounded through
+e4m3 again, at a new scale per fused weight, at every update. `merged_fp8_base` and `merge_fp8`
+emulate that: the peft adapter layers are switched off (the update lives in the weights) and each
+load requantizes the adapted groups from their rounded W0.
+
+The rounding rule is vLLM's `scaled_fp8_conversion` (`to_e4m3`), the one both engines use: x
+scaled, saturated at +-448, cast to e4m3 (nearest, ties to even). Its per-tensor kernels (the
+weights) multiply by the fp32 reciprocal of the scale, its per-token one (the inputs) divides.
 """
 from __future__ import annotations
 
@@ -30,21 +40,36 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Projections vLLM loads into one weight (QKVParallelLinear, MergedColumnParallelLinear): one scale."""
 
 
-def round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x through e4m3 at `scale` (broadcast over x) and back, in x's dtype: x / scale is rounded to
-    e4m3's nearest value (3 mantissa bits), saturated at +-448, then multiplied back."""
-    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return (q.float() * scale).to(x.dtype)
+def saturate_scaled(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """x / scale in fp32, saturated at +-448: what vLLM's `scaled_fp8_conversion` casts to e4m3.
+    Its per-tensor kernels (weights) multiply by the fp32 reciprocal 1 / scale, its per-token one
+    (inputs) divides (`divide`): the two differ in the last bit of fp32 now and then, which moves a
+    value lying by a rounding midpoint of e4m3. `out` (fp32, x's shape; x itself) takes it in place."""
+    x = x.float()
+    y = torch.div(x, scale, out=out) if divide else torch.mul(x, scale.float().reciprocal(), out=out)
+    return y.clamp_(-E4M3_MAX, E4M3_MAX)
+
+
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
+    """x at `scale` (broadcast over x) rounded to e4m3's nearest value, ties to even (3 mantissa bits)."""
+    return saturate_scaled(x, scale, divide=divide).to(E4M3)
+
+
+def round_trip(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
+    """x through e4m3 at `scale` and back, in x's dtype (`to_e4m3`, then multiplied back)."""
+    return (to_e4m3(x, scale, divide=divide).float() * scale).to(x.dtype)
 
 
 def amax_scale(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 in fp32, never 0 (an all-zero tensor or row keeps the scale of the smallest normal)."""
+    """amax / 448 in fp32 (vLLM's dynamic scale), never 0 (an all-zero tensor or row keeps the scale
+    of the smallest normal, where vLLM's per-tensor kernel would divide by 0)."""
     return (amax.float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def round_rows(x: torch.Tensor) -> torch.Tensor:
     """A linear layer's input [..., in] through e4m3 with one dynamic scale per token (row)."""
-    return round_trip(x, amax_scale(x.abs().amax(dim=-1, keepdim=True)))
+    return round_trip(x, amax_scale(x.abs().amax(dim=-1, keepdim=True)), divide=True)
 
 
 def _input_hook(module, args):
@@ -83,3 +108,36 @@ def emulate_fp8(model) -> int:
             weight.copy_(round_trip(weight, scale))
             linears[name].register_forward_pre_hook(_input_hook)
     return len(linears)
+
+
+def merged_fp8_base(model) -> dict[str, torch.Tensor]:
+    """Turn `model` (emulated FP8, `emulate_fp8`) to lora_mode merged: peft's adapter layers off, so
+    the base weights alone carry the adapter (`merge_fp8` writes it in) -> a copy of the rounded W0
+    of every group (`scale_groups`) with an adapted linear, by name."""
+    linears = base_linears(model)
+    adapted = {n for n in linears if hasattr(model.get_submodule(n), "lora_A")}
+    model.base_model.disable_adapter_layers()
+    return {n: linears[n].weight.detach().clone() for group in scale_groups(linears)
+            if adapted.intersection(group) for n in group}
+
+
+@torch.no_grad()
+def merge_fp8(model, base: dict[str, torch.Tensor]) -> None:
+    """Each group of `base` requantized with the adapter merged, as vLLM's merged FP8 sync does:
+    W0 + scaling * B @ A in fp32 (a linear without an adapter: W0), one new scale per group, rounded
+    through e4m3 into the model's weights."""
+    linears = base_linears(model)
+    for group in scale_groups(base):
+        merged = {n: merged_fp32(model.get_submodule(n), base[n]) for n in group}
+        scale = amax_scale(torch.stack([m.abs().amax() for m in merged.values()]).amax())
+        for name, value in merged.items():
+            linears[name].weight.copy_(round_trip(value, scale))
+
+
+def merged_fp32(layer, w0: torch.Tensor) -> torch.Tensor:
+    """W0 + scaling * B @ A of a peft LoRA layer's active adapters, in fp32 (W0 alone without one)."""
+    out = w0.float()
+    for name in getattr(layer, "active_adapters", ()):
+        out = torch.addmm(out, layer.lora_B[name].weight.float(), layer.lora_A[name].weight.float(),
+                          alpha=layer.scaling[name])
+    return out

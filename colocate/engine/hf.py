@@ -15,7 +15,10 @@ is prefilled again (prompt + the tokens so far) under the new one first, so ever
 log-prob is exactly pi_v(token | prefix) for the version v recorded for it (`token_versions`).
 
 `quantization="fp8"` samples from base weights and linear inputs rounded through float8 e4m3
-(`engine/fp8.py`, vLLM's online FP8 emulated): the CPU path of `engine.quantization: fp8`.
+(`engine/fp8.py`, vLLM's online FP8 emulated): the CPU path of `engine.quantization: fp8`. With
+`lora_mode="merged"` the adapter is merged into those weights at each load and rounded with them,
+as vLLM's merged FP8 engine does (`fp8.merge_fp8`); otherwise (and in bf16 or fp32, where merging
+changes only the compute dtype's rounding) peft applies it beside the base layer.
 
 Left out on purpose: CUDA graphs, paged KV (and so an FP8 KV cache), prefix sharing (vLLM's job).
 """
@@ -29,7 +32,7 @@ import torch
 from colocate.constraint import ConstraintState
 from colocate.data import Completion, Request
 from colocate.engine.base import Engine
-from colocate.engine.fp8 import emulate_fp8
+from colocate.engine.fp8 import emulate_fp8, merge_fp8, merged_fp8_base
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,14 +133,21 @@ def cache_keyword(model) -> str:
 
 class HFEngine(Engine):
     def __init__(self, model, tokenizer, *, device: str | torch.device = "cpu", seed: int = 0,
-                 max_batch_size: int = 256, decode_chunk: int = 4, quantization: str = "none"):
+                 max_batch_size: int = 256, decode_chunk: int = 4, quantization: str = "none",
+                 lora_mode: str = "slot"):
         """`quantization` (engine.quantization): fp8 rounds this engine's copy of the base weights,
-        and each base linear's input, through float8 e4m3 as vLLM's online FP8 does (`engine/fp8.py`)."""
+        and each base linear's input, through float8 e4m3 as vLLM's online FP8 does (`engine/fp8.py`);
+        with `lora_mode` (engine.lora_mode) merged, the adapter is merged into them at each load."""
         self.model = model.eval()  # peft model with the adapter enabled
+        if quantization not in ("none", "fp8") or lora_mode not in ("slot", "merged"):
+            raise ValueError(f"HFEngine: quantization={quantization!r} / lora_mode={lora_mode!r}: expected "
+                             "'none' or 'fp8' / 'slot' or 'merged'")
+        self._fp8_w0 = None  # merged FP8: W0 of the adapted weights, rounded, the adapter merged into it at each load
         if quantization == "fp8":
             emulate_fp8(self.model)
-        elif quantization != "none":
-            raise ValueError(f"HFEngine: quantization={quantization!r} is not one of 'none', 'fp8'")
+        if quantization == "fp8" and lora_mode == "merged":
+            self._fp8_w0 = merged_fp8_base(self.model)
+            merge_fp8(self.model, self._fp8_w0)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.pad_id = tokenizer.pad_token_id
@@ -165,6 +175,8 @@ class HFEngine(Engine):
         with torch.no_grad():
             for name, param in self._lora.items():
                 param.copy_(tensors[name])
+        if self._fp8_w0 is not None:
+            merge_fp8(self.model, self._fp8_w0)
         self.version = version
 
     def lora_state(self) -> dict[str, torch.Tensor]:

@@ -75,7 +75,7 @@ def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     if cfg.engine.kv_cache_dtype == "fp8":  # checked before launch; here too if auto resolved otherwise on the rank
         raise fp8_kv_refused("hf")
     engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank,
-                      quantization=cfg.engine.quantization)
+                      quantization=cfg.engine.quantization, lora_mode=cfg.engine.lora_mode)
     mark("engine_constructed")  # before the receiver, which waits for learner rank 0
     spec = LoraSpec.of(engine.lora_state())
     if topo.shared_gpu:

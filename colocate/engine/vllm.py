@@ -14,7 +14,8 @@ What it does beyond `LLM.generate`:
     (`vllm_worker.py`). Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache
     blocks by that name, so blocks computed with an older adapter are never reused;
   * `lora_mode="merged"`: the engine runs without LoRA and each update is merged into its base
-    weights in place (`vllm_worker.MergedAdapter`); the prefix cache is reset after each update
+    weights in place (`vllm_worker.MergedAdapter`; FP8 weights are requantized,
+    `MergedFp8Adapter`); the prefix cache is reset after each update
     (`update="inflight"`: requests carry a per-version `cache_salt` instead, since vLLM cannot
     reset a cache that running requests hold);
   * `update="inflight"`: an update lands while streamed requests run (vLLM applies the worker RPC
@@ -154,10 +155,11 @@ class VLLMEngine(Engine):
         self._busy_since = 0.0
         if s.lora_mode == "merged" and torch.cuda.is_available():  # the W0 copy comes out of the engine's share
             total = torch.cuda.get_device_properties(gpu or 0).total_memory
-            copy = merged_copy_bytes(spec.names, spec.shapes, s.dtype)
+            copy = merged_copy_bytes(spec.names, spec.shapes, s.dtype, s.quantization)
             s = s.replace(gpu_memory_utilization=merged_memory_share(s.gpu_memory_utilization, copy, total))
+            fp8 = " (e4m3, and the fp32 buffer they are requantized in)" if s.quantization == "fp8" else ""
             print(f"colocate: lora_mode=merged: vLLM takes {s.gpu_memory_utilization:.3f} of the GPU, "
-                  f"{copy / 2**30:.1f} GiB go to the copy of the adapted weights", flush=True)
+                  f"{copy / 2**30:.1f} GiB go to the copy of the adapted weights{fp8}", flush=True)
         kwargs = llm_arguments(model_dir, s)  # refuses bad arguments before vLLM starts
         from vllm import LLM
         if not s.validate_grammars:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from colocate.config_schema import (CUDAGRAPH_MODES, KV_CACHE_DTYPES, LORA_MODES, QUANTIZATIONS, EngineConfig,
                                     LoraConfig, MetricsConfig, RolloutConfig)
+from colocate.engine.fp8 import scale_groups
+from colocate.engine.fp8_merge import merged_fp8_bytes
 
 WORKER_EXTENSION = "colocate.engine.vllm_worker.ColocateWorkerExtension"
 """vLLM imports it by dotted path inside its GPU worker (the adapter slot: `vllm_worker.py`)."""
@@ -148,19 +150,24 @@ def profiler_settings(profile_dir: str, steps: int) -> dict:
 
 
 MERGED_HEADROOM_BYTES = 1 << 30
-"""Free memory `vllm_worker.colocate_init_merged` wants beside the copy of W0 it allocates (its
-check and `merged_memory_share` both use this)."""
+"""Free memory `vllm_worker.colocate_init_merged` wants beside the copy of W0 it allocates (and,
+FP8, the scratch buffer: `merged_copy_bytes`); its check and `merged_memory_share` both use this."""
 
 
-def merged_copy_bytes(names, shapes, dtype: str) -> int:
+def merged_copy_bytes(names, shapes, dtype: str, quantization: str = "none") -> int:
     """Bytes of the W0 copy that lora_mode=merged keeps (`vllm_worker.colocate_init_merged`): one
-    [out, in] weight per adapted module, from its adapter's A [r, in] and B [out, r] shapes. Exact
-    when every part of a fused vLLM module is adapted (q, k, v together; gate and up together: the
-    presets' targets); the worker copies a partly adapted fused module whole, which this undercounts,
-    and its own free-memory check then refuses at start naming the setting to lower."""
+    [out, in] weight per adapted module, from its adapter's A [r, in] and B [out, r] shapes; with
+    quantization fp8 one byte a parameter (W0 in e4m3) and the fp32 scratch the largest fused weight
+    is requantized in (`fp8_merge.merged_fp8_bytes`). Exact when every part of a fused vLLM module
+    is adapted (q, k, v together; gate and up together: the presets' targets); the worker copies a
+    partly adapted fused module whole, which this undercounts, and its own free-memory check then
+    refuses at start naming the setting to lower."""
     shape = dict(zip(names, shapes))
-    per_elem = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
-    return sum(shape[a][1] * shape[a.replace("lora_A", "lora_B")][0] * per_elem for a in names if "lora_A" in a)
+    sizes = {a.split(".lora_A")[0]: shape[a][1] * shape[a.replace("lora_A", "lora_B")][0]
+             for a in names if "lora_A" in a}
+    if quantization == "fp8":
+        return merged_fp8_bytes([sum(sizes[n] for n in group) for group in scale_groups(sizes)])
+    return sum(sizes.values()) * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
 
 
 def merged_memory_share(utilization: float, copy_bytes: int, total_bytes: int) -> float:
@@ -177,22 +184,19 @@ def merged_memory_share(utilization: float, copy_bytes: int, total_bytes: int) -
 
 def check_engine_args(lora_mode: str, quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
     """Refuse what vLLM would reject (or what would go wrong) only after a minute of start-up, before
-    vLLM is imported. FP8 weights with lora_mode merged: the worker would write W0 + BA in bf16 into
-    vLLM's FP8 weight tensors (transposed, with a scale beside them)."""
+    vLLM is imported. FP8 weights go with either LoRA mode (merged: `vllm_worker.MergedFp8Adapter`)."""
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
     if quantization not in QUANTIZATIONS or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"quantization={quantization!r} / kv_cache_dtype={kv_cache_dtype!r}: expected one of "
                          f"{QUANTIZATIONS} / {KV_CACHE_DTYPES}")
-    if quantization == "fp8" and lora_mode != "slot":
-        raise ValueError("quantization=fp8 needs lora_mode=slot (merged writes bf16 weights into vLLM's FP8 ones)")
 
 
 def precision_arguments(s: VLLMSettings) -> dict:
     """vLLM's `quantization` (fp8 on an unquantized checkpoint: online FP8, one scale per weight,
     dynamic activation scales; slot LoRA runs beside it, `vllm/lora/layers/base_linear.py` calls the
-    base layer's `quant_method.apply`) and `kv_cache_dtype`; {} at the defaults, so a bf16 engine's
-    arguments stay what they were."""
+    base layer's `quant_method.apply`; merged requantizes the weights at each update) and
+    `kv_cache_dtype`; {} at the defaults, so a bf16 engine's arguments stay what they were."""
     kw = {}
     if s.quantization != "none":
         kw["quantization"] = s.quantization

@@ -26,10 +26,10 @@ engine dtype: A and B cast to bf16, products accumulated in fp32, one final roun
 W0 + s * B @ A. Being bf16, W cannot hold an update smaller than half a unit in the last place of
 W0: early in training the sampler's policy lags the learner's by that much, and the behaviour
 log-probs (which come from the sampler) carry the difference into the importance ratio. The
-prefix cache is reset after every update (`VLLMEngine`).
+prefix cache is reset after every update (`VLLMEngine`). On an FP8 engine `MergedFp8Adapter` keeps
+W0 in e4m3 and requantizes W0 + s * B @ A into the live weight and scale (`fp8_merge.py`).
 
-`slot_plan`, `merge_plan`, `AdapterSlot` and `MergedAdapter` are plain functions of tensors and
-names (tested on CPU).
+`slot_plan`, `merge_plan` and the three targets are plain functions of tensors and names (CPU tests).
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ from typing import Protocol
 
 import torch
 
+from colocate.engine.fp8 import E4M3
+from colocate.engine.fp8_merge import (Fp8Weight, holds, live_fp8, merge_fp32, merged_fp8_bytes, requantize_,
+                                       write_fp8)
 from colocate.engine.vllm_settings import MERGED_HEADROOM_BYTES
 from colocate.wire import (ADAPTER_HEADER_NUMEL, LoraSpec, checksum, open_cuda_buffer, parse_adapter_header,
                            unflatten_lora)
@@ -277,6 +280,67 @@ class MergedAdapter(AdapterTarget):
         return all(torch.equal(out, torch.addmm(w0, b, a, alpha=self.scaling)) for out, w0, b, a in self.ops)
 
 
+class MergedFp8Adapter(AdapterTarget):
+    """Receive buffer -> each adapted FP8 weight requantized from W0 (e4m3) + scaling * B @ A, with a
+    new per-tensor scale, into the engine's live weight and scale (`fp8_merge.py`). `weights` maps a
+    module name to its live e4m3 weight and scale (`fp8_merge.live_fp8`)."""
+
+    def __init__(self, spec: LoraSpec, plan: list[MergeTarget], weights: dict[str, Fp8Weight], scaling: float,
+                 shard=None):
+        """`shard`: as `MergedAdapter`'s."""
+        device = weights[plan[0].module].weight.device
+        self.spec = spec
+        self.scaling = float(scaling)
+        self.flat = torch.zeros(spec.numel, dtype=spec.dtype, device=device)
+        # B @ A is added to fp32 values (`fp8_merge.merge_fp32`): staged in fp32 (the received buffer when it is)
+        self.staged = self.flat if spec.dtype == torch.float32 else torch.zeros_like(self.flat, dtype=torch.float32)
+        views = unflatten_lora(self.staged, spec)
+        views = shard.views(views) if shard is not None else views
+        self.modules = []                                              # (live, W0, parts) per fused weight
+        for name in sorted({t.module for t in plan}):
+            parts = [(t.row_start, t.row_end, views[t.b_name], views[t.a_name]) for t in plan if t.module == name]
+            self.modules.append((weights[name], weights[name].copy(), parts))
+        largest = max(live.weight.numel() for live, _, _ in self.modules)
+        self.scratch = torch.empty(largest, dtype=torch.float32, device=device)
+
+    def requantized(self):
+        """(live, x, scale) per module: the merge as its e4m3 cast takes it, each in turn in the scratch."""
+        for live, base, parts in self.modules:
+            x = merge_fp32(base, parts, self.scaling, self.scratch)
+            yield live, x, requantize_(x)
+
+    @torch.inference_mode()
+    def apply(self) -> None:
+        """Write `flat` merged into W0 into the live FP8 weights and scales."""
+        if self.staged is not self.flat:
+            self.staged.copy_(self.flat)
+        for live, x, scale in self.requantized():
+            write_fp8(x, scale, live)
+
+    @torch.inference_mode()
+    def matches(self) -> bool:
+        """The live weights and scales are exactly the requantized merge of the staged adapter into W0."""
+        return all(holds(x, scale, live) for live, x, scale in self.requantized())
+
+
+def merged_target(spec: LoraSpec, plan: list[MergeTarget], linear: dict, scaling: float) -> tuple[int, object]:
+    """Merged mode's target for vLLM's adapted `linear` modules (by name): `MergedFp8Adapter` when
+    their weights are e4m3 (vLLM's online FP8), else `MergedAdapter` -> (the bytes it keeps beside
+    the engine, a function that builds it)."""
+    used = sorted({t.module for t in plan})
+    fp8 = [m for m in used if linear[m].weight.dtype == E4M3]
+    if fp8 and len(fp8) != len(used):
+        raise RuntimeError(f"engine.lora_mode=merged: {len(fp8)} of the {len(used)} adapted modules are FP8 "
+                           f"(e.g. {fp8[0]}) and the others not: one merge cannot write both")
+    if fp8:
+        live = {m: live_fp8(linear[m]) for m in used}
+        need = merged_fp8_bytes([live[m].weight.numel() for m in used])
+        return need, lambda: MergedFp8Adapter(spec, plan, live, scaling)
+    weights = {m: linear[m].weight for m in used}
+    need = sum(w.numel() * w.element_size() for w in weights.values())
+    return need, lambda: MergedAdapter(spec, plan, weights, scaling)
+
+
 class ColocateWorkerExtension:
     """Methods injected into vLLM's GPU worker (`self` is the worker: `model_runner`, `device`)."""
 
@@ -298,23 +362,25 @@ class ColocateWorkerExtension:
                 "modules": len({t.module for t in plan})}
 
     def colocate_init_merged(self, names: list[str], shapes: list[list[int]], dtype: str, scaling: float) -> dict:
-        """Merged mode: keep W0 of every adapted weight; updates are merged into the live weights."""
+        """Merged mode: keep W0 of every adapted weight (e4m3 on an FP8 engine); updates are merged
+        into the live weights."""
         model = self.model_runner.get_model()  # unwrapped from vLLM's CUDA-graph wrapper
-        linear = {n: m.weight for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
+        linear = {n: m for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                   and m.weight.dim() == 2}
         packed = {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
         spec = LoraSpec(tuple(names), tuple(tuple(s) for s in shapes), getattr(torch, dtype))
         plan = merge_plan(spec.names, spec.shapes, set(linear), packed)
-        need = sum(linear[m].numel() * linear[m].element_size() for m in {t.module for t in plan})
+        need, build = merged_target(spec, plan, linear, scaling)
         free, _ = torch.cuda.mem_get_info(self.device)
         if need + MERGED_HEADROOM_BYTES > free:
             raise RuntimeError(f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} "
                                f"GiB) but only {free / 2**30:.1f} GiB are free on {self.device}: lower "
                                "engine.gpu_memory_utilization")
-        self.colocate_slot = MergedAdapter(spec, plan, linear, scaling)
+        self.colocate_slot = build()
         self.colocate_group = None
         return {"slot": None, "numel": spec.numel, "lora_dtype": str(self.colocate_slot.staged.dtype),
-                "modules": len({t.module for t in plan}), "base_copy_gib": need / 2**30}
+                "modules": len({t.module for t in plan}), "base_copy_gib": need / 2**30,
+                "fp8": isinstance(self.colocate_slot, MergedFp8Adapter)}
 
     def colocate_use_logprob_kernel(self) -> str:
         """Our sampled-token log-prob kernel in this worker's sampler (`vllm_logprobs.py`), compiled now."""

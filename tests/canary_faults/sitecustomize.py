@@ -8,7 +8,7 @@ one; production code has no hook for it:
   * slot:  each adapter tensor of layer 0 lands in layer 1's place and back (the wrong slot);
   * scale: lora_B is written twice over (the in-place alpha / r scaling applied again);
   * vllm-skip: the vLLM worker receives every version but never writes it (the LoRA slot or the
-    merged weights keep version 0: a skipped update, a stale merged copy).
+    merged weights, bf16 or FP8, keep version 0: a skipped update, a stale merged copy).
 """
 import os
 
@@ -44,8 +44,8 @@ def install_hf(fault: str) -> None:
 
 
 def install_vllm() -> None:
-    from colocate.engine.vllm_worker import AdapterSlot, MergedAdapter
-    for cls in (AdapterSlot, MergedAdapter):
+    from colocate.engine.vllm_worker import AdapterSlot, MergedAdapter, MergedFp8Adapter
+    for cls in (AdapterSlot, MergedAdapter, MergedFp8Adapter):
         cls.apply = lambda self: None
 
 
