@@ -36,11 +36,12 @@ the CPU (u = 2^-24) about 1e-5.
 
 An FP8 engine (`engine.quantization: fp8`, `engine.kv_cache_dtype: fp8`) rounds more than the learner
 does: each of its linear layers multiplies a weight and an input both rounded to float8 e4m3 (3
-mantissa bits, u = 2^-4), a relative error of up to 2u per product beside the compute dtype's, and
+mantissa bits, u = 2^-4), a relative error of up to 2u per product beside the compute dtype's; in
+merged mode the weight is rounded twice (W0, then the merge W0 + s B A at each update), 3u; and
 an FP8 KV cache rounds keys and values the same way (2u more). The two sides then differ by the
 engine's error plus the learner's, not twice one's: 2 (eps_engine + eps_learner) sqrt(L) x logit
-RMS, which is the bf16 bound plus 4 u_e4m3 sqrt(L) x logit RMS per FP8 part (`canary_bound`'s
-`fp8_parts`): about 17 times bf16's. It still catches an engine that stops taking updates once the
+RMS, which is the bf16 bound plus 2 u_e4m3 sqrt(L) x logit RMS per FP8 rounding (`canary_bound`'s
+`fp8_roundings`): about 17 times bf16's for FP8 weights in slot mode. It still catches an engine that stops taking updates once the
 learner has moved the probe past it (tests/test_canary.py), and a wrong
 slot or scale at once; an update skipped once and taken at the next version hides in FP8's noise.
 """
@@ -82,18 +83,22 @@ def compute_dtype(model_dtype: str, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if on_gpu or model_dtype == "bfloat16" else getattr(torch, model_dtype)
 
 
-def fp8_parts(quantization: str, kv_cache_dtype: str) -> int:
-    """What the engine rounds to float8 e4m3 beyond the learner (engine.quantization, engine.kv_cache_dtype)."""
-    return int(quantization == "fp8") + int(kv_cache_dtype == "fp8")
+def fp8_roundings(quantization: str, kv_cache_dtype: str, lora_mode: str) -> int:
+    """How many float8 e4m3 roundings each of the engine's products carries beyond the learner's
+    (engine.quantization, engine.kv_cache_dtype, engine.lora_mode): FP8 weights 2 (the weight and
+    the input), 3 in merged mode (W0, then W0 + s B A quantized again at each update); an FP8 KV cache
+    2 (keys and values)."""
+    weights = (3 if lora_mode == "merged" else 2) if quantization == "fp8" else 0
+    return weights + (2 if kv_cache_dtype == "fp8" else 0)
 
 
 def canary_bound(dtype: torch.dtype, *, reduction: int, num_layers: int, logit_scale: float,
-                 fp8_parts: int = 0) -> float:
+                 fp8_roundings: int = 0) -> float:
     """The largest mean |log-prob difference| two correct implementations can show (module docstring):
     2 * (eps_engine + eps_learner) * sqrt(L) * logit RMS, eps = u + sqrt(K) * 2^-24 on either side
-    and 2 u_e4m3 more on the engine's per FP8 part (weights and inputs; keys and values)."""
+    and u_e4m3 more on the engine's per FP8 rounding (`fp8_roundings`)."""
     eps = UNIT_ROUNDOFF[dtype] + math.sqrt(reduction) * UNIT_ROUNDOFF[torch.float32]
-    engine = eps + fp8_parts * 2 * UNIT_ROUNDOFF[torch.float8_e4m3fn]
+    engine = eps + fp8_roundings * UNIT_ROUNDOFF[torch.float8_e4m3fn]
     return 2.0 * (engine + eps) * math.sqrt(num_layers) * logit_scale
 
 
@@ -117,9 +122,9 @@ class CanaryResult:
 class CanaryCheck:
     """Learner side: the learner's probe log-probs per adapter version, until the engines' arrive."""
 
-    def __init__(self, dtype: torch.dtype, *, reduction: int, num_layers: int, every: int, fp8_parts: int = 0):
+    def __init__(self, dtype: torch.dtype, *, reduction: int, num_layers: int, every: int, fp8_roundings: int = 0):
         self.dtype, self.reduction, self.num_layers, self.every = dtype, reduction, num_layers, every
-        self.fp8_parts = fp8_parts  # `canary.fp8_parts` of the engines' settings
+        self.fp8_roundings = fp8_roundings  # `canary.fp8_roundings` of the engines' settings
         self.references: dict[int, tuple[torch.Tensor, torch.Tensor | float]] = {}
 
     def due(self, version: int) -> bool:
@@ -145,5 +150,5 @@ class CanaryCheck:
         for v in [v for v in self.references if v <= version]:
             del self.references[v]
         bound = canary_bound(self.dtype, reduction=self.reduction, num_layers=self.num_layers, logit_scale=scale,
-                             fp8_parts=self.fp8_parts)
+                             fp8_roundings=self.fp8_roundings)
         return CanaryResult(version, gap, bound)
