@@ -60,15 +60,17 @@
 #   dsroll   the dataset_rollout benchmark as shipped (ours against plain vLLM, 7B shape); DSROLL_SIDES
 #            picks its --sides (default vllm,ours), DSROLL_VARIANTS its --variant ("name:k=v ...");
 #            dsroll05 the same at the 0.5B shape
-#   dsrollfp8  the dataset_rollout benchmark at the 7B shape, FP8 against bf16 in one run (issue 62): our engine
-#            bf16 (merged, as shipped: ours), bf16 slot (ours+slot), FP8 slot (ours+fp8), FP8 weights and KV cache
-#            (ours+fp8kv), plain vLLM bf16 and plain vLLM FP8; ratios: every side over ours, and ours+fp8 over
-#            vllm_fp8 (>= 0.95 wanted; over ours >= 1.3); DSROLLFP8_SIDES picks the sides (keep ours, ours+fp8
-#            and vllm_fp8, or set DSROLLFP8_RATIOS to pairs of the sides kept)
+#   dsrollfp8  the dataset_rollout benchmark at the 7B shape, FP8 against bf16 in one run (issue 62): by default
+#            our engine bf16 (merged, as shipped: ours), FP8 merged (ours+fp8m: W0 in e4m3, requantized at each
+#            sync), FP8 merged with the KV cache in FP8 (ours+fp8mkv) and plain vLLM FP8; further sides:
+#            bf16 slot (ours+slot), FP8 slot (ours+fp8), FP8 slot and KV cache (ours+fp8kv), plain vLLM bf16
+#            (vllm); ratios over ours (>= 1.3 wanted) and ours+fp8m over vllm_fp8 (>= 0.95); DSROLLFP8_SIDES
+#            picks the sides (set DSROLLFP8_RATIOS to pairs of the sides kept)
 #   parityfp8  the parity step with the engine in FP8 (--quantization fp8): the engine-vs-learner log-prob gap
 #            of an FP8 engine (parity-7b-fp8.json beside parity's parity-7b.json: run parity,parityfp8)
 #   learnfp8 the GPU learning test with FP8: cpu-tiny on vLLM with engine.quantization=fp8 and loss.tis_cap=2
-#            reaches 0.9 with the canary under its FP8 bound, and an FP8 engine that skips updates is caught
+#            reaches 0.9 with the canary under its FP8 bound (slot and merged), and an FP8 engine that skips updates
+#            is caught (slot and merged)
 #   parity   vLLM's sampled-token log-probs against the learner's at the 7B shape, both on the GPU (the sync
 #            profile's parity part: constrained, Diplomacy, unconstrained; LoRA slot); paritymask: the
 #            same at the 0.5B shape with engine.constraint_masks=ours
@@ -219,16 +221,19 @@ step() {  # one step of the chain, by name
             --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
             --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
     dsrollfp8) with_memory dsrollfp8 timeout 2700 python3 scripts/benchmark.py --profile dataset_rollout \
-            --sides "${DSROLLFP8_SIDES:-ours,ours+slot,ours+fp8,ours+fp8kv,vllm,vllm_fp8}" \
+            --sides "${DSROLLFP8_SIDES:-ours,ours+fp8m,ours+fp8mkv,vllm_fp8}" \
             --variant "slot:engine.lora_mode=slot" "fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
               "fp8kv:engine.quantization=fp8,engine.kv_cache_dtype=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
-            --ratios "${DSROLLFP8_RATIOS:-ours+fp8/vllm_fp8,ours+fp8/ours+slot,vllm_fp8/vllm}" \
+              "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" \
+              "fp8mkv:engine.quantization=fp8,engine.kv_cache_dtype=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" \
+            --ratios "${DSROLLFP8_RATIOS:-ours+fp8m/ours,ours+fp8mkv/ours,ours+fp8m/vllm_fp8}" \
             --out "$GS/dataset-rollout-fp8.json" ;;
     parityfp8) with_memory parityfp8 timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
               --iters 3 --also parity --budget-s 400 --quantization fp8 --out "$GS/parity-7b-fp8.json" ;;
     learnfp8) with_memory learnfp8 timeout 2000 python3 -m pytest -q -rA -m gpu -p no:cacheprovider \
             "tests/test_vllm_gpu.py::test_cpu_tiny_learns_with_vllm_fp8_and_tis_on_one_gpu" \
-            "tests/test_vllm_gpu.py::test_canary_catches_an_engine_that_skips_updates[fp8]" ;;
+            "tests/test_vllm_gpu.py::test_canary_catches_an_engine_that_skips_updates[fp8]" \
+            "tests/test_vllm_gpu.py::test_canary_catches_an_engine_that_skips_updates[fp8-merged]" ;;
     parity) with_memory parity timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
               --iters 3 --also parity --budget-s 400 --out "$GS/parity-7b.json" ;;
     paritymask) with_memory paritymask timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu \
