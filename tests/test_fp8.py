@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from colocate.canary import canary_bound
-from colocate.engine.fp8 import (E4M3, E4M3_MAX, amax_scale, base_linears, emulate_fp8, round_rows, round_trip,
-                                 to_e4m3)
+from colocate.engine.fp8 import (E4M3, E4M3_MAX, MIN_INPUT_SCALE, amax_scale, base_linears, emulate_fp8, round_rows,
+                                 round_trip, to_e4m3)
 from colocate.engine.hf import HFEngine
 from colocate.models import lora_state
 from tests.test_packing import randomize_adapter
@@ -28,7 +28,8 @@ def test_round_trip_lands_on_e4m3s_grid_within_its_unit_roundoff():
     scale = amax_scale(x.abs().amax())
     y = round_trip(x, scale)
     assert scale == x.abs().amax() / 448 and E4M3_MAX == 448 and on_grid(y, scale)
-    assert torch.isclose(y.abs().amax(), x.abs().amax(), rtol=2.0 ** -23, atol=0)  # the amax maps onto 448, which e4m3 holds exactly
+    # the amax maps onto 448, which e4m3 holds exactly
+    assert torch.isclose(y.abs().amax(), x.abs().amax(), rtol=2.0 ** -23, atol=0)
     normal = x.abs() / scale >= 2.0 ** -6  # e4m3's smallest normal: below it the error is absolute
     assert ((y - x).abs() <= U * x.abs())[normal].all() and ((y - x)[normal] != 0).any()
     assert round_trip(torch.tensor([1000.0, -1000.0]), torch.tensor(1.0)).tolist() == [448.0, -448.0]  # saturates
@@ -40,15 +41,25 @@ def test_round_trip_lands_on_e4m3s_grid_within_its_unit_roundoff():
         assert torch.isclose(r[i].abs().amax(), rows[i].abs().amax(), rtol=2.0 ** -23, atol=0)
 
 
-def test_weights_are_rounded_by_vllms_per_tensor_rule_and_inputs_by_its_per_token_one():
-    """vLLM's per-tensor kernel (weights, `dynamic_scaled_fp8_quant`) multiplies by the fp32
-    reciprocal of the scale; its per-token one (inputs) divides. Here x / s is 1.1875, e4m3's
-    midpoint between 1.125 and 1.25 (a tie: to the even 1.25), and x * (1 / s) one fp32 step below
-    it (1.125)."""
+def test_values_are_scaled_by_the_reciprocal_as_vllm_does():
+    """vLLM's per-tensor kernel (weights, at load) and its compiled per-token quantization (inputs,
+    `QuantFP8.forward_native`) multiply by the fp32 reciprocal of the scale. Here x / s is 1.1875,
+    e4m3's midpoint between 1.125 and 1.25 (a tie: to the even 1.25), and x * (1 / s) one fp32 step
+    below it: 1.125, as vLLM rounds it."""
     x, s = torch.tensor(1.9072766304016113), torch.tensor(1.6061277389526367)
-    assert x * (1 / s) != x / s
-    assert to_e4m3(x, s).float() == 1.125 and to_e4m3(x, s, divide=True).float() == 1.25
-    assert round_trip(x, s) == (torch.tensor(1.125) * s) and round_trip(x, s, divide=True) == torch.tensor(1.25) * s
+    assert x * (1 / s) != x / s and (x / s).to(E4M3).float() == 1.25
+    assert to_e4m3(x, s).float() == 1.125 and round_trip(x, s) == torch.tensor(1.125) * s
+
+
+def test_an_input_rows_scale_has_vllms_floor():
+    """A row of zeros (or of values under 448 / 2^9 of fp32's smallest normal) takes vLLM's smallest
+    per-token scale, 1 / (448 * 512), and comes back exactly."""
+    rows = torch.zeros(2, 8)
+    rows[1] = 1e-30
+    assert MIN_INPUT_SCALE == 1 / (448 * 512)
+    scales = amax_scale(rows.abs().amax(dim=-1, keepdim=True), MIN_INPUT_SCALE)
+    assert torch.equal(scales.flatten(), torch.full((2,), MIN_INPUT_SCALE))  # in fp32, as vLLM's
+    assert torch.equal(round_rows(rows)[0], rows[0])
 
 
 def test_emulation_rounds_the_decoder_linears_only_with_vllms_fused_scales(tiny_policy):

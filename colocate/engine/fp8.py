@@ -24,9 +24,9 @@ e4m3 again, at a new scale per fused weight, at every update. `merged_fp8_base` 
 emulate that: the peft adapter layers are switched off (the update lives in the weights) and each
 load requantizes the adapted groups from their rounded W0.
 
-The rounding rule is vLLM's `scaled_fp8_conversion` (`to_e4m3`), the one both engines use: x
-scaled, saturated at +-448, cast to e4m3 (nearest, ties to even). Its per-tensor kernels (the
-weights) multiply by the fp32 reciprocal of the scale, its per-token one (the inputs) divides.
+The rounding rule is vLLM's (`to_e4m3`), the one both engines use: x times the fp32 reciprocal of
+its scale, saturated at +-448, cast to e4m3 (nearest, ties to even), for the weights at load and
+for the inputs in the compiled model.
 """
 from __future__ import annotations
 
@@ -40,36 +40,41 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Projections vLLM loads into one weight (QKVParallelLinear, MergedColumnParallelLinear): one scale."""
 
 
-def saturate_scaled(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """x / scale in fp32, saturated at +-448: what vLLM's `scaled_fp8_conversion` casts to e4m3.
-    Its per-tensor kernels (weights) multiply by the fp32 reciprocal 1 / scale, its per-token one
-    (inputs) divides (`divide`): the two differ in the last bit of fp32 now and then, which moves a
-    value lying by a rounding midpoint of e4m3. `out` (fp32, x's shape; x itself) takes it in place."""
-    x = x.float()
-    y = torch.div(x, scale, out=out) if divide else torch.mul(x, scale.float().reciprocal(), out=out)
+def saturate_scaled(x: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x times the fp32 reciprocal of `scale`, saturated at +-448: what vLLM casts to e4m3, the
+    weights' per-tensor kernel at load (`scaled_fp8_quant`) and the inputs' per-token quantization in
+    the compiled model (`QuantFP8.forward_native`; its CUDA kernel, under enforce_eager only,
+    divides instead, which differs in fp32's last bit now and then). `out` (fp32, x's shape; x
+    itself) takes it in place."""
+    y = torch.mul(x.float(), scale.float().reciprocal(), out=out)
     return y.clamp_(-E4M3_MAX, E4M3_MAX)
 
 
-def to_e4m3(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x at `scale` (broadcast over x) rounded to e4m3's nearest value, ties to even (3 mantissa bits)."""
-    return saturate_scaled(x, scale, divide=divide).to(E4M3)
+    return saturate_scaled(x, scale).to(E4M3)
 
 
-def round_trip(x: torch.Tensor, scale: torch.Tensor, *, divide: bool = False) -> torch.Tensor:
+def round_trip(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x through e4m3 at `scale` and back, in x's dtype (`to_e4m3`, then multiplied back)."""
-    return (to_e4m3(x, scale, divide=divide).float() * scale).to(x.dtype)
+    return (to_e4m3(x, scale).float() * scale).to(x.dtype)
 
 
-def amax_scale(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448 in fp32 (vLLM's dynamic scale), never 0 (an all-zero tensor or row keeps the scale
-    of the smallest normal, where vLLM's per-tensor kernel would divide by 0)."""
-    return (amax.float() / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+MIN_INPUT_SCALE = 1.0 / (E4M3_MAX * 512)
+"""The smallest per-token scale of an input (vLLM's `_FP8_MIN_SCALING_FACTOR`)."""
+
+
+def amax_scale(amax: torch.Tensor, floor: float = torch.finfo(torch.float32).tiny) -> torch.Tensor:
+    """amax / 448 in fp32 (vLLM's dynamic scale), never under `floor`: an all-zero weight keeps the
+    smallest normal (where vLLM's per-tensor kernel would divide by 0), an input row vLLM's
+    `MIN_INPUT_SCALE`. Divided by a tensor on amax's device: CUDA turns a division by a Python number
+    into a multiplication by its rounded reciprocal, a bit away from vLLM's kernel now and then."""
+    return (amax.float() / torch.full((), E4M3_MAX, device=amax.device)).clamp(min=floor)
 
 
 def round_rows(x: torch.Tensor) -> torch.Tensor:
     """A linear layer's input [..., in] through e4m3 with one dynamic scale per token (row)."""
-    return round_trip(x, amax_scale(x.abs().amax(dim=-1, keepdim=True)), divide=True)
+    return round_trip(x, amax_scale(x.abs().amax(dim=-1, keepdim=True), MIN_INPUT_SCALE))
 
 
 def _input_hook(module, args):

@@ -285,9 +285,9 @@ class MergedFp8Adapter(AdapterTarget):
     new per-tensor scale, into the engine's live weight and scale (`fp8_merge.py`). `weights` maps a
     module name to its live e4m3 weight and scale (`fp8_merge.live_fp8`)."""
 
-    def __init__(self, spec: LoraSpec, plan: list[MergeTarget], weights: dict[str, Fp8Weight], scaling: float,
-                 shard=None):
-        """`shard`: as `MergedAdapter`'s."""
+    def __init__(self, spec: LoraSpec, plan: list[MergeTarget], weights: dict[str, Fp8Weight], scaling: float):
+        """No tensor-parallel `shard` (as `MergedAdapter` takes): vLLM scales each rank's shard of an
+        FP8 weight on its own, which the memory plan and the HF emulation do not model."""
         device = weights[plan[0].module].weight.device
         self.spec = spec
         self.scaling = float(scaling)
@@ -295,7 +295,6 @@ class MergedFp8Adapter(AdapterTarget):
         # B @ A is added to fp32 values (`fp8_merge.merge_fp32`): staged in fp32 (the received buffer when it is)
         self.staged = self.flat if spec.dtype == torch.float32 else torch.zeros_like(self.flat, dtype=torch.float32)
         views = unflatten_lora(self.staged, spec)
-        views = shard.views(views) if shard is not None else views
         self.modules = []                                              # (live, W0, parts) per fused weight
         for name in sorted({t.module for t in plan}):
             parts = [(t.row_start, t.row_end, views[t.b_name], views[t.a_name]) for t in plan if t.module == name]
