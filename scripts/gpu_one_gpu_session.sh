@@ -8,6 +8,8 @@
 #   test     tests/test_shared_gpu.py on the GPU (HF engine, 3 steps, adapter by CUDA IPC, checksums)
 #   gpu1     configs/gpu-1.yaml, 10 steps (0.5B shape, vLLM)
 #   sync     the sync benchmark at the 7B shape with the engine on the learner's GPU (IPC) and the disk path
+#   syncfp8m the same in merged mode, bf16 then FP8 (the adapter requantized into the e4m3 weights at each
+#            update): what an update costs the engine in each (sync-7b-merged-none.json, sync-7b-merged-fp8.json)
 #   gpu1-7b  configs/gpu-1-7b.yaml, 5 steps (7B shape); gpu1-7b-tree: the same with learner.prefix_sharing=tree
 #   gputests the one-GPU tests marked gpu: kernels, objectives, prefix trees, varlen packing, shared GPU
 #   suite    the whole GPU suite as a user runs it (`python3 -m pytest -q -m gpu tests`): suite.log, suite.xml,
@@ -161,6 +163,10 @@ step() {  # one step of the chain, by name
             --learner.num_steps=10 --metrics.run_dir=$GS/run-gpu1 ;;
     sync) with_memory sync timeout 700 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
             --budget-s 420 --out "$GS/sync-7b-1gpu.json" ;;
+    syncfp8m) for q in none fp8; do
+              with_memory "syncm-$q" timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
+                --lora-mode merged --quantization "$q" --iters 10 --budget-s 300 --out "$GS/sync-7b-merged-$q.json"
+            done ;;
     gpu1-7b) with_memory gpu1-7b timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
             --config configs/gpu-1-7b.yaml --learner.num_steps=5 --metrics.run_dir=$GS/run-gpu1-7b ;;
     gpu1-7b-tree) with_memory gpu1-7b-tree timeout 1200 torchrun --nproc-per-node 2 -m colocate.train \
