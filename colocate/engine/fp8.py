@@ -72,6 +72,15 @@ def amax_scale(amax: torch.Tensor, floor: float = torch.finfo(torch.float32).tin
     return (amax.float() / torch.full((), E4M3_MAX, device=amax.device)).clamp(min=floor)
 
 
+def requantize_(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's dynamic per-tensor scale of fp32 `x` (amax / 448), and x turned in place into the
+    values its e4m3 cast takes (scaled and saturated: `saturate_scaled`) -> the scale, 0-dim."""
+    low, high = torch.aminmax(x)                           # no |x| temporary the size of x
+    scale = amax_scale(torch.maximum(high, -low))
+    saturate_scaled(x, scale, out=x)
+    return scale
+
+
 def round_rows(x: torch.Tensor) -> torch.Tensor:
     """A linear layer's input [..., in] through e4m3 with one dynamic scale per token (row)."""
     return round_trip(x, amax_scale(x.abs().amax(dim=-1, keepdim=True), MIN_INPUT_SCALE))
@@ -129,14 +138,15 @@ def merged_fp8_base(model) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def merge_fp8(model, base: dict[str, torch.Tensor]) -> None:
     """Each group of `base` requantized with the adapter merged, as vLLM's merged FP8 sync does:
-    W0 + scaling * B @ A in fp32 (a linear without an adapter: W0), one new scale per group, rounded
-    through e4m3 into the model's weights."""
+    W0 + scaling * B @ A in fp32 (a linear without an adapter: W0), the group's rows stacked as vLLM
+    fuses them, one new scale (`requantize_`), rounded through e4m3 into the model's weights."""
     linears = base_linears(model)
     for group in scale_groups(base):
-        merged = {n: merged_fp32(model.get_submodule(n), base[n]) for n in group}
-        scale = amax_scale(torch.stack([m.abs().amax() for m in merged.values()]).amax())
-        for name, value in merged.items():
-            linears[name].weight.copy_(round_trip(value, scale))
+        x = torch.cat([merged_fp32(model.get_submodule(n), base[n]) for n in group])
+        scale = requantize_(x)
+        for name, rows in zip(group, x.split([linears[n].weight.shape[0] for n in group])):
+            weight = linears[name].weight
+            weight.copy_((rows.to(E4M3).float() * scale).to(weight.dtype))
 
 
 def merged_fp32(layer, w0: torch.Tensor) -> torch.Tensor:

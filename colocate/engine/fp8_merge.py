@@ -13,8 +13,8 @@ then writes W and s into the live tensors, which the CUDA graphs and the compile
 fp32, in one scratch buffer sized for the largest weight: e4m3 values times an fp32 scale are held
 to 2^-24, and the update is added without a rounding of its own, so the one rounding of the merge is
 e4m3's (bf16 would round x first, at 1/16 of e4m3's step, before the rounding that decides which
-updates show). The scale and the rounding are vLLM's dynamic per-tensor rule (`fp8.amax_scale`,
-`fp8.saturate_scaled`), what `ops.scaled_fp8_quant(x, scale=None)` does at load.
+updates show). The scale and the rounding are vLLM's dynamic per-tensor rule (`fp8.requantize_`),
+what `ops.scaled_fp8_quant(x, scale=None)` does at load; the HF engine's emulation uses it too.
 
 The rounding's cost: the sampler's weights move only where W0 + scaling * B @ A crosses a midpoint
 of e4m3's grid (3 mantissa bits), so an update smaller than that leaves a weight where it was, and
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate.engine.fp8 import E4M3, amax_scale, saturate_scaled
+from colocate.engine.fp8 import E4M3, requantize_
 
 SCRATCH_BYTES = 4
 """Bytes per element of the scratch buffer a merge is computed in (fp32)."""
@@ -74,15 +74,6 @@ def merge_fp32(base: Fp8Weight, parts, scaling: float, scratch: torch.Tensor) ->
     for start, end, b, a in parts:
         x[start:end].addmm_(b, a, alpha=scaling)
     return x
-
-
-def requantize_(x: torch.Tensor) -> torch.Tensor:
-    """vLLM's dynamic per-tensor scale of fp32 `x` (amax / 448), and x turned in place into the
-    values its e4m3 cast takes (scaled and saturated: `fp8.saturate_scaled`) -> the scale, 0-dim."""
-    low, high = torch.aminmax(x)                           # no |x| temporary the size of x
-    scale = amax_scale(torch.maximum(high, -low))
-    saturate_scaled(x, scale, out=x)
-    return scale
 
 
 def write_fp8(x: torch.Tensor, scale: torch.Tensor, live: Fp8Weight) -> None:
