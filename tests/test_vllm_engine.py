@@ -126,6 +126,7 @@ def test_engine_passes_the_configs_graph_settings_to_vllm(monkeypatch, tiny_cfg)
 
 
 def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
@@ -134,7 +135,9 @@ def test_engine_environment_cleans_torchrun_and_restores(monkeypatch):
         assert "RANK" not in os.environ and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
         assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == REPO_ROOT  # the worker extension imports colocate
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # vLLM's choice, so it does not warn
     assert os.environ["RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
 
 
 def spawn_and_join(target, *args) -> int:

@@ -73,8 +73,12 @@ def engine_environment(gpu: int | None):
 
     Without torchrun's variables the child's own process group cannot join torchrun's agent store
     (it hung there); CUDA_VISIBLE_DEVICES gives it this rank's GPU as cuda:0.
+    VLLM_WORKER_MULTIPROC_METHOD=spawn is what vLLM forces anyway from a rank where CUDA is
+    initialised; said up front, vLLM does not warn that it overrides the method, which read as if the
+    engine core were spawned where the server forks it (engine.prestart).
     """
-    keys = TORCHRUN_VARIABLES + ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "NCCL_CUMEM_ENABLE")
+    keys = TORCHRUN_VARIABLES + ("CUDA_VISIBLE_DEVICES", "PYTHONPATH", "NCCL_CUMEM_ENABLE",
+                                 "VLLM_WORKER_MULTIPROC_METHOD")
     saved = {k: os.environ.get(k) for k in keys}
     try:
         if gpu is not None:
@@ -83,6 +87,7 @@ def engine_environment(gpu: int | None):
             os.environ.pop(k, None)
         os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # as the learner's side; mixed settings hang
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         yield
     finally:
         for k, v in saved.items():
