@@ -112,7 +112,7 @@ class EngineConfig:
     """vLLM: how the adapter reaches the engine. slot: one pinned LoRA slot written in place (vLLM's
     LoRA kernels run every step). merged: W0 + (alpha/r) B A written into the base weights on each
     update (no LoRA kernels; keeps a copy of the adapted base weights; bf16 rounds away updates
-    below half an ulp of W0, see engine/vllm_worker.py). With engine.quantization fp8: slot applies
+    below half an ulp of W0, see engine/adapter_targets.py). With engine.quantization fp8: slot applies
     the adapter in bf16 beside the FP8 base; merged keeps W0 in FP8 (one byte a parameter) and
     requantizes W0 + (alpha/r) B A per tensor at each update (engine/fp8_merge.py)."""
     logprob_kernel: str = "ours"

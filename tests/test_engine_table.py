@@ -64,7 +64,7 @@ def test_unknown_kind_is_one_line_naming_the_kinds(monkeypatch):
 
 
 def test_adapter_targets_share_a_declared_protocol():
-    from colocate.engine.vllm_worker import AdapterSlot, AdapterTarget, MergedAdapter, MergedFp8Adapter
+    from colocate.engine.adapter_targets import AdapterSlot, AdapterTarget, MergedAdapter, MergedFp8Adapter
     for cls in (AdapterSlot, MergedAdapter, MergedFp8Adapter):
         assert AdapterTarget in cls.__mro__  # declared, not only shaped alike
         assert all(callable(getattr(cls, m)) for m in ("apply", "matches"))

@@ -1,5 +1,5 @@
 """FP8 weights with the adapter merged in (`engine.quantization: fp8`, `engine.lora_mode: merged`):
-the worker's requantizing merge (`engine/fp8_merge.py`, `vllm_worker.MergedFp8Adapter`) against a
+the worker's requantizing merge (`engine/fp8_merge.py`, `adapter_targets.MergedFp8Adapter`) against a
 float64 reference on stand-ins of vLLM's FP8 linears, written in place into the live tensors; the
 HF engine's emulation of it (`engine/fp8.py`); the config accepting it. No vLLM here."""
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import torch
 
 from colocate.engine.fp8 import E4M3, amax_scale, to_e4m3
 from colocate.engine.fp8_merge import Fp8Weight, live_fp8, merged_fp8_bytes
-from colocate.engine.vllm_worker import MergedAdapter, MergedFp8Adapter, merge_plan, merged_target
+from colocate.engine.adapter_targets import MergedAdapter, MergedFp8Adapter, merge_plan, merged_target
 from colocate.wire import LoraSpec, flatten_lora
 from tests.test_vllm_sync import VLLM_PACKED
 

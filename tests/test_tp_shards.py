@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests.tp_shards import Heads, KvSplit, TpShard, kv_split
-from colocate.engine.vllm_worker import AdapterSlot, MergedAdapter, lora_module_name, merge_plan, slot_plan, slot_views
+from colocate.engine.adapter_targets import (AdapterSlot, MergedAdapter, lora_module_name, merge_plan, slot_plan,
+                                             slot_views)
 from colocate.wire import LoraSpec, adapter_header, checksum, flatten_lora, parse_adapter_header, unflatten_lora
 
 TOL = dict(rtol=0, atol=1e-10)

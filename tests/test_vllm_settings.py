@@ -112,7 +112,7 @@ def test_fp8_reaches_vllm_as_online_quantization_and_its_own_kv_cache_key(tiny_c
     """engine.quantization=fp8: vLLM's `quantization="fp8"` (online FP8 of the bf16 checkpoint);
     engine.kv_cache_dtype=fp8: its `kv_cache_dtype`, each on its own; the defaults pass neither, so
     a bf16 engine's arguments are what they were. FP8 weights go with either LoRA mode (merged:
-    requantized at each update, `vllm_worker.MergedFp8Adapter`)."""
+    requantized at each update, `adapter_targets.MergedFp8Adapter`)."""
     import dataclasses
     from colocate.engine.vllm_settings import check_engine_args, llm_arguments
     from colocate.envs import env_facts

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colocate.engine.vllm_worker import (AdapterSlot, MergedAdapter, lora_module_name, merge_plan, slot_plan,
+from colocate.engine.adapter_targets import (AdapterSlot, MergedAdapter, lora_module_name, merge_plan, slot_plan,
                                          slot_views)
 from colocate.wire import LoraSpec, RunFlags, checksum, flatten_lora
 

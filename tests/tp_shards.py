@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate.engine.vllm_worker import lora_module_name
+from colocate.engine.adapter_targets import lora_module_name
 from colocate.wire import LoraSpec
 
 HEAD_ROWS = ("q_proj", "k_proj", "v_proj")

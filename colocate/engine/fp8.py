@@ -19,7 +19,7 @@ already as the compute dtype's error. The adapter's `lora_A` / `lora_B` see the 
 calls `base_layer` with it and the adapter beside it), as vLLM's slot mode does.
 
 With `engine.lora_mode: merged` vLLM's worker merges the adapter into the FP8 weights instead
-(`vllm_worker.MergedFp8Adapter`): each adapted weight becomes W0 + scaling * B @ A rounded through
+(`adapter_targets.MergedFp8Adapter`): each adapted weight becomes W0 + scaling * B @ A rounded through
 e4m3 again, at a new scale per fused weight, at every update. `merged_fp8_base` and `merge_fp8`
 emulate that: the peft adapter layers are switched off (the update lives in the weights) and each
 load requantizes the adapted groups from their rounded W0.

@@ -1,5 +1,5 @@
 """The adapter merged into an FP8 engine's weights (`engine.quantization: fp8` with `engine.lora_mode:
-merged`): the arithmetic `vllm_worker.MergedFp8Adapter` runs at each sync, as plain functions of
+merged`): the arithmetic `adapter_targets.MergedFp8Adapter` runs at each sync, as plain functions of
 tensors (tested on CPU), and the one function that knows how vLLM stores an FP8 linear.
 
 vLLM's online FP8 (`Fp8PerTensorOnlineLinearMethod`) rounds each linear's bf16 weight to e4m3 at

@@ -14,7 +14,7 @@ What it does beyond `LLM.generate`:
     (`vllm_worker.py`). Requests name the adapter `colocate-v{version}`: vLLM keys prefix-cache
     blocks by that name, so blocks computed with an older adapter are never reused;
   * `lora_mode="merged"`: the engine runs without LoRA and each update is merged into its base
-    weights in place (`vllm_worker.MergedAdapter`; FP8 weights are requantized,
+    weights in place (`adapter_targets.MergedAdapter`; FP8 weights are requantized,
     `MergedFp8Adapter`); the prefix cache is reset after each update
     (`update="inflight"`: requests carry a per-version `cache_salt` instead, since vLLM cannot
     reset a cache that running requests hold);

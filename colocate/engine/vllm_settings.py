@@ -184,7 +184,7 @@ def merged_memory_share(utilization: float, copy_bytes: int, total_bytes: int) -
 
 def check_engine_args(lora_mode: str, quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
     """Refuse what vLLM would reject (or what would go wrong) only after a minute of start-up, before
-    vLLM is imported. FP8 weights go with either LoRA mode (merged: `vllm_worker.MergedFp8Adapter`)."""
+    vLLM is imported. FP8 weights go with either LoRA mode (merged: `adapter_targets.MergedFp8Adapter`)."""
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
     if quantization not in QUANTIZATIONS or kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -44,7 +44,7 @@ def install_hf(fault: str) -> None:
 
 
 def install_vllm() -> None:
-    from colocate.engine.vllm_worker import AdapterSlot, MergedAdapter, MergedFp8Adapter
+    from colocate.engine.adapter_targets import AdapterSlot, MergedAdapter, MergedFp8Adapter
     for cls in (AdapterSlot, MergedAdapter, MergedFp8Adapter):
         cls.apply = lambda self: None
 
