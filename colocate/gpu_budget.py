@@ -3,10 +3,11 @@
 Each GPU holds an inference rank (vLLM), a learner rank, or both (one GPU, CUDA IPC). A vLLM engine
 takes `engine.gpu_memory_utilization` of its card for its weights (twice over in merged mode: the
 adapted copy beside W0; with FP8 weights W0 in e4m3 and an fp32 buffer), CUDA graphs and KV
-cache; the rank's own process needs a CUDA context beside it. A learner's peak is its shard of the base weights (FSDP2 over `num_learners`), the
-weights FSDP2 holds gathered (the root's embeddings and head between forward and backward, the
-block in flight and the one prefetched, the last block), the adapter with its AdamW state, the
-activations one micro-batch keeps for backward and the logits at its completion positions.
+cache; the rank's own process needs a CUDA context beside it. A learner's peak is its shard of the
+base weights (FSDP2 over `num_learners`), the weights FSDP2 holds gathered (the root's embeddings
+and head between forward and backward, the block in flight and the one prefetched, the last
+block), the adapter with its AdamW state, the activations one micro-batch keeps for backward and
+the logits at its completion positions.
 
 The learner figure is a formula from the model's shape, checked against measured peaks
 (`profiles/README.md`, "Memory plan"): per token and decoder layer, backward keeps the

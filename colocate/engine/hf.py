@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from colocate.config_schema import LORA_MODES, QUANTIZATIONS
 from colocate.constraint import ConstraintState
 from colocate.data import Completion, Request
 from colocate.engine.base import Engine
@@ -139,9 +140,9 @@ class HFEngine(Engine):
         and each base linear's input, through float8 e4m3 as vLLM's online FP8 does (`engine/fp8.py`);
         with `lora_mode` (engine.lora_mode) merged, the adapter is merged into them at each load."""
         self.model = model.eval()  # peft model with the adapter enabled
-        if quantization not in ("none", "fp8") or lora_mode not in ("slot", "merged"):
-            raise ValueError(f"HFEngine: quantization={quantization!r} / lora_mode={lora_mode!r}: expected "
-                             "'none' or 'fp8' / 'slot' or 'merged'")
+        if quantization not in QUANTIZATIONS or lora_mode not in LORA_MODES:
+            raise ValueError(f"HFEngine: quantization={quantization!r} / lora_mode={lora_mode!r}: expected one of "
+                             f"{QUANTIZATIONS} / {LORA_MODES}")
         self._fp8_w0 = None  # merged FP8: W0 of the adapted weights, rounded, the adapter merged into it at each load
         if quantization == "fp8":
             emulate_fp8(self.model)
