@@ -82,13 +82,11 @@ class Learner:
         if lc.compile:
             fsdp.apply_compile(model, nested_breaks=self.attention == TREE_FLEX)
         self.use_fsdp = lc.fsdp
-        self.fsdp_modules = []
         if self.use_fsdp:
             on_gpu = self.device.type == "cuda"
-            self.fsdp_modules = fsdp.apply_fsdp(model, fsdp.learner_mesh(topology),
-                                                param_dtype=torch.bfloat16 if on_gpu else None,
-                                                reduce_dtype=torch.float32 if on_gpu else None,
-                                                reshard_after_forward=lc.reshard_after_forward)
+            fsdp.apply_fsdp(model, fsdp.learner_mesh(topology), param_dtype=torch.bfloat16 if on_gpu else None,
+                            reduce_dtype=torch.float32 if on_gpu else None,
+                            reshard_after_forward=lc.reshard_after_forward)
         if any(p.is_meta for p in model.parameters()):
             materialize(model, cfg.model, self.device)
         elif not self.use_fsdp:
