@@ -267,8 +267,8 @@ def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, 
     figures = dict(s.figures)
     figures["engine/compilation"] = dict(compile_kw or {})
     figures["engine/lora_mode"] = lora_mode
-    for key in ("quantization", "kv_cache_dtype"):  # the precision the parity part's gap is the engine's at
-        figures[f"engine/{key}"] = (compile_kw or {}).get(key, getattr(EngineConfig, key))
+    # the precision the parity part's gap is the engine's at
+    figures["engine/quantization"] = (compile_kw or {}).get("quantization", EngineConfig.quantization)
     figures["engine/async_scheduling"] = "vllm default" if async_scheduling is None else async_scheduling
     run_parts(s, parts, figures, deadline)
     if trace_dir and trace is not None:
@@ -285,7 +285,7 @@ def run_session(shape: str, parts: dict[str, Part], *, budget_s: float = 480.0, 
 
 # -- the `sync` and `rollout` profiles share one session and one argument list --------------------
 def add_session_args(parser, *, others: str) -> None:
-    from colocate.config_schema import CONSTRAINT_MASKS, CUDAGRAPH_MODES, KV_CACHE_DTYPES, QUANTIZATIONS
+    from colocate.config_schema import CONSTRAINT_MASKS, CUDAGRAPH_MODES, QUANTIZATIONS
     parser.add_argument("--shape", default="7b", choices=("0.5b", "7b", "tiny"))
     parser.add_argument("--learner-device", default="cuda:0", help="cpu: dry run against a stand-in vllm")
     parser.add_argument("--iters", type=int, default=10, help="sync iterations")
@@ -305,8 +305,6 @@ def add_session_args(parser, *, others: str) -> None:
     parser.add_argument("--quantization", default=EngineConfig.quantization, choices=QUANTIZATIONS,
                         help="engine.quantization: fp8 samples from vLLM's online FP8 of the base weights (merged: "
                              "requantized at each update)")
-    parser.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                        help="engine.kv_cache_dtype: fp8 keeps vLLM's KV cache in float8 e4m3")
     parser.add_argument("--one-gpu", action="store_true",
                         help="the engine shares cuda:0 with the learner; the adapter goes by CUDA IPC")
     parser.add_argument("--trace-dir", default="",
@@ -332,8 +330,8 @@ def run_profile(args, part: str, parts: dict[str, Part], *, first: bool, trace: 
                           trace=trace, trace_dir=args.trace_dir,
                           compile_kw={"cudagraph_mode": args.cudagraph_mode,
                                       "max_capture_tokens": args.max_capture_tokens,
-                                      "constraint_masks": args.constraint_masks, "quantization": args.quantization,
-                                      "kv_cache_dtype": args.kv_cache_dtype}, one_gpu=args.one_gpu)
+                                      "constraint_masks": args.constraint_masks, "quantization": args.quantization},
+                          one_gpu=args.one_gpu)
     return split(figures)
 
 

@@ -34,16 +34,16 @@ absolute in proportion to the logits' magnitude, so the bound scales with the le
 RMS over the probe (`logit_scale`). bf16 (u = 2^-8) gives a few 1e-2 nats on real models; fp32 on
 the CPU (u = 2^-24) about 1e-5.
 
-An FP8 engine (`engine.quantization: fp8`, `engine.kv_cache_dtype: fp8`) rounds more than the learner
-does: each of its linear layers multiplies a weight and an input both rounded to float8 e4m3 (3
-mantissa bits, u = 2^-4), a relative error of up to 2u per product beside the compute dtype's; in
-merged mode the weight is rounded twice (W0, then the merge W0 + s B A at each update), 3u; and
-an FP8 KV cache rounds keys and values the same way (2u more). The two sides then differ by the
+An FP8 engine (`engine.quantization: fp8`) rounds more than the learner does: each of its linear
+layers multiplies a weight and an input both rounded to float8 e4m3 (3 mantissa bits, u = 2^-4),
+a relative error of up to 2u per product beside the compute dtype's; in merged mode the weight is
+rounded twice (W0, then the merge W0 + s B A at each update), 3u. The two sides then differ by the
 engine's error plus the learner's, not twice one's: 2 (eps_engine + eps_learner) sqrt(L) x logit
 RMS, which is the bf16 bound plus 2 u_e4m3 sqrt(L) x logit RMS per FP8 rounding (`canary_bound`'s
-`fp8_roundings`): about 17 times bf16's for FP8 weights in slot mode. It still catches an engine that stops taking updates once the
-learner has moved the probe past it (tests/test_canary.py), and a wrong
-slot or scale at once; an update skipped once and taken at the next version hides in FP8's noise.
+`fp8_roundings`): about 17 times bf16's for FP8 weights in slot mode. It still catches an engine
+that stops taking updates once the learner has moved the probe past it (tests/test_canary.py),
+and a wrong slot or scale at once; an update skipped once and taken at the next version hides in
+FP8's noise.
 """
 from __future__ import annotations
 
@@ -83,13 +83,13 @@ def compute_dtype(model_dtype: str, on_gpu: bool) -> torch.dtype:
     return torch.bfloat16 if on_gpu or model_dtype == "bfloat16" else getattr(torch, model_dtype)
 
 
-def fp8_roundings(quantization: str, kv_cache_dtype: str, lora_mode: str) -> int:
+def fp8_roundings(quantization: str, lora_mode: str) -> int:
     """How many float8 e4m3 roundings each of the engine's products carries beyond the learner's
-    (engine.quantization, engine.kv_cache_dtype, engine.lora_mode): FP8 weights 2 (the weight and
-    the input), 3 in merged mode (W0, then W0 + s B A quantized again at each update); an FP8 KV cache
-    2 (keys and values)."""
-    weights = (3 if lora_mode == "merged" else 2) if quantization == "fp8" else 0
-    return weights + (2 if kv_cache_dtype == "fp8" else 0)
+    (engine.quantization, engine.lora_mode): FP8 weights 2 (the weight and the input), 3 in merged
+    mode (W0, then W0 + s B A quantized again at each update)."""
+    if quantization != "fp8":
+        return 0
+    return 3 if lora_mode == "merged" else 2
 
 
 def canary_bound(dtype: torch.dtype, *, reduction: int, num_layers: int, logit_scale: float,

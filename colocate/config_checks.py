@@ -15,7 +15,7 @@ import math
 import re
 
 from colocate.config_schema import (ATTENTIONS, BAD_ROWS, CHAT_TEMPLATES, CUDAGRAPH_MODES, DTYPES,
-                                    EVAL_OPPONENTS, KV_CACHE_DTYPES, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
+                                    EVAL_OPPONENTS, LOGGERS, LOGPROB_KERNELS, CONSTRAINT_MASKS, LORA_MODES, LOSS_IMPLS, LR_SCHEDULES, MODEL_SHAPES,
                                     NORM_MODES, PLACEMENTS, PREFIX_SHARING, QUANTIZATIONS, RATIO_LEVELS, SYNC_BACKENDS, TOOL_PARSERS,
                                     UPDATE_MODES, Config, RolloutConfig)
 
@@ -33,7 +33,6 @@ _CHOICES = {
     ("engine", "constraint_masks"): CONSTRAINT_MASKS,
     ("engine", "cudagraph_mode"): CUDAGRAPH_MODES,
     ("engine", "quantization"): QUANTIZATIONS,
-    ("engine", "kv_cache_dtype"): KV_CACHE_DTYPES,
     ("env", "bad_rows"): BAD_ROWS,
     ("env", "tool_parser"): TOOL_PARSERS,
     ("loss", "norm"): NORM_MODES,
@@ -220,12 +219,9 @@ def check_schedule_and_alerts(cfg: Config) -> None:
 
 
 def check_fp8(cfg: Config) -> None:
-    """An FP8 engine (weights or KV cache) samples from a rounded copy of the trained policy: the loss
-    must correct for it, in either LoRA mode. Which engines keep an FP8 KV cache is the engine
-    table's (`engine/table.py`, `check_engine_keys`)."""
-    e = cfg.engine
-    fp8 = [f"engine.{k}=fp8" for k in ("quantization", "kv_cache_dtype") if getattr(e, k) == "fp8"]
+    """FP8 weights sample from a rounded copy of the trained policy: the loss must correct for it,
+    in either LoRA mode."""
     corrected = cfg.loss.tis_cap > 0 or cfg.loss.mis_threshold > 0 or cfg.learner.updates_per_batch > 1
-    if fp8 and not corrected:
-        raise ConfigError(f"{fp8[0]} samples from a rounded copy of the trained policy: correct for it in the loss "
-                          "with loss.tis_cap (truncated importance sampling, e.g. 2.0) or loss.mis_threshold")
+    if cfg.engine.quantization == "fp8" and not corrected:
+        raise ConfigError("engine.quantization=fp8 samples from a rounded copy of the trained policy: correct for it "
+                          "in the loss with loss.tis_cap (truncated importance sampling, e.g. 2.0) or loss.mis_threshold")

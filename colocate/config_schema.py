@@ -32,7 +32,6 @@ LOGGERS = ("tensorboard", "wandb", "mlflow", "trackio")  # colocate.trackers
 EVAL_OPPONENTS = ("random", "hold", "greedy")  # keys of colocate.envs.diplomacy.bots.BOTS
 UPDATE_MODES = ("drain", "inflight")  # rollout.update
 QUANTIZATIONS = ("none", "fp8")  # engine.quantization
-KV_CACHE_DTYPES = ("auto", "fp8")  # engine.kv_cache_dtype
 
 
 @dataclass
@@ -141,11 +140,6 @@ class EngineConfig:
     correction in the loss (refused without one): loss.tis_cap (truncated importance sampling,
     e.g. 2.0) or loss.mis_threshold (or learner.updates_per_batch > 1, which turns TIS on). The
     canary's bound widens by e4m3's rounding (`colocate/canary.py`)."""
-    kv_cache_dtype: str = "auto"
-    """vLLM: auto keeps the KV cache in the model's dtype; fp8 stores keys and values as float8 e4m3
-    (vLLM's kv_cache_dtype, scale 1: half the bytes per token, so about twice the tokens in the same
-    pool). Like quantization it changes the sampler's log-probs, so it needs the same correction;
-    the HF engine has no FP8 cache (refused with engine.kind=hf)."""
     prestart: bool = True
     """vLLM: start vLLM's engine core from a forkserver that each inference rank of `colocate train`
     starts as its first act (under a plain torchrun, when its engine is built), which imports vLLM

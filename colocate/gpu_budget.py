@@ -373,8 +373,7 @@ def kv_cache_lines(cfg: Config, shape: ModelShape, plans: list[GpuPlan]) -> list
     engines = [parts for plan in plans for role, parts in zip(plan.roles, plan.parts) if role == "inference"]
     if not engines:
         return []
-    kv_bytes = 1 if cfg.engine.kv_cache_dtype == "fp8" else shape.dtype_bytes
-    per_token = 2 * shape.num_layers * shape.kv * kv_bytes  # a key and a value per layer
+    per_token = 2 * shape.num_layers * shape.kv * shape.dtype_bytes  # a key and a value per layer
     length = engine_max_model_len(cfg, env_facts(cfg)["prompt_bound"])
     if cfg.engine.kv_cache_gib > 0:  # fixed: vLLM does not size it from its share
         room = int(cfg.engine.kv_cache_gib * GIB)

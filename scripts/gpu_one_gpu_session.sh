@@ -64,9 +64,8 @@
 #            dsroll05 the same at the 0.5B shape
 #   dsrollfp8  the dataset_rollout benchmark at the 7B shape, FP8 against bf16 in one run (issue 62): by default
 #            our engine bf16 (merged, as shipped: ours), FP8 merged (ours+fp8m: W0 in e4m3, requantized at each
-#            sync), FP8 merged with the KV cache in FP8 (ours+fp8mkv) and plain vLLM FP8; further sides:
-#            bf16 slot (ours+slot), FP8 slot (ours+fp8), FP8 slot and KV cache (ours+fp8kv), plain vLLM bf16
-#            (vllm); ratios over ours (>= 1.3 wanted) and ours+fp8m over vllm_fp8 (>= 0.95); DSROLLFP8_SIDES
+#            sync) and plain vLLM FP8; further sides: bf16 slot (ours+slot), FP8 slot (ours+fp8), plain vLLM
+#            bf16 (vllm); ratios ours+fp8m over ours (>= 1.3 wanted) and over vllm_fp8 (>= 0.95); DSROLLFP8_SIDES
 #            picks the sides (set DSROLLFP8_RATIOS to pairs of the sides kept)
 #   parityfp8  the parity step with the engine in FP8 (--quantization fp8): the engine-vs-learner log-prob gap
 #            of an FP8 engine (parity-7b-fp8.json beside parity's parity-7b.json: run parity,parityfp8)
@@ -227,12 +226,10 @@ step() {  # one step of the chain, by name
             --sides "${DSROLL_SIDES:-vllm,ours}" ${DSROLL_VARIANTS:+--variant $DSROLL_VARIANTS} \
             --shape qwen2.5-0.5b --out "$GS/dataset-rollout-05b.json" ;;
     dsrollfp8) with_memory dsrollfp8 timeout 2700 python3 scripts/benchmark.py --profile dataset_rollout \
-            --sides "${DSROLLFP8_SIDES:-ours,ours+fp8m,ours+fp8mkv,vllm_fp8}" \
+            --sides "${DSROLLFP8_SIDES:-ours,ours+fp8m,vllm_fp8}" \
             --variant "slot:engine.lora_mode=slot" "fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
-              "fp8kv:engine.quantization=fp8,engine.kv_cache_dtype=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
               "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" \
-              "fp8mkv:engine.quantization=fp8,engine.kv_cache_dtype=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" \
-            --ratios "${DSROLLFP8_RATIOS:-ours+fp8m/ours,ours+fp8mkv/ours,ours+fp8m/vllm_fp8}" \
+            --ratios "${DSROLLFP8_RATIOS:-ours+fp8m/ours,ours+fp8m/vllm_fp8}" \
             --out "$GS/dataset-rollout-fp8.json" ;;
     parityfp8) with_memory parityfp8 timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
               --iters 3 --also parity --budget-s 400 --quantization fp8 --out "$GS/parity-7b-fp8.json" ;;
@@ -335,7 +332,7 @@ if os.path.exists(after) and os.path.exists(before):  # a before/after pair: dev
 
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "parity-*.json"))):
     for key, v in leaves(json.load(open(path))):
-        if key.endswith(("mean_abs_diff", "/tokens", "/error", "/quantization", "/kv_cache_dtype")):
+        if key.endswith(("mean_abs_diff", "/tokens", "/error", "/quantization")):
             print(f"{os.path.basename(path):<22} {key:<56} {v}")
 PY
 }

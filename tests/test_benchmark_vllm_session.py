@@ -64,28 +64,26 @@ def test_dataset_rollout_compares_fp8_sides_by_named_ratios():
             parse_ratios(bad, sides)
     args = dict(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", side="ours+fp8")
     fp8 = config(SimpleNamespace(**args, variant=["fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0"]))
-    assert (fp8.engine.quantization, fp8.engine.lora_mode, fp8.engine.kv_cache_dtype) == ("fp8", "slot", "auto")
-    for spec, kv in (("fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0", "auto"),
-                     ("fp8mkv:engine.quantization=fp8,engine.kv_cache_dtype=fp8,engine.lora_mode=merged,"
-                      "loss.tis_cap=2.0", "fp8")):  # the merged FP8 sides: W0 requantized at each update
-        side = config(SimpleNamespace(**{**args, "side": "ours+" + spec.partition(":")[0]}, variant=[spec]))
-        assert (side.engine.quantization, side.engine.lora_mode, side.engine.kv_cache_dtype) == ("fp8", "merged", kv)
+    assert (fp8.engine.quantization, fp8.engine.lora_mode) == ("fp8", "slot")
+    spec = "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0"  # W0 requantized at each update
+    side = config(SimpleNamespace(**{**args, "side": "ours+fp8m"}, variant=[spec]))
+    assert (side.engine.quantization, side.engine.lora_mode) == ("fp8", "merged")
     with pytest.raises(ConfigError, match="loss.tis_cap"):
         config(SimpleNamespace(**args, variant=["fp8:engine.quantization=fp8,engine.lora_mode=slot"]))
 
 
 def test_session_profiles_take_the_engines_precision():
-    """`--quantization` / `--kv-cache-dtype` of the sync and rollout profiles (the parity part's FP8
-    gap): parsed with the config's choices, FP8 in either LoRA mode."""
+    """`--quantization` of the sync and rollout profiles (the parity part's FP8 gap): parsed with the
+    config's choices, FP8 in either LoRA mode."""
     import argparse
 
     from benchmarks.vllm_session import add_session_args
     parser = argparse.ArgumentParser()
     add_session_args(parser, others="parity")
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--also", "parity"])
-    assert (args.quantization, args.kv_cache_dtype, args.lora_mode) == ("fp8", "fp8", "slot")
-    assert parser.parse_args([]).quantization == "none" and parser.parse_args([]).kv_cache_dtype == "auto"
+    args = parser.parse_args(["--quantization", "fp8", "--also", "parity"])
+    assert (args.quantization, args.lora_mode) == ("fp8", "slot")
+    assert parser.parse_args([]).quantization == "none"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int8"])
     merged = parser.parse_args(["--quantization", "fp8", "--lora-mode", "merged"])

@@ -45,8 +45,8 @@ def test_bound_is_the_rounding_arithmetic():
 
 
 def test_an_fp8_engines_bound_adds_e4m3s_rounding_of_weights_and_inputs():
-    """Each FP8 rounding of a product's operands (weights, inputs; keys, values; merged mode's second
-    rounding of the weights) adds u_e4m3 (u = 2^-4, 3 mantissa bits) to the engine's side only:
+    """Each FP8 rounding of a product's operands (weights, inputs; merged mode's second rounding of
+    the weights) adds u_e4m3 (u = 2^-4, 3 mantissa bits) to the engine's side only:
     + 2 u_e4m3 sqrt(L) x logit RMS each, about 17 times the bf16 bound at 7B for FP8 weights in slot mode."""
     from colocate.canary import UNIT_ROUNDOFF
     assert UNIT_ROUNDOFF[torch.float8_e4m3fn] == 2.0 ** -4 and UNIT_ROUNDOFF[torch.bfloat16] == 2.0 ** -8
@@ -55,9 +55,8 @@ def test_an_fp8_engines_bound_adds_e4m3s_rounding_of_weights_and_inputs():
     assert canary_bound(torch.bfloat16, **shape, fp8_roundings=2) == pytest.approx(bf16 + 4 * 2.0 ** -4 * math.sqrt(28) * 2)
     assert canary_bound(torch.bfloat16, **shape, fp8_roundings=3) == pytest.approx(bf16 + 6 * 2.0 ** -4 * math.sqrt(28) * 2)
     assert 16 < canary_bound(torch.bfloat16, **shape, fp8_roundings=2) / bf16 < 18
-    cases = [("none", "auto", "slot"), ("fp8", "auto", "slot"), ("fp8", "auto", "merged"), ("none", "fp8", "merged"),
-             ("fp8", "fp8", "slot"), ("fp8", "fp8", "merged")]
-    assert [fp8_roundings(*c) for c in cases] == [0, 2, 3, 2, 4, 5]
+    cases = [("none", "slot"), ("none", "merged"), ("fp8", "slot"), ("fp8", "merged")]
+    assert [fp8_roundings(*c) for c in cases] == [0, 0, 2, 3]
 
 
 def test_check_takes_the_worst_engine_and_drops_older_references():
@@ -182,7 +181,7 @@ def fp8_run(tiny_cfg, tiny_tokenizer, steps: int, fault: str = "", after_failure
                                            max_new_tokens=cfg.engine.max_new_tokens))
     shape, probe = learner.model.config, probe_ids(tiny_tokenizer)
     check = CanaryCheck(compute_dtype(cfg.model.dtype, on_gpu=False), every=1,
-                        fp8_roundings=fp8_roundings("fp8", "auto", lora_mode),
+                        fp8_roundings=fp8_roundings("fp8", lora_mode),
                         reduction=max(shape.hidden_size, shape.intermediate_size), num_layers=shape.num_hidden_layers)
     results, rewards = [], []
     for version in range(steps):
@@ -208,7 +207,7 @@ def test_a_healthy_fp8_run_with_tis_stays_under_its_bound_and_learns(tiny_cfg, t
     # alone can explain, which an FP8 engine's gap must pass
     without = canary_bound(torch.float32, reduction=128, num_layers=2, logit_scale=1.0) / \
         canary_bound(torch.float32, reduction=128, num_layers=2, logit_scale=1.0,
-                     fp8_roundings=fp8_roundings("fp8", "auto", lora_mode))
+                     fp8_roundings=fp8_roundings("fp8", lora_mode))
     assert all(not r.failed and r.gap > without * r.bound for r in results), results
     # learning: the last 5 batches' mean reward above the first 5's by more than 3 standard errors of
     # that difference (rewards in [0, 1]: a standard deviation of at most 1/2 per sample)

@@ -86,24 +86,6 @@ def test_a_registered_third_engine_trains_cpu_tiny(tmp_path):
     assert summary["steps"] == 3, summary
 
 
-def test_an_fp8_kv_cache_is_refused_where_the_engine_would_not_keep_one(tiny_cfg, monkeypatch):
-    """engine.kv_cache_dtype=fp8 is the vLLM entry's (`fp8_kv_cache`): refused for hf, and for auto
-    where auto is the HF engine (no GPU here); planning for another machine checks only an explicit kind."""
-    import dataclasses
-
-    from colocate.engine.table import check_engine_keys
-
-    def cfg(kind, kv="fp8"):
-        return dataclasses.replace(tiny_cfg, engine=dataclasses.replace(tiny_cfg.engine, kind=kind, kv_cache_dtype=kv))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for kind in ("hf", "auto"):
-        with pytest.raises(ConfigError, match="engine.kv_cache_dtype=fp8 is not kept by the hf engine"):
-            check_engine_keys(cfg(kind))
-    check_engine_keys(cfg("vllm"))
-    check_engine_keys(cfg("auto"), outside_world=False)
-    check_engine_keys(cfg("hf", kv="auto"))
-
-
 # ------------------------------------------------------------------- imports while the checks run
 
 @pytest.fixture

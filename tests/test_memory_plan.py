@@ -244,24 +244,24 @@ def test_rank_0_keeps_the_plans_estimates_in_the_run_dir(monkeypatch, tmp_path, 
         assert read_object(str(path)) == {"0": 70.1, "1": 64.2}
 
 
-def test_an_fp8_engine_plans_its_blocks_and_its_kv_cache_at_one_byte(seven_b):
+def test_an_fp8_engine_plans_its_blocks_at_one_byte_and_its_kv_cache_in_the_models_dtype(seven_b):
     """engine.quantization fp8: vLLM holds the decoder blocks' weights in e4m3 (one byte), the
-    embeddings and LM head in bf16; engine.kv_cache_dtype fp8 halves the bytes of a cached token."""
+    embeddings and LM head in bf16; a cached token keeps the model's dtype (a key and a value of
+    4 KV heads x 128 per layer, 28 layers, bf16: 56 KiB) either way."""
     from colocate.gpu_budget import GpuPlan, engine_weight_bytes, kv_cache_lines
     cfg = load_config(None, {"model": {"shape": "qwen2.5-7b", "dtype": "bfloat16"}})
     bf16 = engine_weight_bytes(cfg, seven_b)
     assert bf16 == seven_b.num_params * 2
-    cfg.engine.quantization = "fp8"
-    blocks = seven_b.block_params * seven_b.num_layers
-    assert engine_weight_bytes(cfg, seven_b) == bf16 - blocks and 0.5 < (bf16 - blocks) / bf16 < 0.6
     plan = [GpuPlan(gpu=(0, 0), ranks=(0,), roles=("inference",), parts=({"vLLM": 40 * GIB, "of which weights": 0},),
                     micro_batch_tokens=0)]
     per_token = {}
-    for kv in ("auto", "fp8"):
-        cfg.engine.kv_cache_dtype = kv
+    for quantization in ("none", "fp8"):
+        cfg.engine.quantization = quantization
         (line,) = kv_cache_lines(cfg, seven_b, plan)
-        per_token[kv] = int(line.split(" KiB a token")[0].rsplit(" ", 1)[1])
-    assert per_token == {"auto": 56, "fp8": 28}
+        per_token[quantization] = int(line.split(" KiB a token")[0].rsplit(" ", 1)[1])
+    assert per_token == {"none": 56, "fp8": 56}
+    blocks = seven_b.block_params * seven_b.num_layers
+    assert engine_weight_bytes(cfg, seven_b) == bf16 - blocks and 0.5 < (bf16 - blocks) / bf16 < 0.6
 
 
 def test_an_fp8_merged_engine_plans_w0_at_one_byte_and_its_scratch(seven_b, capsys, monkeypatch):

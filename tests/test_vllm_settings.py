@@ -108,11 +108,10 @@ def test_a_fixed_kv_cache_reaches_vllm_and_zero_leaves_it_to_vllms_profile(tiny_
     assert llm_arguments("/m", engine_settings(cfg, 1, 0, **facts))["kv_cache_memory_bytes"] == 3 * 2**29
 
 
-def test_fp8_reaches_vllm_as_online_quantization_and_its_own_kv_cache_key(tiny_cfg):
-    """engine.quantization=fp8: vLLM's `quantization="fp8"` (online FP8 of the bf16 checkpoint);
-    engine.kv_cache_dtype=fp8: its `kv_cache_dtype`, each on its own; the defaults pass neither, so
-    a bf16 engine's arguments are what they were. FP8 weights go with either LoRA mode (merged:
-    requantized at each update, `adapter_targets.MergedFp8Adapter`)."""
+def test_fp8_reaches_vllm_as_online_quantization(tiny_cfg):
+    """engine.quantization=fp8: vLLM's `quantization="fp8"` (online FP8 of the bf16 checkpoint); the
+    default passes none, so a bf16 engine's arguments are what they were. FP8 weights go with either
+    LoRA mode (merged: requantized at each update, `adapter_targets.MergedFp8Adapter`)."""
     import dataclasses
     from colocate.engine.vllm_settings import check_engine_args, llm_arguments
     from colocate.envs import env_facts
@@ -122,15 +121,11 @@ def test_fp8_reaches_vllm_as_online_quantization_and_its_own_kv_cache_key(tiny_c
         cfg = dataclasses.replace(tiny_cfg, engine=dataclasses.replace(tiny_cfg.engine, **engine))
         return llm_arguments("/m", engine_settings(cfg, 1, 0, **facts))
     plain = arguments()
-    assert "quantization" not in plain and "kv_cache_dtype" not in plain
+    assert "quantization" not in plain
     fp8 = arguments(quantization="fp8")
-    assert fp8["quantization"] == "fp8" and "kv_cache_dtype" not in fp8 and fp8["enable_lora"]
+    assert fp8["quantization"] == "fp8" and fp8["enable_lora"]
     assert {k: v for k, v in fp8.items() if k != "quantization"} == plain
-    kv = arguments(kv_cache_dtype="fp8")
-    assert kv["kv_cache_dtype"] == "fp8" and "quantization" not in kv
-    assert arguments(quantization="fp8", kv_cache_dtype="fp8").keys() == plain.keys() | {"quantization", "kv_cache_dtype"}
-    check_engine_args("slot", "fp8", "fp8")
-    check_engine_args("merged", "none", "fp8")  # an FP8 cache beside merged bf16 weights is fine
+    check_engine_args("slot", "fp8")
     check_engine_args("merged", "fp8")
     merged = arguments(quantization="fp8", lora_mode="merged")
     assert merged["quantization"] == "fp8" and not merged["enable_lora"]

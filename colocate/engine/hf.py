@@ -20,7 +20,7 @@ log-prob is exactly pi_v(token | prefix) for the version v recorded for it (`tok
 as vLLM's merged FP8 engine does (`fp8.merge_fp8`); otherwise (and in bf16 or fp32, where merging
 changes only the compute dtype's rounding) peft applies it beside the base layer.
 
-Left out on purpose: CUDA graphs, paged KV (and so an FP8 KV cache), prefix sharing (vLLM's job).
+Left out on purpose: CUDA graphs, paged KV, prefix sharing (vLLM's job).
 """
 from __future__ import annotations
 

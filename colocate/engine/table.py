@@ -61,8 +61,6 @@ class EngineEntry:
     """(cfg) -> whether the engine sizes its memory from what the GPU has free while it starts (vLLM's
     memory profile, without `engine.kv_cache_gib`): a learner on its GPU then allocates only once it
     has started, since the profile would count the learner's memory as the engine's own."""
-    fp8_kv_cache: bool = False
-    """Whether it keeps its KV cache in FP8 for engine.kv_cache_dtype=fp8 (`check_engine_keys`)."""
     imports: tuple[str, ...] = ()
     """Modules its `build` imports that take long (vLLM's): an inference rank of `colocate train`
     imports them while it waits for the launcher's checks (`preimport`)."""
@@ -72,8 +70,6 @@ def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
     """The reference engine on the rank's device, in the rank's process: adapters arrive by
     broadcast (or CUDA IPC when it shares learner rank 0's GPU)."""
     from colocate.engine.hf import HFEngine
-    if cfg.engine.kv_cache_dtype == "fp8":  # checked before launch; here too if auto resolved otherwise on the rank
-        raise fp8_kv_refused("hf")
     engine = HFEngine(parts.model, parts.tokenizer, device=topo.device, seed=cfg.rollout.seed * 1000 + topo.rank,
                       quantization=cfg.engine.quantization, lora_mode=cfg.engine.lora_mode)
     mark("engine_constructed")  # before the receiver, which waits for learner rank 0
@@ -122,7 +118,7 @@ ENGINES: dict[str, EngineEntry] = {
     "vllm": EngineEntry(build=build_vllm, sender=vllm_sender, loads_own_weights=True,
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
                         installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
-                        sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0, fp8_kv_cache=True,
+                        sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0,
                         imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel")),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
@@ -211,24 +207,6 @@ def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
     if outside_world and kind != "auto" and not ENGINES[kind].installed():
         raise ConfigError(f"engine.kind={kind} but {kind} is not installed in this environment "
                           f"({ENGINES[kind].install_hint})")
-
-
-def check_engine_keys(cfg, *, outside_world: bool = True) -> None:
-    """Keys only some entries honour: engine.kv_cache_dtype=fp8 (`EngineEntry.fp8_kv_cache`). `auto`
-    is resolved for this machine when it is the one the run uses (`outside_world`)."""
-    if cfg.engine.kv_cache_dtype != "fp8":
-        return
-    kind = cfg.engine.kind
-    if kind == "auto" and outside_world:  # device_count asks NVML: the check's process leaves CUDA unstarted
-        import torch
-        kind = resolve_kind(kind, on_device("cuda" if torch.cuda.device_count() > 0 else "cpu"))
-    if kind in ENGINES and not ENGINES[kind].fp8_kv_cache:
-        raise fp8_kv_refused(kind)
-
-
-def fp8_kv_refused(kind: str) -> ConfigError:
-    return ConfigError(f"engine.kv_cache_dtype=fp8 is not kept by the {kind} engine (its KV cache stays in the "
-                       "model's dtype): use engine.kind=vllm on a GPU, or engine.kv_cache_dtype=auto")
 
 
 def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lambda: None) -> AdapterSender:

@@ -8,8 +8,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from colocate.config_schema import (CUDAGRAPH_MODES, KV_CACHE_DTYPES, LORA_MODES, QUANTIZATIONS, EngineConfig,
-                                    LoraConfig, MetricsConfig, RolloutConfig)
+from colocate.config_schema import (CUDAGRAPH_MODES, LORA_MODES, QUANTIZATIONS, EngineConfig, LoraConfig, MetricsConfig,
+                                    RolloutConfig)
 from colocate.engine.fp8 import scale_groups
 from colocate.engine.fp8_merge import merged_fp8_bytes
 
@@ -60,8 +60,6 @@ class VLLMSettings:
     """`rollout.update`: inflight lets adapter updates land under running requests."""
     quantization: str = _E.quantization
     """none or fp8 (config `engine.quantization`): vLLM's online FP8 of the base weights."""
-    kv_cache_dtype: str = _E.kv_cache_dtype
-    """auto or fp8 (config `engine.kv_cache_dtype`)."""
     prestart: bool = _E.prestart
     """Fork the engine core from the pre-started server (config `engine.prestart`, `prestart.py`)."""
 
@@ -133,8 +131,7 @@ def engine_settings(cfg, num_inference: int, seed: int, *, prompt_bound: int,
                 validate_grammars=cfg.engine.validate_grammars, max_capture_tokens=cfg.engine.max_capture_tokens,
                 cudagraph_mode=cfg.engine.cudagraph_mode, update=cfg.rollout.update,
                 logprob_kernel=cfg.engine.logprob_kernel, constraint_masks=cfg.engine.constraint_masks,
-                quantization=cfg.engine.quantization, kv_cache_dtype=cfg.engine.kv_cache_dtype,
-                prestart=cfg.engine.prestart)
+                quantization=cfg.engine.quantization, prestart=cfg.engine.prestart)
 
 
 def profiler_settings(profile_dir: str, steps: int) -> dict:
@@ -182,34 +179,28 @@ def merged_memory_share(utilization: float, copy_bytes: int, total_bytes: int) -
     return share
 
 
-def check_engine_args(lora_mode: str, quantization: str = "none", kv_cache_dtype: str = "auto") -> None:
+def check_engine_args(lora_mode: str, quantization: str = "none") -> None:
     """Refuse what vLLM would reject (or what would go wrong) only after a minute of start-up, before
     vLLM is imported. FP8 weights go with either LoRA mode (merged: `adapter_targets.MergedFp8Adapter`)."""
     if lora_mode not in LORA_MODES:
         raise ValueError(f"lora_mode={lora_mode!r} is not one of {LORA_MODES}")
-    if quantization not in QUANTIZATIONS or kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"quantization={quantization!r} / kv_cache_dtype={kv_cache_dtype!r}: expected one of "
-                         f"{QUANTIZATIONS} / {KV_CACHE_DTYPES}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not one of {QUANTIZATIONS}")
 
 
 def precision_arguments(s: VLLMSettings) -> dict:
     """vLLM's `quantization` (fp8 on an unquantized checkpoint: online FP8, one scale per weight,
     dynamic activation scales; slot LoRA runs beside it, `vllm/lora/layers/base_linear.py` calls the
-    base layer's `quant_method.apply`; merged requantizes the weights at each update) and
-    `kv_cache_dtype`; {} at the defaults, so a bf16 engine's arguments stay what they were."""
-    kw = {}
-    if s.quantization != "none":
-        kw["quantization"] = s.quantization
-    if s.kv_cache_dtype != "auto":
-        kw["kv_cache_dtype"] = s.kv_cache_dtype
-    return kw
+    base layer's `quant_method.apply`; merged requantizes the weights at each update); {} at the
+    default, so a bf16 engine's arguments stay what they were."""
+    return {"quantization": s.quantization} if s.quantization != "none" else {}
 
 
 def llm_arguments(model_dir: str, s: VLLMSettings) -> dict:
     """Every keyword argument of `vllm.LLM` for one engine. Log-probs are the processed ones (after
     temperature and the grammar mask: what the learner computes); grammars go to llguidance
     (token-id terminals, `vllm_grammar.py`)."""
-    check_engine_args(s.lora_mode, s.quantization, s.kv_cache_dtype)
+    check_engine_args(s.lora_mode, s.quantization)
     kw = dict(model=model_dir, tokenizer=model_dir, max_num_seqs=s.max_num_seqs, dtype=s.dtype, seed=s.seed,
               max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
               enforce_eager=s.enforce_eager, enable_prefix_caching=s.enable_prefix_caching,

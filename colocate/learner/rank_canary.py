@@ -57,8 +57,7 @@ class RankCanary:
         self.check = CanaryCheck(compute_dtype(cfg.model.dtype, topo.device.type == "cuda"),
                                  reduction=max(shape.hidden_size, shape.intermediate_size),
                                  num_layers=shape.num_hidden_layers, every=cfg.sync.canary_every,
-                                 fp8_roundings=fp8_roundings(cfg.engine.quantization, cfg.engine.kv_cache_dtype,
-                                                             cfg.engine.lora_mode))
+                                 fp8_roundings=fp8_roundings(cfg.engine.quantization, cfg.engine.lora_mode))
         self.gap: float | None = None  # this step's canary gap (step line)
         self.scores: list = []  # the engines' canary scores received this step (`verify`)
         self.timer = DeviceTimer(topo.device)  # the probe's device time, read a step later
