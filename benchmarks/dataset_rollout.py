@@ -2,11 +2,12 @@
 against plain vLLM with the old GSM8K rollout script's settings, on the same prompts (figures:
 profiles/README.md).
 
-Workload (the old script's): 16 questions x 8 samples = 128 sequences, 200-400-token prompts
+Workload (the old script's): 16 questions x 8 samples = 128 sequences (`--questions` sets the
+count: 64 fills an engine as the multi-GPU presets' 512 sequences do), 200-400-token prompts
 (GSM8K-format word problems behind few-shot examples, through the chat template when the model
 has one), unconstrained answers up to 500 tokens, temperature 1.
-  vllm   `LLM(max_model_len=2048, CUDA graphs, chunked prefill, max_num_seqs=256,
-         gpu_memory_utilization=0.95)`, one `generate` of the 16 prompts with n=8
+  vllm   `LLM(max_model_len=2048, CUDA graphs, chunked prefill, max_num_seqs=256 or every sequence,
+         gpu_memory_utilization=0.95)`, one `generate` of the questions' prompts with n=8
   ours   `DatasetEnv` + `VLLMEngine` + `RolloutWorker.collect()` (16 groups of 8: prompt ids,
          requests, engine, decoding, rewards), the engine sized as configs/gpu-gsm8k.yaml with the
          same max_model_len / max_num_seqs / memory fraction
@@ -46,6 +47,8 @@ def add_args(parser) -> None:
     parser.add_argument("--model-path", default="", help="local HF model directory (default: random 7B shape)")
     parser.add_argument("--shape", default="", help="random-weight model shape (default: the preset's, qwen2.5-7b)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--questions", type=int, default=QUESTIONS,
+                        help=f"prompts a round, each sampled {SAMPLES} times (default: the old script's {QUESTIONS})")
     parser.add_argument("--sides", default="vllm,ours",
                         help=f"comma-separated, of {SIDES} and ours+NAME; the first is the baseline")
     parser.add_argument("--variant", nargs="*", default=[], help="NAME:section.key=value,... for the side ours+NAME")
@@ -55,14 +58,19 @@ def add_args(parser) -> None:
     parser.add_argument("--result", default="")
 
 
-def write_workload(path: str) -> None:
+def vllm_settings(questions: int) -> dict:
+    """Both sides' engine sizing: the old script's, with room for every sequence of a round."""
+    return VLLM_SETTINGS | {"max_num_seqs": max(VLLM_SETTINGS["max_num_seqs"], questions * SAMPLES)}
+
+
+def write_workload(path: str, questions: int) -> None:
     """GSM8K-format rows whose question carries 4 worked examples first (200-400 prompt tokens)."""
     import random
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
     from make_task_data import word_problem
     rng = random.Random(0)
     with open(path, "w") as f:
-        for _ in range(QUESTIONS * 4):
+        for _ in range(questions * 4):
             shots = [word_problem(rng) for _ in range(4)]
             row = word_problem(rng)
             context = "\n\n".join(f"Question: {s['question']}\nAnswer: {s['answer']}" for s in shots)
@@ -92,12 +100,13 @@ def side_overrides(side: str, variants: list[str]) -> dict:
 def config(args):
     from colocate.config import load_config
     model = {"path": args.model_path, **({"shape": args.shape} if args.shape else {})}
+    sizing = vllm_settings(args.questions)
     return load_config("configs/gpu-gsm8k.yaml", deep_update({
         "model": model, "env": {"data_files": [args.data], "eval_files": []},
-        "engine": {"max_new_tokens": MAX_TOKENS, "max_num_seqs": VLLM_SETTINGS["max_num_seqs"],
-                   "max_model_len": VLLM_SETTINGS["max_model_len"],
-                   "gpu_memory_utilization": VLLM_SETTINGS["gpu_memory_utilization"], "lora_mode": "merged"},
-        "rollout": {"groups_per_step": QUESTIONS, "group_size": SAMPLES, "batch_size": QUESTIONS * SAMPLES,
+        "engine": {"max_new_tokens": MAX_TOKENS, "max_num_seqs": sizing["max_num_seqs"],
+                   "max_model_len": sizing["max_model_len"],
+                   "gpu_memory_utilization": sizing["gpu_memory_utilization"], "lora_mode": "merged"},
+        "rollout": {"groups_per_step": args.questions, "group_size": SAMPLES, "batch_size": args.questions * SAMPLES,
                     "oversample_groups": 0, "stream": True}}, side_overrides(args.side, args.variant)))
 
 
@@ -123,7 +132,8 @@ def side_ours(args) -> dict:
     cfg, tokenizer, model_dir, env = build(args)
     engine = VLLMEngine(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id,
                         engine_settings(cfg, 1, seed=0, **env_facts(cfg)))
-    worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=QUESTIONS, stream=cfg.rollout.stream))
+    worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=cfg.rollout.groups_per_step,
+                                                        stream=cfg.rollout.stream))
     rounds = []
     for i in range(args.rounds + 1):
         before = dict(engine.counters)
@@ -162,7 +172,7 @@ def side_vllm(args, logprobs: bool, ours_args: bool = False, quantization: str =
         extra = {"logprobs_mode": "processed_logprobs"} if logprobs else {}
         if quantization:
             extra["quantization"] = quantization
-        llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **VLLM_SETTINGS, **extra)
+        llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **vllm_settings(args.questions), **extra)
     asks = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, **asks)
     steps, engine_step = [0], llm.llm_engine.step
@@ -175,7 +185,7 @@ def side_vllm(args, logprobs: bool, ours_args: bool = False, quantization: str =
     column = env.settings.prompt_column
     for i in range(args.rounds + 1):
         # the env's own rows and prompt ids, in its order: the same prompts as ours
-        prompts = [{"prompt_token_ids": env.chat.ids(env.next_row()[column])} for _ in range(QUESTIONS)]
+        prompts = [{"prompt_token_ids": env.chat.ids(env.next_row()[column])} for _ in range(args.questions)]
         steps[0] = 0
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -219,12 +229,13 @@ def run(args) -> dict:
     pairs = parse_ratios(args.ratios, names)
     tmp = tempfile.mkdtemp(prefix="dataset-rollout-")
     data = os.path.join(tmp, "workload.jsonl")
-    write_workload(data)
+    write_workload(data, args.questions)
     sides = {}
     for side in names:
         out = os.path.join(tmp, f"{side}.json")
         cmd = [sys.executable, "scripts/benchmark.py", "--profile", "dataset_rollout", "--side", side,
-               "--data", data, "--result", out, "--rounds", str(args.rounds), "--out", os.path.join(tmp, "x.json")]
+               "--data", data, "--result", out, "--rounds", str(args.rounds), "--questions", str(args.questions),
+               "--out", os.path.join(tmp, "x.json")]
         if args.model_path:
             cmd += ["--model-path", args.model_path]
         if args.shape:

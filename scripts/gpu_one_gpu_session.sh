@@ -66,7 +66,8 @@
 #            our engine bf16 (merged, as shipped: ours), FP8 merged (ours+fp8m: W0 in e4m3, requantized at each
 #            sync) and plain vLLM FP8; further sides: bf16 slot (ours+slot), FP8 slot (ours+fp8), plain vLLM
 #            bf16 (vllm); ratios ours+fp8m over ours (>= 1.3 wanted) and over vllm_fp8 (>= 0.95); DSROLLFP8_SIDES
-#            picks the sides (set DSROLLFP8_RATIOS to pairs of the sides kept)
+#            picks the sides (set DSROLLFP8_RATIOS to pairs of the sides kept); DSROLLFP8_ARGS adds arguments,
+#            e.g. "--questions 64" (512 sequences a round, as an engine of the multi-GPU presets keeps)
 #   parityfp8  the parity step with the engine in FP8 (--quantization fp8): the engine-vs-learner log-prob gap
 #            of an FP8 engine (parity-7b-fp8.json beside parity's parity-7b.json: run parity,parityfp8)
 #   learnfp8 the GPU learning test with FP8: cpu-tiny on vLLM with engine.quantization=fp8 and loss.tis_cap=2
@@ -229,7 +230,7 @@ step() {  # one step of the chain, by name
             --sides "${DSROLLFP8_SIDES:-ours,ours+fp8m,vllm_fp8}" \
             --variant "slot:engine.lora_mode=slot" "fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
               "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" \
-            --ratios "${DSROLLFP8_RATIOS:-ours+fp8m/ours,ours+fp8m/vllm_fp8}" \
+            --ratios "${DSROLLFP8_RATIOS:-ours+fp8m/ours,ours+fp8m/vllm_fp8}" ${DSROLLFP8_ARGS:-} \
             --out "$GS/dataset-rollout-fp8.json" ;;
     parityfp8) with_memory parityfp8 timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
               --iters 3 --also parity --budget-s 400 --quantization fp8 --out "$GS/parity-7b-fp8.json" ;;

@@ -39,7 +39,7 @@ def test_dataset_rollout_variants_override_ours_config():
     from types import SimpleNamespace
 
     from benchmarks.dataset_rollout import MAX_TOKENS, config
-    args = SimpleNamespace(model_path="", shape="qwen2.5-0.5b", data="x.jsonl",
+    args = SimpleNamespace(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", questions=16,
                            variant=["nocap:engine.max_capture_tokens=0,engine.max_new_tokens=300"])
     plain, nocap = config(SimpleNamespace(**vars(args), side="ours")), config(SimpleNamespace(**vars(args), side="ours+nocap"))
     assert plain.engine.max_capture_tokens > 0 and plain.engine.max_new_tokens == MAX_TOKENS
@@ -62,7 +62,7 @@ def test_dataset_rollout_compares_fp8_sides_by_named_ratios():
     for bad in ("ours+fp8", "ours+fp8/theirs", "ours/ours", "/ours"):
         with pytest.raises(SystemExit, match="--ratios"):
             parse_ratios(bad, sides)
-    args = dict(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", side="ours+fp8")
+    args = dict(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", questions=16, side="ours+fp8")
     fp8 = config(SimpleNamespace(**args, variant=["fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0"]))
     assert (fp8.engine.quantization, fp8.engine.lora_mode) == ("fp8", "slot")
     spec = "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0"  # W0 requantized at each update
@@ -88,3 +88,19 @@ def test_session_profiles_take_the_engines_precision():
         parser.parse_args(["--quantization", "int8"])
     merged = parser.parse_args(["--quantization", "fp8", "--lora-mode", "merged"])
     assert (merged.quantization, merged.lora_mode) == ("fp8", "merged")
+
+
+def test_dataset_rollout_questions_size_both_sides():
+    """`--questions N`: N groups of 8 a round in ours' config, and room for all of them in both sides'
+    engines (the old script's 256 sequence slots at least)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from benchmarks.dataset_rollout import QUESTIONS, SAMPLES, add_args, config, vllm_settings
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert parser.parse_args([]).questions == QUESTIONS and parser.parse_args(["--questions", "64"]).questions == 64
+    assert vllm_settings(QUESTIONS)["max_num_seqs"] == 256 and vllm_settings(64)["max_num_seqs"] == 64 * SAMPLES
+    cfg = config(SimpleNamespace(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", questions=64, side="ours",
+                                 variant=[]))
+    assert (cfg.rollout.groups_per_step, cfg.rollout.group_size, cfg.engine.max_num_seqs) == (64, SAMPLES, 512)
