@@ -20,6 +20,10 @@
 #   tree     the trainer benchmark on the e2e workload's shapes: flat against tree and group packing
 #   e2e1     configs/gpu-1.yaml, 10 steps per rollout.update mode in E2E_MODES (default drain,inflight),
 #            back to back (e2e benchmark: steady state past --warmup 3; s/step, learner busy, NVML)
+#   tracegsm configs/gpu-1-gsm8k.yaml as shipped for 12 steps with metrics.profile on (steps 8-9 traced in each role and
+#            up to metrics.profile_engine_steps engine steps in vLLM's engine core): their summaries
+#            (scripts/trace_summary.py: GPU busy and idle per trace, kernel families, host regions) in tracegsm.json;
+#            where an engine step's 6-7 ms go (~3 min)
 #   e2egsm   configs/gpu-1-gsm8k.yaml the same (eval off; GSM8K_MODEL=/path sets model.path, else the
 #            0.5B shape with random weights: every completion runs to 256 tokens)
 #   e2e7b    configs/gpu-1-7b.yaml the same
@@ -137,6 +141,19 @@ startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on S
   done
 }
 
+trace_gsm() {  # configs/gpu-1-gsm8k.yaml as shipped, 12 steps, steps 8-9 traced in every role and in vLLM's engine core
+  local prof=/tmp/gs1-traces sets=()  # traces stay out of $GS (they would not fit the results); their summaries come
+  rm -rf "$prof"
+  [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
+  with_memory tracegsm timeout 900 torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1-gsm8k.yaml \
+    --learner.num_steps=12 --eval.every=0 --eval.at_end=false --metrics.profile=true --metrics.profile_wait=6 \
+    --metrics.profile_dir=$prof --metrics.run_dir=$GS/run-tracegsm ${sets[@]+"${sets[@]}"}
+  local traces
+  traces=$(find "$prof" -name "*.json*" 2>/dev/null | sort)
+  [ -n "$traces" ] && python3 scripts/trace_summary.py $traces > "$GS/tracegsm.json" 2>> "$GS/tracegsm.log"
+  echo "tracegsm: $(echo "$traces" | grep -c .) traces summarized in tracegsm.json" >> "$GS/chain.log"
+}
+
 pyc_check() {  # whether the bundle's modules import from cached bytecode, and what a fresh import of vLLM costs
   local site
   site=$(python3 -c "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))" 2>/dev/null)
@@ -205,6 +222,7 @@ step() {  # one step of the chain, by name
     e2ecanary2) E2ECANARY2_ORDER=${E2ECANARY2_ORDER:-"async+two+short@warm,async+two,async+zero"} \
       E2E_VARIANTS="two:sync.canary_every=2 zero:sync.canary_every=0 short:learner.num_steps=10" \
       e2e_jobs e2ecanary2 configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" --steps "${E2ECANARY2_STEPS:-60}" ;;
+    tracegsm) trace_gsm ;;
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
@@ -277,7 +295,7 @@ chain() {
   [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   echo "chain done" >> "$GS/chain.log"
 }
-export -f chain step with_memory e2e_jobs startup_profile pyc_check
+export -f chain step with_memory e2e_jobs startup_profile pyc_check trace_gsm
 export GS
 
 table() {  # the e2e records so far: one row per config and mode
