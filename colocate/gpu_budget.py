@@ -140,7 +140,7 @@ def engine_weight_bytes(cfg: Config, shape: ModelShape) -> int:
     norms too: a few KiB counted short), embeddings and LM head in the model's dtype; lora_mode
     merged adds its copy (`merged_copy_bytes`)."""
     own = vllm_weight_bytes(cfg, shape)
-    return own + merged_copy_bytes(cfg, shape, own)
+    return own + merged_copy_bytes(cfg, shape)
 
 
 def vllm_weight_bytes(cfg: Config, shape: ModelShape) -> int:
@@ -150,24 +150,27 @@ def vllm_weight_bytes(cfg: Config, shape: ModelShape) -> int:
     return (shape.num_params - blocks) * shape.dtype_bytes + blocks * block_bytes
 
 
-def merged_copy_bytes(cfg: Config, shape: ModelShape, own: int) -> int:
-    """What lora_mode merged keeps beside vLLM's `own` weights (0 in slot mode). bf16: a second copy
-    of them (W0; the adapted weights are most of them). fp8: W0 of the decoder blocks in e4m3, one
+def merged_copy_bytes(cfg: Config, shape: ModelShape) -> int:
+    """What lora_mode merged keeps beside vLLM's weights (0 in slot mode), planned from the shape
+    before launch (the engine's build counts it again from the adapter's own shapes,
+    `engine.vllm_settings.merged_copy_bytes`): W0 of the decoder blocks, the most any target list
+    adapts (embeddings and LM head are never copied), in the model's dtype; with fp8 in e4m3, one
     byte a parameter, and the fp32 scratch the largest fused weight is requantized in: gate_up
     (2 x intermediate x hidden) or qkv (q taken as wide as the hidden size), `engine/fp8_merge.py`."""
     if cfg.engine.lora_mode != "merged":
         return 0
+    blocks = shape.block_params * shape.num_layers
     if cfg.engine.quantization != "fp8":
-        return own
+        return blocks * shape.dtype_bytes
     largest = shape.hidden * max(2 * shape.intermediate, shape.hidden + 2 * shape.kv)
-    return shape.block_params * shape.num_layers + FP8_SCRATCH_BYTES * largest
+    return blocks + FP8_SCRATCH_BYTES * largest
 
 
 def engine_parts(cfg: Config, shape: ModelShape, total: int) -> dict[str, int]:
     """An inference rank's use of its card: vLLM's pool (its weights, merged mode's copy among them)
     and the rank's own process."""
     own = vllm_weight_bytes(cfg, shape)
-    copy = merged_copy_bytes(cfg, shape, own)
+    copy = merged_copy_bytes(cfg, shape)
     parts = {"vLLM": int(cfg.engine.gpu_memory_utilization * total), "of which weights": own + copy,
              "context": CONTEXT_BYTES}
     if copy:
@@ -298,7 +301,8 @@ def merged_words(cfg: Config, parts: dict) -> str:
     if not copy:
         return ""
     if cfg.engine.quantization != "fp8":
-        return f" = 2 x {weights / 2 / GIB:.1f}, W0 and its merged copy (engine.lora_mode=merged)"
+        return (f" = {(weights - copy) / GIB:.1f} + {copy / GIB:.1f}, vLLM's and the decoder blocks' W0 "
+                "(engine.lora_mode=merged)")
     return (f" = {(weights - copy) / GIB:.1f} + {copy / GIB:.1f}, vLLM's and W0 in e4m3 with the fp32 buffer the "
             "merge is requantized in (engine.lora_mode=merged, engine.quantization=fp8)")
 

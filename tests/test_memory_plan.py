@@ -55,15 +55,17 @@ def test_gpu_memory_takes_sizes_and_card_names():
 
 
 def test_the_plan_says_which_unit_it_read_the_merged_copy_and_the_kv_cache_room(capsys, monkeypatch):
-    """80GB is 80e9 bytes (74.5 GiB), and the plan says so; merged mode's weights are two copies; the
+    """80GB is 80e9 bytes (74.5 GiB), and the plan says so; merged mode adds a copy of the decoder blocks; the
     KV cache gets vLLM's share less the weights, in tokens and sequences of the engine's length."""
     monkeypatch.chdir(REPO)
     code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB")
     assert code == 0, err
     assert "memory plan (4 GPUs per node of 80GB = 74.5 GiB, GB being 10^9 bytes)" in err
     total = 80 * 10**9
-    pool, weights = int(0.75 * total), 2 * 7_615_616_512 * 2  # gpu_memory_utilization, 7B bf16 twice
-    assert f"of which weights {weights / GIB:.1f} = 2 x {weights / 2 / GIB:.1f}, W0 and its merged copy" in err
+    own, copy = 7_615_616_512 * 2, (7_615_616_512 - 2 * 152_064 * 3_584 - 3_584) * 2  # 7B bf16; its blocks' W0
+    pool, weights = int(0.75 * total), own + copy  # gpu_memory_utilization; embeddings and LM head copied never
+    assert (f"of which weights {weights / GIB:.1f} = {own / GIB:.1f} + {copy / GIB:.1f}, vLLM's and the decoder "
+            "blocks' W0") in err
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
     length = -(-(1536 + 160) // 64) * 64  # Diplomacy's prompt bound and max_new_tokens, rounded up to 64
     tokens = (pool - weights) // per_token
@@ -197,14 +199,16 @@ def test_the_14b_and_32b_shapes_are_qwens(shape):
 
 
 def test_a_32b_engine_is_refused_on_one_80gb_card_saying_why(capsys, monkeypatch):
-    """Merged mode keeps two copies of 61 GiB of weights: no share of an H100 holds them (one line,
-    pointing at slot mode); slot mode's one copy needs a larger share; a 40 GB card needs tensor parallelism."""
+    """Merged mode keeps 61 GiB of weights and a copy of their decoder blocks: no share of an H100 holds
+    them (one line, pointing at slot mode); slot mode's one copy needs a larger share; a 40 GB card
+    needs tensor parallelism."""
     monkeypatch.chdir(REPO)
     base = ("--config", "configs/gpu-4.yaml", "--world-size=4", "--model.shape=qwen2.5-32b")
     code, err = check(capsys, *base, "--gpu-memory", "h100")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
-    assert "less than its weights (122.1 GiB, engine.lora_mode=merged)" in lines[0]
+    # 61.0 GiB loaded and its decoder blocks' W0 again (58.1: embeddings and LM head are not copied)
+    assert "less than its weights (119.2 GiB, engine.lora_mode=merged)" in lines[0]
     assert lines[0].endswith("no share of one card holds them: use engine.lora_mode=slot (one copy of the weights)")
     code, err = check(capsys, *base, "--gpu-memory", "h100", "--engine.lora_mode=slot")
     assert code == 2 and err.strip().endswith("(61.0 GiB, engine.lora_mode=slot) plus room for a KV cache; raise it")
