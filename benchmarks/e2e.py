@@ -90,7 +90,9 @@ from colocate.learner.step_report import TimelineRow
 
 def add_args(parser) -> None:
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="processes per job; 0: what `colocate train` starts for the job's config (inference + "
+                             "learner ranks where it fixes both: a variant may set topology.num_inference)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2, help="steps of each job left out of the figures")
     parser.add_argument("--lag", type=int, default=None,
@@ -152,14 +154,20 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
     return (async_lag if base == "async" else 0), extra
 
 
+def job_command(args, lag: int | None, run_dir: str, extra: list[str] = ()) -> list[str]:
+    """`colocate train` for one job: --nproc only when given (else the config's own count, so a
+    variant's topology sets it), the job's lag, run directory and overrides, the variant's last."""
+    return [sys.executable, "-m", "colocate.cli", "train", *([f"--nproc={args.nproc}"] if args.nproc else []),
+            "--config", args.config, f"--learner.num_steps={args.steps}",
+            *([] if lag is None else [f"--learner.max_policy_lag={lag}"]), f"--metrics.run_dir={run_dir}",
+            *("--" + o.removeprefix("--") for o in [*args.set, *extra])]
+
+
 def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: str = "") -> dict:
     """One job of the config as a user starts it (`colocate train`: the checks, then torchrun);
     `tree`: run another source tree's code (cwd and PYTHONPATH)."""
     env = job_env(tree)
-    cmd = [sys.executable, "-m", "colocate.cli", "train", f"--nproc={args.nproc}",
-           "--config", args.config, f"--learner.num_steps={args.steps}",
-           *([] if lag is None else [f"--learner.max_policy_lag={lag}"]), f"--metrics.run_dir={run_dir}",
-           *("--" + o.removeprefix("--") for o in [*args.set, *extra])]
+    cmd = job_command(args, lag, run_dir, extra)
     t0 = time.time()
     log_path = os.path.join(os.path.dirname(run_dir), f"{os.path.basename(run_dir)}.log")
     with open(log_path, "w") as log:

@@ -30,6 +30,8 @@
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v");
 #            E2E_BASELINE_TREE=DIR runs the jobs named JOB@base from another checkout (before/after code)
+#            Each job runs the processes its config fixes (the one-GPU presets: 2); a variant setting
+#            topology.num_inference=2 runs two engines and the learner on the GPU (3 processes)
 #   e2ecanary the canary's cost on configs/gpu-1-gsm8k.yaml: a warm-up job (on@warm: compile caches, GPU
 #            clocks; counted nowhere), then six jobs of sync.canary_every 1 and 0 (on,off,off,on,on,off:
 #            three adjacent on/off pairs, their s/step ratios' mean and standard error and the pooled ratio in
@@ -119,7 +121,7 @@ e2e_jobs() {  # e2e_jobs NAME CONFIG [OVERRIDES...]: 10 steps per job, back to b
       order="$order${order:+,}async+$m"; variants+=("$m:rollout.update=$m")
     done
   fi
-  with_memory "$name" timeout 3000 python3 scripts/benchmark.py --profile e2e --config "$config" --nproc 2 \
+  with_memory "$name" timeout 3000 python3 scripts/benchmark.py --profile e2e --config "$config" \
     --steps "${E2E_STEPS:-10}" --warmup 3 --order "$order" ${variants[@]:+--variant "${variants[@]}"} --set checkpoint.enabled=false "$@" \
     --out "$GS/$name.json" --partial "$GS/partial-$name.json" ${E2E_BASELINE_TREE:+--baseline-tree "$E2E_BASELINE_TREE"}
 }

@@ -312,3 +312,18 @@ def test_batch_parity_is_by_the_version_that_sampled_the_batch():
 def test_no_parity_figures_without_two_values_of_each_parity():
     out = steady_state({"timeline": named(learner_rows(1.0, 0.5, 5))}, [], warmup=2)  # steps 2, 3, 4
     assert not [k for k in out if "_even_" in k or "_parity_" in k]
+
+
+def test_a_job_runs_as_many_processes_as_its_config_unless_nproc_is_given():
+    """Without --nproc a job is `colocate train` without it: the config's own inference + learner
+    ranks, so a variant that sets topology.num_inference=2 on a one-GPU preset runs 3 processes;
+    the variant's overrides come after --set's."""
+    from types import SimpleNamespace
+
+    from benchmarks import e2e
+    args = SimpleNamespace(nproc=0, config="configs/gpu-1-gsm8k.yaml", steps=10, set=["eval.every=0"])
+    cmd = e2e.job_command(args, None, "/tmp/run", ["topology.num_inference=2"])
+    assert not any(c.startswith("--nproc") for c in cmd) and "--learner.max_policy_lag" not in " ".join(cmd)
+    assert cmd[-2:] == ["--eval.every=0", "--topology.num_inference=2"] and "--metrics.run_dir=/tmp/run" in cmd
+    cmd = e2e.job_command(SimpleNamespace(**{**vars(args), "nproc": 2}), 2, "/tmp/run")
+    assert "--nproc=2" in cmd and "--learner.max_policy_lag=2" in cmd
