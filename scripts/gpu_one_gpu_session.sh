@@ -314,7 +314,7 @@ def learner_probe(r):  # a forward of its own (LoRA dropout; older trees) or rid
 
 if paths:
     print(f"{'config':<22} {'job':<9} {'s/step':>7} {'learner busy':>13} {'GPU util':>9} {'dropped':>8} {'step ms':>8} "
-          f"{'canary learner/engine ms':>25}")
+          f"{'tok/step':>8} {'canary learner/engine ms':>25}")
 for path in paths:
     record = json.load(open(path))
     for job, r in record.get("failed", {}).items():
@@ -324,6 +324,7 @@ for path in paths:
         print(f"{os.path.basename(record['config']):<22} {job.split('+')[-1]:<9} {r['seconds_per_step']:>7.2f} "
               f"{100 * r['learner_busy_fraction']:>12.0f}% {'' if util is None else f'{100 * util:.0f}%':>9} "
               f"{r['dropped_stale']:>8.0f} {r.get('rollout_step_ms', float('nan')):>8.1f} "
+              f"{r.get('rollout_tokens_per_step', float('nan')):>8.1f} "
               f"{learner_probe(r):>12}/{r.get('canary_engine_ms_mean', float('nan')):<12.1f}")
     for key, v in record.get("figures", {}).items():  # two jobs alternating: their pairs (e2e benchmark)
         if key.endswith(("_pairs", "_pair_mean", "_pair_se", "_pooled", "_parity_gap_frac", "_parity_gap_frac_se")):
