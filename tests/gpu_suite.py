@@ -73,14 +73,15 @@ class Finished:
         return self.output[-n:]
 
 
-def share_overrides(total_bytes: int) -> list[str]:
-    """The config overrides that size one run's engine to its share of a card of `total_bytes`."""
-    share = min(0.9, SHARE_GIB * 2**30 / total_bytes)
+def share_overrides(total_bytes: int, engines: int = 1) -> list[str]:
+    """The config overrides that size one run's engines to its share of a card of `total_bytes`
+    (`engines` of them in the run: a part each)."""
+    share = min(0.9, SHARE_GIB / engines * 2**30 / total_bytes)
     return [f"--engine.gpu_memory_utilization={share:.3f}", f"--engine.kv_cache_gib={KV_CACHE_GIB}"]
 
 
-def torchrun_train(config: str, run: Path, *overrides) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def torchrun_train(config: str, run: Path, *overrides, nproc: int = 2) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "colocate.train", "--config", config, "--engine.kind=vllm",
             f"--model.cache_dir={run / 'cache'}", f"--metrics.run_dir={run / 'run'}", *overrides]
 
@@ -112,6 +113,10 @@ def job_table(root: Path, total_bytes: int) -> dict:
         jobs.append(Job(name, cmd, 900, expected_s=120, env={
             "CANARY_TEST_FAULT": "vllm-skip",
             "PYTHONPATH": os.pathsep.join([faults, REPO, os.environ.get("PYTHONPATH", "")])}))
+    jobs.append(Job("two-engines", torchrun_train(  # 2 engines + the learner on GPU 0, the adapter by CUDA IPC
+        "configs/cpu-tiny.yaml", root / "two-engines", "--topology.num_inference=2", "--topology.num_learners=1",
+        "--learner.num_steps=40", "--learner.max_policy_lag=2", "--sync.check_checksum=true",
+        *share_overrides(total_bytes, engines=2), nproc=3), 600, expected_s=120))
     variant = "share:" + ",".join(o.removeprefix("--") for o in share)
     jobs.append(Job("logprob-calls", [sys.executable, "scripts/benchmark.py", "--profile", "dataset_rollout",
                                       "--shape", "tiny", "--sides", "ours+share", "--variant", variant,

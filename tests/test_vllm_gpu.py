@@ -158,6 +158,26 @@ def test_running_engine_takes_log_probs_from_our_kernel(gpu_jobs):
     assert calls["ours"] > 0 and calls["vllm"] == 0, calls
 
 
+@pytest.mark.gpu_job("two-engines")
+@pytest.mark.timeout(900)
+def test_two_engines_and_the_learner_share_one_gpu(gpu_jobs):
+    """Two vLLM engines and the learner on one GPU (`topology.num_inference=2`, 3 processes): every
+    version reaches both engines through the shared CUDA IPC ring, checksummed (a mismatch stops the
+    run), both engines play their share of every batch, and the canary probes them without an alert."""
+    steps = 40
+    run = gpu_run(gpu_jobs, "two-engines")
+    assert run.returncode == 0 and not run.stray, run.tail()
+    summary = json.loads((run.dir / "run" / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["num_inference"] == 2 and summary["mismatch_step"] is None
+    for rank in (0, 1):  # lag 2: batch k is sampled with version k - 2 or later, so the last with >= steps - 3
+        report = json.loads((run.dir / "run" / f"inference-rank{rank}.json").read_text())
+        versions = [b["version"] for b in report["batches"]]
+        assert len(versions) == steps and versions == sorted(versions) and versions[-1] >= steps - 3, (rank, versions)
+    sync = tb_scalars(str(run.dir / "run" / "tb" / "inference"))  # inference rank 0's scalars
+    assert sync["sync/version"] == [float(v) for v in range(1, steps + 1)]
+    assert sync["sync/checksum_ok"] == [1.0] * steps
+
+
 @pytest.mark.parametrize("update,masks", [pytest.param(u, m, marks=pytest.mark.gpu_job(f"learn-{u}-{m}"))
                                           for u, m in (("drain", "vllm"), ("inflight", "vllm"), ("drain", "ours"))])
 @pytest.mark.timeout(1800)
