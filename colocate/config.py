@@ -42,6 +42,12 @@ __all__ = ["ConfigError", "load_config", "parse_overrides", "to_dict", "save_con
 
 BASE_KEY = "base"
 """Top-level YAML key naming the file this one starts from."""
+RETIRED_KEYS = {  # a key that left the code after it was measured -> why (profiles/HISTORY.md has its figures)
+    "engine.kv_cache_dtype": "vLLM's FP8 KV cache ran slower than FP8 weights alone",
+    "engine.parallel_sampling": "one request with n samples ran slower than n requests",
+    "rollout.refill": "replacing completed groups at once under drain ran slower",
+    "topology.mps": "CUDA MPS ran the one-GPU presets slower than time slices",
+}
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -94,6 +100,8 @@ def _merge(section: Any, values: dict, path: str) -> None:
     names = [f.name for f in dataclasses.fields(section)]
     for key, value in values.items():
         where = f"{path}.{key}" if path else key
+        if where in RETIRED_KEYS:
+            raise ConfigError(f"'{where}' left colocate ({RETIRED_KEYS[where]}; profiles/HISTORY.md): delete it")
         if key not in names:
             raise ConfigError(f"unknown config key '{where}'; did you mean "
                               f"'{(path + '.') if path else ''}{nearest_key(key, names)}'?")
@@ -249,12 +257,26 @@ def config_chain(path: str) -> list[tuple[str, dict]]:
     return chain[::-1]
 
 
-def load_config(path: str | None = None, overrides: dict | None = None, *, world_size: int | None = None) -> Config:
-    """YAML file over its bases, then overrides (nested dict, string leaves allowed), then `validate`."""
+def without_retired(data: dict) -> dict:
+    """A run's saved config.yaml without the keys that have left the code since it was written (it
+    holds every key of its day, at its value then): what `--run` reads stays readable."""
+    out = {}
+    for section, values in data.items():
+        if isinstance(values, dict):
+            values = {k: v for k, v in values.items() if f"{section}.{k}" not in RETIRED_KEYS}
+        out[section] = values
+    return out
+
+
+def load_config(path: str | None = None, overrides: dict | None = None, *, world_size: int | None = None,
+                saved_run: bool = False) -> Config:
+    """YAML file over its bases, then overrides (nested dict, string leaves allowed), then `validate`.
+    `saved_run`: the file is a run's own config.yaml (`--run RUN`), whose retired keys are skipped;
+    anywhere else a retired key is refused, saying why it left."""
     cfg = Config()
     for file, data in config_chain(path) if path else []:
         try:
-            _merge(cfg, data, "")
+            _merge(cfg, without_retired(data) if saved_run else data, "")
         except ConfigError as e:
             raise ConfigError(f"{file}: {e}") from None
     if overrides:

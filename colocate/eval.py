@@ -46,15 +46,16 @@ def split_flags(argv: list[str]) -> tuple[list[str], dict]:
 def load_eval_config(rest: list[str], flags: dict) -> Config:
     """The config (`--config`, or `--run`'s config.yaml); `--run` also names the adapter."""
     path, overrides, _ = parse_overrides(rest)
-    run = flags["run"]
+    run, saved_run = flags["run"], False
     if run:
         if not os.path.isfile(os.path.join(run, "config.yaml")):
             raise ConfigError(f"--run {run}: no config.yaml (not a run directory: metrics.run_dir of a run)")
+        saved_run = path is None
         path = path or os.path.join(run, "config.yaml")
         flags["checkpoint"] = flags["checkpoint"] or os.path.join(run, "adapter")
     if path is None:
         raise ConfigError("--config FILE (or --run RUN) is required")
-    return load_config(path, overrides)
+    return load_config(path, overrides, saved_run=saved_run)
 
 
 def output_path(cfg: Config, flags: dict) -> str:

@@ -74,7 +74,7 @@ def export(run: str, merge: bool, out: str, trust_unverified: bool = False) -> s
     from colocate.models import build_model, load_tokenizer, quiet_peft_probe
     check_out(out)
     config, adapter_dir = run_parts(run)
-    cfg = load_config(config)
+    cfg = load_config(config, saved_run=True)
     adapter = load_adapter(adapter_dir, trust_unverified)
     key, corpus_fn = env_corpus(cfg)
     tokenizer = load_tokenizer(cfg.model, corpus_fn, key)

@@ -31,6 +31,7 @@ CONFIG_CASES = [
     ("unknown key", "model:\n  shap: tiny\n", [], "did you mean 'model.shape'"),
     ("section not a mapping", "model: 3\n", [], "model"),
     ("unknown override key", None, ["--learner.lrr=1"], "did you mean 'learner.lr'"),
+    ("retired key", "engine:\n  kv_cache_dtype: fp8\n", [], "'engine.kv_cache_dtype' left colocate"),
     ("override without section", None, ["--lr=1"], "--section.key=value"),
     ("override without value", None, ["--learner.lr"], "no value"),
     ("bare argument", None, ["learner.lr=1"], "--section.key=value"),
