@@ -8,7 +8,7 @@ count: 64 fills an engine as the multi-GPU presets' 512 sequences do), 200-400-t
 has one), unconstrained answers up to 500 tokens, temperature 1.
   vllm   `LLM(max_model_len=2048, CUDA graphs, chunked prefill, max_num_seqs=256 or every sequence,
          gpu_memory_utilization=0.95)`, one `generate` of the questions' prompts with n=8
-  ours   `DatasetEnv` + `VLLMEngine` + `RolloutWorker.collect()` (16 groups of 8: prompt ids,
+  ours   `DatasetEnv` + `VLLMEngine` + `RolloutWorker.collect()` (`--questions` groups of 8: prompt ids,
          requests, engine, decoding, rewards), the engine sized as configs/gpu-gsm8k.yaml with the
          same max_model_len / max_num_seqs / memory fraction
   vllm_logprobs  plain vLLM asking what ours asks (the sampled token's log-prob after temperature,

@@ -1,6 +1,6 @@
 """End-to-end profile: the same training job asynchronous (max_policy_lag L) and synchronous
 (max_policy_lag=0), back to back in one benchmark run; seconds per step, steps/hour, learner and
-inference busy fractions, NVML GPU utilization, out tokens/s per inference GPU, policy lag.
+inference busy fractions, NVML GPU utilization, out tokens/s per engine and in all, policy lag.
 
 Steady state only: the first `--warmup` steps of each job (engine start-up is before step 0; step 0
 also waits for the first rollout, which no overlap can hide) are left out. From the per-step
@@ -92,7 +92,8 @@ def add_args(parser) -> None:
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
     parser.add_argument("--nproc", type=int, default=0,
                         help="processes per job; 0: what `colocate train` starts for the job's config (inference + "
-                             "learner ranks where it fixes both: a variant may set topology.num_inference)")
+                             "learner ranks where it fixes both, so a variant may set topology.num_inference; "
+                             "else this machine's GPU count, at least 2)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2, help="steps of each job left out of the figures")
     parser.add_argument("--lag", type=int, default=None,
@@ -184,7 +185,8 @@ def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: st
             with open(os.path.join(run_dir, name)) as f:
                 inference.append(json.load(f))
     return {**steady_state(summary, inference, args.warmup), "job_wall_s": time.time() - t0,
-            "dropped_stale": summary["dropped_stale"], "reward_end": summary["reward_end"]}
+            "dropped_stale": summary["dropped_stale"], "reward_end": summary["reward_end"],
+            "world_size": summary.get("world_size"), "num_inference": summary.get("num_inference")}
 
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -221,7 +223,8 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "learner_train_s_mean": sum(r.train_end - r.train_start for r in measured) / len(measured),
         "learner_wait_s_mean": sum(r.train_start - r.wait_start for r in measured) / len(measured),
         "inference_busy_fraction": sum(busy) / max(len(busy), 1),
-        "rollout_out_tokens_per_s_per_gpu": sum(tokens) / max(len(tokens), 1),
+        "rollout_out_tokens_per_s_per_engine": sum(tokens) / max(len(tokens), 1),
+        "rollout_out_tokens_per_s": sum(tokens),
         "learner_nvml_busy": nvml_mean(summary.get("gpu_util", [])),
         "inference_nvml_busy": next((v for v in (nvml_mean(r.get("gpu_util", [])) for r in inference)
                                      if v is not None), None),

@@ -223,5 +223,6 @@ def check_fp8(cfg: Config) -> None:
     in either LoRA mode."""
     corrected = cfg.loss.tis_cap > 0 or cfg.loss.mis_threshold > 0 or cfg.learner.updates_per_batch > 1
     if cfg.engine.quantization == "fp8" and not corrected:
-        raise ConfigError("engine.quantization=fp8 samples from a rounded copy of the trained policy: correct for it "
-                          "in the loss with loss.tis_cap (truncated importance sampling, e.g. 2.0) or loss.mis_threshold")
+        raise ConfigError("engine.quantization=fp8 samples from a rounded copy of the trained policy: correct for "
+                          "it in the loss with loss.tis_cap (truncated importance sampling, e.g. 2.0) or "
+                          "loss.mis_threshold")

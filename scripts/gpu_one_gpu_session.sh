@@ -144,16 +144,20 @@ startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on S
 }
 
 trace_gsm() {  # configs/gpu-1-gsm8k.yaml as shipped, 12 steps, steps 8-9 traced in every role and in vLLM's engine core
-  local prof=/tmp/gs1-traces sets=()  # traces stay out of $GS (they would not fit the results); their summaries come
-  rm -rf "$prof"
+  local prof="$GS-traces" sets=() traces rc  # traces stay beside $GS, not in it (too large to come back): their
+  rm -rf "$prof" "$GS/run-tracegsm"        # summaries do
   [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
   with_memory tracegsm timeout 900 torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1-gsm8k.yaml \
     --learner.num_steps=12 --eval.every=0 --eval.at_end=false --metrics.profile=true --metrics.profile_wait=6 \
-    --metrics.profile_dir=$prof --metrics.run_dir=$GS/run-tracegsm ${sets[@]+"${sets[@]}"}
-  local traces
+    --metrics.profile_dir="$prof" --metrics.run_dir="$GS/run-tracegsm" ${sets[@]+"${sets[@]}"}
   traces=$(find "$prof" -name "*.json*" 2>/dev/null | sort)
-  [ -n "$traces" ] && python3 scripts/trace_summary.py $traces > "$GS/tracegsm.json" 2>> "$GS/tracegsm.log"
-  echo "tracegsm: $(echo "$traces" | grep -c .) traces summarized in tracegsm.json" >> "$GS/chain.log"
+  if [ -z "$traces" ]; then
+    echo "tracegsm: no traces under $prof" >> "$GS/chain.log"
+    return
+  fi
+  python3 scripts/trace_summary.py $traces > "$GS/tracegsm.json" 2>> "$GS/tracegsm.log"
+  rc=$?
+  echo "tracegsm: $(echo "$traces" | wc -l) traces, trace_summary rc=$rc (tracegsm.json)" >> "$GS/chain.log"
 }
 
 pyc_check() {  # whether the bundle's modules import from cached bytecode, and what a fresh import of vLLM costs
