@@ -42,7 +42,7 @@ def _vllm_inputs(engine, requests, constrained: bool = True):
     if constrained:
         return engine._params(requests)
     from vllm import SamplingParams
-    from colocate.engine.vllm import sampling_kwargs
+    from colocate.engine.vllm_requests import sampling_kwargs
     params = [SamplingParams(**sampling_kwargs(r, engine.eos_id), min_tokens=r.max_new_tokens, ignore_eos=True)
               for r in requests]
     return [{"prompt_token_ids": r.prompt_ids} for r in requests], params

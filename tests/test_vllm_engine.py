@@ -13,8 +13,9 @@ from colocate.constraint import Constraint
 from colocate.data import Request
 from colocate.lifecycle import spawn_without_main
 from colocate.engine.prestart import REPO_ROOT, engine_environment, visible_device
-from colocate.engine.vllm import (completion_from_output, lora_spec_for, prompt_logprobs_of, sampled_logprobs,
-                                  sampling_kwargs)
+from colocate.engine.vllm import lora_spec_for
+from colocate.engine.vllm_requests import (completion_from_output, prompt_logprobs_of, sampled_logprobs,
+                                           sampling_kwargs)
 from colocate.engine.vllm_settings import capture_sizes, engine_settings
 from colocate.wire import LoraSpec
 from tests.test_vllm_grammar import EOS, prefix_constraint
