@@ -224,7 +224,7 @@ def steady_state(summary: dict, inference: list[dict], warmup: int) -> dict:
         "learner_wait_s_mean": sum(r.train_start - r.wait_start for r in measured) / len(measured),
         "inference_busy_fraction": sum(busy) / max(len(busy), 1),
         "rollout_out_tokens_per_s_per_engine": sum(tokens) / max(len(tokens), 1),
-        "rollout_out_tokens_per_s": sum(tokens),
+        "rollout_out_tokens_per_s_all_engines": sum(tokens),  # rollout_out_tokens_per_s: the batches' own
         "learner_nvml_busy": nvml_mean(summary.get("gpu_util", [])),
         "inference_nvml_busy": next((v for v in (nvml_mean(r.get("gpu_util", [])) for r in inference)
                                      if v is not None), None),

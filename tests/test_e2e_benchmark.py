@@ -37,7 +37,10 @@ def test_steady_state_leaves_out_warmup_and_measures_busy_fractions():
     assert out["learner_busy_fraction"] == pytest.approx(0.9)
     assert out["learner_wait_s_mean"] == pytest.approx(1.0)
     assert out["inference_busy_fraction"] == pytest.approx(0.6)  # collects 70-76, 80-86, 90-96, 100-106
-    assert out["rollout_out_tokens_per_s_per_engine"] == out["rollout_out_tokens_per_s"] == pytest.approx(4 * 600 / 40)
+    rates = (out["rollout_out_tokens_per_s_per_engine"], out["rollout_out_tokens_per_s_all_engines"])
+    assert rates == pytest.approx((4 * 600 / 40, 4 * 600 / 40))  # one engine: its rate is the whole
+    two = steady_state(summary, inference * 2, warmup=2)  # two engines (on one GPU or two): their rates add
+    assert two["rollout_out_tokens_per_s_all_engines"] == pytest.approx(2 * two["rollout_out_tokens_per_s_per_engine"])
     assert out["learner_nvml_busy"] == pytest.approx(0.9)      # the sample at t=1 is outside the window
     assert out["inference_nvml_busy"] == pytest.approx(0.5)
     assert out["policy_lag_mean"] == pytest.approx(1.0)
