@@ -135,16 +135,10 @@ def learner_parts(cfg: Config, shape: ModelShape, num_learners: int, tokens: int
     }
 
 
-def engine_weight_bytes(cfg: Config, shape: ModelShape) -> int:
-    """vLLM's weights: with engine.quantization fp8 the decoder blocks in one byte a parameter (their
-    norms too: a few KiB counted short), embeddings and LM head in the model's dtype; lora_mode
-    merged adds its copy (`merged_copy_bytes`)."""
-    own = vllm_weight_bytes(cfg, shape)
-    return own + merged_copy_bytes(cfg, shape)
-
-
 def vllm_weight_bytes(cfg: Config, shape: ModelShape) -> int:
-    """The weights vLLM loads (one copy)."""
+    """The weights vLLM loads (one copy): with engine.quantization fp8 the decoder blocks in one byte
+    a parameter (their norms too: a few KiB counted short), embeddings and LM head in the model's
+    dtype."""
     blocks = shape.block_params * shape.num_layers
     block_bytes = 1 if cfg.engine.quantization == "fp8" else shape.dtype_bytes
     return (shape.num_params - blocks) * shape.dtype_bytes + blocks * block_bytes
@@ -167,8 +161,8 @@ def merged_copy_bytes(cfg: Config, shape: ModelShape) -> int:
 
 
 def engine_parts(cfg: Config, shape: ModelShape, total: int) -> dict[str, int]:
-    """An inference rank's use of its card: vLLM's pool (its weights, merged mode's copy among them)
-    and the rank's own process."""
+    """An inference rank's use of its card: vLLM's pool, of which its weights (`vllm_weight_bytes`
+    and merged mode's copy, `merged_copy_bytes`), and the rank's own process."""
     own = vllm_weight_bytes(cfg, shape)
     copy = merged_copy_bytes(cfg, shape)
     parts = {"vLLM": int(cfg.engine.gpu_memory_utilization * total), "of which weights": own + copy,
@@ -300,11 +294,10 @@ def merged_words(cfg: Config, parts: dict) -> str:
     weights, copy = parts["of which weights"], parts.get("of which the merged copy", 0)
     if not copy:
         return ""
-    if cfg.engine.quantization != "fp8":
-        return (f" = {(weights - copy) / GIB:.1f} + {copy / GIB:.1f}, vLLM's and the decoder blocks' W0 "
-                "(engine.lora_mode=merged)")
-    return (f" = {(weights - copy) / GIB:.1f} + {copy / GIB:.1f}, vLLM's and W0 in e4m3 with the fp32 buffer the "
-            "merge is requantized in (engine.lora_mode=merged, engine.quantization=fp8)")
+    what = ("W0 in e4m3 with the fp32 buffer the merge is requantized in (engine.lora_mode=merged, "
+            "engine.quantization=fp8)" if cfg.engine.quantization == "fp8"
+            else "the decoder blocks' W0 (engine.lora_mode=merged)")
+    return f" = {(weights - copy) / GIB:.1f} + {copy / GIB:.1f}, vLLM's and {what}"
 
 
 def describe(cfg: Config, plan: GpuPlan) -> str:

@@ -252,9 +252,9 @@ def test_an_fp8_engine_plans_its_blocks_at_one_byte_and_its_kv_cache_in_the_mode
     """engine.quantization fp8: vLLM holds the decoder blocks' weights in e4m3 (one byte), the
     embeddings and LM head in bf16; a cached token keeps the model's dtype (a key and a value of
     4 KV heads x 128 per layer, 28 layers, bf16: 56 KiB) either way."""
-    from colocate.gpu_budget import GpuPlan, engine_weight_bytes, kv_cache_lines
+    from colocate.gpu_budget import GpuPlan, engine_parts, kv_cache_lines
     cfg = load_config(None, {"model": {"shape": "qwen2.5-7b", "dtype": "bfloat16"}})
-    bf16 = engine_weight_bytes(cfg, seven_b)
+    bf16 = engine_parts(cfg, seven_b, 80 * GIB)["of which weights"]
     assert bf16 == seven_b.num_params * 2
     plan = [GpuPlan(gpu=(0, 0), ranks=(0,), roles=("inference",), parts=({"vLLM": 40 * GIB, "of which weights": 0},),
                     micro_batch_tokens=0)]
@@ -265,19 +265,22 @@ def test_an_fp8_engine_plans_its_blocks_at_one_byte_and_its_kv_cache_in_the_mode
         per_token[quantization] = int(line.split(" KiB a token")[0].rsplit(" ", 1)[1])
     assert per_token == {"none": 56, "fp8": 56}
     blocks = seven_b.block_params * seven_b.num_layers
-    assert engine_weight_bytes(cfg, seven_b) == bf16 - blocks and 0.5 < (bf16 - blocks) / bf16 < 0.6
+    fp8 = engine_parts(cfg, seven_b, 80 * GIB)["of which weights"]
+    assert fp8 == bf16 - blocks and 0.5 < (bf16 - blocks) / bf16 < 0.6
 
 
 def test_an_fp8_merged_engine_plans_w0_at_one_byte_and_its_scratch(seven_b, capsys, monkeypatch):
     """lora_mode merged on FP8 weights keeps W0 in e4m3 (one byte a decoder parameter) and the fp32
     buffer the largest fused weight is requantized in (gate_up at 7B: 2 x 18944 x 3584), not a
     second copy of the weights; the plan says how its weights split."""
-    from colocate.gpu_budget import engine_weight_bytes
+    from colocate.gpu_budget import engine_parts
     cfg = load_config(None, {"model": {"shape": "qwen2.5-7b", "dtype": "bfloat16"}, "loss": {"tis_cap": 2.0},
                              "engine": {"quantization": "fp8", "lora_mode": "merged"}})
     blocks = seven_b.block_params * seven_b.num_layers
     own, copy = (seven_b.num_params - blocks) * 2 + blocks, blocks + 4 * 2 * 18944 * 3584
-    assert engine_weight_bytes(cfg, seven_b) == own + copy and 6.5 < copy / GIB < 6.7
+    parts = engine_parts(cfg, seven_b, 80 * GIB)
+    assert parts["of which weights"] == own + copy and parts["of which the merged copy"] == copy
+    assert 6.5 < copy / GIB < 6.7
     monkeypatch.chdir(REPO)
     code, err = check(capsys, "--config", "configs/gpu-1-7b.yaml", "--gpu-memory", "80GiB", "--gpus-per-node", "1",
                       "--engine.quantization=fp8", "--engine.lora_mode=merged", "--loss.tis_cap=2")
