@@ -32,9 +32,8 @@ from typing import Protocol
 
 import torch
 
-from colocate.engine.fp8 import E4M3
-from colocate.engine.fp8_merge import (Fp8Weight, holds, live_fp8, merge_fp32, merged_fp8_bytes, requantize_,
-                                       write_fp8)
+from colocate.engine.fp8 import E4M3, requantize_
+from colocate.engine.fp8_merge import Fp8Weight, holds, live_fp8, merge_fp32, merged_fp8_bytes, write_fp8
 from colocate.wire import LoraSpec, unflatten_lora
 
 _PEFT_PREFIX = "base_model.model."
@@ -57,7 +56,6 @@ class MergeTarget:
     row_end: int       # its last row + 1
     a_name: str        # the adapter's lora_A tensor
     b_name: str        # and its lora_B
-
 
 
 def lora_module_name(name: str) -> tuple[str, bool]:

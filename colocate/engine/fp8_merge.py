@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate.engine.fp8 import E4M3, requantize_
+from colocate.engine.fp8 import E4M3
 
 SCRATCH_BYTES = 4
 """Bytes per element of the scratch buffer a merge is computed in (fp32)."""
