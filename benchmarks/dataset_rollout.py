@@ -58,7 +58,7 @@ def add_args(parser) -> None:
     parser.add_argument("--result", default="")
 
 
-def vllm_settings(questions: int) -> dict:
+def engine_sizing(questions: int) -> dict:
     """Both sides' engine sizing: the old script's, with room for every sequence of a round."""
     return VLLM_SETTINGS | {"max_num_seqs": max(VLLM_SETTINGS["max_num_seqs"], questions * SAMPLES)}
 
@@ -100,7 +100,7 @@ def side_overrides(side: str, variants: list[str]) -> dict:
 def config(args):
     from colocate.config import load_config
     model = {"path": args.model_path, **({"shape": args.shape} if args.shape else {})}
-    sizing = vllm_settings(args.questions)
+    sizing = engine_sizing(args.questions)
     return load_config("configs/gpu-gsm8k.yaml", deep_update({
         "model": model, "env": {"data_files": [args.data], "eval_files": []},
         "engine": {"max_new_tokens": MAX_TOKENS, "max_num_seqs": sizing["max_num_seqs"],
@@ -172,7 +172,7 @@ def side_vllm(args, logprobs: bool, ours_args: bool = False, quantization: str =
         extra = {"logprobs_mode": "processed_logprobs"} if logprobs else {}
         if quantization:
             extra["quantization"] = quantization
-        llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **vllm_settings(args.questions), **extra)
+        llm = LLM(model=model_dir, dtype="bfloat16", seed=0, **engine_sizing(args.questions), **extra)
     asks = {"logprobs": 0, "flat_logprobs": True, "detokenize": False} if logprobs else {}
     params = SamplingParams(n=SAMPLES, temperature=1.0, max_tokens=MAX_TOKENS, **asks)
     steps, engine_step = [0], llm.llm_engine.step

@@ -96,11 +96,11 @@ def test_dataset_rollout_questions_size_both_sides():
     import argparse
     from types import SimpleNamespace
 
-    from benchmarks.dataset_rollout import QUESTIONS, SAMPLES, add_args, config, vllm_settings
+    from benchmarks.dataset_rollout import QUESTIONS, SAMPLES, add_args, config, engine_sizing
     parser = argparse.ArgumentParser()
     add_args(parser)
     assert parser.parse_args([]).questions == QUESTIONS and parser.parse_args(["--questions", "64"]).questions == 64
-    assert vllm_settings(QUESTIONS)["max_num_seqs"] == 256 and vllm_settings(64)["max_num_seqs"] == 64 * SAMPLES
+    assert engine_sizing(QUESTIONS)["max_num_seqs"] == 256 and engine_sizing(64)["max_num_seqs"] == 64 * SAMPLES
     cfg = config(SimpleNamespace(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", questions=64, side="ours",
                                  variant=[]))
     assert (cfg.rollout.groups_per_step, cfg.rollout.group_size, cfg.engine.max_num_seqs) == (64, SAMPLES, 512)
