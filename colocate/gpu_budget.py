@@ -260,7 +260,8 @@ def check_plan(cfg: Config, plans: list[GpuPlan], total: int) -> None:
                 raise ConfigError(
                     f"engine.gpu_memory_utilization={cfg.engine.gpu_memory_utilization} gives vLLM "
                     f"{parts['vLLM'] / GIB:.1f} GiB of a {total / GIB:.1f} GiB card, less than its weights "
-                    f"({parts['of which weights'] / GIB:.1f} GiB, engine.lora_mode={cfg.engine.lora_mode}) plus room "
+                    f"({parts['of which weights'] / GIB:.1f} GiB, engine.lora_mode={cfg.engine.lora_mode}"
+                    f"{', engine.quantization=fp8' if cfg.engine.quantization == 'fp8' else ''}) plus room "
                     f"for a KV cache; {engine_remedy(cfg, parts, total)}")
         if plan.used() > total:
             raise ConfigError(f"GPU {plan.gpu[1]} (ranks {', '.join(map(str, plan.ranks))}) cannot hold "

@@ -427,7 +427,7 @@ def test_the_shipped_configs_pass_the_check(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     for name, world, extra in (("cpu-tiny.yaml", 2, []), ("cpu-diplomacy-tiny.yaml", 2, []),
-                               ("cpu-dataset-tiny.yaml", 2, []), ("gpu-1-gsm8k.yaml", 2, ["--engine.kind=hf"]),
+                               ("cpu-dataset-tiny.yaml", 2, []), ("gpu-1-gsm8k.yaml", 3, ["--engine.kind=hf"]),
                                ("cpu-calculator-agent.yaml", 2, [])):
         main(["--config", os.path.join("configs", name), "--check", f"--world-size={world}",
               f"--metrics.run_dir={tmp_path / 'run'}", *extra])

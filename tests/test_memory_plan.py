@@ -55,10 +55,11 @@ def test_gpu_memory_takes_sizes_and_card_names():
 
 
 def test_the_plan_says_which_unit_it_read_the_merged_copy_and_the_kv_cache_room(capsys, monkeypatch):
-    """80GB is 80e9 bytes (74.5 GiB), and the plan says so; merged mode adds a copy of the decoder blocks; the
-    KV cache gets vLLM's share less the weights, in tokens and sequences of the engine's length."""
+    """80GB is 80e9 bytes (74.5 GiB), and the plan says so; bf16 merged mode adds a copy of the decoder blocks;
+    the KV cache gets vLLM's share less the weights, in tokens and sequences of the engine's length."""
     monkeypatch.chdir(REPO)
-    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB")
+    bf16 = "--engine.quantization=none"  # the preset samples in FP8 (its plan: the fp8 test below)
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB", bf16)
     assert code == 0, err
     assert "memory plan (4 GPUs per node of 80GB = 74.5 GiB, GB being 10^9 bytes)" in err
     total = 80 * 10**9
@@ -71,7 +72,7 @@ def test_the_plan_says_which_unit_it_read_the_merged_copy_and_the_kv_cache_room(
     tokens = (pool - weights) // per_token
     assert (f"KV cache gets at most {(pool - weights) / GIB:.1f} GiB" in err and f"~{tokens:,} tokens at 56 KiB a token, "
             f"{tokens // length:,} sequences of max_model_len={length}" in err), err
-    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB", "--engine.max_model_len=4096")
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB", bf16, "--engine.max_model_len=4096")
     assert f"{tokens // 4096:,} sequences of max_model_len=4096" in err  # the length the engine will have
 
 
@@ -201,9 +202,12 @@ def test_the_14b_and_32b_shapes_are_qwens(shape):
 def test_a_32b_engine_is_refused_on_one_80gb_card_saying_why(capsys, monkeypatch):
     """Merged mode keeps 61 GiB of weights and a copy of their decoder blocks: no share of an H100 holds
     them (one line, pointing at slot mode); slot mode's one copy needs a larger share; a 40 GB card
-    needs tensor parallelism."""
+    needs tensor parallelism. In FP8 (the preset's) the refusal names the quantization too."""
     monkeypatch.chdir(REPO)
-    base = ("--config", "configs/gpu-4.yaml", "--world-size=4", "--model.shape=qwen2.5-32b")
+    preset = ("--config", "configs/gpu-4.yaml", "--world-size=4", "--model.shape=qwen2.5-32b")
+    code, err = check(capsys, *preset, "--gpu-memory", "h100")
+    assert code == 2 and "engine.lora_mode=merged, engine.quantization=fp8) plus room for a KV cache" in err, err
+    base = (*preset, "--engine.quantization=none")
     code, err = check(capsys, *base, "--gpu-memory", "h100")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err

@@ -62,8 +62,11 @@ def test_topology_on_one_gpu_builds_no_nccl_group_across_it(monkeypatch):
 
 
 def one_gpu_plan(cfg, total):
-    """Both roles of a 2-process world on GPU 0 of `total` bytes -> the lines (raises ConfigError)."""
-    return plan_memory(cfg, meta_model(cfg), ["inference", "learner"], rank_devices(2, 2, 1), Card(total, 1, "test")).lines
+    """Every rank of the config's world (both roles; 2 processes unless the config fixes more) on GPU 0
+    of `total` bytes -> the lines (raises ConfigError)."""
+    engines = cfg.topology.num_inference or 1
+    roles = ["inference"] * engines + ["learner"] * (cfg.topology.num_learners or 1)
+    return plan_memory(cfg, meta_model(cfg), roles, rank_devices(len(roles), len(roles), 1), Card(total, 1, "test")).lines
 
 
 def test_memory_split_refuses_what_cannot_fit():
@@ -82,10 +85,11 @@ def test_memory_split_refuses_what_cannot_fit():
 H100_80GB = 81559 * 2**20  # what an H100 80GB HBM3 reports (79.6 GiB)
 
 
-@pytest.mark.parametrize("name", ["gpu-1", "gpu-1-7b", "gpu-1-gsm8k"])
-def test_the_one_gpu_presets_fit_an_80gb_card(name):
-    """Each one-GPU preset's planned split (vLLM's share and the learner's estimate) fits an H100."""
-    one_gpu_plan(load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=2), H100_80GB)
+@pytest.mark.parametrize("name, processes", [("gpu-1", 2), ("gpu-1-7b", 2), ("gpu-1-gsm8k", 3)])
+def test_the_one_gpu_presets_fit_an_80gb_card(name, processes):
+    """Each one-GPU preset's planned split (vLLM's shares and the learner's estimate) fits an H100;
+    gpu-1-gsm8k.yaml runs two engines beside the learner."""
+    one_gpu_plan(load_config(os.path.join(REPO, "configs", f"{name}.yaml"), world_size=processes), H100_80GB)
 
 
 @pytest.mark.gpu

@@ -21,6 +21,23 @@ def test_cpu_run_reward_improves(learning_run):
         assert glob.glob(str(run_dir / "tb" / role / "events.out.tfevents.*")), role
 
 
+@pytest.mark.slow
+def test_two_engines_and_one_learner_learn(tmp_path):
+    """gpu-1-gsm8k.yaml's layout on the CPU (`topology.num_inference=2`, 3 processes): each engine
+    plays half of every batch's groups, the learner trains on both halves, and the reward improves
+    as much as with one engine (test_cpu_run_reward_improves's margin)."""
+    run_dir = tmp_path / "run"
+    torchrun(["--config", "configs/cpu-tiny.yaml", f"--learner.num_steps={LEARNING_STEPS}",
+              "--topology.num_inference=2", "--topology.num_learners=1", f"--metrics.run_dir={run_dir}"], nproc=3)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["num_inference"], summary["dropped_stale"]) == (LEARNING_STEPS, 2, 0), summary
+    assert summary["reward_end"] >= summary["reward_start"] + 0.25, summary
+    half = 16 * 8 // 2  # cpu-tiny: 16 groups x 8 samples a batch
+    for rank in (0, 1):
+        batches = json.loads((run_dir / f"inference-rank{rank}.json").read_text())["batches"]
+        assert len(batches) >= LEARNING_STEPS and {b["samples"] for b in batches} == {half}, rank
+
+
 @pytest.fixture(scope="module")
 def local_model(tmp_path_factory, tiny_cfg, tiny_tokenizer):
     """The embedded tiny model and tokenizer saved as a local model directory -> (dir, model)."""
