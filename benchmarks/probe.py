@@ -136,12 +136,13 @@ def load(args):
     cores one rank of the run gets."""
     from colocate.config import load_config, parse_overrides
     from colocate.config_checks import resolve_roles
+    from colocate.launch import default_world
     from colocate.preflight import gpu_count, meta_model, plan_memory
     from colocate.startup import compile_cache_env
     from colocate.topology import split_cpu_threads
     path = args.config or ("configs/cpu-tiny.yaml" if args.quick else "configs/gpu-1-gsm8k.yaml")
     cfg = load_config(path, parse_overrides(["--" + o.removeprefix("--") for o in args.set])[1])
-    world = sum(resolve_roles(cfg, 2))
+    world = sum(resolve_roles(cfg, default_world(cfg)))  # the processes `colocate train` starts
     if cfg.learner.micro_batch_tokens == "auto":
         plan = plan_memory(cfg, meta_model(cfg), world, None, None, gpu_count(cfg), False)
         cfg.learner = replace(cfg.learner, micro_batch_tokens=plan.micro_batch_tokens)

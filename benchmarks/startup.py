@@ -18,7 +18,7 @@ file) and the record keeps each process's heaviest top-level imports: evidence o
 imports go, not figures (the listing slows every import).
 
 CPU: python scripts/benchmark.py --profile startup --config configs/cpu-tiny.yaml --steps 2
-GPU: python scripts/benchmark.py --profile startup --config configs/gpu-1-gsm8k.yaml --nproc 2 --steps 3
+GPU: python scripts/benchmark.py --profile startup --config configs/gpu-1-gsm8k.yaml --steps 3
 A/B: python scripts/benchmark.py --profile startup --config configs/cpu-tiny.yaml --steps 2 --baseline-tree /tmp/base
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ is the process's start as the tree computes it (an older tree: psutil's create_t
 
 def add_args(parser) -> None:
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="processes per run (default 0: the config's own count, as `colocate train` starts)")
     parser.add_argument("--steps", type=int, default=2, help="learner.num_steps of each run")
     parser.add_argument("--cache-dir", default="", help="the compile cache directory (default: a fresh temporary one)")
     parser.add_argument("--set", nargs="*", default=[],
@@ -65,7 +66,8 @@ def add_args(parser) -> None:
 def launch(args, run_dir: str, cache_dir: str, tree: str = "") -> dict:
     """One `colocate train` run -> its startup.json record, with the command's wall time; `tree`:
     run another source tree's code (cwd and PYTHONPATH)."""
-    cmd = [sys.executable, "-m", "colocate.cli", "train", f"--nproc={args.nproc}", "--config", args.config,
+    cmd = [sys.executable, "-m", "colocate.cli", "train", *([f"--nproc={args.nproc}"] if args.nproc else []),
+           "--config", args.config,
            f"--learner.num_steps={args.steps}", f"--metrics.run_dir={run_dir}",
            f"--model.compile_cache_dir={cache_dir}", *("--" + o.removeprefix("--") for o in args.set)]
     log_path = f"{run_dir}.log"

@@ -30,8 +30,9 @@
 #            E2E1_ORDER / E2EGSM_ORDER / E2E7B_ORDER replace the modes with jobs of the e2e benchmark's
 #            --order (e.g. "async+old,async"), their variants in E2E_VARIANTS ("old:k=v,k=v new:k=v");
 #            E2E_BASELINE_TREE=DIR runs the jobs named JOB@base from another checkout (before/after code)
-#            Each job runs the processes its config fixes (the one-GPU presets: 2); a variant setting
-#            topology.num_inference=2 runs two engines and the learner on the GPU (3 processes)
+#            Each job runs the processes its config fixes (gpu-1.yaml, gpu-1-7b.yaml: 2; gpu-1-gsm8k.yaml: 3, two
+#            engines and the learner); a variant setting topology.num_inference changes it (gsm8k's one engine:
+#            "one:topology.num_inference=1,engine.gpu_memory_utilization=0.25,engine.kv_cache_gib=8", 2 processes)
 #   e2ecanary the canary's cost on configs/gpu-1-gsm8k.yaml: a warm-up job (on@warm: compile caches, GPU
 #            clocks; counted nowhere), then six jobs of sync.canary_every 1 and 0 (on,off,off,on,on,off:
 #            three adjacent on/off pairs, their s/step ratios' mean and standard error and the pooled ratio in
@@ -132,7 +133,7 @@ startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on S
   read -r -a sets <<< "${STARTUP_SET:-}"
   [ -n "${3:-}" ] && sets+=("$3")
   [ ${#sets[@]} -gt 0 ] && args=(--set "${sets[@]}")
-  with_memory "$2" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" --nproc 2 \
+  with_memory "$2" timeout 1200 python3 scripts/benchmark.py --profile startup --config "$cfg" \
     --steps "${STARTUP_STEPS:-6}" --out "$GS/$2.json" ${STARTUP_ARGS:-} ${args[@]+"${args[@]}"}
   local d  # each launch's log and startup.json come back with the chain's results
   for d in /tmp/colocate-startup-*; do
@@ -147,7 +148,7 @@ trace_gsm() {  # configs/gpu-1-gsm8k.yaml as shipped, 12 steps, steps 8-9 traced
   local prof="$GS-traces" sets=() traces rc  # traces stay beside $GS, not in it (too large to come back): their
   rm -rf "$prof" "$GS/run-tracegsm"        # summaries do
   [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
-  with_memory tracegsm timeout 900 torchrun --nproc-per-node 2 -m colocate.train --config configs/gpu-1-gsm8k.yaml \
+  with_memory tracegsm timeout 900 python3 -m colocate.cli train --config configs/gpu-1-gsm8k.yaml \
     --learner.num_steps=12 --eval.every=0 --eval.at_end=false --metrics.profile=true --metrics.profile_wait=6 \
     --metrics.profile_dir="$prof" --metrics.run_dir="$GS/run-tracegsm" ${sets[@]+"${sets[@]}"}
   traces=$(find "$prof" -name "*.json*" 2>/dev/null | sort)
