@@ -34,7 +34,7 @@ from fractions import Fraction
 import torch
 
 from colocate.config import Config, ConfigError
-from colocate.engine.fp8_merge import SCRATCH_BYTES as FP8_SCRATCH_BYTES
+from colocate.engine.fp8_merge import fp8_copy_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -156,8 +156,7 @@ def merged_copy_bytes(cfg: Config, shape: ModelShape) -> int:
     blocks = shape.block_params * shape.num_layers
     if cfg.engine.quantization != "fp8":
         return blocks * shape.dtype_bytes
-    largest = shape.hidden * max(2 * shape.intermediate, shape.hidden + 2 * shape.kv)
-    return blocks + FP8_SCRATCH_BYTES * largest
+    return fp8_copy_bytes(blocks, shape.hidden * max(2 * shape.intermediate, shape.hidden + 2 * shape.kv))
 
 
 def engine_parts(cfg: Config, shape: ModelShape, total: int) -> dict[str, int]:

@@ -88,7 +88,14 @@ def holds(x: torch.Tensor, scale: torch.Tensor, live: Fp8Weight) -> bool:
             and torch.equal(live.weight.view(torch.uint8), x.to(E4M3).view(torch.uint8)))
 
 
+def fp8_copy_bytes(params: int, largest: int) -> int:
+    """The memory merged FP8 keeps beside the engine: W0 in e4m3 (one byte a parameter) for `params`
+    parameters, and the fp32 scratch the largest fused weight (`largest` elements) is requantized in.
+    The memory plan gives it the shape's figures (`gpu_budget.merged_copy_bytes`), the engine's build
+    the adapter's own (`merged_fp8_bytes`)."""
+    return params + SCRATCH_BYTES * largest
+
+
 def merged_fp8_bytes(sizes: list[int]) -> int:
-    """The memory merged FP8 keeps beside the engine: W0 in e4m3 (one byte a parameter) for weights
-    of `sizes` elements, and the fp32 scratch for the largest."""
-    return sum(sizes) + SCRATCH_BYTES * max(sizes, default=0)
+    """`fp8_copy_bytes` for weights of `sizes` elements."""
+    return fp8_copy_bytes(sum(sizes), max(sizes, default=0))
