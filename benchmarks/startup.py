@@ -11,7 +11,9 @@ fresh cache of its own), then `--pairs` rounds of warm runs in the order base, o
 (drift on the machine falls on both alike); the timelines side by side and ours over the base for
 launch -> checks_done and launch -> end of step 1 (cold, and the median of the warm runs). A tree's
 run starts in that tree (its own copy of the preset, relative paths from there) with that tree first
-on PYTHONPATH.
+on PYTHONPATH. Without `--nproc` each run starts the processes its tree's preset fixes, so across a
+change of topology the A/B compares the two presets as shipped: the record's `processes` says each
+run's count, and a line says when the trees differ.
 
 `--importtime` runs every process under `python -X importtime` (torchrun keeps each rank's stderr in a
 file) and the record keeps each process's heaviest top-level imports: evidence of where a start's
@@ -212,8 +214,11 @@ def run(args) -> dict:
                     for key, value in record.get("launcher_phases", {}).items()})
     figures.update({f"{name.replace(' ', '_')}_command_wall_s": record["command_wall_s"]
                     for name, record in records.items()})
+    processes = {name: len(record.get("ranks", {})) for name, record in records.items()}
+    if len(set(processes.values())) > 1:
+        print(f"[startup] the runs started different process counts (each tree's preset): {processes}", flush=True)
     result = {"config": args.config, "nproc": args.nproc, "steps": args.steps, "cache_dir": ", ".join(caches.values()),
-              "baseline_tree": args.baseline_tree, "figures": figures, "timelines": records}
+              "baseline_tree": args.baseline_tree, "processes": processes, "figures": figures, "timelines": records}
     if args.baseline_tree:
         result["ratios"] = compare(records)
     return result

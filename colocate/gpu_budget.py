@@ -323,9 +323,9 @@ def plan_lines(cfg: Config, plans: list[GpuPlan], total: int, card: str) -> list
 
 def gpu_total_bytes(index: int = 0) -> int | None:
     """The card's memory from NVML; None when NVML is unavailable (the plan is skipped, not the run)."""
-    from colocate.metrics import nvml_memory
-    memory = nvml_memory(index)
-    return memory[0] if memory else None
+    from colocate.nvml import memory
+    figures = memory(index)
+    return figures[0] if figures else None
 
 
 @dataclass(frozen=True)

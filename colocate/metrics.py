@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from colocate.nvml import memory as nvml_memory
+
 
 class MetricsWriter:
     """A role's scalars into `<run_dir>/tb/<role>` (and the trackers), its progress lines.
@@ -107,20 +109,6 @@ class MonitorThread(threading.Thread):
 
     def stop(self) -> None:
         self.halted.set()
-
-
-def nvml_memory(index: int) -> tuple[int, int] | None:
-    """(total, used) bytes of CUDA device `index` as NVML reports them (no CUDA context is made);
-    None without NVML, or for a MIG or UUID device list."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        physical = int(visible.split(",")[index]) if visible else index
-        info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(physical))
-        return int(info.total), int(info.used)
-    except Exception:  # noqa: BLE001 - no driver, no library: no NVML figures
-        return None
 
 
 def memory_peaks(device: torch.device) -> dict[str, float]:

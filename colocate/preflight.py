@@ -158,7 +158,7 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     returns; `cfg` is not changed (the plan holds `auto` resolved)."""
     # torch comes with the envs and the engines: imported here, not with this module (whose CardSpec
     # the launcher takes before the config is parsed: a bad key is refused before torch is imported)
-    from colocate.engine.table import check_engine_kind
+    from colocate.engine.table import check_engine_devices, check_engine_kind
     from colocate.envs import check_env
     check_phase("check_imports")  # each phase's end: the launcher's record of where its checks' seconds go
     gpus = gpu_count(cfg)
@@ -171,6 +171,8 @@ def preflight(cfg: Config, world: int | None = None, local_world: int | None = N
     check_phase("env")
     # the engine table's entry; `--gpu-memory` plans for another machine, whose packages are not this one's
     check_engine_kind(cfg.engine.kind, outside_world=card is None)
+    if card is None:  # this machine's GPUs (a planned card's are not here to read)
+        check_engine_devices(cfg, gpus)
     check_phase("engine")
     model = meta_model(cfg)  # once: its module names and its size
     check_lora_targets(cfg, model)

@@ -2,6 +2,7 @@
 the worker's requantizing merge (`engine/fp8_merge.py`, `adapter_targets.MergedFp8Adapter`) against a
 float64 reference on stand-ins of vLLM's FP8 linears, written in place into the live tensors; the
 HF engine's emulation of it (`engine/fp8.py`); the config accepting it. No vLLM here."""
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ from colocate.engine.fp8 import E4M3, amax_scale, to_e4m3
 from colocate.engine.fp8_merge import Fp8Weight, live_fp8, merged_fp8_bytes
 from colocate.engine.adapter_targets import MergedAdapter, MergedFp8Adapter, merge_plan, merged_target
 from colocate.wire import LoraSpec, flatten_lora
+from tests.conftest import REPO
 from tests.test_vllm_sync import VLLM_PACKED
 
 PREFIX = "base_model.model.model.layers.0"
@@ -199,3 +201,25 @@ def test_fp8_goes_with_either_lora_mode_and_still_needs_the_loss_correction():
         check_engine_args(mode, "fp8")
         with pytest.raises(ConfigError, match="engine.quantization=fp8 samples from a rounded copy.*loss.tis_cap"):
             load_config(None, {"engine": {"quantization": "fp8", "lora_mode": mode}})
+
+
+@pytest.mark.parametrize("facts, refused", [(("NVIDIA A100-SXM4-80GB", 8, 0), True), (("NVIDIA L40S", 8, 9), False),
+                                            (("NVIDIA H100 80GB HBM3", 9, 0), False), (None, False)])
+def test_fp8_merged_is_refused_before_fp8_tensor_cores(monkeypatch, facts, refused):
+    """The FP8 presets merge into per-tensor e4m3 weights, which vLLM keeps only on Ada and later:
+    before them the run is refused at its checks (one line naming the GPU and the key), not at the
+    engine's build; slot mode, the HF engine's emulation, no GPU and no NVML are left alone."""
+    from colocate import nvml
+    from colocate.config import ConfigError, load_config
+    from colocate.engine.table import check_engine_devices
+    monkeypatch.setattr(nvml, "capability", lambda index: facts)
+    cfg = load_config(os.path.join(REPO, "configs", "gpu-4.yaml"))  # vLLM, FP8, merged
+    if refused:
+        with pytest.raises(ConfigError, match=r"needs FP8 tensor cores .*GPU 0 is NVIDIA A100-SXM4-80GB \(8\.0\): "
+                                              r"set engine\.quantization=none"):
+            check_engine_devices(cfg, 4)
+    else:
+        check_engine_devices(cfg, 4)
+    for engine in ({"lora_mode": "slot"}, {"kind": "hf"}):
+        check_engine_devices(load_config(os.path.join(REPO, "configs", "gpu-4.yaml"), {"engine": engine}), 4)
+    check_engine_devices(cfg, 0)

@@ -58,7 +58,7 @@ def test_the_plan_says_which_unit_it_read_the_merged_copy_and_the_kv_cache_room(
     """80GB is 80e9 bytes (74.5 GiB), and the plan says so; bf16 merged mode adds a copy of the decoder blocks;
     the KV cache gets vLLM's share less the weights, in tokens and sequences of the engine's length."""
     monkeypatch.chdir(REPO)
-    bf16 = "--engine.quantization=none"  # the preset samples in FP8 (its plan: the fp8 test below)
+    bf16 = "--engine.quantization=none"  # the preset samples in FP8 (an FP8 plan: test_an_fp8_engine_plans_...)
     code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB", bf16)
     assert code == 0, err
     assert "memory plan (4 GPUs per node of 80GB = 74.5 GiB, GB being 10^9 bytes)" in err
@@ -72,7 +72,8 @@ def test_the_plan_says_which_unit_it_read_the_merged_copy_and_the_kv_cache_room(
     tokens = (pool - weights) // per_token
     assert (f"KV cache gets at most {(pool - weights) / GIB:.1f} GiB" in err and f"~{tokens:,} tokens at 56 KiB a token, "
             f"{tokens // length:,} sequences of max_model_len={length}" in err), err
-    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB", bf16, "--engine.max_model_len=4096")
+    code, err = check(capsys, "--config", "configs/gpu-4.yaml", "--gpu-memory", "80GB", bf16,
+                      "--engine.max_model_len=4096")
     assert f"{tokens // 4096:,} sequences of max_model_len=4096" in err  # the length the engine will have
 
 

@@ -66,7 +66,8 @@ def one_gpu_plan(cfg, total):
     of `total` bytes -> the lines (raises ConfigError)."""
     engines = cfg.topology.num_inference or 1
     roles = ["inference"] * engines + ["learner"] * (cfg.topology.num_learners or 1)
-    return plan_memory(cfg, meta_model(cfg), roles, rank_devices(len(roles), len(roles), 1), Card(total, 1, "test")).lines
+    devices = rank_devices(len(roles), len(roles), 1)
+    return plan_memory(cfg, meta_model(cfg), roles, devices, Card(total, 1, "test")).lines
 
 
 def test_memory_split_refuses_what_cannot_fit():

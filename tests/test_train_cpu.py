@@ -24,8 +24,8 @@ def test_cpu_run_reward_improves(learning_run):
 @pytest.mark.slow
 def test_two_engines_and_one_learner_learn(tmp_path):
     """gpu-1-gsm8k.yaml's layout on the CPU (`topology.num_inference=2`, 3 processes): each engine
-    plays half of every batch's groups, the learner trains on both halves, and the reward improves
-    as much as with one engine (test_cpu_run_reward_improves's margin)."""
+    plays half of every batch's groups, nothing is dropped as stale, and the reward improves as much
+    as with one engine (test_cpu_run_reward_improves's margin)."""
     run_dir = tmp_path / "run"
     torchrun(["--config", "configs/cpu-tiny.yaml", f"--learner.num_steps={LEARNING_STEPS}",
               "--topology.num_inference=2", "--topology.num_learners=1", f"--metrics.run_dir={run_dir}"], nproc=3)

@@ -88,6 +88,27 @@ def holds(x: torch.Tensor, scale: torch.Tensor, live: Fp8Weight) -> bool:
             and torch.equal(live.weight.view(torch.uint8), x.to(E4M3).view(torch.uint8)))
 
 
+FP8_CAPABILITY = (8, 9)
+"""The compute capability of FP8 tensor cores (Ada 8.9, Hopper 9.0). Before it vLLM's online FP8
+repacks the weights for weight-only kernels, a layout this merge does not write."""
+
+
+def check_fp8_device(cfg, gpus: int) -> None:
+    """ConfigError where the config merges into FP8 weights (engine.quantization=fp8,
+    engine.lora_mode=merged) and GPU 0 has no FP8 tensor cores (NVML; nothing to read: no check), so
+    the engine's start would stop at its build (`merged_target`)."""
+    from colocate.config_checks import ConfigError
+    from colocate.nvml import capability
+    if cfg.engine.quantization != "fp8" or cfg.engine.lora_mode != "merged" or not gpus:
+        return
+    facts = capability(0)
+    if facts is not None and facts[1:] < FP8_CAPABILITY:
+        name, major, minor = facts
+        raise ConfigError(f"engine.quantization=fp8 with engine.lora_mode=merged needs FP8 tensor cores (compute "
+                          f"capability 8.9 or more: Ada, Hopper); GPU 0 is {name} ({major}.{minor}): set "
+                          "engine.quantization=none")
+
+
 def fp8_copy_bytes(params: int, largest: int) -> int:
     """The memory merged FP8 keeps beside the engine: W0 in e4m3 (one byte a parameter) for `params`
     parameters, and the fp32 scratch the largest fused weight (`largest` elements) is requantized in.

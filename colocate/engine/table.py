@@ -23,6 +23,7 @@ from colocate.channel import (AdapterReceiver, AdapterSender, BroadcastReceiver,
                               IpcSender, NoSender)
 from colocate.config_checks import ConfigError, nearest_key
 from colocate.engine.base import Engine
+from colocate.engine.fp8_merge import check_fp8_device
 from colocate.engine.headstart import SERVERS, EngineWord
 from colocate.startup import mark
 from colocate.topology import rank_devices
@@ -64,6 +65,9 @@ class EngineEntry:
     imports: tuple[str, ...] = ()
     """Modules its `build` imports that take long (vLLM's): an inference rank of `colocate train`
     imports them while it waits for the launcher's checks (`preimport`)."""
+    check_devices: Callable[..., None] = lambda cfg, gpus: None
+    """(cfg, gpus) -> ConfigError where this machine's `gpus` GPUs cannot run the config's engine
+    (`preflight`, before any model is built)."""
 
 
 def build_hf(cfg, topo, parts: EngineParts) -> tuple[Engine, AdapterReceiver]:
@@ -119,7 +123,8 @@ ENGINES: dict[str, EngineEntry] = {
                         available=lambda topo: topo.device.type == "cuda" and vllm_installed(),
                         installed=vllm_installed, install_hint="pip install vllm, or set engine.kind=hf / auto",
                         sizes_from_free_memory=lambda cfg: cfg.engine.kv_cache_gib <= 0,
-                        imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel")),
+                        imports=("vllm.entrypoints.llm", "colocate.engine.vllm", "colocate.engine.vllm_channel"),
+                        check_devices=check_fp8_device),
 }
 """engine.kind -> its entry; a new engine registers here (DEVELOPERS.md, "Adding things")."""
 
@@ -207,6 +212,14 @@ def check_engine_kind(kind: str, *, outside_world: bool = True) -> None:
     if outside_world and kind != "auto" and not ENGINES[kind].installed():
         raise ConfigError(f"engine.kind={kind} but {kind} is not installed in this environment "
                           f"({ENGINES[kind].install_hint})")
+
+
+def check_engine_devices(cfg, gpus: int) -> None:
+    """The run's engine entry (`auto` resolved as the checks resolve it, for `gpus` GPUs) checks this
+    machine's GPUs (`EngineEntry.check_devices`)."""
+    kind = resolve_kind(cfg.engine.kind, on_device("cuda" if gpus else "cpu"))
+    if kind in ENGINES:
+        ENGINES[kind].check_devices(cfg, gpus)
 
 
 def make_sender(cfg, topo, spec: LoraSpec, before_join: Callable[[], None] = lambda: None) -> AdapterSender:
