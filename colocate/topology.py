@@ -148,8 +148,8 @@ def check_shared_gpus(roles: list[str], devices: list[tuple[int, int]]) -> None:
     if any(on_source) and not all(on_source):
         raise ValueError(f"topology: inference ranks {[r for r, s in zip(inference, on_source) if s]} share learner "
                          f"rank 0's GPU but {[r for r, s in zip(inference, on_source) if not s]} do not; the adapter "
-                         "travels by CUDA IPC to all or by NCCL to all: give every rank its own GPU, or run 2 "
-                         "processes on one GPU")
+                         f"travels by CUDA IPC to all or by NCCL to all: give every rank its own GPU, or run all "
+                         f"{len(roles)} on one (CUDA_VISIBLE_DEVICES=0)")
 
 
 def build_topology(cfg: Config) -> Topology:

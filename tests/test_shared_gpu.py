@@ -35,7 +35,8 @@ def test_no_nccl_group_across_ranks_on_one_gpu():
 
 def test_a_mixed_layout_is_refused():
     devices = rank_devices(4, 4, 2)  # ranks 0, 2 on GPU 0; 1, 3 on GPU 1; learner rank 0 is rank 2
-    with pytest.raises(ValueError, match=r"inference ranks \[0\] share learner rank 0's GPU but \[1\] do not"):
+    with pytest.raises(ValueError, match=r"inference ranks \[0\] share learner rank 0's GPU but \[1\] do not.*run all 4 "
+                                         r"on one \(CUDA_VISIBLE_DEVICES=0\)"):
         check_shared_gpus(["inference", "inference", "learner", "learner"], devices)
     check_shared_gpus(["inference", "inference", "learner", "learner"], rank_devices(4, 4, 4))
     check_shared_gpus(["inference", "learner"], rank_devices(2, 2, 1))  # both on one GPU: IPC to all
