@@ -20,8 +20,8 @@ ARGS = ["--config", "configs/cpu-tiny.yaml", "--checkpoint.enabled=true", f"--ch
         "--checkpoint.keep=5", f"--learner.num_steps={STEPS}", "--env.name=tests.resume_fixtures:RecordingArithmeticEnv"]
 
 
-def launch(args: list[str], tmp_path, record) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "colocate.train",
+def launch(args: list[str], tmp_path, record, nproc: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "colocate.train",
            *ARGS, f"--model.cache_dir={tmp_path / 'cache'}", *args]
     env = {**os.environ, "COLOCATE_TEST_RECORD": str(record),
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -93,6 +93,27 @@ def test_kill_9_and_resume_replays_every_batch(tmp_path, lag):
     shown = learner_rewards_in_tensorboard(run)
     assert [s for s, _ in shown] == list(range(STEPS)), (shown, why)
     assert [v for _, v in shown] == pytest.approx(b["rewards"], rel=1e-6), why  # float32 in the events
+
+
+@pytest.mark.slow
+def test_two_engines_resume_exactly(tmp_path):
+    """gpu-1-gsm8k.yaml's layout (two inference ranks, one learner): each engine checkpoints its own
+    rollout state, so a job killed after step 5 and resumed plays the same groups and, at lag 0 (the
+    same samples), gives every reward and loss of the job run whole."""
+    engines = ["--topology.num_inference=2", "--topology.num_learners=1", "--learner.max_policy_lag=0"]
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    finish(launch([*engines, f"--metrics.run_dir={whole}"], tmp_path, tmp_path / "whole.tsv", nproc=3))
+    killed = kill_after(launch([*engines, f"--metrics.run_dir={run}"], tmp_path, tmp_path / "killed.tsv", nproc=3), 5)
+    out = finish(launch([*engines, f"--metrics.run_dir={run}", "--resume"], tmp_path, tmp_path / "resumed.tsv", nproc=3))
+    start = int(re.search(r"resuming from \S+ \(step (\d+)\)", out).group(1))
+    why = f"resumed from step {start}\n{killed[-2000:]}\n{out[-3000:]}"
+    assert start == EVERY, why  # the checkpoint of step 3; step 6's was not reached
+    # the batches from `start` on, each group once, each one the whole job's (the engines' lines interleave)
+    played, whole_played = read_record(tmp_path / "resumed.tsv"), set(read_record(tmp_path / "whole.tsv"))
+    assert len(set(played)) == len(played) == (STEPS - start) * GROUPS and set(played) <= whole_played, why
+    a = json.loads((whole / "summary.json").read_text())
+    b = json.loads((run / "summary.json").read_text())
+    assert (b["rewards"], b["losses"]) == (a["rewards"], a["losses"]), why
 
 
 @pytest.mark.parametrize("earlier", [True, False], ids=["earlier-run", "empty-dir"])
