@@ -21,8 +21,8 @@ ARGS = ["--config", "configs/cpu-tiny.yaml", "--checkpoint.enabled=true", f"--ch
 
 
 def launch(args: list[str], tmp_path, record, nproc: int = 2) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "colocate.train",
-           *ARGS, f"--model.cache_dir={tmp_path / 'cache'}", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
+           "colocate.train", *ARGS, f"--model.cache_dir={tmp_path / 'cache'}", *args]
     env = {**os.environ, "COLOCATE_TEST_RECORD": str(record),
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -102,9 +102,11 @@ def test_two_engines_resume_exactly(tmp_path):
     same samples), gives every reward and loss of the job run whole."""
     engines = ["--topology.num_inference=2", "--topology.num_learners=1", "--learner.max_policy_lag=0"]
     whole, run = tmp_path / "whole", tmp_path / "run"
-    finish(launch([*engines, f"--metrics.run_dir={whole}"], tmp_path, tmp_path / "whole.tsv", nproc=3))
-    killed = kill_after(launch([*engines, f"--metrics.run_dir={run}"], tmp_path, tmp_path / "killed.tsv", nproc=3), 5)
-    out = finish(launch([*engines, f"--metrics.run_dir={run}", "--resume"], tmp_path, tmp_path / "resumed.tsv", nproc=3))
+    def job(run_dir, record, *more):
+        return launch([*engines, f"--metrics.run_dir={run_dir}", *more], tmp_path, tmp_path / record, nproc=3)
+    finish(job(whole, "whole.tsv"))
+    killed = kill_after(job(run, "killed.tsv"), 5)
+    out = finish(job(run, "resumed.tsv", "--resume"))
     start = int(re.search(r"resuming from \S+ \(step (\d+)\)", out).group(1))
     why = f"resumed from step {start}\n{killed[-2000:]}\n{out[-3000:]}"
     assert start == EVERY, why  # the checkpoint of step 3; step 6's was not reached
