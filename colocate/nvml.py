@@ -1,6 +1,6 @@
 """What NVML says about a CUDA device, read without making a CUDA context (the launcher's checks run
 before any rank touches CUDA): its memory and its compute capability. None without NVML or its
-driver, or where CUDA_VISIBLE_DEVICES lists MIG or UUID devices."""
+driver, where CUDA_VISIBLE_DEVICES lists MIG or UUID devices, or where NVML cannot answer."""
 from __future__ import annotations
 
 import os
@@ -23,9 +23,12 @@ def memory(index: int) -> tuple[int, int] | None:
     handle = device_handle(index)
     if handle is None:
         return None
-    import pynvml
-    info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-    return int(info.total), int(info.used)
+    try:
+        import pynvml
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.total), int(info.used)
+    except Exception:  # noqa: BLE001 - NVML cannot say
+        return None
 
 
 def capability(index: int) -> tuple[str, int, int] | None:
@@ -33,7 +36,10 @@ def capability(index: int) -> tuple[str, int, int] | None:
     handle = device_handle(index)
     if handle is None:
         return None
-    import pynvml
-    name = pynvml.nvmlDeviceGetName(handle)
-    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    try:
+        import pynvml
+        name = pynvml.nvmlDeviceGetName(handle)
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    except Exception:  # noqa: BLE001 - an NVML without the call, or one that cannot say
+        return None
     return (name.decode() if isinstance(name, bytes) else str(name)), int(major), int(minor)
