@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from colocate.nvml import device_handle as nvml_device
 from colocate.nvml import memory as nvml_memory
 
 
@@ -140,22 +141,13 @@ class SystemSampler(MonitorThread):
         self.gpu_util: list[list[float]] = []
         """[[unix time, GPU util %], ...] (the last MAX_TRACE samples): the e2e benchmark's NVML busy %."""
 
-    def _nvml_handle(self):
-        if self.gpu_index is None:
-            return None
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            return pynvml.nvmlDeviceGetHandleByIndex(self.gpu_index)
-        except Exception:  # no driver / no library: CPU metrics only
-            return None
-
     def loop(self) -> None:
         import psutil
         proc = psutil.Process()
         proc.cpu_percent(None)
         psutil.cpu_percent(None)
-        handle = self._nvml_handle()
+        # this rank's CUDA device as NVML numbers it (CUDA_VISIBLE_DEVICES mapped); None: CPU metrics only
+        handle = None if self.gpu_index is None else nvml_device(self.gpu_index)
         while not self.halted.wait(self.interval_s):
             values = {"cpu_percent_process": proc.cpu_percent(None), "cpu_percent_host": psutil.cpu_percent(None),
                       "rss_gib": proc.memory_info().rss / 2**30}

@@ -33,3 +33,27 @@ def test_no_answer_is_none(monkeypatch):
     assert nvml.capability(0) is None and nvml.memory(0) is not None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4f1c")  # a MIG list: no index to map
     assert nvml.capability(0) is None and nvml.memory(0) is None
+
+
+def test_the_system_sampler_reads_the_ranks_own_gpu(monkeypatch, tmp_path):
+    """The sampler's GPU figures are the rank's device as NVML numbers it: CUDA index 1 under
+    CUDA_VISIBLE_DEVICES=3,5 is physical GPU 5 (NVML ignores CUDA_VISIBLE_DEVICES)."""
+    import time
+
+    from colocate.metrics import MetricsWriter, SystemSampler
+    calls = []
+    fake = fake_pynvml(calls)
+    fake.NVML_CLOCK_SM = 1
+    fake.nvmlDeviceGetUtilizationRates = lambda h: SimpleNamespace(gpu=float(h == "gpu5") * 100, memory=0)
+    fake.nvmlDeviceGetClockInfo = lambda h, kind: 1980
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    sampler = SystemSampler(MetricsWriter(str(tmp_path), "learner", enabled=True, tensorboard=False), 0.01, 1)
+    sampler.start()
+    for _ in range(500):  # its first sample comes after one 0.01 s interval
+        if sampler.gpu_util:
+            break
+        time.sleep(0.01)
+    sampler.halted.set()
+    sampler.join()
+    assert calls == [5] and sampler.gpu_util[0][1] == 100.0
