@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -29,6 +30,13 @@ def job_env(tree: str) -> dict:
     if tree:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
     return env
+
+
+def train_command(config: str, nproc: int, overrides: list[str]) -> list[str]:
+    """`colocate train` as a user runs it: `--nproc` only when given (0: the config's own count, so a
+    variant's topology sets it), then the overrides (section.key=value, the leading -- optional)."""
+    return [sys.executable, "-m", "colocate.cli", "train", *([f"--nproc={nproc}"] if nproc else []),
+            "--config", config, *("--" + o.removeprefix("--") for o in overrides)]
 
 
 def median_time(fn, *, warmup: int = 3, iters: int = 10, setup=None) -> float:

@@ -80,11 +80,10 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from benchmarks.common import job_env
+from benchmarks.common import job_env, train_command
 from colocate.learner.step_report import TimelineRow
 
 
@@ -156,12 +155,11 @@ def job_settings(job: str, async_lag: int | None, stream_set: list[str] = (),
 
 
 def job_command(args, lag: int | None, run_dir: str, extra: list[str] = ()) -> list[str]:
-    """`colocate train` for one job: --nproc only when given (else the config's own count, so a
-    variant's topology sets it), the job's lag, run directory and overrides, the variant's last."""
-    return [sys.executable, "-m", "colocate.cli", "train", *([f"--nproc={args.nproc}"] if args.nproc else []),
-            "--config", args.config, f"--learner.num_steps={args.steps}",
-            *([] if lag is None else [f"--learner.max_policy_lag={lag}"]), f"--metrics.run_dir={run_dir}",
-            *("--" + o.removeprefix("--") for o in [*args.set, *extra])]
+    """`colocate train` for one job (`train_command`): the job's steps, lag, run directory and
+    overrides, the variant's last."""
+    return train_command(args.config, args.nproc, [f"learner.num_steps={args.steps}",
+                                                   *([] if lag is None else [f"learner.max_policy_lag={lag}"]),
+                                                   f"metrics.run_dir={run_dir}", *args.set, *extra])
 
 
 def run_job(args, lag: int | None, run_dir: str, extra: list[str] = (), tree: str = "") -> dict:

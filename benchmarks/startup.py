@@ -30,11 +30,10 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
-from benchmarks.common import job_env
+from benchmarks.common import job_env, train_command
 from colocate.startup import CHECK_PHASES, MARKS
 
 RUNS = ("cold", "warm")
@@ -68,10 +67,8 @@ def add_args(parser) -> None:
 def launch(args, run_dir: str, cache_dir: str, tree: str = "") -> dict:
     """One `colocate train` run -> its startup.json record, with the command's wall time; `tree`:
     run another source tree's code (cwd and PYTHONPATH)."""
-    cmd = [sys.executable, "-m", "colocate.cli", "train", *([f"--nproc={args.nproc}"] if args.nproc else []),
-           "--config", args.config,
-           f"--learner.num_steps={args.steps}", f"--metrics.run_dir={run_dir}",
-           f"--model.compile_cache_dir={cache_dir}", *("--" + o.removeprefix("--") for o in args.set)]
+    cmd = train_command(args.config, args.nproc, [f"learner.num_steps={args.steps}", f"metrics.run_dir={run_dir}",
+                                                  f"model.compile_cache_dir={cache_dir}", *args.set])
     log_path = f"{run_dir}.log"
     env = job_env(tree)
     if args.importtime:  # each rank's stderr (its import times) in a file of its own, under the run's -ranks/
