@@ -23,7 +23,8 @@
 #   tracegsm configs/gpu-1-gsm8k.yaml as shipped for 12 steps with metrics.profile on (steps 8-9 traced in each role and
 #            up to metrics.profile_engine_steps engine steps in vLLM's engine core): their summaries
 #            (scripts/trace_summary.py: GPU busy and idle per trace, kernel families, host regions) in tracegsm.json;
-#            where an engine step's 6-7 ms go (~3 min)
+#            where an engine step's 6-7 ms go (~3 min); trace7b the same on configs/gpu-1-7b.yaml (trace7b.json: the
+#            learner's recomputed forward, the engine step beside it; ~5 min); TRACE_SET adds overrides (k=v ...)
 #   e2egsm   configs/gpu-1-gsm8k.yaml the same (eval off; GSM8K_MODEL=/path sets model.path, else the
 #            0.5B shape with random weights: every completion runs to 256 tokens)
 #   e2e7b    configs/gpu-1-7b.yaml the same
@@ -144,21 +145,23 @@ startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on S
   done
 }
 
-trace_gsm() {  # configs/gpu-1-gsm8k.yaml as shipped, 12 steps, steps 8-9 traced in every role and in vLLM's engine core
-  local prof="$GS-traces" sets=() traces rc  # traces stay beside $GS, not in it (too large to come back): their
-  rm -rf "$prof" "$GS/run-tracegsm"        # summaries do
-  [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
-  with_memory tracegsm timeout 900 python3 -m colocate.cli train --config configs/gpu-1-gsm8k.yaml \
+trace_preset() {  # trace_preset NAME CONFIG: CONFIG as shipped, 12 steps, steps 8-9 traced in every role and in vLLM's
+  local name=$1 config=$2 prof="$GS-traces-$1" sets=() traces rc  # engine core; traces stay beside $GS, not in it
+  rm -rf "$prof" "$GS/run-$name"                                   # (too large to come back): their summaries do
+  [ "$name" = tracegsm ] && [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
+  local kv
+  for kv in ${TRACE_SET:-}; do sets+=("--$kv"); done
+  with_memory "$name" timeout 900 python3 -m colocate.cli train --config "$config" \
     --learner.num_steps=12 --eval.every=0 --eval.at_end=false --metrics.profile=true --metrics.profile_wait=6 \
-    --metrics.profile_dir="$prof" --metrics.run_dir="$GS/run-tracegsm" ${sets[@]+"${sets[@]}"}
+    --metrics.profile_dir="$prof" --metrics.run_dir="$GS/run-$name" ${sets[@]+"${sets[@]}"}
   traces=$(find "$prof" -name "*.json*" 2>/dev/null | sort)
   if [ -z "$traces" ]; then
-    echo "tracegsm: no traces under $prof" >> "$GS/chain.log"
+    echo "$name: no traces under $prof" >> "$GS/chain.log"
     return
   fi
-  python3 scripts/trace_summary.py $traces > "$GS/tracegsm.json" 2>> "$GS/tracegsm.log"
+  python3 scripts/trace_summary.py $traces > "$GS/$name.json" 2>> "$GS/$name.log"
   rc=$?
-  echo "tracegsm: $(echo "$traces" | wc -l) traces, trace_summary rc=$rc (tracegsm.json)" >> "$GS/chain.log"
+  echo "$name: $(echo "$traces" | wc -l) traces, trace_summary rc=$rc ($name.json)" >> "$GS/chain.log"
 }
 
 pyc_check() {  # whether the bundle's modules import from cached bytecode, and what a fresh import of vLLM costs
@@ -229,7 +232,8 @@ step() {  # one step of the chain, by name
     e2ecanary2) E2ECANARY2_ORDER=${E2ECANARY2_ORDER:-"async+two+short@warm,async+two,async+zero"} \
       E2E_VARIANTS="two:sync.canary_every=2 zero:sync.canary_every=0 short:learner.num_steps=10" \
       e2e_jobs e2ecanary2 configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" --steps "${E2ECANARY2_STEPS:-60}" ;;
-    tracegsm) trace_gsm ;;
+    tracegsm) trace_preset tracegsm configs/gpu-1-gsm8k.yaml ;;
+    trace7b) trace_preset trace7b configs/gpu-1-7b.yaml ;;
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
@@ -302,7 +306,7 @@ chain() {
   [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   echo "chain done" >> "$GS/chain.log"
 }
-export -f chain step with_memory e2e_jobs startup_profile pyc_check trace_gsm
+export -f chain step with_memory e2e_jobs startup_profile pyc_check trace_preset
 export GS
 
 table() {  # the e2e records so far: one row per config and mode
