@@ -200,3 +200,37 @@ def test_adapter_receipt_crosses_the_rpc_as_plain_values_and_becomes_the_update(
     update = VLLMReceiver.update(receipt, time.perf_counter())
     assert (update.version, update.flags) == (3, RunFlags.STOP)
     assert update.metrics["apply_ms"] == 1.5 and update.metrics["checksum_ok"] == 1.0
+
+
+def test_our_kernels_warm_up_at_engine_start_unseen_by_vllms_jit_monitor(monkeypatch):
+    """vLLM's JIT monitor hooks Triton once its own warm-up ends and reports each later compile as a
+    latency spike during inference. Our kernels' warm-ups (the sampler's log-prob kernel, the
+    constraint masks) compile at engine start with that hook held off; it is back after, for the
+    compiles of the rollouts, and also when a warm-up raises."""
+    knobs = pytest.importorskip("triton").knobs
+    from colocate.engine import vllm_logprobs, vllm_trie, vllm_worker
+    reported = []
+
+    def monitor(**kwargs):
+        reported.append(kwargs["fn"])
+
+    def compile_kernel(*_args):  # what Triton does after it compiles a kernel
+        hook = knobs.runtime.jit_post_compile_hook
+        if hook is not None:
+            hook(fn="kernel")
+        return "ours"
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", monitor)
+    monkeypatch.setattr(vllm_logprobs, "install", lambda module: "ours")
+    monkeypatch.setattr(vllm_logprobs, "warm_up", compile_kernel)
+    monkeypatch.setattr(vllm_trie, "install", compile_kernel)
+    config = SimpleNamespace(get_vocab_size=lambda: 8)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model_config=config, device=torch.device("cpu")))
+    assert vllm_worker.ColocateWorkerExtension.colocate_use_logprob_kernel(worker) == "ours"
+    assert vllm_worker.ColocateWorkerExtension.colocate_use_constraint_masks(worker) == "ours"
+    assert reported == [] and knobs.runtime.jit_post_compile_hook is monitor
+    compile_kernel()  # a compile after start-up is reported, as vLLM wants
+    assert reported == ["kernel"]
+    with pytest.raises(RuntimeError), vllm_worker.start_up_compiles():
+        raise RuntimeError("a warm-up failed")
+    assert knobs.runtime.jit_post_compile_hook is monitor

@@ -14,6 +14,7 @@ tensors" API (it loads adapters from a directory), so instead of going through i
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 
@@ -46,6 +47,26 @@ class AdapterReceipt:
     @classmethod
     def from_rpc(cls, got: dict) -> AdapterReceipt:
         return cls(**got)
+
+
+@contextlib.contextmanager
+def start_up_compiles():
+    """Our kernels' warm-ups compile them at engine start on purpose, after vLLM's own warm-up has
+    switched on its JIT monitor, which takes every later Triton compile for one inside inference: it
+    logs "JIT compilation during inference ... latency spike" (in its error mode it raises). Its hook
+    (Triton's `jit_post_compile_hook`) is held off for these compiles and put back after."""
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        hook = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):  # no Triton, or one without the hook: nothing is reported
+        yield
+        return
+    runtime.jit_post_compile_hook = None
+    try:
+        yield
+    finally:
+        runtime.jit_post_compile_hook = hook
 
 
 def synchronize(device: torch.device) -> None:
@@ -118,7 +139,8 @@ class ColocateWorkerExtension:
         from colocate.engine.vllm_logprobs import install, warm_up
         used = install(type(self.model_runner).__module__)
         if used == "ours":
-            warm_up(self.model_runner.model_config.get_vocab_size(), self.model_runner.device)
+            with start_up_compiles():
+                warm_up(self.model_runner.model_config.get_vocab_size(), self.model_runner.device)
         return used
 
     def colocate_logprob_calls(self) -> dict:
@@ -129,7 +151,8 @@ class ColocateWorkerExtension:
     def colocate_use_constraint_masks(self) -> str:
         """Our constraint masks in this worker's sampler (`vllm_trie.py`): "ours", or "vllm"."""
         from colocate.engine.vllm_trie import install
-        return install(self.model_runner)
+        with start_up_compiles():  # the install compiles the mask kernel (`ConstraintMasks.warm_up`)
+            return install(self.model_runner)
 
     def colocate_masked_rows(self) -> int:
         """Logit rows our constraint masks served in this worker."""
