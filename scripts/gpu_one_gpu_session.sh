@@ -149,8 +149,9 @@ trace_preset() {  # trace_preset NAME CONFIG: CONFIG as shipped, 12 steps, steps
   local name=$1 config=$2 prof="$GS-traces-$1" sets=() traces rc  # engine core; traces stay beside $GS, not in it
   rm -rf "$prof" "$GS/run-$name"                                   # (too large to come back): their summaries do
   [ "$name" = tracegsm ] && [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
-  local kv
-  for kv in ${TRACE_SET:-}; do sets+=("--$kv"); done
+  local extra=() kv
+  read -r -a extra <<< "${TRACE_SET:-}"
+  for kv in ${extra[@]+"${extra[@]}"}; do sets+=("--$kv"); done
   with_memory "$name" timeout 900 python3 -m colocate.cli train --config "$config" \
     --learner.num_steps=12 --eval.every=0 --eval.at_end=false --metrics.profile=true --metrics.profile_wait=6 \
     --metrics.profile_dir="$prof" --metrics.run_dir="$GS/run-$name" ${sets[@]+"${sets[@]}"}
