@@ -186,6 +186,10 @@ def test_cpu_tiny_learns_with_vllm_on_one_gpu(gpu_jobs, update, masks):
     reach env.reward_target (0.9) in both update modes, and with our constraint masks."""
     run = gpu_run(gpu_jobs, f"learn-{update}-{masks}")
     assert run.returncode == 0 and not run.stray, run.tail()
+    # our kernels compile at engine start (`vllm_worker.start_up_compiles`), unseen by vLLM's JIT monitor
+    ours = ("_blocks", "_combine", "_advance_and_mask")
+    jit_lines = [line for line in run.output.splitlines() if "JIT compilation during inference" in line]
+    assert not [line for line in jit_lines if line.split("inference: ")[-1].split(".")[0] in ours], jit_lines
     summary = json.loads((run.dir / "run" / "summary.json").read_text())
     assert summary["steps"] == 300 and summary["reached_target"], {k: summary[k] for k in
                                                                     ("reward_start", "reward_end", "dropped_stale")}
