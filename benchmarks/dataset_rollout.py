@@ -28,6 +28,9 @@ out; its engine steps) and the host work outside it (ours: prompts before, rewar
 after). Ours also records its sampler's log-prob calls by function (`logprob_calls`: our kernel's
 and vLLM's own). `--model-path` takes a local model; without it the random qwen2.5-7b shape is
 written once under the cache (answers then run to the 500-token limit on both sides).
+`--trace-dir DIR` traces each `ours` side's engine core in one more round after the timed ones (not
+counted): its first `TRACE_STEPS` engine steps (a few of prefill, then decode) under torch.profiler,
+written to DIR/<side>/ (`scripts/trace_summary.py` reads them).
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ import tempfile
 import time
 
 QUESTIONS, SAMPLES, MAX_TOKENS = 16, 8, 500
+TRACE_STEPS = 64
+"""Engine steps in the traced round's trace (`--trace-dir`)."""
 SIDES = ("vllm", "vllm_fp8", "vllm_logprobs", "vllm_ours_args", "ours")
 VLLM_SETTINGS = dict(max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=0.95, enable_chunked_prefill=True)
 
@@ -53,6 +58,8 @@ def add_args(parser) -> None:
                         help=f"comma-separated, of {SIDES} and ours+NAME; the first is the baseline")
     parser.add_argument("--variant", nargs="*", default=[], help="NAME:section.key=value,... for the side ours+NAME")
     parser.add_argument("--ratios", default="", help="comma-separated A/B pairs of sides: A's tokens/s over B's")
+    parser.add_argument("--trace-dir", default="", help="trace each ours side's engine core in one more, untimed "
+                        "round, into DIR/<side>/")
     parser.add_argument("--side", default="", help="internal: run one side in this process")
     parser.add_argument("--data", default="")
     parser.add_argument("--result", default="")
@@ -130,8 +137,8 @@ def side_ours(args) -> dict:
     from colocate.envs import env_facts
     from colocate.rollout.worker import RolloutSettings, RolloutWorker
     cfg, tokenizer, model_dir, env = build(args)
-    engine = VLLMEngine(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id,
-                        engine_settings(cfg, 1, seed=0, **env_facts(cfg)))
+    settings = traced(engine_settings(cfg, 1, seed=0, **env_facts(cfg)), args.trace_dir, args.side)
+    engine = VLLMEngine(model_dir, lora_spec_for(cfg, tokenizer), tokenizer.eos_token_id, settings)
     worker = RolloutWorker(env, engine, RolloutSettings(groups_per_batch=cfg.rollout.groups_per_step,
                                                         stream=cfg.rollout.stream))
     rounds = []
@@ -146,7 +153,20 @@ def side_ours(args) -> dict:
                            "engine_steps": engine.counters["steps"] - before["steps"],
                            "prompt_tokens_mean": float(batch.prompt_lens.float().mean()),
                            "sequences": batch.num_sequences})
-    return summarize(rounds) | {"logprob_calls": engine.logprob_calls()}
+    calls = engine.logprob_calls()
+    if args.trace_dir:  # one more round, after the timed ones and not counted
+        engine.start_profile()
+        worker.collect()
+        engine.stop_profile()
+    return summarize(rounds) | {"logprob_calls": calls}
+
+
+def traced(settings, trace_dir: str, side: str):
+    """An ours side's engine settings, with its engine core's profiler on when `trace_dir` is given
+    (`TRACE_STEPS` steps into trace_dir/side/)."""
+    if not trace_dir:
+        return settings
+    return settings.replace(profile_dir=os.path.join(trace_dir, side), profile_steps=TRACE_STEPS)
 
 
 def parse_ratios(text: str, names: list[str]) -> list[tuple[str, str]]:
@@ -242,6 +262,8 @@ def run(args) -> dict:
             cmd += ["--shape", args.shape]
         if args.variant:
             cmd += ["--variant", *args.variant]
+        if args.trace_dir and side.startswith("ours"):
+            cmd += ["--trace-dir", os.path.abspath(args.trace_dir)]
         subprocess.run(cmd, check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
         with open(out) as f:
             sides[side] = json.load(f)

@@ -76,6 +76,9 @@
 #            bf16 (vllm); ratios ours+fp8m over ours (>= 1.3 wanted) and over vllm_fp8 (>= 0.95); DSROLLFP8_SIDES
 #            picks the sides (set DSROLLFP8_RATIOS to pairs of the sides kept); DSROLLFP8_ARGS adds arguments,
 #            e.g. "--questions 64" (512 sequences a round, as an engine of the multi-GPU presets keeps)
+#   dsrolltrace  the dataset_rollout benchmark at the 7B shape and 512 sequences, ours (bf16) and ours+fp8m: one
+#            timed round each, then one traced round of each engine core (`--trace-dir`, 64 engine steps), the
+#            traces summarized (dsrolltrace-summary.json: kernel families per side; ~6 min)
 #   parityfp8  the parity step with the engine in FP8 (--quantization fp8): the engine-vs-learner log-prob gap
 #            of an FP8 engine (parity-7b-fp8.json beside parity's parity-7b.json: run parity,parityfp8)
 #   learnfp8 the GPU learning test with FP8: cpu-tiny on vLLM with engine.quantization=fp8 and loss.tis_cap=2
@@ -146,7 +149,7 @@ startup_profile() {  # startup_profile STEP NAME [K=V]: the startup profile on S
 }
 
 trace_preset() {  # trace_preset NAME CONFIG: CONFIG as shipped, 12 steps, steps 8-9 traced in every role and in vLLM's
-  local name=$1 config=$2 prof="$GS-traces-$1" sets=() traces rc  # engine core; traces stay beside $GS, not in it
+  local name=$1 config=$2 prof="$GS-traces-$1" sets=()  # engine core; traces stay beside $GS, not in it
   rm -rf "$prof" "$GS/run-$name"                                   # (too large to come back): their summaries do
   [ "$name" = tracegsm ] && [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
   local extra=() kv
@@ -155,6 +158,11 @@ trace_preset() {  # trace_preset NAME CONFIG: CONFIG as shipped, 12 steps, steps
   with_memory "$name" timeout 900 python3 -m colocate.cli train --config "$config" \
     --learner.num_steps=12 --eval.every=0 --eval.at_end=false --metrics.profile=true --metrics.profile_wait=6 \
     --metrics.profile_dir="$prof" --metrics.run_dir="$GS/run-$name" ${sets[@]+"${sets[@]}"}
+  summarize_traces "$name" "$prof"
+}
+
+summarize_traces() {  # summarize_traces NAME DIR: every trace under DIR summarized into $GS/NAME.json
+  local name=$1 prof=$2 traces rc
   traces=$(find "$prof" -name "*.json*" 2>/dev/null | sort)
   if [ -z "$traces" ]; then
     echo "$name: no traces under $prof" >> "$GS/chain.log"
@@ -163,6 +171,15 @@ trace_preset() {  # trace_preset NAME CONFIG: CONFIG as shipped, 12 steps, steps
   python3 scripts/trace_summary.py $traces > "$GS/$name.json" 2>> "$GS/$name.log"
   rc=$?
   echo "$name: $(echo "$traces" | wc -l) traces, trace_summary rc=$rc ($name.json)" >> "$GS/chain.log"
+}
+
+dsroll_trace() {  # the 7B dataset rollout at 512 sequences, bf16 and FP8 merged: one timed round, then one traced
+  local prof="$GS-traces-dsroll"
+  rm -rf "$prof"
+  with_memory dsrolltrace timeout 1800 python3 scripts/benchmark.py --profile dataset_rollout --sides ours,ours+fp8m \
+    --variant "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" --questions 64 --rounds 1 \
+    --trace-dir "$prof" --out "$GS/dataset-rollout-trace.json"
+  summarize_traces dsrolltrace-summary "$prof"
 }
 
 pyc_check() {  # whether the bundle's modules import from cached bytecode, and what a fresh import of vLLM costs
@@ -235,6 +252,7 @@ step() {  # one step of the chain, by name
       e2e_jobs e2ecanary2 configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" --steps "${E2ECANARY2_STEPS:-60}" ;;
     tracegsm) trace_preset tracegsm configs/gpu-1-gsm8k.yaml ;;
     trace7b) trace_preset trace7b configs/gpu-1-7b.yaml ;;
+    dsrolltrace) dsroll_trace ;;
     e2e1) e2e_jobs e2e1 configs/gpu-1.yaml ;;
     e2egsm) e2e_jobs e2egsm configs/gpu-1-gsm8k.yaml eval.every=0 eval.at_end=false "${gsm_model[@]}" ;;
     e2e7b) e2e_jobs e2e7b configs/gpu-1-7b.yaml ;;
@@ -307,7 +325,7 @@ chain() {
   [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   echo "chain done" >> "$GS/chain.log"
 }
-export -f chain step with_memory e2e_jobs startup_profile pyc_check trace_preset
+export -f chain step with_memory e2e_jobs startup_profile pyc_check trace_preset summarize_traces dsroll_trace
 export GS
 
 table() {  # the e2e records so far: one row per config and mode

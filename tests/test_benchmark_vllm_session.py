@@ -104,3 +104,34 @@ def test_dataset_rollout_questions_size_both_sides():
     cfg = config(SimpleNamespace(model_path="", shape="qwen2.5-0.5b", data="x.jsonl", questions=64, side="ours",
                                  variant=[]))
     assert (cfg.rollout.groups_per_step, cfg.rollout.group_size, cfg.engine.max_num_seqs) == (64, SAMPLES, 512)
+
+
+def test_dataset_rollout_traces_only_the_ours_sides(monkeypatch, tmp_path):
+    """`--trace-dir DIR`: each ours side's engine is built with its engine core's profiler aimed at
+    DIR/<side>/ for `TRACE_STEPS` steps; the plain vLLM sides are run without it."""
+    import argparse
+    import json
+    import subprocess
+
+    from benchmarks import dataset_rollout
+    from colocate.engine.vllm_settings import VLLMSettings
+    settings = VLLMSettings()
+    assert dataset_rollout.traced(settings, "", "ours") is settings
+    traced = dataset_rollout.traced(settings, "/t", "ours+fp8m")
+    assert (traced.profile_dir, traced.profile_steps) == ("/t/ours+fp8m", dataset_rollout.TRACE_STEPS)
+    commands = []
+
+    def fake_side(cmd, check, env):  # a side's process: its command recorded, a result written
+        commands.append(cmd)
+        result = {"out_tokens_per_s": 1.0}
+        with open(cmd[cmd.index("--result") + 1], "w") as f:
+            json.dump(result, f)
+    monkeypatch.setattr(subprocess, "run", fake_side)
+    parser = argparse.ArgumentParser()
+    dataset_rollout.add_args(parser)
+    args = parser.parse_args(["--sides", "ours,vllm_fp8,ours+fp8m", "--variant", "fp8m:engine.quantization=fp8",
+                              "--trace-dir", str(tmp_path)])
+    dataset_rollout.run(args)
+    traced_sides = {c[c.index("--side") + 1]: c[c.index("--trace-dir") + 1] if "--trace-dir" in c else None
+                    for c in commands}
+    assert traced_sides == {"ours": str(tmp_path), "vllm_fp8": None, "ours+fp8m": str(tmp_path)}
