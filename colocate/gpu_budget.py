@@ -253,6 +253,7 @@ def plan_gpus(cfg: Config, shape: ModelShape, roles: list[str], devices: list[tu
 
 def check_plan(cfg: Config, plans: list[GpuPlan], total: int) -> None:
     """ConfigError (one line: the key, the estimate, the card) where a GPU cannot hold its ranks."""
+    check_shared_engines(cfg, plans)
     for plan in plans:
         for role, parts in zip(plan.roles, plan.parts):
             if role == "inference" and parts["vLLM"] < parts["of which weights"] + CONTEXT_BYTES:
@@ -266,6 +267,21 @@ def check_plan(cfg: Config, plans: list[GpuPlan], total: int) -> None:
             raise ConfigError(f"GPU {plan.gpu[1]} (ranks {', '.join(map(str, plan.ranks))}) cannot hold "
                               f"{describe(cfg, plan)}: ~{plan.used() / GIB:.1f} GiB of {total / GIB:.1f} GiB; "
                               f"{remedy(cfg, plan)}")
+
+
+def check_shared_engines(cfg: Config, plans: list[GpuPlan]) -> None:
+    """ConfigError where engines that share a GPU would each size their memory from what the GPU has
+    free while they start (`EngineEntry.sizes_from_free_memory`: vLLM's start-up profile without
+    `engine.kv_cache_gib`): they start together, and each would count the others' memory as its own."""
+    from colocate.engine.table import ENGINES, on_device, resolve_kind
+    if not ENGINES[resolve_kind(cfg.engine.kind, on_device("cuda"))].sizes_from_free_memory(cfg):
+        return
+    for plan in plans:
+        engines = [r for r, role in zip(plan.ranks, plan.roles) if role == "inference"]
+        if len(engines) > 1:
+            raise ConfigError(f"ranks {', '.join(map(str, engines))} are {len(engines)} engines on GPU {plan.gpu[1]}: "
+                              "they start together, and vLLM's start-up memory profile would count the others' memory "
+                              "as its own; set engine.kv_cache_gib (a fixed KV cache per engine, no profile)")
 
 
 def engine_remedy(cfg: Config, parts: dict, total: int) -> str:

@@ -106,10 +106,22 @@ config (a resume, an evaluation):
   the tokenizer trained on its env's text: evaluate with the training run's config and env (--run RUN)`.
 - a reward function that keeps failing at run time: `RewardError: reward NAME gave no usable value for
   N samples in a row (env.max_reward_errors=M); the last raised ValueError: ... (rollout/reward_errors/raised)`.
-- `engine.quantization=fp8` with `engine.lora_mode=merged` on a GPU whose vLLM FP8 kernel keeps
-  another layout than cutlass's per-tensor one (Marlin's repacked weights before Ada, per-channel
-  scales): the engine's start stops with `engine.lora_mode=merged with engine.quantization=fp8: an FP8
-  linear holds ... not vLLM's per-tensor e4m3 layout this merge writes: use engine.lora_mode=slot`.
+- `engine.quantization=fp8` with `engine.lora_mode=merged` (the 7B Diplomacy presets) on a GPU
+  without FP8 tensor cores (NVML's compute capability below 8.9: before Ada vLLM repacks FP8 weights
+  for weight-only kernels), refused at the checks, exit 2: `colocate: config error:
+  engine.quantization=fp8 with engine.lora_mode=merged needs FP8 tensor cores (compute capability 8.9
+  or more: Ada, Hopper); GPU 0 is NVIDIA A100-SXM4-80GB (8.0): set engine.quantization=none`. Where
+  the checks could not read the GPU, or vLLM keeps another layout (per-channel scales), or merged mode
+  meets a checkpoint quantized already, the engine's start stops with `engine.lora_mode=merged with
+  engine.quantization=fp8 writes e4m3 weights (vLLM's online FP8), but vLLM holds MODULE as DTYPE
+  (SHAPE) (N of the M adapted modules: another kernel's layout, or a quantized checkpoint): use
+  engine.lora_mode=slot` (or `... an FP8 linear holds ... not vLLM's per-tensor e4m3 layout this merge
+  writes: use engine.lora_mode=slot`).
+- engines sharing a GPU that size their memory at start (vLLM without `engine.kv_cache_gib`; e.g.
+  `colocate check --config configs/gpu-1-gsm8k.yaml --world-size 3 --gpus-per-node 1 --gpu-memory
+  80GiB --engine.kv_cache_gib=0`), exit 2: `colocate: config error: ranks 0, 1 are 2 engines on GPU 0:
+  they start together, and vLLM's start-up memory profile would count the others' memory as its own;
+  set engine.kv_cache_gib (a fixed KV cache per engine, no profile)`.
 """
 
 

@@ -82,7 +82,7 @@ def test_the_requantized_merge_is_the_float64_reference_bit_for_bit_in_place(dty
     tensors = {k: v.to(dtype) for k, v in adapter(g).items()}
     spec = LoraSpec.of(tensors)
     plan = merge_plan(spec.names, spec.shapes, set(layers), VLLM_PACKED)
-    need, build = merged_target(spec, plan, layers, scaling=2.0)
+    need, build = merged_target(spec, plan, layers, scaling=2.0, quantization="fp8")
     merged = build()
     assert isinstance(merged, MergedFp8Adapter) and (merged.staged is merged.flat) == (dtype == torch.float32)
     assert need == merged_fp8_bytes([16 * HIDDEN, 12 * HIDDEN]) == 28 * HIDDEN + 4 * 16 * HIDDEN
@@ -136,9 +136,12 @@ def test_a_zero_adapter_gives_w0_back_and_an_update_shows_only_across_the_grid()
     assert (err <= torch.maximum(2 ** -4 * x.abs(), 2 ** -10 * scale) * (1 + 2 ** -20)).all()
 
 
-def test_merged_target_picks_the_fp8_merge_by_the_weights_dtype_and_refuses_a_mix():
-    """bf16 weights keep `MergedAdapter` (W0 in bf16, 2 bytes a parameter); e4m3 ones the FP8 merge;
-    one merge cannot write both. A layer not in vLLM's per-tensor FP8 layout is refused by name."""
+def test_merged_target_follows_the_config_and_refuses_weights_its_merge_cannot_write():
+    """Without FP8, bf16 weights keep `MergedAdapter` (W0 in bf16, 2 bytes a parameter); with
+    engine.quantization fp8, e4m3 ones the FP8 merge. Each refuses, in one line naming a module and
+    engine.lora_mode=slot, the weights the other writes, a mix, and integers (Marlin's repacked FP8
+    before Ada, a quantized checkpoint): no merge into a layout it does not know. A layer not in
+    vLLM's per-tensor FP8 layout is refused by name."""
     g = torch.Generator().manual_seed(2)
     tensors = adapter(g)
     spec = LoraSpec.of(tensors)
@@ -146,9 +149,19 @@ def test_merged_target_picks_the_fp8_merge_by_the_weights_dtype_and_refuses_a_mi
     plan = merge_plan(spec.names, spec.shapes, set(bf16), VLLM_PACKED)
     need, build = merged_target(spec, plan, bf16, scaling=2.0)
     assert need == 2 * 28 * HIDDEN and isinstance(build(), MergedAdapter)
-    mixed = {**bf16, "model.layers.0.self_attn.o_proj": fp8_layer(random_e4m3(12, HIDDEN, g), 1.0)}
-    with pytest.raises(RuntimeError, match="1 of the 2 adapted modules are FP8"):
-        merged_target(spec, plan, mixed, scaling=2.0)
+    e4m3 = {m: fp8_layer(random_e4m3(out, HIDDEN, g), 1.0) for m, out in FUSED.items()}
+    assert isinstance(merged_target(spec, plan, e4m3, scaling=2.0, quantization="fp8")[1](), MergedFp8Adapter)
+    o_proj = "model.layers.0.self_attn.o_proj"
+    marlin = {**e4m3, o_proj: SimpleNamespace(weight=torch.zeros(12, HIDDEN // 4, dtype=torch.int32))}
+    cases = [(bf16, "fp8", "bfloat16"), (e4m3, "none", "float8_e4m3fn"), (marlin, "fp8", "int32"),
+             ({**bf16, o_proj: e4m3[o_proj]}, "none", "float8_e4m3fn"),
+             ({m: SimpleNamespace(weight=torch.zeros(4, 4, dtype=torch.int8)) for m in bf16}, "none", "int8"),
+             ({m: SimpleNamespace(weight=torch.zeros(4, 4, dtype=torch.float8_e5m2)) for m in bf16}, "none",
+              "float8_e5m2")]
+    for layers, quantization, held in cases:
+        with pytest.raises(RuntimeError, match=rf"engine.quantization={quantization} writes .* as torch.{held} "
+                                               r".*use engine.lora_mode=slot"):
+            merged_target(spec, plan, layers, scaling=2.0, quantization=quantization)
     per_channel = fp8_layer(random_e4m3(12, HIDDEN, g), 1.0)
     per_channel.weight_scale = torch.ones(12)
     with pytest.raises(RuntimeError, match="use engine.lora_mode=slot"):

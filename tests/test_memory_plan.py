@@ -292,3 +292,22 @@ def test_an_fp8_merged_engine_plans_w0_at_one_byte_and_its_scratch(seven_b, caps
     assert code == 0, err
     assert (f"of which weights {(own + copy) / GIB:.1f} = {own / GIB:.1f} + {copy / GIB:.1f}, vLLM's and W0 in "
             "e4m3 with the fp32 buffer the merge is requantized in") in err, err
+
+
+def test_engines_sharing_a_gpu_need_a_fixed_kv_cache(capsys, monkeypatch):
+    """Two vLLM engines on one GPU start together: each sizing its KV cache by vLLM's start-up memory
+    profile would count the other's memory as its own, so the plan refuses them without
+    engine.kv_cache_gib, in one line naming the ranks and the key; with it (the preset's) they plan.
+    The HF engine sizes nothing at start: no refusal."""
+    monkeypatch.chdir(REPO)
+    one_gpu = ("--config", "configs/gpu-1-gsm8k.yaml", "--world-size", "3", "--gpus-per-node", "1", "--gpu-memory",
+               "80GiB")
+    code, err = check(capsys, *one_gpu, "--engine.kv_cache_gib=0")
+    lines = [line for line in err.splitlines() if line.startswith("colocate:")]
+    assert code == 2 and lines == ["colocate: config error: ranks 0, 1 are 2 engines on GPU 0: they start together, "
+                                   "and vLLM's start-up memory profile would count the others' memory as its own; set "
+                                   "engine.kv_cache_gib (a fixed KV cache per engine, no profile)"], err
+    code, err = check(capsys, *one_gpu)
+    assert code == 0, err
+    code, err = check(capsys, *one_gpu, "--engine.kv_cache_gib=0", "--engine.kind=hf")
+    assert "engines on GPU" not in err, err

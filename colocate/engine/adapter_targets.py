@@ -264,15 +264,26 @@ class MergedFp8Adapter(AdapterTarget):
         return all(holds(x, scale, live) for live, x, scale in self.requantized())
 
 
-def merged_target(spec: LoraSpec, plan: list[MergeTarget], linear: dict, scaling: float) -> tuple[int, object]:
-    """Merged mode's target for vLLM's adapted `linear` modules (by name): `MergedFp8Adapter` when
-    their weights are e4m3 (vLLM's online FP8), else `MergedAdapter` -> (the bytes it keeps beside
-    the engine, a function that builds it)."""
+def merged_target(spec: LoraSpec, plan: list[MergeTarget], linear: dict, scaling: float,
+                  quantization: str = "none") -> tuple[int, object]:
+    """Merged mode's target for vLLM's adapted `linear` modules (by name): `MergedFp8Adapter` with
+    engine.quantization fp8 (every weight e4m3: vLLM's online FP8), `MergedAdapter` without (every
+    weight in a float dtype of 16 bits or more) -> (the bytes it keeps beside the engine, a function
+    that builds it). RuntimeError (one line) for weights the config's merge cannot write: another FP8
+    kernel's layout (Marlin's repacked integers before Ada), or a checkpoint quantized already."""
     used = sorted({t.module for t in plan})
-    fp8 = [m for m in used if linear[m].weight.dtype == E4M3]
-    if fp8 and len(fp8) != len(used):
-        raise RuntimeError(f"engine.lora_mode=merged: {len(fp8)} of the {len(used)} adapted modules are FP8 "
-                           f"(e.g. {fp8[0]}) and the others not: one merge cannot write both")
+    fp8 = quantization == "fp8"
+
+    def writable(w: torch.Tensor) -> bool:
+        return w.dtype == E4M3 if fp8 else w.dtype.is_floating_point and w.element_size() >= 2
+    wrong = [m for m in used if not writable(linear[m].weight)]
+    if wrong:
+        w = linear[wrong[0]].weight
+        expected = "e4m3 weights (vLLM's online FP8)" if fp8 else "weights in the model's float dtype"
+        raise RuntimeError(f"engine.lora_mode=merged with engine.quantization={quantization} writes {expected}, but "
+                           f"vLLM holds {wrong[0]} as {w.dtype} {tuple(w.shape)} ({len(wrong)} of the {len(used)} "
+                           "adapted modules: another kernel's layout, or a quantized checkpoint): use "
+                           "engine.lora_mode=slot")
     if fp8:
         live = {m: live_fp8(linear[m]) for m in used}
         need = merged_fp8_bytes([live[m].weight.numel() for m in used])

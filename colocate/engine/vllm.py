@@ -80,6 +80,7 @@ class VLLMEngine(Engine):
                  gpu: int | None = None):
         s = settings
         self.spec, self.eos_id, self.lora_mode, self.grammar_mode = spec, eos_id, s.lora_mode, s.grammar_mode
+        self.quantization = s.quantization  # merged mode writes e4m3 weights with fp8 (`adapter_targets.merged_target`)
         self.inflight = s.update == "inflight"  # adapter updates may land under running requests
         self.max_num_seqs, self.profile_dir, self.version = s.max_num_seqs, s.profile_dir, 0
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -154,7 +155,8 @@ class VLLMEngine(Engine):
         if self.lora_mode == "slot":
             return self.llm.collective_rpc("colocate_init_adapter", args=(names, shapes, dtype_name, lora_rank,
                                                                           scaling))[0]
-        return self.llm.collective_rpc("colocate_init_merged", args=(names, shapes, dtype_name, scaling))[0]
+        return self.llm.collective_rpc("colocate_init_merged",
+                                       args=(names, shapes, dtype_name, scaling, self.quantization))[0]
 
     @property
     def can_profile(self) -> bool:

@@ -113,22 +113,27 @@ class ColocateWorkerExtension:
         return {"slot": slot, "numel": spec.numel, "lora_dtype": str(dst[0].dtype),
                 "modules": len({t.module for t in plan})}
 
-    def colocate_init_merged(self, names: list[str], shapes: list[list[int]], dtype: str, scaling: float) -> dict:
-        """Merged mode: keep W0 of every adapted weight (e4m3 on an FP8 engine); updates are merged
-        into the live weights."""
+    def colocate_init_merged(self, names: list[str], shapes: list[list[int]], dtype: str, scaling: float,
+                             quantization: str = "none") -> dict:
+        """Merged mode: keep W0 of every adapted weight (e4m3 with engine.quantization fp8); updates
+        are merged into the live weights."""
         model = self.model_runner.get_model()  # unwrapped from vLLM's CUDA-graph wrapper
         linear = {n: m for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor)
                   and m.weight.dim() == 2}
         packed = {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
         spec = LoraSpec(tuple(names), tuple(tuple(s) for s in shapes), getattr(torch, dtype))
         plan = merge_plan(spec.names, spec.shapes, set(linear), packed)
-        need, build = merged_target(spec, plan, linear, scaling)
+        need, build = merged_target(spec, plan, linear, scaling, quantization)
         free, _ = torch.cuda.mem_get_info(self.device)
+        short = (f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} GiB) but only "
+                 f"{{:.1f}} GiB are free on {self.device} (other processes on it included): lower "
+                 "engine.gpu_memory_utilization")
         if need + MERGED_HEADROOM_BYTES > free:
-            raise RuntimeError(f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} "
-                               f"GiB) but only {free / 2**30:.1f} GiB are free on {self.device}: lower "
-                               "engine.gpu_memory_utilization")
-        self.colocate_slot = build()
+            raise RuntimeError(short.format(free / 2**30))
+        try:
+            self.colocate_slot = build()
+        except torch.cuda.OutOfMemoryError:  # another process took the room between the check and now
+            raise RuntimeError(short.format(torch.cuda.mem_get_info(self.device)[0] / 2**30)) from None
         self.colocate_group = None
         return {"slot": None, "numel": spec.numel, "lora_dtype": str(self.colocate_slot.staged.dtype),
                 "modules": len({t.module for t in plan}), "base_copy_gib": need / 2**30,
