@@ -372,7 +372,7 @@ def test_a_kernel_that_fails_at_start_leaves_vllms_grammars(monkeypatch, capsys)
     monkeypatch.setattr(vllm_trie, "advance_and_mask", lambda logits, *a: compiled.append(logits.dtype))
     runner = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu.model_runner"})()
     runner.sampler, runner.speculator, runner.req_states = FakeSampler(), None, fake_req_states(2, 8)
-    assert vllm_trie.install(runner) == "ours" and compiled == [torch.float32, torch.bfloat16]
+    assert vllm_trie.install(runner) == "ours" and set(compiled) == {torch.float32, torch.bfloat16}
 
     def broken(*a):
         raise RuntimeError("no compiler")
@@ -410,3 +410,30 @@ def test_masking_before_the_staged_writes_is_refused_not_wrong():
     masks.apply(torch.zeros(1, V), *batch)
     with pytest.raises(RuntimeError, match="stale tables"):
         masks.apply(torch.zeros(2, V), torch.tensor([0, 1], dtype=torch.int32), np.array([0, 1]))
+
+
+def test_our_kernels_warm_up_on_every_logits_layout_the_sampler_passes(monkeypatch):
+    """vLLM hands the sampler a view of its padded LM head's output (rows VOCAB_PADDING wide), and a
+    float32 copy of one such row keeps that stride; Triton compiles a kernel again for a row stride
+    of another class (divisible by 16 or not). So both warm-ups run their kernel on contiguous rows
+    and on padded views, one row and two, float32 and bfloat16: a vocabulary of 269 (cpu-tiny's)
+    gives strides 269 and 320, a Qwen one (a multiple of 64) only its own."""
+    from colocate.engine import vllm_logprobs
+    from colocate.kernels import sampled_logprob as logprob_kernel
+    layouts = {(l.shape[0], l.stride(0), l.dtype) for l in vllm_logprobs.warm_up_logits(269, "cpu")}
+    assert layouts == {(r, s, d) for r in (1, 2) for s in (269, 320) for d in (torch.float32, torch.bfloat16)}
+    assert all(l.shape[1] == 269 and l.stride(1) == 1 for l in vllm_logprobs.warm_up_logits(269, "cpu"))
+    assert {l.stride(0) for l in vllm_logprobs.warm_up_logits(152064, "cpu")} == {152064}
+    seen = {"logprob": set(), "mask": set()}
+    monkeypatch.setattr(logprob_kernel, "sampled_logprob",
+                        lambda logits, ids: seen["logprob"].add((logits.shape[0], logits.stride(0), logits.dtype)))
+    assert vllm_logprobs.warm_up(269, "cpu")
+
+    def record_mask(logits, rows_req, *rest):
+        assert rows_req.shape[0] == logits.shape[0]  # a row of no request for every row
+        seen["mask"].add((logits.shape[0], logits.stride(0), logits.dtype))
+    monkeypatch.setattr(vllm_trie, "advance_and_mask", record_mask)
+    states = fake_req_states(2, 8)
+    states.vocab_size = 269
+    vllm_trie.ConstraintMasks(states).warm_up()
+    assert seen["logprob"] == seen["mask"] == layouts

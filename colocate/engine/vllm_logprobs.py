@@ -76,16 +76,35 @@ def install(runner_module: str) -> str:
     return "ours"
 
 
+VOCAB_PADDING = 64
+"""vLLM pads the LM head's rows to a multiple of this (`DEFAULT_VOCAB_PADDING_SIZE`) and hands the
+sampler a view of their first vocab_size columns."""
+
+
+def warm_up_logits(vocab_size: int, device) -> list:
+    """Logits in every layout vLLM's sampler may hand our kernels, in float32 and bfloat16, one row
+    and two: rows contiguous (row stride vocab_size) and views of the padded LM head's output (row
+    stride vocab_size rounded up to `VOCAB_PADDING`; a float32 copy of one such row keeps it). Triton
+    compiles a kernel again for an integer argument of another class (divisible by 16 or not, 1):
+    a vocabulary that is no multiple of 16 gives two strides, and a warm-up on both keeps every
+    compile at engine start."""
+    import torch
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    return [torch.zeros(rows, width, dtype=dtype, device=device)[:, :vocab_size]
+            for dtype in (torch.float32, torch.bfloat16) for rows in (1, 2)
+            for width in dict.fromkeys((vocab_size, padded))]
+
+
 def warm_up(vocab_size: int, device) -> bool:
-    """Run the kernel once on float32 and bfloat16 logits of the model's width, so Triton compiles it
-    now, at engine start, instead of inside the first rollouts -> whether it ran. A failure is one
-    line: the kernel then compiles at its first call, as before."""
+    """Run the kernel on logits of the model's width in every layout the sampler may pass
+    (`warm_up_logits`), so Triton compiles it now, at engine start, instead of inside the first
+    rollouts -> whether it ran. A failure is one line: the kernel then compiles at its first call."""
     import torch
     from colocate.kernels.sampled_logprob import sampled_logprob
     try:
-        for dtype in (torch.float32, torch.bfloat16):
-            sampled_logprob(torch.zeros(2, vocab_size, dtype=dtype, device=device),
-                            torch.zeros(2, dtype=torch.int64, device=device))
+        for logits in warm_up_logits(vocab_size, device):
+            rows = logits.shape[0]
+            sampled_logprob(logits, torch.zeros(rows, dtype=torch.int64, device=device))
     except Exception as exc:  # noqa: BLE001 - the kernel still compiles when first called
         print(f"colocate: engine.logprob_kernel warm-up failed ({type(exc).__name__}: {exc}); the kernel "
               "compiles in the first rollouts instead", flush=True)

@@ -171,11 +171,12 @@ class ConstraintMasks:
                         total_len=s.total_len.gpu)
 
     def warm_up(self) -> None:
-        """Compile the kernel now, at engine start, for float32 and bfloat16 logits of the model's
-        width (a row of no request: nothing is masked), instead of inside the first batch."""
-        rows_req = torch.full((1,), -1, dtype=torch.int32, device=self.device)
-        for dtype in (torch.float32, torch.bfloat16):
-            logits = torch.zeros(1, self.req_states.vocab_size, dtype=dtype, device=self.device)
+        """Compile the kernel now, at engine start, for logits of the model's width in every layout
+        the sampler may pass (`vllm_logprobs.warm_up_logits`; rows of no request: nothing is
+        masked), instead of inside the first batch."""
+        from colocate.engine.vllm_logprobs import warm_up_logits
+        for logits in warm_up_logits(self.req_states.vocab_size, self.device):
+            rows_req = torch.full((logits.shape[0],), -1, dtype=torch.int32, device=self.device)
             advance_and_mask(logits, rows_req, self.tables.pool, self.requests(), self.tables.max_degree)
 
     def apply(self, logits: torch.Tensor, rows_req: torch.Tensor, rows_req_host: np.ndarray) -> None:
