@@ -431,15 +431,17 @@ def test_the_synthetic_batch_fills_the_budget_in_groups_that_share_a_prompt():
 
 # -------------------------------------------------------------------------------- the engine's kernels
 
-def test_the_logprob_kernel_runs_once_per_logits_dtype_at_engine_start(monkeypatch, capsys):
+def test_the_logprob_kernel_runs_per_logits_dtype_and_row_count_at_engine_start(monkeypatch, capsys):
+    """A Qwen vocabulary (a multiple of vLLM's 64-column padding) has one row stride: the warm-up runs
+    one and two rows in each dtype (the strides of other vocabularies: tests/test_constraint_masks.py)."""
     from colocate.engine import vllm_logprobs
     from colocate.kernels import sampled_logprob as kernel
     calls = []
     monkeypatch.setattr(kernel, "sampled_logprob", lambda logits, ids: calls.append(
         (tuple(logits.shape), logits.dtype, str(logits.device), tuple(ids.shape), ids.dtype)))
     assert vllm_logprobs.warm_up(151936, "cpu")
-    assert calls == [((2, 151936), torch.float32, "cpu", (2,), torch.int64),
-                     ((2, 151936), torch.bfloat16, "cpu", (2,), torch.int64)]
+    assert calls == [((rows, 151936), dtype, "cpu", (rows,), torch.int64)
+                     for dtype in (torch.float32, torch.bfloat16) for rows in (1, 2)]
 
     def broken(logits, ids):
         raise RuntimeError("no GPU")
