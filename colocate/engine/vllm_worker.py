@@ -124,16 +124,18 @@ class ColocateWorkerExtension:
         spec = LoraSpec(tuple(names), tuple(tuple(s) for s in shapes), getattr(torch, dtype))
         plan = merge_plan(spec.names, spec.shapes, set(linear), packed)
         need, build = merged_target(spec, plan, linear, scaling, quantization)
+
+        def too_little(free: int) -> RuntimeError:
+            return RuntimeError(f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} "
+                                f"GiB) but only {free / 2**30:.1f} GiB are free on {self.device} (other processes on "
+                                "it included): lower engine.gpu_memory_utilization")
         free, _ = torch.cuda.mem_get_info(self.device)
-        short = (f"engine.lora_mode=merged keeps a copy of the adapted base weights ({need / 2**30:.1f} GiB) but only "
-                 f"{{:.1f}} GiB are free on {self.device} (other processes on it included): lower "
-                 "engine.gpu_memory_utilization")
         if need + MERGED_HEADROOM_BYTES > free:
-            raise RuntimeError(short.format(free / 2**30))
+            raise too_little(free)
         try:
             self.colocate_slot = build()
         except torch.cuda.OutOfMemoryError:  # another process took the room between the check and now
-            raise RuntimeError(short.format(torch.cuda.mem_get_info(self.device)[0] / 2**30)) from None
+            raise too_little(torch.cuda.mem_get_info(self.device)[0]) from None
         self.colocate_group = None
         return {"slot": None, "numel": spec.numel, "lora_dtype": str(self.colocate_slot.staged.dtype),
                 "modules": len({t.module for t in plan}), "base_copy_gib": need / 2**30,
