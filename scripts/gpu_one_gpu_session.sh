@@ -152,9 +152,9 @@ trace_preset() {  # trace_preset NAME CONFIG: CONFIG as shipped, 12 steps, steps
   local name=$1 config=$2 prof="$GS-traces-$1" sets=()  # engine core; traces stay beside $GS, not in it
   rm -rf "$prof" "$GS/run-$name"                                   # (too large to come back): their summaries do
   [ "$name" = tracegsm ] && [ -n "${GSM8K_MODEL:-}" ] && sets=("--model.path=$GSM8K_MODEL")
-  local extra=() kv
+  local extra=()
   read -r -a extra <<< "${TRACE_SET:-}"
-  for kv in ${extra[@]+"${extra[@]}"}; do sets+=("--$kv"); done
+  [ ${#extra[@]} -gt 0 ] && sets+=("${extra[@]/#/--}")
   with_memory "$name" timeout 900 python3 -m colocate.cli train --config "$config" \
     --learner.num_steps=12 --eval.every=0 --eval.at_end=false --metrics.profile=true --metrics.profile_wait=6 \
     --metrics.profile_dir="$prof" --metrics.run_dir="$GS/run-$name" ${sets[@]+"${sets[@]}"}
@@ -173,11 +173,13 @@ summarize_traces() {  # summarize_traces NAME DIR: every trace under DIR summari
   echo "$name: $(echo "$traces" | wc -l) traces, trace_summary rc=$rc ($name.json)" >> "$GS/chain.log"
 }
 
+FP8M_VARIANT="fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0"  # FP8 merged, as the presets
+
 dsroll_trace() {  # the 7B dataset rollout at 512 sequences, bf16 and FP8 merged: one timed round, then one traced
   local prof="$GS-traces-dsroll"
   rm -rf "$prof"
   with_memory dsrolltrace timeout 1800 python3 scripts/benchmark.py --profile dataset_rollout --sides ours,ours+fp8m \
-    --variant "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" --questions 64 --rounds 1 \
+    --variant "$FP8M_VARIANT" --questions 64 --rounds 1 \
     --trace-dir "$prof" --out "$GS/dataset-rollout-trace.json"
   summarize_traces dsrolltrace-summary "$prof"
 }
@@ -277,7 +279,7 @@ step() {  # one step of the chain, by name
     dsrollfp8) with_memory dsrollfp8 timeout 2700 python3 scripts/benchmark.py --profile dataset_rollout \
             --sides "${DSROLLFP8_SIDES:-ours,ours+fp8m,vllm_fp8}" \
             --variant "slot:engine.lora_mode=slot" "fp8:engine.quantization=fp8,engine.lora_mode=slot,loss.tis_cap=2.0" \
-              "fp8m:engine.quantization=fp8,engine.lora_mode=merged,loss.tis_cap=2.0" \
+              "$FP8M_VARIANT" \
             --ratios "${DSROLLFP8_RATIOS:-ours+fp8m/ours,ours+fp8m/vllm_fp8}" ${DSROLLFP8_ARGS:-} \
             --out "$GS/dataset-rollout-fp8.json" ;;
     parityfp8) with_memory parityfp8 timeout 600 python3 scripts/benchmark.py --profile sync --one-gpu --shape 7b \
@@ -326,7 +328,7 @@ chain() {
   echo "chain done" >> "$GS/chain.log"
 }
 export -f chain step with_memory e2e_jobs startup_profile pyc_check trace_preset summarize_traces dsroll_trace
-export GS
+export GS FP8M_VARIANT
 
 table() {  # the e2e records so far: one row per config and mode
   python3 - "$GS" <<'PY'
